@@ -1,0 +1,162 @@
+// mk_signal.cuh - flags between GPUs with release/acquire ordering, per-call epochs kept on the
+// device, and waits that time out instead of hanging.
+//
+// Flags are 64-bit counters that only grow: a call numbered `epoch` raises a flag to `epoch` and a
+// waiter waits for `flag >= epoch`.  Epochs are kept on the device (mk_epoch_begin/end), so no host
+// reset is ever needed between calls and a launch can be captured in a CUDA graph and replayed.
+//
+// Scope: peers are other GPUs (NVLink, CUDA IPC mappings) or the host proxy, so every flag access
+// that crosses a device uses .sys scope.  A writer makes its data visible before the flag with
+// `__syncthreads(); if (tid==0) mk_signal_set(...)` (release at .sys scope is cumulative over what
+// the block's threads wrote before the barrier); a waiter acquires.
+#pragma once
+#include "mk_common.cuh"
+
+// Error codes, shared with mkernel/signals.py.
+#define MK_OK 0
+#define MK_ERR_TIMEOUT 1
+#define MK_ERR_MISMATCH 2
+#define MK_ERR_PROXY 3
+
+// Written once (first failing thread wins) into host-mapped memory; read by the host after a sync.
+struct MkErrorRecord {
+  int code;        // MK_ERR_*; 0 while nothing failed
+  int rank;        // world rank of the waiter
+  int op;          // op id (mkernel/signals.py OPS)
+  int peer;        // world rank waited on (-1 if unknown)
+  int flag_index;  // which flag (op-specific index)
+  int block;       // blockIdx.x of the waiter
+  mk_u64 expected; // value waited for
+  mk_u64 seen;     // value last seen
+  mk_u64 waited_ns;
+};
+
+// Passed by value to every communicating kernel.
+struct MkComm {
+  MkErrorRecord* err;  // device pointer of the host-mapped error record
+  mk_u64 timeout_ns;   // per-wait timeout
+  int rank, world_size;        // world
+  int local_rank, local_size;  // ranks joined by NVLink (this node)
+  int node, num_nodes;
+  int op;              // op id, for error reports
+  int pad;
+};
+
+MK_DEVICE mk_u64 mk_ld_acquire(const mk_u64* p) {
+  mk_u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MK_DEVICE mk_u64 mk_ld_relaxed(const mk_u64* p) {
+  mk_u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+MK_DEVICE void mk_st_release(mk_u64* p, mk_u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MK_DEVICE void mk_st_relaxed(mk_u64* p, mk_u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+MK_DEVICE mk_u64 mk_atom_add_release(mk_u64* p, mk_u64 v) {
+  mk_u64 old;
+  asm volatile("atom.add.release.sys.global.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+}
+
+// Raise a (possibly remote) flag to `v`: everything this thread wrote, and everything its block wrote
+// before a preceding __syncthreads, is visible to whoever acquires the flag.
+MK_DEVICE void mk_signal_set(mk_u64* flag, mk_u64 v) {
+  __threadfence_system();
+  mk_st_release(flag, v);
+}
+MK_DEVICE void mk_signal_add(mk_u64* flag, mk_u64 v) {
+  __threadfence_system();
+  mk_atom_add_release(flag, v);
+}
+
+MK_DEVICE bool mk_failed(const MkComm& c) {
+  return *((volatile int*)&c.err->code) != MK_OK;
+}
+
+// Record the first failure; later ones are dropped.
+MK_DEVICE void mk_report(const MkComm& c, int code, int peer, int flag_index, mk_u64 expected, mk_u64 seen,
+                         mk_u64 waited_ns) {
+  if (atomicCAS_system(&c.err->code, MK_OK, -1) == MK_OK) {
+    c.err->rank = c.rank;
+    c.err->op = c.op;
+    c.err->peer = peer;
+    c.err->flag_index = flag_index;
+    c.err->block = blockIdx.x;
+    c.err->expected = expected;
+    c.err->seen = seen;
+    c.err->waited_ns = waited_ns;
+    __threadfence_system();
+    atomicExch_system(&c.err->code, code);
+  }
+}
+
+// Spin until *flag >= expected (wrap-safe), with a timeout.  Returns false on timeout, or when
+// another thread of this rank already failed (so every block drains quickly); the caller must then
+// stop and return.  One thread calls this.
+MK_DEVICE bool mk_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expected, int peer, int flag_index) {
+  mk_u64 v = mk_ld_acquire(flag);
+  if ((mk_i64)(v - expected) >= 0) return true;
+  const mk_u64 t0 = mk_globaltimer();
+  unsigned spins = 0;
+  while (true) {
+    v = mk_ld_acquire(flag);
+    if ((mk_i64)(v - expected) >= 0) return true;
+    if ((++spins & 63u) == 0) {
+      const mk_u64 dt = mk_globaltimer() - t0;
+      if (dt > c.timeout_ns) {
+        mk_report(c, MK_ERR_TIMEOUT, peer, flag_index, expected, v, dt);
+        return false;
+      }
+      if (mk_failed(c)) return false;
+      if (spins > 4096) __nanosleep(256);
+    }
+  }
+}
+
+// Whole-block wait: thread 0 spins, every thread gets the verdict.  All threads must call it.
+MK_DEVICE bool mk_block_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expected, int peer, int flag_index) {
+  int ok = 1;
+  if (threadIdx.x == 0) ok = mk_wait_geq(c, flag, expected, peer, flag_index);
+  return __syncthreads_and(ok) != 0;
+}
+
+// Warp-level wait (warp-specialized kernels): lane 0 spins, the warp gets the verdict.
+MK_DEVICE bool mk_warp_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expected, int peer, int flag_index) {
+  int ok = 1;
+  if ((threadIdx.x & 31) == 0) ok = mk_wait_geq(c, flag, expected, peer, flag_index);
+  return __shfl_sync(0xffffffffu, ok, 0) != 0;
+}
+
+// ---- per-call epochs -------------------------------------------------------------------------
+// Each op workspace holds a `MkEpochState` in this GPU's own memory.  Every block of a launch
+// calls mk_epoch_begin first (all read the same value: the counter only moves once every block has
+// arrived at mk_epoch_end), and mk_epoch_end last.  Launches on one stream are ordered, so the
+// next call sees the bumped counter.
+struct MkEpochState {
+  mk_u64 epoch;     // number of completed calls
+  unsigned arrived; // blocks of the current call that finished
+  unsigned pad;
+};
+
+MK_DEVICE mk_u64 mk_epoch_begin(const MkEpochState* s) {
+  return *((volatile const mk_u64*)&s->epoch) + 1;
+}
+
+// All threads of the block call it after their last access to shared state.
+MK_DEVICE void mk_epoch_end(MkEpochState* s, mk_u64 epoch, unsigned num_blocks) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&s->arrived, 1u) == num_blocks - 1) {
+      s->arrived = 0;
+      __threadfence();
+      *((volatile mk_u64*)&s->epoch) = epoch;
+    }
+  }
+}

@@ -1,0 +1,403 @@
+"""Run-time compilation of ``cuda_src/`` with NVRTC, an on-disk cubin cache, and kernel launch.
+
+Kernels are compiled on first use for the architecture of the current device (``sm_90a`` on
+Hopper), with C++17, the CUDA headers taken from the installed ``nvidia-cuda-runtime`` wheel (or a
+CUDA toolkit), and specializations passed as preprocessor defines.  A cubin is cached on disk under
+``$MKERNEL_CACHE_DIR`` (default ``~/.cache/mkernel``), keyed by the source text of the kernel and
+every header it includes, the options, the architecture and the NVRTC version: a second process
+start compiles nothing.
+
+Launches go through the driver API on the caller's stream (any object with ``__cuda_stream__``, a
+``.cuda_stream``/``.ptr``/``.handle`` attribute, or a raw ``CUstream`` handle as an int).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from cuda.bindings import driver as cu
+from cuda.bindings import nvrtc
+
+from .errors import CompileError, CudaError
+
+__all__ = [
+    "check", "cuda_src_dir", "include_dirs", "nvrtc_version", "compile_module", "Module", "Kernel",
+    "stream_handle", "current_arch", "register_specialization", "registered_specializations",
+    "device_attribute",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------
+def check(result):
+    """Unwrap a cuda.bindings ``(err, *values)`` result, raising :class:`CudaError` on failure."""
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    if isinstance(err, cu.CUresult):
+        if err != cu.CUresult.CUDA_SUCCESS:
+            _, name = cu.cuGetErrorName(err)
+            _, text = cu.cuGetErrorString(err)
+            raise CudaError(int(err), f"{name.decode() if name else err}: {text.decode() if text else ''}")
+    elif isinstance(err, nvrtc.nvrtcResult):
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CudaError(int(err), f"NVRTC error {err}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+# --------------------------------------------------------------------------------------------
+# where things are
+# --------------------------------------------------------------------------------------------
+def cuda_src_dir() -> Path:
+    """The kernel sources: ``cuda_src/`` beside the package in a source tree, else the installed copy."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "cuda_src", here / "cuda_src"):
+        if (cand / "mk_common.cuh").is_file():
+            return cand
+    try:
+        import mkernel.cuda_src as pkg  # installed: setuptools maps cuda_src/ to mkernel.cuda_src
+
+        return Path(pkg.__file__).resolve().parent
+    except ImportError as exc:  # pragma: no cover - broken install
+        raise FileNotFoundError("mkernel: cannot find the cuda_src/ kernel sources") from exc
+
+
+_include_cache: list[str] | None = None
+
+
+def include_dirs() -> list[str]:
+    """CUDA header directories for NVRTC: $MKERNEL_CUDA_INCLUDE, the nvidia-cuda-runtime wheel, CUDA_HOME."""
+    global _include_cache
+    if _include_cache is not None:
+        return _include_cache
+    dirs: list[str] = []
+    env = os.environ.get("MKERNEL_CUDA_INCLUDE")
+    if env:
+        dirs += [d for d in env.split(os.pathsep) if d]
+    try:
+        from cuda import pathfinder
+
+        d = pathfinder.find_nvidia_header_directory("cudart")
+        if d:
+            dirs.append(str(d))
+    except Exception:  # pragma: no cover - older pathfinder
+        pass
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_bf16.h").is_file():
+            dirs.append(str(Path(home) / "include"))
+    dirs = [d for i, d in enumerate(dirs) if d not in dirs[:i]]
+    if not any((Path(d) / "cuda_bf16.h").is_file() for d in dirs):
+        raise FileNotFoundError(
+            "mkernel: no CUDA headers found for NVRTC; `pip install nvidia-cuda-runtime` or set "
+            "MKERNEL_CUDA_INCLUDE to a directory holding cuda_bf16.h")
+    _include_cache = dirs
+    return dirs
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = check(nvrtc.nvrtcVersion())
+    return int(major), int(minor)
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("MKERNEL_CACHE_DIR", Path.home() / ".cache" / "mkernel"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+# --------------------------------------------------------------------------------------------
+# devices
+# --------------------------------------------------------------------------------------------
+def current_device() -> int:
+    return int(check(cu.cuCtxGetDevice()))
+
+
+def device_attribute(attr: cu.CUdevice_attribute, device: int | None = None) -> int:
+    dev = current_device() if device is None else device
+    return int(check(cu.cuDeviceGetAttribute(attr, dev)))
+
+
+def current_arch() -> str:
+    """``sm_XYa`` for the current device (the ``a`` variant where wgmma/setmaxnreg need it)."""
+    A = cu.CUdevice_attribute
+    major = device_attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+    minor = device_attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+    suffix = "a" if major >= 9 else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+# --------------------------------------------------------------------------------------------
+# compilation
+# --------------------------------------------------------------------------------------------
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def _collect_sources(name: str, root: Path, seen: dict[str, str]) -> None:
+    if name in seen:
+        return
+    path = root / name
+    text = path.read_text()
+    seen[name] = text
+    for inc in _INCLUDE_RE.findall(text):
+        rel = (Path(name).parent / inc).as_posix() if (root / Path(name).parent / inc).is_file() else inc
+        if (root / rel).is_file():
+            _collect_sources(rel, root, seen)
+
+
+_PTXAS_FUNC_RE = re.compile(r"Function properties for (\S+)")
+_PTXAS_SPILL_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS_RE = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
+    """Per-kernel registers / stack / spills from ``--ptxas-options=-v`` output."""
+    usage: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = _PTXAS_FUNC_RE.search(line)
+        if m:
+            current = m.group(1)
+            usage[current] = {}
+            continue
+        if current is None:
+            continue
+        m = _PTXAS_SPILL_RE.search(line)
+        if m:
+            usage[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = _PTXAS_REGS_RE.search(line)
+        if m:
+            usage[current]["registers"] = int(m.group(1))
+    return usage
+
+
+@dataclass
+class Module:
+    """A compiled cubin; functions are loaded into the current context on first use."""
+
+    source: str
+    defines: dict
+    arch: str
+    cubin: bytes
+    log: str
+    compile_seconds: float
+    cached: bool
+    _handles: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def resource_usage(self) -> dict[str, dict[str, int]]:
+        return parse_ptxas_log(self.log)
+
+    def _module_handle(self):
+        ctx = check(cu.cuCtxGetCurrent())
+        key = int(ctx)
+        with self._lock:
+            h = self._handles.get(key)
+            if h is None:
+                h = check(cu.cuModuleLoadData(self.cubin))
+                self._handles[key] = h
+            return h
+
+    def function(self, name: str) -> "Kernel":
+        return Kernel(self, name)
+
+
+def _define_flags(defines: Mapping[str, object]) -> list[str]:
+    out = []
+    for k in sorted(defines):
+        v = defines[k]
+        if v is True:
+            out.append(f"-D{k}")
+        elif v is False or v is None:
+            continue
+        else:
+            out.append(f"-D{k}={v}")
+    return out
+
+
+_module_cache: dict[tuple, Module] = {}
+_module_cache_lock = threading.Lock()
+
+
+def compile_module(source: str, defines: Mapping[str, object] | None = None, *, arch: str | None = None,
+                   extra_options: Sequence[str] = (), use_disk_cache: bool = True) -> Module:
+    """Compile ``cuda_src/<source>`` (memoized in-process and on disk).
+
+    ``defines`` become ``-DNAME=VALUE`` flags (specializations); ``arch`` defaults to the current
+    device's (``sm_90a`` on Hopper).  Raises :class:`CompileError` with the NVRTC log on failure.
+    """
+    defines = dict(defines or {})
+    arch = arch or current_arch()
+    root = cuda_src_dir()
+    sources: dict[str, str] = {}
+    _collect_sources(source, root, sources)
+    options = ["-std=c++17", f"--gpu-architecture={arch}", "--ptxas-options=-v", "-default-device",
+               "--use_fast_math" if defines.pop("MK_FAST_MATH", False) else "",
+               *(f"-I{d}" for d in [str(root), *include_dirs()]), *_define_flags(defines), *extra_options]
+    options = [o for o in options if o]
+    ver = nvrtc_version()
+    h = hashlib.sha256()
+    for k in sorted(sources):
+        h.update(k.encode() + b"\0" + sources[k].encode() + b"\0")
+    # include paths are machine-specific; hash only the options that change the code
+    h.update(repr([o for o in options if not o.startswith("-I")]).encode())
+    h.update(repr(ver).encode())
+    key = h.hexdigest()[:32]
+    mem_key = (source, key)
+    with _module_cache_lock:
+        mod = _module_cache.get(mem_key)
+    if mod is not None:
+        return mod
+    stem = f"{Path(source).stem}-{arch}-{key}"
+    cubin_path = cache_dir() / f"{stem}.cubin"
+    log_path = cache_dir() / f"{stem}.log"
+    if use_disk_cache and cubin_path.is_file() and log_path.is_file():
+        mod = Module(source, defines, arch, cubin_path.read_bytes(), log_path.read_text(), 0.0, True)
+    else:
+        t0 = time.perf_counter()
+        prog = check(nvrtc.nvrtcCreateProgram(sources[source].encode(), source.encode(), 0, [], []))
+        try:
+            opts = [o.encode() for o in options]
+            err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+            size = check(nvrtc.nvrtcGetProgramLogSize(prog))
+            buf = b" " * size
+            check(nvrtc.nvrtcGetProgramLog(prog, buf))
+            log = buf.decode(errors="replace").rstrip("\0 \n")
+            if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                raise CompileError(source, defines, arch, log)
+            size = check(nvrtc.nvrtcGetCUBINSize(prog))
+            cubin = b" " * size
+            check(nvrtc.nvrtcGetCUBIN(prog, cubin))
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+        dt = time.perf_counter() - t0
+        mod = Module(source, defines, arch, cubin, log, dt, False)
+        if use_disk_cache:
+            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(cubin)
+            os.replace(tmp, cubin_path)
+            tmp = log_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(log)
+            os.replace(tmp, log_path)
+    with _module_cache_lock:
+        _module_cache[mem_key] = mod
+    return mod
+
+
+# Every op module registers the specializations it can launch, so CI compiles all of them.
+_specializations: list[tuple[str, dict]] = []
+
+
+def register_specialization(source: str, defines: Mapping[str, object] | None = None) -> None:
+    item = (source, dict(defines or {}))
+    if item not in _specializations:
+        _specializations.append(item)
+
+
+def registered_specializations() -> list[tuple[str, dict]]:
+    return list(_specializations)
+
+
+# --------------------------------------------------------------------------------------------
+# launch
+# --------------------------------------------------------------------------------------------
+def stream_handle(stream) -> int:
+    """A raw ``CUstream`` handle (int) from any stream-like object; ``None`` is the legacy default stream."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        val = proto() if callable(proto) else proto
+        if isinstance(val, tuple):
+            return int(val[1])
+        return int(val)
+    for attr in ("cuda_stream", "ptr", "handle"):
+        if hasattr(stream, attr):
+            v = getattr(stream, attr)
+            return int(v() if callable(v) else v)
+    if isinstance(stream, cu.CUstream):
+        return int(stream)
+    raise TypeError(f"mkernel: cannot get a CUDA stream handle from {type(stream).__name__}; pass an "
+                    "object with __cuda_stream__ or a raw CUstream handle (int)")
+
+
+class Kernel:
+    """One ``__global__`` function of a :class:`Module`, launched through the driver API."""
+
+    def __init__(self, module: Module, name: str):
+        self.module = module
+        self.name = name
+        self._funcs: dict[int, object] = {}
+        self._smem_set: dict[int, int] = {}
+
+    def _func(self):
+        ctx = int(check(cu.cuCtxGetCurrent()))
+        f = self._funcs.get(ctx)
+        if f is None:
+            f = check(cu.cuModuleGetFunction(self.module._module_handle(), self.name.encode()))
+            self._funcs[ctx] = f
+        return ctx, f
+
+    def attribute(self, attr: cu.CUfunction_attribute) -> int:
+        return int(check(cu.cuFuncGetAttribute(attr, self._func()[1])))
+
+    def max_active_blocks_per_sm(self, block: int, smem: int = 0) -> int:
+        ctx, f = self._func()
+        self._ensure_smem(ctx, f, smem)
+        return int(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, block, smem)))
+
+    def _ensure_smem(self, ctx, f, smem):
+        if smem > 48 * 1024 and self._smem_set.get(ctx, 0) < smem:
+            check(cu.cuFuncSetAttribute(
+                f, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+            self._smem_set[ctx] = smem
+
+    def launch(self, grid, block, args: Iterable, *, stream=None, smem: int = 0,
+               cooperative: bool = False, cluster: tuple | None = None) -> None:
+        """Launch on ``stream``.  ``args`` are ctypes scalars/structures or bytes (structs by value)."""
+        ctx, f = self._func()
+        self._ensure_smem(ctx, f, smem)
+        grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (int(grid), 1, 1)
+        block = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (int(block), 1, 1)
+        holders = []
+        for a in args:
+            if isinstance(a, (bytes, bytearray)):
+                a = ctypes.create_string_buffer(bytes(a), len(a))
+            elif not isinstance(a, (ctypes._SimpleCData, ctypes.Structure, ctypes.Array)):
+                raise TypeError(f"kernel {self.name}: argument {a!r} must be a ctypes value or bytes")
+            holders.append(a)
+        ptrs = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+        cfg.sharedMemBytes = smem
+        cfg.hStream = cu.CUstream(stream_handle(stream))
+        attrs = []
+        if cooperative:
+            at = cu.CUlaunchAttribute()
+            at.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+            at.value.cooperative = 1
+            attrs.append(at)
+        if cluster is not None:
+            at = cu.CUlaunchAttribute()
+            at.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            cx, cy, cz = tuple(cluster) + (1,) * (3 - len(cluster))
+            at.value.clusterDim.x, at.value.clusterDim.y, at.value.clusterDim.z = cx, cy, cz
+            attrs.append(at)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
+        check(cu.cuLaunchKernelEx(cfg, f, ctypes.addressof(ptrs), 0))
+        del holders
