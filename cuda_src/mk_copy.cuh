@@ -4,6 +4,8 @@
 
 // Copy `nbytes` with the threads [tid, tid+nthreads) of a group: 16-byte vectors with 4 loads in
 // flight when src, dst and nbytes allow it, else 4- or 2-byte words, else bytes.
+// Source loads bypass L1 (ld.global.cg): a source may be a receive slot a peer rewrote over NVLink
+// since this SM last read it, and L1 is not coherent with such writes.
 MK_DEVICE void mk_copy(void* __restrict__ dst, const void* __restrict__ src, mk_u64 nbytes, unsigned tid,
                        unsigned nthreads) {
   const mk_u64 a = (mk_u64)dst | (mk_u64)src | nbytes;
@@ -13,25 +15,26 @@ MK_DEVICE void mk_copy(void* __restrict__ dst, const void* __restrict__ src, mk_
     const mk_u64 n = nbytes >> 4;
     mk_u64 i = tid;
     for (; i + 3 * (mk_u64)nthreads < n; i += 4 * (mk_u64)nthreads) {
-      int4 v0 = s[i], v1 = s[i + nthreads], v2 = s[i + 2 * (mk_u64)nthreads], v3 = s[i + 3 * (mk_u64)nthreads];
+      int4 v0 = __ldcg(s + i), v1 = __ldcg(s + i + nthreads), v2 = __ldcg(s + i + 2 * (mk_u64)nthreads),
+           v3 = __ldcg(s + i + 3 * (mk_u64)nthreads);
       d[i] = v0;
       d[i + nthreads] = v1;
       d[i + 2 * (mk_u64)nthreads] = v2;
       d[i + 3 * (mk_u64)nthreads] = v3;
     }
-    for (; i < n; i += nthreads) d[i] = s[i];
+    for (; i < n; i += nthreads) d[i] = __ldcg(s + i);
   } else if ((a & 3) == 0) {
     const unsigned* s = (const unsigned*)src;
     unsigned* d = (unsigned*)dst;
-    for (mk_u64 i = tid; i < (nbytes >> 2); i += nthreads) d[i] = s[i];
+    for (mk_u64 i = tid; i < (nbytes >> 2); i += nthreads) d[i] = __ldcg(s + i);
   } else if ((a & 1) == 0) {
     const unsigned short* s = (const unsigned short*)src;
     unsigned short* d = (unsigned short*)dst;
-    for (mk_u64 i = tid; i < (nbytes >> 1); i += nthreads) d[i] = s[i];
+    for (mk_u64 i = tid; i < (nbytes >> 1); i += nthreads) d[i] = __ldcg(s + i);
   } else {
     const unsigned char* s = (const unsigned char*)src;
     unsigned char* d = (unsigned char*)dst;
-    for (mk_u64 i = tid; i < nbytes; i += nthreads) d[i] = s[i];
+    for (mk_u64 i = tid; i < nbytes; i += nthreads) d[i] = __ldcg((const char*)s + i);
   }
 }
 

@@ -18,12 +18,16 @@
 #define MK_ERR_MISMATCH 2
 #define MK_ERR_PROXY 3
 
+// A peer named by its local rank (index within the node) rather than its world rank; the host
+// translates it.
+#define MK_LOCAL_PEER(j) (0x40000000 | (j))
+
 // Written once (first failing thread wins) into host-mapped memory; read by the host after a sync.
 struct MkErrorRecord {
   int code;        // MK_ERR_*; 0 while nothing failed
   int rank;        // world rank of the waiter
   int op;          // op id (mkernel/signals.py OPS)
-  int peer;        // world rank waited on (-1 if unknown)
+  int peer;        // world rank waited on, or MK_LOCAL_PEER(local rank); -1 if unknown
   int flag_index;  // which flag (op-specific index)
   int block;       // blockIdx.x of the waiter
   mk_u64 expected; // value waited for
@@ -148,15 +152,26 @@ MK_DEVICE mk_u64 mk_epoch_begin(const MkEpochState* s) {
   return *((volatile const mk_u64*)&s->epoch) + 1;
 }
 
-// All threads of the block call it after their last access to shared state.
-MK_DEVICE void mk_epoch_end(MkEpochState* s, mk_u64 epoch, unsigned num_blocks) {
+// All threads of the block call it after their last access to shared state; it returns true, in
+// every thread of the block, in the last block to arrive.  That block may do end-of-call work (e.g.
+// tell peers their data was consumed) and must then call mk_epoch_commit.
+MK_DEVICE bool mk_epoch_arrive(MkEpochState* s, unsigned num_blocks) {
+  __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(&s->arrived, 1u) == num_blocks - 1) {
-      s->arrived = 0;
-      __threadfence();
-      *((volatile mk_u64*)&s->epoch) = epoch;
-    }
+    last = atomicAdd(&s->arrived, 1u) == num_blocks - 1;
   }
+  __syncthreads();
+  return last != 0;
+}
+MK_DEVICE void mk_epoch_commit(MkEpochState* s, mk_u64 epoch) {
+  if (threadIdx.x == 0) {
+    s->arrived = 0;
+    __threadfence();
+    *((volatile mk_u64*)&s->epoch) = epoch;
+  }
+}
+MK_DEVICE void mk_epoch_end(MkEpochState* s, mk_u64 epoch, unsigned num_blocks) {
+  if (mk_epoch_arrive(s, num_blocks)) mk_epoch_commit(s, epoch);
 }

@@ -1,0 +1,237 @@
+"""Helpers shared by the benches, which run as ``mpirun -np N python bench/<name>.py``.
+
+* :func:`setup_env`: NCCL / torch environment (no NVLink multicast); call before importing torch.
+* :func:`bootstrap`: ``mkernel.init()`` + ``torch.cuda.set_device(ctx.device)`` + ``torch.distributed``
+  (NCCL) with rank / world size from MPI, ``MASTER_ADDR=127.0.0.1`` and a free port picked by rank 0.
+* :func:`time_fn` / :func:`time_stats`: CUDA-event timing of back-to-back calls on torch's current
+  stream, median over batches, with an MPI barrier before every batch.
+* :func:`max_over_ranks`, :func:`all_ranks_ok`: cross-rank reductions over an mpi4py communicator.
+* :func:`markdown_table`, :func:`write_json`, :func:`plot_panels`, :func:`fmt_bytes`: output.
+
+torch, mpi4py and matplotlib are imported inside the functions that need them, so this module
+imports with the standard library alone.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+# ------------------------------------------------------------------------------------ bootstrap
+def setup_env() -> None:
+    """Environment every bench needs; must run before torch is imported (NCCL reads it at init)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink SHARP / multicast
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_torch_distributed(comm, device: int, timeout_s: float = 300.0) -> None:
+    """``torch.distributed.init_process_group("nccl")`` over the ranks of the mpi4py ``comm``.
+
+    Rank and world size come from ``comm``; rank 0 picks a free TCP port (unless ``MASTER_PORT``
+    is set) and broadcasts it.  Single host: ``MASTER_ADDR`` defaults to 127.0.0.1.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    port = os.environ.get("MASTER_PORT") or (str(_free_port()) if comm.Get_rank() == 0 else None)
+    os.environ["MASTER_PORT"] = str(comm.bcast(port, root=0))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    kw = dict(backend="nccl", rank=comm.Get_rank(), world_size=comm.Get_size(),
+              timeout=datetime.timedelta(seconds=timeout_s))
+    try:  # eager NCCL communicator creation on our GPU (torch >= 2.3)
+        dist.init_process_group(device_id=torch.device("cuda", device), **kw)
+    except TypeError:
+        dist.init_process_group(**kw)
+    comm.Barrier()
+
+
+def bootstrap(nccl: bool = True):
+    """Per-rank setup for a bench: returns the mkernel Context (its GPU is torch's current device)."""
+    setup_env()
+    import mkernel
+
+    init = getattr(mkernel, "init", None)
+    if init is None:  # package __init__ not exporting it (yet)
+        from mkernel.context import init
+    ctx = init()
+    import torch
+
+    torch.cuda.set_device(ctx.device)
+    if nccl:
+        init_torch_distributed(ctx.world, ctx.device)
+    return ctx
+
+
+def shutdown(ctx) -> None:
+    """Tear down torch.distributed and the mkernel context (collective: every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        torch.cuda.synchronize()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        ctx.close()
+
+
+# ------------------------------------------------------------------------------------ timing
+def time_stats(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None) -> dict:
+    """Time ``fn()`` (which enqueues GPU work on torch's current stream) with CUDA events.
+
+    ``warmup`` untimed calls, then ``reps`` batches of ``batch`` back-to-back calls, each batch
+    bracketed by two events (device synchronized and ``barrier()`` called before every batch).
+    Returns per-call milliseconds: ``median_ms``, ``min_ms``, ``max_ms``, ``samples`` (one per
+    batch) and ``host_ms`` (median host time to *submit* one call; close to ``median_ms`` means the
+    measurement is bound by host launch overhead, not by the GPU).
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples, host = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(batch):
+            fn()
+        end.record()
+        host.append((time.perf_counter() - t0) * 1e3 / batch)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / batch)
+    torch.cuda.synchronize()
+    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples),
+            "samples": samples, "host_ms": statistics.median(host), "reps": reps, "batch": batch}
+
+
+def time_fn(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None) -> float:
+    """Median milliseconds per call of ``fn`` (see :func:`time_stats`)."""
+    return time_stats(fn, warmup, reps, batch, barrier)["median_ms"]
+
+
+# ------------------------------------------------------------------------------------ cross-rank
+def to_float(v) -> float:
+    """float(v), None -> NaN."""
+    return float("nan") if v is None else float(v)
+
+
+def max_over_ranks(value, comm) -> tuple[float, list]:
+    """(max over the ranks of ``comm``, per-rank list); NaN if any rank has None/NaN."""
+    vals = [to_float(v) for v in comm.allgather(value)]
+    return (float("nan") if any(math.isnan(v) for v in vals) else max(vals)), vals
+
+
+def all_ranks_ok(ok: bool, comm) -> bool:
+    """True when ``ok`` holds on every rank of ``comm`` (collective)."""
+    return all(comm.allgather(bool(ok)))
+
+
+def rank0_print(comm, *args, **kw) -> None:
+    if comm.Get_rank() == 0:
+        print(*args, **kw, flush=True)
+
+
+# ------------------------------------------------------------------------------------ output
+def fmt_bytes(n: int) -> str:
+    """64 KiB, 1 MiB, 1.5 GiB, 1000 B."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.3g} {unit}"
+    return f"{n} B"
+
+
+def markdown_table(headers, rows) -> str:
+    """A GitHub markdown table; cells are str()-ed, first column left-aligned, the rest right."""
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(  # noqa: E731
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    sep = "|" + "|".join(("-" * (w + 1) + ("-" if i == 0 else ":")) for i, w in enumerate(widths)) + "|"
+    return "\n".join([line([str(h) for h in headers]), sep] + [line(r) for r in rows])
+
+
+def _jsonable(o):
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None  # strict JSON: NaN / inf -> null
+    if isinstance(o, dict):
+        return {str(k): _jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_jsonable(v) for v in o]
+    if o is None or isinstance(o, (bool, int, str)):
+        return o
+    return str(o)
+
+
+def write_json(path, obj) -> None:
+    """``obj`` as strict JSON (NaN -> null, unknown types -> str)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(obj), indent=1) + "\n")
+
+
+def plot_panels(path, panels, hlines=(), title: str = "", xlabel: str = "size",
+                ylabel: str = "bus bandwidth (GB/s)") -> None:
+    """One PNG, one panel per entry of ``panels`` (log2 x axis labelled in bytes).
+
+    ``panels``: ``[{"title": str, "series": [{"x": [bytes], "y": [...], "label": str,
+    "style": matplotlib fmt (optional)}]}]``; ``hlines``: ``[(y, label)]`` drawn on every panel.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        xs_all = set()
+        for s in panel["series"]:
+            pts = [(x, y) for x, y in zip(s["x"], s["y"]) if y is not None and y == y]
+            if not pts:
+                continue
+            xs_all.update(x for x, _ in pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], s.get("style", "o-"), label=s["label"], ms=4)
+        for i, (y, label) in enumerate(hlines):
+            if y is not None and y == y:
+                ax.axhline(y, color=f"C{7 + i}", ls=":", lw=1.5, label=label)
+        ax.set_xscale("log", base=2)
+        if xs_all:
+            ticks = sorted(xs_all)
+            if len(ticks) > 8:
+                ticks = ticks[::2]
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([fmt_bytes(int(t)).replace(" ", "") for t in ticks], rotation=45)
+        ax.set_title(panel["title"])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,419 @@
+#!/usr/bin/env python
+"""mkernel all-gather / reduce-scatter / all-reduce against NCCL, and copy-engine peer bandwidth.
+
+    mpirun --allow-run-as-root -np 2 python bench/collectives.py [--quick] [--out DIR] [--torch-args]
+
+Every rank: ``mkernel.init()``, torch on the same GPU, ``torch.distributed`` (NCCL) over the same
+ranks (one node).  Inputs are torch tensors (random normal, bf16; fp32 for all-reduce at 1/16/256
+MiB) handed to mkernel zero-copy (DLPack for bf16, CAI for fp32); mkernel runs on torch's current
+stream, so the same CUDA events time both libraries.
+
+Sizes follow nccl-tests: all-gather = OUTPUT bytes, reduce-scatter = INPUT bytes, all-reduce =
+buffer bytes; bus bandwidth (GB/s = 1e9 B/s) = size/t * (P-1)/P for AG/RS, * 2(P-1)/P for AR.
+Per op and size: one verification call of each library on the same inputs (ours must match
+NCCL: bit-exact for AG, allclose for RS/AR), then warm-up and batches of back-to-back calls timed
+with CUDA events; reported time = max over ranks of each rank's median per-call time.
+mkernel all-reduce is out of place (x -> out); torch's NCCL all-reduce is in place.
+
+By default the timed loop passes mkernel the DeviceArray views made once from the torch tensors
+(zero-copy, pointer-checked), so the per-call DLPack import is not timed; ``--torch-args`` passes
+the torch tensors on every call instead.
+
+Copy-engine bandwidth: every rank at once copies a buffer to the next rank's GPU with torch
+``dst.copy_(src, non_blocking=True)`` (dst allocated on GPU (rank+1)%P from this process; torch
+enables peer access and issues cudaMemcpyAsync on the copy engine), timed with events: GB/s per
+direction.
+
+Writes ``<out>/collectives_bench.{md,png,json}`` (default ``docs/``).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import _common as C  # noqa: E402
+
+C.setup_env()  # before torch is imported anywhere
+
+KiB, MiB, GiB = C.KiB, C.MiB, C.GiB
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
+FP32_AR_SIZES = (1 * MiB, 16 * MiB, 256 * MiB)
+CE_SIZES = (256 * MiB, 1 * GiB)
+
+
+def bus_factor(op: str, P: int) -> float:
+    return (2.0 if op == "all_reduce" else 1.0) * (P - 1) / P if P > 1 else 1.0
+
+
+def busbw(op: str, nbytes: int, ms: float, P: int) -> float:
+    """GB/s (1e9), nccl-tests convention."""
+    if ms is None or not ms == ms or ms <= 0:
+        return float("nan")
+    return nbytes / (ms * 1e-3) * bus_factor(op, P) / 1e9
+
+
+def plan(nbytes: int, quick: bool) -> dict:
+    """warm-up / reps / batch for one measurement (identical on every rank: depends on size only)."""
+    est_ms = 0.02 + nbytes / 200e6  # conservative: 20 us + 200 GB/s
+    batch = int(min(100, max(1, round(5.0 / est_ms))))  # ~5 ms per batch
+    reps = 25 if nbytes <= 16 * MiB else 15 if nbytes <= 256 * MiB else 10
+    if quick:
+        reps = min(reps, 12)
+    return {"warmup": max(5, min(batch, 20)), "reps": reps, "batch": batch}
+
+
+def _mk_ops():
+    import mkernel
+
+    try:
+        from mkernel import collectives as coll
+    except ImportError:
+        coll = None
+    return {op: getattr(mkernel, op, None) or getattr(coll, op) for op in OPS}
+
+
+class Case:
+    """Tensors and calls for one (op, dtype, size) on this rank.
+
+    AG: ``x [n]`` -> ``[P*n]``; RS: ``x [P*n]`` -> ``[n]``; AR: ``x [n]`` -> ``[n]`` (NCCL in place
+    on ``nccl_out``).  ``nbytes``: the nccl-tests size actually used (rounded down to whole
+    elements per rank).
+    """
+
+    def __init__(self, ctx, mk, op: str, dtype: str, size: int, torch_args: bool):
+        import torch
+        import torch.distributed as dist
+
+        from mkernel.arrays import as_device_array
+
+        self.ctx, self.op, self.dtype = ctx, op, dtype
+        self.torch, self.dist = torch, dist
+        P, dev = ctx.local_size, torch.device("cuda", ctx.device)
+        td = getattr(torch, dtype)
+        isz = torch.empty((), dtype=td).element_size()
+        g = torch.Generator(device=dev)
+        g.manual_seed(1000 + 7919 * ctx.rank + size.bit_length())
+        if op == "all_reduce":
+            n_in = n_out = size // isz
+        else:
+            n = max(1, size // (P * isz))
+            n_in, n_out = (n, P * n) if op == "all_gather" else (P * n, n)
+        self.nbytes = (n_out if op == "all_gather" else n_in) * isz
+        self.x = torch.randn(n_in, dtype=td, device=dev, generator=g)
+        self.ours_out = torch.empty(n_out, dtype=td, device=dev)
+        self.nccl_out = torch.empty(n_out, dtype=td, device=dev)
+        self.stream = torch.cuda.current_stream()
+        self.sh = int(self.stream.cuda_stream)
+        self.fn = mk[op]
+        # zero-copy views for the timed loop (DLPack for bf16, CAI for fp32): same pointers as torch
+        xa = as_device_array(self.x, name="x", stream=self.sh)
+        oa = as_device_array(self.ours_out, name="out", stream=self.sh)
+        if (xa.ptr, oa.ptr) != (self.x.data_ptr(), self.ours_out.data_ptr()):
+            raise RuntimeError(f"zero-copy import changed pointers: {xa.ptr:#x}/{self.x.data_ptr():#x}, "
+                               f"{oa.ptr:#x}/{self.ours_out.data_ptr():#x}")
+        self.args = (self.x, self.ours_out) if torch_args else (xa, oa)
+
+    def ours(self):
+        self.fn(self.ctx, *self.args, stream=self.sh)
+
+    def nccl(self):
+        if self.op == "all_gather":
+            self.dist.all_gather_into_tensor(self.nccl_out, self.x)
+        elif self.op == "reduce_scatter":
+            self.dist.reduce_scatter_tensor(self.nccl_out, self.x)
+        else:
+            self.dist.all_reduce(self.nccl_out)
+
+    def verify(self) -> tuple[bool, str]:
+        """Both libraries once on the same inputs (ours given the torch tensors and stream object
+        directly), outputs NaN-poisoned first; returns (match, message)."""
+        torch = self.torch
+        self.ours_out.fill_(float("nan"))
+        self.nccl_out.fill_(float("nan"))
+        if self.op == "all_reduce":
+            self.nccl_out.copy_(self.x)
+        self.fn(self.ctx, self.x, self.ours_out, stream=self.stream)
+        self.nccl()
+        torch.cuda.synchronize()
+        self.ctx.check()
+        a, b = self.ours_out, self.nccl_out
+        if self.op == "all_gather":
+            bad = int((a != b).sum())  # NaN != NaN: unwritten elements count as bad
+            return bad == 0, f"{bad} of {a.numel()} elements differ (exact compare)"
+        P = self.ctx.local_size
+        eps = 2.0 ** -8 if self.dtype == "bfloat16" else 2.0 ** -23
+        rtol, atol = 2 * eps, 8 * P * eps  # inputs ~N(0,1): partial sums are O(sqrt(P))
+        bad = nan = 0
+        worst = 0.0
+        step = 1 << 26
+        for i in range(0, a.numel(), step):
+            af, bf = a[i:i + step].float(), b[i:i + step].float()
+            d = (af - bf).abs()
+            bad += int((~(d <= atol + rtol * bf.abs())).sum())
+            nan += int(torch.isnan(af).sum())
+            worst = max(worst, float(torch.nan_to_num(d, nan=0.0).max()))
+        return bad == 0, (f"{bad} of {a.numel()} elements outside |d| <= {atol:.2g} + {rtol:.2g}|nccl| "
+                          f"({nan} NaN in ours), max |d| = {worst:.3g}")
+
+
+def copy_engine_bw(ctx, quick: bool) -> dict:
+    """Per-direction copy-engine GB/s, every rank copying to GPU of local rank (r+1)%P at once."""
+    import torch
+
+    comm, P = ctx.node_comm, ctx.local_size
+    devs = comm.allgather(ctx.device)
+    peer = devs[(ctx.local_rank + 1) % P]
+    if P < 2 or peer == ctx.device:
+        return {}
+    out = {}
+    peer_access = bool(torch.cuda.can_device_access_peer(ctx.device, peer))
+    for n in CE_SIZES:
+        try:
+            src = torch.ones(n, dtype=torch.uint8, device=torch.device("cuda", ctx.device))
+            dst = torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", peer))
+            st = C.time_stats(lambda: dst.copy_(src, non_blocking=True), warmup=3, reps=10 if quick else 20,
+                              batch=1, barrier=comm.Barrier)
+            gbps = n / (st["median_ms"] * 1e-3) / 1e9
+            ok = bool(dst[-1].item() == 1)
+            err = None
+        except Exception as exc:  # noqa: BLE001
+            gbps, ok, err = float("nan"), False, f"{type(exc).__name__}: {exc}"
+            print(f"[rank {ctx.rank}] copy-engine {C.fmt_bytes(n)} failed: {err}", flush=True)
+        src = dst = None
+        per_rank = [C.to_float(v) for v in comm.allgather(gbps)]
+        out[n] = {"per_rank_GBps": per_rank, "min_GBps": min(per_rank) if not any(map(math.isnan, per_rank))
+                  else float("nan"), "copied_ok": C.all_ranks_ok(ok, comm), "error": err, "peer_access": peer_access}
+    torch.cuda.empty_cache()
+    return out
+
+
+def measure(ctx, mk, op, dtype, size, args, state) -> dict:
+    """Verify + time ours and NCCL for one point; never raises (failures become NaN + a printed line)."""
+    comm, P = ctx.world, ctx.local_size
+    p = plan(size, args.quick)
+    rec = {"op": op, "dtype": dtype, "size": size, "bytes": size, "plan": p, "match": None, "match_msg": "",
+           "ours_ms": float("nan"), "nccl_ms": float("nan"), "ours_ms_per_rank": [], "nccl_ms_per_rank": [],
+           "ours_host_ms": float("nan"), "nccl_host_ms": float("nan"), "ours_busbw": float("nan"),
+           "nccl_busbw": float("nan"), "ratio": float("nan"), "errors": []}
+    case = None
+    try:
+        case = Case(ctx, mk, op, dtype, size, args.torch_args)
+        rec["bytes"] = case.nbytes
+        err = None
+    except Exception as exc:  # noqa: BLE001
+        err = exc
+        print(f"[rank {ctx.rank}] {op} {dtype} {C.fmt_bytes(size)}: setup failed: {type(exc).__name__}: {exc}",
+              flush=True)
+    if not C.all_ranks_ok(err is None, comm):
+        _note_failure(ctx, err, state, rec, "setup")
+        return rec
+
+    # verification (also the first call: plan, agreement, workspace)
+    if not state["ours_dead"] and not state["nccl_dead"]:
+        try:
+            ok, msg = case.verify()
+            err = None
+        except Exception as exc:  # noqa: BLE001
+            ok, msg, err = False, f"verification raised {type(exc).__name__}: {exc}", exc
+            traceback.print_exc()
+        if not ok:
+            print(f"[rank {ctx.rank}] MISMATCH ours vs NCCL: {op} {dtype} {C.fmt_bytes(case.nbytes)}: {msg}",
+                  flush=True)
+        rec["match"] = C.all_ranks_ok(ok, comm)
+        rec["match_msg"] = msg
+        _note_failure(ctx, err, state, rec, "verify")
+
+    for who, fn in (("ours", case.ours), ("nccl", case.nccl)):
+        if state[who + "_dead"]:
+            continue
+        try:
+            st = C.time_stats(fn, p["warmup"], p["reps"], p["batch"], barrier=comm.Barrier)
+            if who == "ours":
+                ctx.check()
+            med, host, err = st["median_ms"], st["host_ms"], None
+        except Exception as exc:  # noqa: BLE001
+            med, host, err = None, None, exc
+            print(f"[rank {ctx.rank}] {who} {op} {dtype} {C.fmt_bytes(case.nbytes)} failed: "
+                  f"{type(exc).__name__}: {exc}", flush=True)
+        rec[who + "_ms"], rec[who + "_ms_per_rank"] = C.max_over_ranks(med, comm)
+        rec[who + "_host_ms"], _ = C.max_over_ranks(host, comm)
+        _note_failure(ctx, err, state, rec, who)
+    for who in ("ours", "nccl"):
+        rec[who + "_busbw"] = busbw(op, rec["bytes"], rec[who + "_ms"], P)
+    rec["ratio"] = rec["ours_busbw"] / rec["nccl_busbw"] if rec["nccl_busbw"] > 0 else float("nan")
+    return rec
+
+
+def _note_failure(ctx, err, state, rec, what) -> None:
+    """Agree across ranks on whether ``what`` failed; a communication error retires that library."""
+    import mkernel
+
+    comm = ctx.world
+    failed = comm.allgather(None if err is None else f"{type(err).__name__}: {err}")
+    msgs = [f"rank {r}: {m}" for r, m in enumerate(failed) if m]
+    if not msgs:
+        return
+    rec["errors"].append(f"{what}: " + "; ".join(msgs))
+    fatal_ours = isinstance(err, (mkernel.CommError, mkernel.CommTimeout))
+    fatal_nccl = what == "nccl" and "NCCL" in str(err)
+    if any(comm.allgather(fatal_ours)):
+        state["ours_dead"] = True
+        C.rank0_print(comm, "mkernel reported a communication error: skipping ours from here on")
+    if any(comm.allgather(fatal_nccl)):
+        state["nccl_dead"] = True
+        C.rank0_print(comm, "NCCL failed: skipping NCCL from here on")
+
+
+# ------------------------------------------------------------------------------------ reporting
+def _label(r) -> str:
+    return f"{SHORT[r['op']]} {r['dtype'].replace('bfloat16', 'bf16').replace('float32', 'fp32')}"
+
+
+def _f(v, fmt):
+    return "n/a" if v is None or v != v else format(v, fmt)
+
+
+def report(results, ce, meta, out_dir: Path) -> str:
+    """Write the markdown / JSON / PNG (rank 0) and return the markdown + the 2-line verdict."""
+    P = meta["P"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for r in results:
+        host_bound = r["ours_host_ms"] == r["ours_host_ms"] and r["ours_host_ms"] >= 0.9 * r["ours_ms"]
+        mark = "" if r["match"] in (True, None) else " ✗"
+        rows.append([_label(r) + mark,
+                     C.fmt_bytes(r["bytes"]),
+                     _f(r["ours_ms"] * 1e3, ".1f") + (" †" if host_bound else ""), _f(r["ours_busbw"], ".1f"),
+                     _f(r["nccl_ms"] * 1e3, ".1f"), _f(r["nccl_busbw"], ".1f"), _f(r["ratio"], ".2f")])
+    table = C.markdown_table(["op", "size", "ours (us)", "ours busbw (GB/s)", "NCCL (us)", "NCCL busbw (GB/s)",
+                              "busbw ours/NCCL"], rows)
+    ce_line = ", ".join(f"{C.fmt_bytes(n)}: {_f(v['min_GBps'], '.1f')} GB/s (per rank "
+                        f"{', '.join(_f(x, '.1f') for x in v['per_rank_GBps'])})" for n, v in ce.items()) or "n/a"
+    # verdict
+    fails = [f"{_label(r)} {C.fmt_bytes(r['bytes'])} ({_f(r['ratio'], '.2f')})"
+             for r in results if r["bytes"] >= 1 * MiB and not (r["ratio"] >= 1.0)]
+    v1 = "at or above NCCL from 1 MiB up: " + ("yes" if not fails else f"no ({', '.join(fails)})")
+    ce_big = ce.get(max(ce), {}).get("min_GBps", float("nan")) if ce else float("nan")
+    parts = []
+    for op in OPS:
+        pts = [r for r in results if r["op"] == op and r["dtype"] == "bfloat16" and r["ours_busbw"] == r["ours_busbw"]]
+        if pts and ce_big == ce_big:
+            big = max(pts, key=lambda r: r["bytes"])
+            parts.append((100 * big["ours_busbw"] / ce_big, f"{SHORT[op]} {100 * big['ours_busbw'] / ce_big:.0f}% "
+                          f"at {C.fmt_bytes(big['bytes'])}"))
+    v2 = ("large-size busbw vs copy-engine: " + (f"{min(p[0] for p in parts):.0f}% (min over ops; "
+          + ", ".join(p[1] for p in parts) + f"; copy engine {ce_big:.1f} GB/s per direction)" if parts else "n/a"))
+    mism = [f"{_label(r)} {C.fmt_bytes(r['bytes'])}: {r['match_msg']}"
+            for r in results if r["match"] is False]
+    errs = [f"{_label(r)} {C.fmt_bytes(r['bytes'])}: {e}" for r in results for e in r["errors"]]
+    md = "\n".join([
+        "# mkernel collectives vs NCCL", "",
+        f"{meta['date']}; {P} x {meta['gpu']}; torch {meta['torch']}, NCCL {meta['nccl']}; "
+        f"{'quick' if meta['quick'] else 'full'} run; ours given {meta['ours_args']}.", "",
+        "Sizes per nccl-tests (AG: output bytes, RS: input bytes, AR: buffer bytes); busbw = size/t x (P-1)/P "
+        "(AG, RS) or x 2(P-1)/P (AR), GB = 1e9 B. Time = max over ranks of each rank's median per-call time "
+        "(CUDA events around batches of back-to-back calls on torch's current stream). Ratio > 1: ours faster. "
+        "† = host-bound (submitting a call took >= 90% of its GPU time). ✗ = ours did not match NCCL.", "",
+        f"Copy-engine peer bandwidth (torch `copy_` to the next rank's GPU, all ranks at once, per direction): "
+        f"{ce_line}.", "",
+        table, "",
+        "**" + v1 + "**  ", "**" + v2 + "**", ""]
+        + (["## Mismatches", ""] + [f"- {m}" for m in mism] + [""] if mism else [])
+        + (["## Errors", ""] + [f"- {e}" for e in errs] + [""] if errs else []))
+    (out_dir / "collectives_bench.md").write_text(md)
+    C.write_json(out_dir / "collectives_bench.json", {"meta": meta, "copy_engine": {str(k): v for k, v in ce.items()},
+                                                      "results": results, "verdict": [v1, v2]})
+    try:
+        panels = []
+        for op in OPS:
+            series = []
+            for dt, tag in (("bfloat16", "bf16"), ("float32", "fp32")):
+                pts = [r for r in results if r["op"] == op and r["dtype"] == dt]
+                if not pts:
+                    continue
+                x = [r["bytes"] for r in pts]
+                solid, dashed = ("o-", "s--") if dt == "bfloat16" else ("^-", "v--")
+                series += [{"x": x, "y": [r["ours_busbw"] for r in pts], "label": f"mkernel {tag}", "style": solid},
+                           {"x": x, "y": [r["nccl_busbw"] for r in pts], "label": f"NCCL {tag}", "style": dashed}]
+            panels.append({"title": op.replace("_", "-"), "series": series})
+        C.plot_panels(out_dir / "collectives_bench.png", panels,
+                      hlines=[(ce_big, f"copy engine {C.fmt_bytes(max(ce))}" if ce else "copy engine")],
+                      title=f"mkernel vs NCCL, {P} x {meta['gpu']}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"plot failed: {type(exc).__name__}: {exc}", flush=True)
+    return md + "\n" + v1 + "\n" + v2
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5 sizes, fewer batches (< ~90 s)")
+    ap.add_argument("--out", default=str(HERE.parent / "docs"), help="output folder (default docs/)")
+    ap.add_argument("--torch-args", action="store_true", help="pass torch tensors to mkernel on every timed call")
+    ap.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    args = ap.parse_args()
+    t_start = time.monotonic()
+
+    ctx = C.bootstrap()
+    import torch
+
+    comm, P = ctx.world, ctx.local_size
+    say = lambda *a: C.rank0_print(comm, *a)  # noqa: E731
+    if ctx.size != ctx.local_size:
+        say(f"WARNING: NCCL spans all {ctx.size} ranks but mkernel's collectives span the {P} ranks of a node: "
+            "run on one node (and without MKERNEL_RANKS_PER_NODE) for a meaningful comparison")
+    mk = _mk_ops()
+    sizes = ([64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB, 1 * GiB] if args.quick
+             else [1 << k for k in range(16, 31)])
+    ops = [o for o in args.ops.split(",") if o]
+    cases = [(op, "bfloat16", s) for s in sizes for op in OPS if op in ops]
+    cases += [("all_reduce", "float32", s) for s in sizes if s in FP32_AR_SIZES and "all_reduce" in ops]
+    cases.sort(key=lambda c: (c[2], OPS.index(c[0]), c[1]))
+    out_dir = Path(args.out)
+    if ctx.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    say(f"{P} ranks, GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {len(cases)} points")
+
+    ce = copy_engine_bw(ctx, args.quick)
+    for n, v in ce.items():
+        say(f"copy engine {C.fmt_bytes(n)}: per-direction GB/s per rank {[round(x, 1) for x in v['per_rank_GBps']]}")
+
+    state = {"ours_dead": False, "nccl_dead": False}
+    results = []
+    for op, dtype, size in cases:
+        rec = measure(ctx, mk, op, dtype, size, args, state)
+        results.append(rec)
+        say(f"{SHORT[op]} {dtype:8s} {C.fmt_bytes(rec['bytes']):>8s}: ours {_f(rec['ours_ms'] * 1e3, '9.1f')} us "
+            f"{_f(rec['ours_busbw'], '6.1f')} GB/s | NCCL {_f(rec['nccl_ms'] * 1e3, '9.1f')} us "
+            f"{_f(rec['nccl_busbw'], '6.1f')} GB/s | x{_f(rec['ratio'], '.2f')}"
+            f"{'' if rec['match'] in (True, None) else '  MISMATCH'}  [{time.monotonic() - t_start:.0f} s]")
+        torch.cuda.empty_cache() if size >= 256 * MiB else None
+
+    if ctx.rank == 0:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "P": P, "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                "quick": args.quick, "ours_args": "torch tensors every call" if args.torch_args
+                else "zero-copy DeviceArray views of the torch tensors (made once)",
+                "elapsed_s": time.monotonic() - t_start}
+        try:
+            text = report(results, ce, meta, out_dir)
+            print("\n" + text, flush=True)
+            print(f"\nwrote {out_dir}/collectives_bench.md / .png / .json", flush=True)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            C.write_json(out_dir / "collectives_bench.json", {"meta": meta, "results": results})
+    comm.Barrier()
+    C.shutdown(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

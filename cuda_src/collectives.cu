@@ -1,0 +1,236 @@
+// collectives.cu - all-gather, reduce-scatter and all-reduce over NVLink, each one persistent kernel.
+//
+// Push model.  Every rank owns a symmetric workspace (same layout on every local rank):
+//
+//   [0]            MkEpochState           this rank's call counter (local only)
+//   [consumed_off] u64[P]                 consumed[j] = last call whose data local rank j finished
+//                                         reading out of *its* workspace (written by j into ours)
+//   [flags_off]    u64[2][P][nchunks]     ready[phase][src][chunk] = call that delivered that chunk
+//   [data0_off]    P slots of slot_bytes  phase-0 receive slots, slot j written by local rank j
+//   [data1_off]    P slots of slot_bytes  phase-1 slots (all-reduce's gather phase)
+//
+// A sender writes into peer p's slot only after p said it consumed the previous call's data
+// (consumed[p] >= epoch-1, read in the sender's own memory), then raises p's ready flag.  Receivers
+// wait on ready flags in their own memory.  The last block of a call tells every peer that this rank
+// has consumed its data.  Epochs live on the device: no host reset, graph-capturable.
+//
+// Work is split into chunks; chunk c is one work item, handled by block c % gridDim.x on every rank:
+// the block first pushes chunk c to every peer, then waits for the peers' chunk c.  The block with the
+// same index on a peer does the same, so no wait can block a push it depends on, and receiving of
+// early chunks overlaps sending of later ones.  Launch: cooperative (every block resident),
+// blockDim 512, grid <= #SMs, nchunks >= grid.
+#include "mk_copy.cuh"
+#include "mk_signal.cuh"
+
+#ifndef MK_DTYPE
+#define MK_DTYPE MK_DTYPE_BF16
+#endif
+typedef mk_type<MK_DTYPE>::T T;
+
+struct CollLayout {
+  mk_u64 consumed_off, flags_off, data0_off, data1_off;
+  mk_u64 slot_bytes;   // bytes per receive slot
+  mk_u64 chunk_bytes;  // bytes per chunk (multiple of 16)
+  int nchunks;         // chunks per slot (flags per source per phase)
+  int pad;
+};
+
+struct Ws {
+  char* base;                 // this rank's workspace
+  const mk_u64* __restrict__ peers;  // local rank -> base of its workspace, as mapped here
+  CollLayout L;
+  int P, me;
+
+  MK_DEVICE char* peer(int j) const { return (char*)peers[j]; }
+  MK_DEVICE MkEpochState* epoch_state() const { return (MkEpochState*)base; }
+  MK_DEVICE mk_u64* consumed(int j) const { return (mk_u64*)(base + L.consumed_off) + j; }
+  MK_DEVICE mk_u64* peer_consumed(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + j; }
+  MK_DEVICE mk_u64 flag_idx(int phase, int src, int c) const { return ((mk_u64)phase * P + src) * L.nchunks + c; }
+  MK_DEVICE mk_u64* ready(int phase, int src, int c) const { return (mk_u64*)(base + L.flags_off) + flag_idx(phase, src, c); }
+  MK_DEVICE mk_u64* peer_ready(int owner, int phase, int src, int c) const {
+    return (mk_u64*)(peer(owner) + L.flags_off) + flag_idx(phase, src, c);
+  }
+  MK_DEVICE char* slot(int phase, int j) const { return base + (phase ? L.data1_off : L.data0_off) + (mk_u64)j * L.slot_bytes; }
+  MK_DEVICE char* peer_slot(int owner, int phase, int j) const {
+    return peer(owner) + (phase ? L.data1_off : L.data0_off) + (mk_u64)j * L.slot_bytes;
+  }
+};
+
+MK_DEVICE Ws make_ws(const MkComm& c, char* ws, const mk_u64* peers, const CollLayout& L) {
+  Ws w;
+  w.base = ws;
+  w.peers = peers;
+  w.L = L;
+  w.P = c.local_size;
+  w.me = c.local_rank;
+  return w;
+}
+
+// Chunk c of a region of `len` bytes: [off, off+n).
+MK_DEVICE mk_u64 chunk_len(mk_u64 len, mk_u64 chunk, int c) {
+  const mk_u64 off = (mk_u64)c * chunk;
+  return off >= len ? 0 : mk_min(chunk, len - off);
+}
+
+// Sender side: wait until `dst` consumed our previous call's data, write, then raise its flag.
+MK_DEVICE bool push_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int dst, int phase, int ci, const char* src,
+                          mk_u64 off, mk_u64 n) {
+  if (!mk_block_wait_geq(c, w.consumed(dst), epoch - 1, MK_LOCAL_PEER(dst), -1 - dst)) return false;
+  if (n) mk_block_copy(w.peer_slot(dst, phase, w.me) + off, src + off, n);
+  __syncthreads();
+  if (threadIdx.x == 0) mk_signal_set(w.peer_ready(dst, phase, w.me, ci), epoch);
+  return true;
+}
+
+MK_DEVICE bool wait_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int src, int phase, int ci) {
+  return mk_block_wait_geq(c, w.ready(phase, src, ci), epoch, MK_LOCAL_PEER(src), (int)w.flag_idx(phase, src, ci));
+}
+
+// End of call: the last block tells every peer we consumed its data, then bumps the epoch.
+MK_DEVICE void finish_call(const Ws& w, mk_u64 epoch) {
+  if (mk_epoch_arrive(w.epoch_state(), gridDim.x)) {
+    for (int j = threadIdx.x; j < w.P; j += blockDim.x)
+      if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
+    __syncthreads();
+    mk_epoch_commit(w.epoch_state(), epoch);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// all-gather: out[j*shard_bytes ...] = in of local rank j.  Byte-oriented (any dtype); `in` may be
+// this rank's own part of `out` (in place).
+extern "C" __global__ void __launch_bounds__(512, 1)
+mk_all_gather(MkComm c, const char* in, char* out, mk_u64 shard_bytes, char* ws,
+              const mk_u64* __restrict__ peers, CollLayout L) {
+  const Ws w = make_ws(c, ws, peers, L);
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  const int P = w.P, me = w.me;
+  const mk_u64 CB = L.chunk_bytes;
+  for (int ci = blockIdx.x; ci < L.nchunks; ci += gridDim.x) {
+    const mk_u64 off = (mk_u64)ci * CB, len = chunk_len(shard_bytes, CB, ci);
+    for (int j = 1; j < P; ++j)
+      if (!push_chunk(c, w, epoch, (me + j) % P, 0, ci, in, off, len)) return;
+    char* my_out = out + (mk_u64)me * shard_bytes;
+    if (my_out != in) mk_block_copy(my_out + off, in + off, len);
+    for (int j = 1; j < P; ++j) {
+      const int src = (me + P - j) % P;
+      if (!wait_chunk(c, w, epoch, src, 0, ci)) return;
+      mk_block_copy(out + (mk_u64)src * shard_bytes + off, w.slot(0, src) + off, len);
+    }
+  }
+  finish_call(w, epoch);
+}
+
+// dst[0..n) = sum over local ranks j in rank order of (j == me ? own : slot_j)[0..n), fp32
+// accumulation.  The fixed order makes the one-shot all-reduce bit-identical on every rank.  Slot
+// loads bypass L1 (peers rewrite slots over NVLink between calls).
+MK_DEVICE void reduce_slots(T* dst, const T* own, const Ws& w, int phase, mk_u64 byte_off, mk_u64 n) {
+  constexpr int V = mk_vec<T>::N;
+  const char* s0 = w.slot(phase, 0) + byte_off;
+  const mk_u64 stride = w.L.slot_bytes;
+  const bool vec = (((mk_u64)dst | (mk_u64)own | (mk_u64)s0 | stride) & 15) == 0;
+  const mk_u64 nvec = vec ? n / V : 0;
+  for (mk_u64 i = threadIdx.x; i < nvec; i += blockDim.x) {
+    float acc[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = 0.f;
+    for (int j = 0; j < w.P; ++j) {
+      float f[V];
+      mk_unpack<T>(j == w.me ? ((const int4*)own)[i] : __ldcg((const int4*)(s0 + (mk_u64)j * stride) + i), f);
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] += f[k];
+    }
+    ((int4*)dst)[i] = mk_pack<T>(acc);
+  }
+  for (mk_u64 i = nvec * V + threadIdx.x; i < n; i += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < w.P; ++j)
+      acc += mk_to_f32(j == w.me ? own[i] : __ldcg((const T*)(s0 + (mk_u64)j * stride) + i));
+    dst[i] = mk_from_f32<T>(acc);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// reduce-scatter: out[0..n) = sum over local ranks j of in_j[me*n .. (me+1)*n).  `out` must not
+// overlap the parts of `in` that go to peers.
+extern "C" __global__ void __launch_bounds__(512, 1)
+mk_reduce_scatter(MkComm c, const T* in, T* out, mk_u64 n, char* ws, const mk_u64* __restrict__ peers,
+                  CollLayout L) {
+  const Ws w = make_ws(c, ws, peers, L);
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  const int P = w.P, me = w.me;
+  const mk_u64 CB = L.chunk_bytes, bytes = n * sizeof(T);
+  for (int ci = blockIdx.x; ci < L.nchunks; ci += gridDim.x) {
+    const mk_u64 off = (mk_u64)ci * CB, len = chunk_len(bytes, CB, ci);
+    for (int j = 1; j < P; ++j) {
+      const int dst = (me + j) % P;
+      if (!push_chunk(c, w, epoch, dst, 0, ci, (const char*)(in + (mk_u64)dst * n), off, len)) return;
+    }
+    for (int j = 1; j < P; ++j)
+      if (!wait_chunk(c, w, epoch, (me + P - j) % P, 0, ci)) return;
+    reduce_slots((T*)((char*)out + off), (const T*)((const char*)(in + (mk_u64)me * n) + off), w, 0, off,
+                 len / sizeof(T));
+  }
+  finish_call(w, epoch);
+}
+
+// ---------------------------------------------------------------------------------------------
+// all-reduce: out[0..n) = sum over local ranks of in; `out` may alias `in`.
+//  one_shot: every rank pushes all of `in` to every peer and reduces everything itself (small
+//            messages: one flag hop).
+//  two-phase: reduce-scatter of shards (`shard` elements each; rank r owns [r*shard, ...)), then the
+//            owner pushes its reduced shard to every peer.  Every element is summed by exactly one
+//            rank, so all ranks hold bit-identical results.  Chunk c of every shard is one item.
+extern "C" __global__ void __launch_bounds__(512, 1)
+mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_shot, char* ws,
+              const mk_u64* __restrict__ peers, CollLayout L) {
+  const Ws w = make_ws(c, ws, peers, L);
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  const int P = w.P, me = w.me;
+  const mk_u64 CB = L.chunk_bytes;
+  if (one_shot) {
+    const mk_u64 bytes = n * sizeof(T);
+    for (int ci = blockIdx.x; ci < L.nchunks; ci += gridDim.x) {
+      const mk_u64 off = (mk_u64)ci * CB, len = chunk_len(bytes, CB, ci);
+      for (int j = 1; j < P; ++j)
+        if (!push_chunk(c, w, epoch, (me + j) % P, 0, ci, (const char*)in, off, len)) return;
+      for (int j = 1; j < P; ++j)
+        if (!wait_chunk(c, w, epoch, (me + P - j) % P, 0, ci)) return;
+      reduce_slots((T*)((char*)out + off), (const T*)((const char*)in + off), w, 0, off, len / sizeof(T));
+    }
+    finish_call(w, epoch);
+    return;
+  }
+  auto shard_bytes = [&](int r) -> mk_u64 {
+    const mk_u64 s = (mk_u64)r * shard;
+    return s >= n ? 0 : mk_min(shard, n - s) * sizeof(T);
+  };
+  T* my_out = out + (mk_u64)me * shard;
+  const T* my_in = in + (mk_u64)me * shard;
+  for (int ci = blockIdx.x; ci < L.nchunks; ci += gridDim.x) {
+    const mk_u64 off = (mk_u64)ci * CB;
+    // phase 0: my copy of chunk ci of shard dst goes to dst
+    for (int j = 1; j < P; ++j) {
+      const int dst = (me + j) % P;
+      if (!push_chunk(c, w, epoch, dst, 0, ci, (const char*)(in + (mk_u64)dst * shard), off,
+                      chunk_len(shard_bytes(dst), CB, ci)))
+        return;
+    }
+    // reduce chunk ci of my shard, then hand it to every peer (phase 1)
+    const mk_u64 len = chunk_len(shard_bytes(me), CB, ci);
+    for (int j = 1; j < P; ++j)
+      if (!wait_chunk(c, w, epoch, (me + P - j) % P, 0, ci)) return;
+    reduce_slots((T*)((char*)my_out + off), (const T*)((const char*)my_in + off), w, 0, off, len / sizeof(T));
+    __syncthreads();
+    for (int j = 1; j < P; ++j)
+      if (!push_chunk(c, w, epoch, (me + j) % P, 1, ci, (const char*)my_out, off, len)) return;
+    // gather chunk ci of every other shard
+    for (int j = 1; j < P; ++j) {
+      const int src = (me + P - j) % P;
+      if (!wait_chunk(c, w, epoch, src, 1, ci)) return;
+      mk_block_copy((char*)(out + (mk_u64)src * shard) + off, w.slot(1, src) + off,
+                    chunk_len(shard_bytes(src), CB, ci));
+    }
+  }
+  finish_call(w, epoch);
+}

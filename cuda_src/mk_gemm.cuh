@@ -1,0 +1,378 @@
+// mk_gemm.cuh - the Hopper GEMM engine as a reusable device component (see docs/gemm.md).
+//
+// C[M, N] (+)= A[M, K] @ B, bf16/fp16 inputs, fp32 accumulation, on sm_90a:
+//   * TMA loads of 64-wide K blocks of A (K-major) and B (K-major "nk" = stored [N, K], or MN-major
+//     "kn" = stored [K, N]) into a STAGES-deep ring of 128B-swizzled shared-memory tiles, each stage
+//     completed on a "full" mbarrier (transaction bytes) and released on an "empty" mbarrier;
+//   * warp specialization: warpgroup 0 is the producer (one warp issues TMA; setmaxnreg.dec), warpgroups
+//     1..NC are consumers (setmaxnreg.inc), each computing a 64 x BN slab of the BM x BN tile with
+//     wgmma.m64nBNk16, one wgmma batch kept in flight;
+//   * persistent: a block processes the tiles its Scheduler hands to `worker_id` of `num_workers`;
+//     producer and consumers walk the same deterministic tile sequence independently, so the producer
+//     runs ahead across tile boundaries while consumers run the epilogue.
+//
+// Policies (template parameters, all device-copyable structs):
+//   Scheduler  MK_DEVICE void init(int worker_id, int num_workers);
+//              MK_DEVICE bool next(MkTile& t);   // false when this worker has no more tiles
+//              Must be deterministic and free of side effects visible to other threads: every role
+//              of the block runs its own copy and must see the same sequence.
+//   Hook       MK_DEVICE bool before_load(int group, int tile_m, int tile_n, int k_block) const;
+//              Called by all 32 lanes of the producer warp before a K block's loads are issued; may
+//              wait (mk_warp_wait_geq) and must return a warp-uniform verdict.  false aborts: the
+//              kernel's consumers are released and every role of the block returns (false).
+//   Epilogue   template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN/2]);
+//              Called by every consumer thread once the tile's accumulators are final; `slab` is the
+//              consumer index (rows 64*slab .. 64*slab+63 of the tile); the fragment layout is that
+//              of mk_wgmma.cuh (see mk_wgmma_frag_for_each).
+//              static constexpr bool kTileDone; MK_DEVICE void tile_done(const MkTile& t);
+//              If kTileDone, after every consumer thread has returned from store() (named barrier 1),
+//              one consumer thread calls tile_done(t) (e.g. __threadfence_system + mk_signal_set).
+//
+// Block shape: Cfg::THREADS threads (128 * (NC + 1)); every thread of the block calls mk_gemm_run
+// (it initialises barriers and runs __syncthreads once, before the role split).  Dynamic shared
+// memory: Cfg::SMEM_BYTES.  Named barrier 1 is used among consumer threads; a fused kernel must not
+// use it concurrently.
+#pragma once
+#include "mk_common.cuh"
+#include "mk_tma.cuh"
+#include "mk_wgmma.cuh"
+
+// ---- configuration --------------------------------------------------------------------------------
+// NC consumer warpgroups (BM = 64*NC), BN columns (64, 128 or 256), STAGES ring slots, DT input dtype
+// code, B_KN: B stored [K, N] (MN-major operand) instead of [N, K], PIPELINED: keep one wgmma batch in
+// flight (0: wait for every batch; the debug configuration).
+template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_>
+struct MkGemmConfig {
+  static constexpr int NC = NC_;
+  static constexpr int BM = 64 * NC_;
+  static constexpr int BN = BN_;
+  static constexpr int BK = 64;  // 64 16-bit elements = one 128-byte swizzle row
+  static constexpr int STAGES = STAGES_;
+  static constexpr bool PIPELINED = PIPELINED_;
+  static constexpr int DT = DT_;
+  static constexpr bool B_KN = B_KN_;
+  static constexpr int THREADS = 128 * (NC_ + 1);
+  static constexpr int A_BYTES = BM * BK * 2;
+  static constexpr int B_BYTES = BN * BK * 2;
+  static constexpr int B_CHUNK_BYTES = 64 * BK * 2;  // one 64-column chunk of an MN-major B tile
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;
+  static constexpr int SMEM_BYTES = BAR_OFFSET + 256 + 1024;  // barriers + alignment slack
+  // Register reallocation (only with two consumer warpgroups: 128*40 + 256*232 = 64512 <= 65536).
+  static constexpr bool SETMAXNREG = NC_ == 2;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;
+  static_assert(NC_ == 1 || NC_ == 2, "one or two consumer warpgroups");
+  static_assert(BN_ == 64 || BN_ == 128 || BN_ == 256, "BN must be 64, 128 or 256");
+  static_assert(2 * STAGES_ * 8 + 16 <= 256, "too many stages for the barrier area");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget exceeded");
+};
+
+// One output tile of one problem.
+struct MkTile {
+  int group;   // problem index (0 for a plain GEMM)
+  int tile_m;  // tile coordinates inside the problem
+  int tile_n;
+  int row0;    // first row of A / C (absolute row, group offset included)
+  int rows;    // valid rows in this tile (1..BM)
+  int col0;    // first column of B / C
+  int cols;    // valid columns in this tile (1..BN)
+};
+
+// Super-row rasterization: tiles are handed out GROUP_M tile-rows at a time, column by column inside
+// a super-row, so concurrently running tiles share A rows and B columns in L2.
+MK_DEVICE void mk_raster(int i, int num_m, int num_n, int group_m, int& tm, int& tn) {
+  const int per_group = group_m * num_n;
+  const int gid = i / per_group;
+  const int first_m = gid * group_m;
+  const int gsz = min(num_m - first_m, group_m);
+  const int local = i - gid * per_group;
+  tm = first_m + local % gsz;
+  tn = local / gsz;
+}
+
+// ---- schedulers -------------------------------------------------------------------------------------
+// One problem of M x N, tiles i = worker_id, worker_id + num_workers, ... in rasterized order.
+template <int BM, int BN> struct MkLinearScheduler {
+  int M, N, num_m, num_n, group_m, total;
+  int next_i, step;
+  MK_DEVICE MkLinearScheduler(int M_, int N_, int group_m_) : M(M_), N(N_), group_m(group_m_ > 0 ? group_m_ : 1) {
+    num_m = (M + BM - 1) / BM;
+    num_n = (N + BN - 1) / BN;
+    total = num_m * num_n;
+    next_i = 0;
+    step = 1;
+  }
+  MK_DEVICE void init(int worker_id, int num_workers) {
+    next_i = worker_id;
+    step = num_workers;
+  }
+  MK_DEVICE bool next(MkTile& t) {
+    if (next_i >= total) return false;
+    int tm, tn;
+    mk_raster(next_i, num_m, num_n, group_m, tm, tn);
+    next_i += step;
+    t.group = 0;
+    t.tile_m = tm;
+    t.tile_n = tn;
+    t.row0 = tm * BM;
+    t.rows = min(BM, M - t.row0);
+    t.col0 = tn * BN;
+    t.cols = min(BN, N - t.col0);
+    return true;
+  }
+};
+
+// Grouped problems (MoE experts): group g owns rows [offs[g], offs[g+1]) of A and C and B[g]; all
+// groups share N and K.  Empty groups have no tiles.  Linear tile ids enumerate groups in order, each
+// rasterized like a plain GEMM; the cursor only moves forward (a worker's ids increase).
+template <int BM, int BN> struct MkGroupedScheduler {
+  const void* offs;
+  int offs_i32, num_groups, N, num_n, group_m;
+  int next_i, step;
+  int g, base, g_row0, g_row1, g_num_m;  // cursor: group g starts at linear tile `base`
+  MK_DEVICE MkGroupedScheduler(const void* offs_, int offs_i32_, int G, int N_, int group_m_)
+      : offs(offs_), offs_i32(offs_i32_), num_groups(G), N(N_), group_m(group_m_ > 0 ? group_m_ : 1) {
+    num_n = (N + BN - 1) / BN;
+    next_i = 0;
+    step = 1;
+    g = -1;
+    base = 0;
+    g_row0 = g_row1 = 0;
+    g_num_m = 0;
+  }
+  MK_DEVICE long long offset(int i) const {
+    return offs_i32 ? (long long)((const int*)offs)[i] : ((const long long*)offs)[i];
+  }
+  MK_DEVICE void load_group(int gg) {
+    g = gg;
+    if (g < num_groups) {
+      g_row0 = (int)offset(g);
+      g_row1 = (int)offset(g + 1);
+      const int m = g_row1 > g_row0 ? g_row1 - g_row0 : 0;
+      g_num_m = (m + BM - 1) / BM;
+    }
+  }
+  MK_DEVICE void init(int worker_id, int num_workers) {
+    next_i = worker_id;
+    step = num_workers;
+    base = 0;
+    load_group(0);
+  }
+  MK_DEVICE bool next(MkTile& t) {
+    const int i = next_i;
+    next_i += step;
+    while (g < num_groups) {
+      const int cnt = g_num_m * num_n;
+      if (i < base + cnt) {
+        int tm, tn;
+        mk_raster(i - base, g_num_m, num_n, group_m, tm, tn);
+        t.group = g;
+        t.tile_m = tm;
+        t.tile_n = tn;
+        t.row0 = g_row0 + tm * BM;
+        t.rows = min(BM, g_row1 - t.row0);
+        t.col0 = tn * BN;
+        t.cols = min(BN, N - t.col0);
+        return true;
+      }
+      base += cnt;
+      load_group(g + 1);
+    }
+    return false;
+  }
+};
+
+// ---- producer hooks -----------------------------------------------------------------------------------
+struct MkNoWait {
+  MK_DEVICE bool before_load(int, int, int, int) const { return true; }
+};
+
+// ---- epilogues -------------------------------------------------------------------------------------------
+// Store the tile into a row-major C (row stride ldc elements), masked to the tile's valid rows/cols.
+// vec_ok: C's base is aligned to two elements and ldc is even, so column pairs are stored as one vector.
+template <typename OutT> struct MkPair;
+template <> struct MkPair<__nv_bfloat16> {
+  typedef __nv_bfloat162 V;
+  static MK_DEVICE V make(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <> struct MkPair<__half> {
+  typedef __half2 V;
+  static MK_DEVICE V make(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <> struct MkPair<float> {
+  typedef float2 V;
+  static MK_DEVICE V make(float a, float b) { return make_float2(a, b); }
+};
+
+template <typename OutT> struct MkEpilogueStore {
+  OutT* c;
+  long long ldc;
+  int vec_ok;
+  static constexpr bool kTileDone = false;
+  template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
+    const int rbase = 64 * slab;
+    OutT* const cbase = c + (long long)t.row0 * ldc + t.col0;
+    mk_wgmma_frag_for_each<BN>(acc, [&](int r, int col, float v0, float v1) {
+      const int rr = rbase + r;
+      if (rr < t.rows) {
+        OutT* p = cbase + (long long)rr * ldc + col;
+        if (col + 1 < t.cols) {
+          if (vec_ok) {
+            *reinterpret_cast<typename MkPair<OutT>::V*>(p) = MkPair<OutT>::make(v0, v1);
+          } else {
+            p[0] = mk_from_f32<OutT>(v0);
+            p[1] = mk_from_f32<OutT>(v1);
+          }
+        } else if (col < t.cols) {
+          p[0] = mk_from_f32<OutT>(v0);
+        }
+      }
+    });
+  }
+  MK_DEVICE void tile_done(const MkTile&) {}
+};
+
+// ---- shared-memory carve-up ------------------------------------------------------------------------------
+template <class Cfg> struct MkGemmSmem {
+  unsigned char* base;  // 1024-byte aligned
+  MK_DEVICE explicit MkGemmSmem(unsigned char* raw) {
+    const mk_u32 a = mk_smem_addr(raw);
+    base = raw + ((1024u - (a & 1023u)) & 1023u);
+  }
+  MK_DEVICE unsigned char* a(int s) const { return base + s * Cfg::STAGE_BYTES; }
+  MK_DEVICE unsigned char* b(int s) const { return base + s * Cfg::STAGE_BYTES + Cfg::A_BYTES; }
+  MK_DEVICE mk_u64* full(int s) const { return reinterpret_cast<mk_u64*>(base + Cfg::BAR_OFFSET) + s; }
+  MK_DEVICE mk_u64* empty(int s) const { return reinterpret_cast<mk_u64*>(base + Cfg::BAR_OFFSET) + Cfg::STAGES + s; }
+  MK_DEVICE volatile int* abort_flag() const {
+    return reinterpret_cast<volatile int*>(base + Cfg::BAR_OFFSET + 2 * Cfg::STAGES * 8);
+  }
+};
+
+// ---- the tile loop ----------------------------------------------------------------------------------------
+// tmA: 2-D map over A (dims {K, rows}, box {64, BM}).  tmB: 3-D map over B (kn: dims {N, K, groups},
+// box {64, 64, 1}; nk: dims {K, N, groups}, box {64, BN, 1}); both 128B-swizzled (mkernel/tensormap.py).
+// K: the reduction length (k blocks = ceil(K / 64); loads past the maps' bounds are zero-filled).
+// Returns false if the hook aborted.
+template <class Cfg, class Sched, class Hook, class Epi>
+MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K, Sched sched, const Hook& hook,
+                           Epi& epi, unsigned char* smem_raw, int worker_id, int num_workers) {
+  const MkGemmSmem<Cfg> sm(smem_raw);
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
+
+  if (tid == 0) {
+    for (int s = 0; s < Cfg::STAGES; ++s) {
+      mk_mbar_init(sm.full(s), 1);
+      mk_mbar_init(sm.empty(s), 4 * Cfg::NC);  // lane 0 of every consumer warp
+    }
+    *sm.abort_flag() = 0;
+    mk_mbar_init_fence();
+    mk_tma_prefetch_desc(tmA);
+    mk_tma_prefetch_desc(tmB);
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ================= producer warpgroup =================
+    if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    if (tid >= 32) return true;
+    sched.init(worker_id, num_workers);
+    int stage = 0;
+    mk_u32 phase = 0;
+    MkTile t;
+    while (sched.next(t)) {
+      for (int kb = 0; kb < nkb; ++kb) {
+        if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb)) {
+          // Abort: flag it, then complete the phase the consumers will wait on next without data.
+          if (lane == 0) *sm.abort_flag() = 1;
+          mk_mbar_wait(sm.empty(stage), phase ^ 1);
+          if (lane == 0) mk_mbar_arrive(sm.full(stage));
+          __syncwarp();
+          return false;
+        }
+        mk_mbar_wait(sm.empty(stage), phase ^ 1);
+        if (lane == 0) {
+          const int k0 = kb * Cfg::BK;
+          if constexpr (Cfg::B_KN) {
+            const int nchunks = (t.cols + 63) / 64;  // skip chunks wholly right of N
+            mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + nchunks * Cfg::B_CHUNK_BYTES);
+            mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, t.row0);
+            for (int j = 0; j < nchunks; ++j)
+              mk_tma_load_3d(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
+          } else {
+            mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::STAGE_BYTES);
+            mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, t.row0);
+            mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
+          }
+        }
+        __syncwarp();
+        if (++stage == Cfg::STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return true;
+  }
+
+  // ================= consumer warpgroups =================
+  if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+  const int slab = tid / 128 - 1;
+  float acc[Cfg::BN / 2];
+#pragma unroll
+  for (int i = 0; i < Cfg::BN / 2; ++i) acc[i] = 0.f;
+  sched.init(worker_id, num_workers);
+  int stage = 0;
+  mk_u32 phase = 0;
+  bool aborted = false;
+  MkTile t;
+  while (sched.next(t)) {
+    int prev = -1;
+    for (int kb = 0; kb < nkb; ++kb) {
+      mk_mbar_wait(sm.full(stage), phase);
+      if (*sm.abort_flag()) {
+        aborted = true;
+        break;
+      }
+      const mk_u32 a_addr = mk_smem_addr(sm.a(stage)) + slab * 64 * 128;
+      const mk_u32 b_addr = mk_smem_addr(sm.b(stage));
+      mk_wgmma_fence_regs(acc);
+      mk_wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < Cfg::BK / 16; ++k) {
+        const mk_u64 da = mk_wgmma_desc_kmajor(a_addr, k);
+        const mk_u64 db = Cfg::B_KN ? mk_wgmma_desc_mnmajor(b_addr, k, Cfg::B_CHUNK_BYTES) : mk_wgmma_desc_kmajor(b_addr, k);
+        MkWgmma<Cfg::BN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da, db, (kb > 0 || k > 0) ? 1 : 0);
+      }
+      mk_wgmma_commit();
+      if constexpr (Cfg::PIPELINED) {
+        mk_wgmma_wait<1>();  // the previous batch is done: its stage can be refilled
+        mk_wgmma_fence_regs(acc);
+        if (prev >= 0 && lane == 0) mk_mbar_arrive(sm.empty(prev));
+      } else {
+        mk_wgmma_wait<0>();
+        mk_wgmma_fence_regs(acc);
+        if (lane == 0) mk_mbar_arrive(sm.empty(stage));
+      }
+      prev = stage;
+      if (++stage == Cfg::STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    if constexpr (Cfg::PIPELINED) {
+      mk_wgmma_wait<0>();
+      mk_wgmma_fence_regs(acc);
+      if (!aborted && prev >= 0 && lane == 0) mk_mbar_arrive(sm.empty(prev));
+    }
+    if (aborted) break;
+    epi.template store<Cfg::BN>(t, slab, acc);
+    if constexpr (Epi::kTileDone) {
+      mk_named_barrier_sync(1, 128 * Cfg::NC);
+      if (tid == 128) epi.tile_done(t);
+    }
+  }
+  return !aborted;
+}

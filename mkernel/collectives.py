@@ -1,0 +1,227 @@
+"""GPU-driven collectives over NVLink: all-gather, reduce-scatter, all-reduce (sum).
+
+Each call is one persistent kernel (``cuda_src/collectives.cu``) launched on the caller's stream; no
+host synchronization between calls (per-call epochs live on the device), so calls can be captured
+in a CUDA graph and replayed.  Every device-side wait is bounded by the context timeout; a dead peer
+turns into :class:`mkernel.CommTimeout` at the next :meth:`Context.check`/``synchronize``.
+
+The ranks taking part are those of the caller's node (``ctx.local_size`` ranks joined by NVLink).
+bf16 / fp16 / fp32 (reductions accumulate in fp32); all-gather also takes int32/int64.  Inputs and
+outputs are any CUDA arrays (``__cuda_array_interface__`` / DLPack), C-contiguous, on the context's
+GPU; they need not be symmetric memory: each op owns a symmetric workspace, allocated on first use
+and grown when a larger call comes.  The first call with a new size checks across ranks that every
+rank makes the same call.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from . import runtime
+from .arrays import DeviceArray, as_device_array, dtype_of
+
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks"]
+
+_SOURCE = "collectives.cu"
+_REDUCE_DTYPES = ("bfloat16", "float16", "float32")
+_GATHER_DTYPES = ("bfloat16", "float16", "float32", "int32", "int64")
+_THREADS = 512
+ONE_SHOT_MAX_BYTES = 256 * 1024  # all-reduce below this: one flag hop instead of two
+_HEADER = 4096
+
+for _code in (0, 1, 2):
+    runtime.register_specialization(_SOURCE, {"MK_DTYPE": _code})
+
+
+class CollLayout(ctypes.Structure):
+    """``struct CollLayout`` of collectives.cu: byte offsets into the symmetric workspace."""
+
+    _fields_ = [("consumed_off", ctypes.c_uint64), ("flags_off", ctypes.c_uint64),
+                ("data0_off", ctypes.c_uint64), ("data1_off", ctypes.c_uint64),
+                ("slot_bytes", ctypes.c_uint64), ("chunk_bytes", ctypes.c_uint64),
+                ("nchunks", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def plan_chunks(slot_bytes: int, grid_max: int, min_chunk: int = 32 * 1024) -> tuple[int, int]:
+    """(chunk_bytes, nchunks): about two chunks per block, none smaller than ``min_chunk``."""
+    slot_bytes = max(slot_bytes, 16)
+    chunk = max(min_chunk, -(-slot_bytes // (2 * grid_max)))
+    chunk = _round_up(min(chunk, _round_up(slot_bytes, 16)), 16)
+    return chunk, -(-slot_bytes // chunk)
+
+
+def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLayout, int]:
+    slot_bytes = _round_up(max(slot_bytes, 16), 256)
+    chunk, nchunks = plan_chunks(slot_bytes, grid_max)
+    L = CollLayout()
+    L.consumed_off = 64
+    L.flags_off = _round_up(L.consumed_off + 8 * P, 256)
+    L.data0_off = _round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
+    L.data1_off = L.data0_off + P * slot_bytes
+    L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks
+    total = L.data0_off + phases * P * slot_bytes
+    return L, total
+
+
+class _Launcher:
+    """Compiled kernel + workspace for one (op, dtype) on one context."""
+
+    def __init__(self, ctx, op: str, dtype_code: int):
+        self.ctx = ctx
+        self.op = op
+        mod = runtime.compile_module(_SOURCE, {"MK_DTYPE": dtype_code})
+        self.kernel = mod.function("mk_" + op)
+        # co-residency: one block per SM
+        per_sm = self.kernel.max_active_blocks_per_sm(_THREADS)
+        if per_sm < 1:
+            raise RuntimeError(f"mkernel: {op} kernel cannot be resident ({per_sm} blocks/SM)")
+        self.grid_max = ctx.sm_count
+
+    def workspace(self, L: CollLayout, total: int):
+        # one workspace per (op) per context; layouts are computed from sizes all ranks agreed on
+        return self.ctx.workspace(("collective", self.op), total)
+
+
+_launchers: dict = {}
+
+
+def _launcher(ctx, op: str, dtype) -> _Launcher:
+    key = (id(ctx), op, dtype.code)
+    ln = _launchers.get(key)
+    if ln is None or ln.ctx is not ctx:
+        ln = _Launcher(ctx, op, dtype.code)
+        _launchers[key] = ln
+    return ln
+
+
+def _check_array(ctx, arr: DeviceArray, what: str, name: str, dtypes) -> None:
+    if arr.dtype.name not in dtypes:
+        raise TypeError(f"{what}: {name} must be one of {', '.join(dtypes)}, got {arr.dtype.name}")
+    if arr.device != ctx.device:
+        raise ValueError(f"{what}: {name} is on GPU {arr.device}, but this rank's context uses GPU {ctx.device}")
+    if not arr.is_contiguous():
+        raise ValueError(f"{what}: {name} must be C-contiguous (strides {arr.strides} for shape {arr.shape})")
+    if arr.ptr % arr.dtype.itemsize:
+        raise ValueError(f"{what}: {name} is not aligned to its element size")
+
+
+def _launch(ctx, ln: _Launcher, args, grid: int, stream) -> None:
+    ln.kernel.launch(grid, _THREADS, args, stream=stream, cooperative=True)
+
+
+def _overlaps(a: DeviceArray, b: DeviceArray) -> bool:
+    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
+
+
+def all_gather(ctx, x, out=None, *, stream=None):
+    """Gather ``x`` from every local rank: ``out`` = concat over local ranks (axis 0).
+
+    ``x``: ``[n, ...]`` on every local rank (same shape and dtype everywhere);
+    ``out``: ``[local_size * n, ...]``, allocated when None; rank j's ``x`` lands in rows
+    ``[j*n, (j+1)*n)`` on every rank.  ``x`` may be this rank's own rows of ``out`` (in place).
+    Returns ``out``.
+    """
+    what = "mkernel.all_gather"
+    ctx.check()
+    x = as_device_array(x, name="x")
+    _check_array(ctx, x, what, "x", _GATHER_DTYPES)
+    P = ctx.local_size
+    out_shape = (P * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
+    if out is None:
+        out = DeviceArray.empty(out_shape, x.dtype, device=ctx.device)
+    o = as_device_array(out, name="out")
+    _check_array(ctx, o, what, "out", _GATHER_DTYPES)
+    if o.dtype.name != x.dtype.name or tuple(o.shape) != out_shape:
+        raise ValueError(f"{what}: out must be {x.dtype.name} {out_shape}, got {o.dtype.name} {tuple(o.shape)}")
+    own = o.ptr + ctx.local_rank * x.nbytes
+    if _overlaps(x, o) and x.ptr != own:
+        raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
+    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.node_comm)
+    if x.nbytes == 0:
+        return out
+    ln = _launcher(ctx, "all_gather", dtype_of("bfloat16"))  # byte-oriented: one kernel for every dtype
+    L, total = _layout(P, x.nbytes, ln.grid_max, 1)
+    ws = ln.workspace(L, total)
+    grid = min(ln.grid_max, L.nchunks)
+    args = [ctx.comm_args("all_gather"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes),
+            ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
+    _launch(ctx, ln, args, grid, stream)
+    return out
+
+
+def reduce_scatter(ctx, x, out=None, *, stream=None):
+    """Sum ``x`` over local ranks and scatter: ``out`` on local rank j = sum_r x_r[j*n:(j+1)*n].
+
+    ``x``: ``[local_size * n, ...]``; ``out``: ``[n, ...]`` (allocated when None), must not overlap
+    ``x``.  bf16/fp16/fp32, fp32 accumulation.  Returns ``out``.
+    """
+    what = "mkernel.reduce_scatter"
+    ctx.check()
+    x = as_device_array(x, name="x")
+    _check_array(ctx, x, what, "x", _REDUCE_DTYPES)
+    P = ctx.local_size
+    if x.ndim == 0 or x.shape[0] % P:
+        raise ValueError(f"{what}: x's first dimension ({x.shape[0] if x.ndim else 'scalar'}) must be a multiple "
+                         f"of the number of local ranks ({P})")
+    out_shape = (x.shape[0] // P,) + tuple(x.shape[1:])
+    if out is None:
+        out = DeviceArray.empty(out_shape, x.dtype, device=ctx.device)
+    o = as_device_array(out, name="out")
+    _check_array(ctx, o, what, "out", _REDUCE_DTYPES)
+    if o.dtype.name != x.dtype.name or tuple(o.shape) != out_shape:
+        raise ValueError(f"{what}: out must be {x.dtype.name} {out_shape}, got {o.dtype.name} {tuple(o.shape)}")
+    if _overlaps(x, o):
+        raise ValueError(f"{what}: out must not overlap x")
+    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.node_comm)
+    n = o.size
+    if n == 0:
+        return out
+    ln = _launcher(ctx, "reduce_scatter", x.dtype)
+    L, total = _layout(P, o.nbytes, ln.grid_max, 1)
+    ws = ln.workspace(L, total)
+    grid = min(ln.grid_max, L.nchunks)
+    args = [ctx.comm_args("reduce_scatter"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n),
+            ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
+    _launch(ctx, ln, args, grid, stream)
+    return out
+
+
+def all_reduce(ctx, x, out=None, *, stream=None):
+    """Sum ``x`` over local ranks into ``out`` (same shape; allocated when None; may be ``x`` itself).
+
+    bf16/fp16/fp32, fp32 accumulation.  Below ``ONE_SHOT_MAX_BYTES`` every rank reduces the whole
+    array itself (one hop); above, reduce-scatter + all-gather inside one kernel.  Every rank gets
+    bit-identical results.  Returns ``out``.
+    """
+    what = "mkernel.all_reduce"
+    ctx.check()
+    x = as_device_array(x, name="x")
+    _check_array(ctx, x, what, "x", _REDUCE_DTYPES)
+    if out is None:
+        out = DeviceArray.empty(tuple(x.shape), x.dtype, device=ctx.device)
+    o = as_device_array(out, name="out")
+    _check_array(ctx, o, what, "out", _REDUCE_DTYPES)
+    if o.dtype.name != x.dtype.name or tuple(o.shape) != tuple(x.shape):
+        raise ValueError(f"{what}: out must be {x.dtype.name} {tuple(x.shape)}, got {o.dtype.name} {tuple(o.shape)}")
+    if _overlaps(x, o) and x.ptr != o.ptr:
+        raise ValueError(f"{what}: out overlaps x without being x")
+    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.node_comm)
+    n = x.size
+    if n == 0:
+        return out
+    P = ctx.local_size
+    ln = _launcher(ctx, "all_reduce", x.dtype)
+    one_shot = x.nbytes <= ONE_SHOT_MAX_BYTES or P == 1
+    vec = 16 // x.dtype.itemsize
+    shard = n if one_shot else _round_up(-(-n // P), vec)
+    L, total = _layout(P, shard * x.dtype.itemsize, ln.grid_max, 1 if one_shot else 2)
+    ws = ln.workspace(L, total)
+    grid = min(ln.grid_max, L.nchunks)
+    args = [ctx.comm_args("all_reduce"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n),
+            ctypes.c_uint64(shard), ctypes.c_int32(1 if one_shot else 0), ctypes.c_uint64(ws.ptr),
+            ctypes.c_uint64(ws.peer_table), L]
+    _launch(ctx, ln, args, grid, stream)
+    return out

@@ -1,0 +1,210 @@
+"""Bootstrap, topology, and the per-rank context every op takes.
+
+``mkernel.init(comm=None)`` (``MPI.COMM_WORLD`` by default) returns a :class:`Context`:
+
+* world ``rank``/``size``;
+* ``node``/``num_nodes``: nodes come from a shared-memory split of the communicator;
+  ``ranks_per_node`` (argument, or ``MKERNEL_RANKS_PER_NODE``) groups each host's ranks into smaller
+  *emulated* nodes (e.g. 1: every rank its own node), so every multi-node code path runs on one box;
+* ``local_rank``/``local_size``: the ranks of this (possibly emulated) node, joined by NVLink;
+* ``device``: the GPU, by default the rank's index among the processes on its host (physical, so
+  emulated nodes on one host use different GPUs), modulo the GPU count; ``device=`` or
+  ``MKERNEL_DEVICE`` override it.
+
+The context owns the host-mapped error record kernels write on a timeout, symmetric memory
+(:mod:`mkernel.symmetric`) and per-op workspaces.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+import zlib
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from .errors import CommError, CommTimeout
+from .runtime import check, stream_handle
+from .signals import OPS, ErrorRecordView, MkComm
+from .topology import Topology
+
+__all__ = ["init", "Context"]
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def _env_int(name: str):
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+class Context:
+    """Per-rank state: communicators, topology, GPU, error record, symmetric memory and workspaces."""
+
+    def __init__(self, comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
+                 timeout: float | None = None):
+        topo = Topology.from_comm(comm, ranks_per_node)
+        self.topology = topo
+        self.world, self.node_comm, self.host_comm = topo.world, topo.node_comm, topo.host_comm
+        self.rank, self.size = topo.rank, topo.size
+        self.node, self.num_nodes = topo.node, topo.num_nodes
+        self.local_rank, self.local_size = topo.local_rank, topo.local_size
+        self.emulated = topo.emulated
+        self.local_world_ranks, self.node_of_rank = topo.local_world_ranks, topo.node_of_rank
+        host_rank = topo.host_rank
+        # GPU
+        check(cu.cuInit(0))
+        ndev = check(cu.cuDeviceGetCount())
+        if ndev == 0:
+            raise CommError("mkernel.init: no CUDA device")
+        dev = device if device is not None else _env_int("MKERNEL_DEVICE")
+        self.device = int(dev) if dev is not None else host_rank % ndev
+        if not 0 <= self.device < ndev:
+            raise ValueError(f"mkernel.init: device {self.device} out of range (this host has {ndev})")
+        from cuda.core import Device
+
+        self._cu_device = Device(self.device)
+        self._cu_device.set_current()
+        self.cu_context = check(cu.cuCtxGetCurrent())
+        A = cu.CUdevice_attribute
+        self.sm_count = int(check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device)))
+        # timeout
+        t = timeout if timeout is not None else os.environ.get("MKERNEL_TIMEOUT")
+        self.timeout = float(t) if t not in (None, "") else DEFAULT_TIMEOUT_S
+        # host-mapped error record
+        flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
+        self._err_host = int(check(cu.cuMemHostAlloc(4096, flags)))
+        ctypes.memset(self._err_host, 0, 4096)
+        self._err_dev = int(check(cu.cuMemHostGetDevicePointer(self._err_host, 0)))
+        self.error_record = ErrorRecordView(self._err_host, self.local_world_ranks)
+        self._workspaces: dict = {}
+        self._agreed: set = set()
+        self._symmetric: list = []
+        self._closed = False
+        self.proxy = None  # inter-node proxy, created on first multi-node use
+
+    # ------------------------------------------------------------------ kernel arguments
+    def comm_args(self, op: str | int) -> MkComm:
+        c = MkComm()
+        c.err = self._err_dev
+        c.timeout_ns = int(self.timeout * 1e9)
+        c.rank, c.world_size = self.rank, self.size
+        c.local_rank, c.local_size = self.local_rank, self.local_size
+        c.node, c.num_nodes = self.node, self.num_nodes
+        c.op = OPS[op] if isinstance(op, str) else int(op)
+        return c
+
+    # ------------------------------------------------------------------ errors
+    def check(self) -> None:
+        """Raise :class:`~mkernel.CommTimeout` if any kernel of this rank reported a failure (non-blocking)."""
+        self.error_record.raise_if_set()
+        if self.proxy is not None:
+            self.proxy.check()
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for ``stream`` (or the whole device when None) and raise what the kernels reported."""
+        if stream is None:
+            r = cu.cuCtxSynchronize()
+        else:
+            r = cu.cuStreamSynchronize(cu.CUstream(stream_handle(stream)))
+        self.check()
+        check(r)
+
+    # ------------------------------------------------------------------ agreement across ranks
+    def agree(self, what: str, signature: tuple, comm=None) -> None:
+        """Check, once per distinct ``signature``, that every rank of ``comm`` makes the same call.
+
+        Raises ``ValueError`` naming the ranks that differ, or :class:`CommTimeout` if a rank does not
+        join within the context timeout.  Later calls with an agreed signature cost nothing.
+        """
+        comm = comm if comm is not None else self.world
+        key = (what, signature, id(comm))
+        if key in self._agreed:
+            return
+        digest = zlib.crc32(repr((what, signature)).encode()) & 0xFFFFFFFF
+        mine = np.array([digest], dtype=np.int64)
+        allv = np.empty(comm.Get_size(), dtype=np.int64)
+        req = comm.Iallgather(mine, allv)
+        deadline = time.monotonic() + max(self.timeout, 1.0) * 4
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"mkernel: rank {self.rank} waited {max(self.timeout, 1.0) * 4:.1f} s for the "
+                                  f"other ranks to join {what}; a rank is dead or made a different call",
+                                  {"rank": self.rank, "op": what})
+            time.sleep(1e-4)
+        if not np.all(allv == digest):
+            sigs = comm.allgather(signature)
+            bad = [i for i, s in enumerate(sigs) if s != signature]
+            raise ValueError(f"mkernel: {what}: ranks disagree on the call: this rank (rank {comm.Get_rank()} of "
+                             f"the communicator) has {signature}, ranks {bad} have {[sigs[i] for i in bad]}")
+        self._agreed.add(key)
+
+    # ------------------------------------------------------------------ memory
+    def alloc_symmetric(self, nbytes: int, comm=None):
+        """Collectively allocate ``nbytes`` on every rank of this node and map every peer's copy."""
+        from .symmetric import SymmetricBuffer
+
+        buf = SymmetricBuffer(self, nbytes, comm if comm is not None else self.node_comm)
+        self._symmetric.append(buf)
+        return buf
+
+    def workspace(self, key, nbytes: int):
+        """A cached symmetric workspace for ``key``, re-allocated (collectively) when it must grow.
+
+        Every rank calls ops in the same order with the same sizes (checked by :meth:`agree`), so
+        growth happens on all ranks at the same call.  A fresh workspace is zeroed: flags and epochs
+        start at 0.
+        """
+        ws = self._workspaces.get(key)
+        if ws is not None and ws.nbytes >= nbytes:
+            return ws
+        if ws is not None:
+            self.synchronize()
+            ws.free()
+        grow = max(nbytes, int(ws.nbytes * 1.5) if ws is not None else nbytes)
+        ws = self.alloc_symmetric(grow)
+        self._workspaces[key] = ws
+        return ws
+
+    def barrier(self) -> None:
+        self.world.Barrier()
+
+    def close(self) -> None:
+        """Free workspaces and symmetric buffers (collective), stop the proxy, release the error record."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            check(cu.cuCtxSynchronize())
+        except Exception:
+            pass
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
+        for ws in list(self._symmetric):
+            if not ws.freed:
+                ws.free()
+        self._workspaces.clear()
+        check(cu.cuMemFreeHost(self._err_host))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"Context(rank={self.rank}/{self.size}, node={self.node}/{self.num_nodes}, "
+                f"local_rank={self.local_rank}/{self.local_size}, device={self.device}"
+                f"{', emulated nodes' if self.emulated else ''})")
+
+
+def init(comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
+         timeout: float | None = None) -> Context:
+    """Create the per-rank :class:`Context` (collective over ``comm``, default ``MPI.COMM_WORLD``).
+
+    ``ranks_per_node`` (or env ``MKERNEL_RANKS_PER_NODE``) splits each host into emulated nodes;
+    ``timeout`` (seconds, or env ``MKERNEL_TIMEOUT``, default 5) bounds every device-side wait.
+    """
+    return Context(comm, device=device, ranks_per_node=ranks_per_node, timeout=timeout)

@@ -1,0 +1,545 @@
+"""GEMM and grouped GEMM on Hopper (TMA + wgmma, warp-specialized, persistent): ``cuda_src/gemm.cu``.
+
+``gemm(a, b)``: ``C[M, N] = A[M, K] @ B`` with A row-major ``[M, K]`` and B either row-major
+``[K, N]`` (``b_layout="kn"``) or ``[N, K]`` (``b_layout="nk"``, weights as frameworks store them,
+i.e. ``C = A @ B.T``).  ``grouped_gemm(a, b, group_offsets)``: for every group g,
+``C[o[g]:o[g+1]] = A[o[g]:o[g+1]] @ B[g]`` with B ``[G, K, N]`` ("kn") or ``[G, N, K]`` ("nk")
+(MoE experts; groups may be empty and uneven).
+
+Inputs are bf16 or fp16 (A and B alike), accumulation is fp32, the output is bf16, fp16 or fp32
+(default: the input dtype; pass ``out=`` or ``out_dtype=``).  Arrays are anything with
+``__cuda_array_interface__`` or DLPack on the current device.  Any M, N, K works: tiles at the edges
+are masked (TMA zero-fills out-of-bounds loads, the epilogue masks stores); K == 0 writes zeros.
+
+TMA needs 16-byte-aligned base addresses and row strides.  An operand that violates this (e.g. K = 7
+for row-major A, N odd for a "kn" B, a misaligned view, a non-unit inner stride) is first staged on
+the device into a dense zero-padded copy (``mk_pad_copy_u16``, one extra pass over that operand),
+so every shape works; aligned operands are read in place.  The output needs a unit column stride
+(any row stride); it is written with masked stores, no alignment needed.
+
+Launch cost: a per-shape plan (compiled kernel, grid, tensor maps, packed arguments, staging
+buffers) is cached in a bounded LRU keyed by pointers, shapes, strides and dtypes, so a repeated call
+re-encodes nothing.  Staging buffers live in the plan: two calls that share a plan must not run
+concurrently on different streams while an operand needs staging.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from . import runtime
+from .arrays import DeviceArray, _on_device, as_device_array
+from .tensormap import encode_tiled
+
+__all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "describe"]
+
+SOURCE = "gemm.cu"
+_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
+IN_DTYPES = ("bfloat16", "float16")
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+LAYOUTS = ("kn", "nk")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One tile configuration of cuda_src/gemm.cu (MK_GEMM_CONFIG)."""
+
+    id: int
+    bm: int
+    bn: int
+    stages: int
+    consumers: int  # consumer warpgroups; block = 128 * (consumers + 1) threads
+    efficiency: float  # relative per-tile throughput used by the heuristic
+    debug: bool = False
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def smem(self) -> int:  # must match MkGemmConfig::SMEM_BYTES
+        return self.stages * (self.bm + self.bn) * 64 * 2 + 256 + 1024
+
+
+CONFIGS = {
+    0: TileConfig(0, 64, 128, 2, 1, 0.5, debug=True),  # simple: every wgmma batch waited on
+    1: TileConfig(1, 64, 128, 8, 1, 0.80),
+    2: TileConfig(2, 128, 128, 6, 2, 0.92),
+    3: TileConfig(3, 128, 256, 4, 2, 1.00),
+}
+GROUP_M = 8  # rasterization super-row height (tiles)
+
+for _i in IN_DTYPES:
+    for _o in OUT_DTYPES:
+        for _c in CONFIGS:
+            runtime.register_specialization(SOURCE, dict(MK_GEMM_IN=_CODE[_i], MK_GEMM_OUT=_CODE[_o], MK_GEMM_CONFIG=_c))
+
+
+class _GemmArgs(ctypes.Structure):
+    """Mirror of MkGemmArgs in cuda_src/gemm.cu (56 bytes)."""
+
+    _fields_ = [
+        ("c", ctypes.c_void_p),
+        ("group_offsets", ctypes.c_void_p),
+        ("ldc", ctypes.c_int64),
+        ("M", ctypes.c_int32),
+        ("N", ctypes.c_int32),
+        ("K", ctypes.c_int32),
+        ("num_groups", ctypes.c_int32),
+        ("group_m", ctypes.c_int32),
+        ("c_vec_ok", ctypes.c_int32),
+        ("offsets_i32", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+    ]
+
+
+assert ctypes.sizeof(_GemmArgs) == 56
+
+
+# --------------------------------------------------------------------------------------------
+# compiled kernels, device facts
+# --------------------------------------------------------------------------------------------
+_kernels: dict = {}
+_sm_count: dict = {}
+
+
+def _defines(in_dtype: str, out_dtype: str, config: int) -> dict:
+    return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMM_CONFIG=config)
+
+
+def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
+    key = (in_dtype, out_dtype, config, name)
+    k = _kernels.get(key)
+    if k is None:
+        mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, config))
+        k = mod.function(name)
+        _kernels[key] = k
+    return k
+
+
+def _num_sms(device: int) -> int:
+    n = _sm_count.get(device)
+    if n is None:
+        n = runtime.device_attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
+        _sm_count[device] = n
+    return n
+
+
+def choose_config(num_tiles, num_sms: int) -> TileConfig:
+    """Pick the tile config minimising (waves x per-tile time).
+
+    ``num_tiles(cfg)`` gives the tile count of the problem under ``cfg``.  Per-tile time is taken
+    as BM*BN / efficiency; waves = ceil(tiles / SMs) (a persistent block runs ceil or floor of the
+    average).  ``MKERNEL_GEMM_CONFIG`` (0..3) forces a config.
+    """
+    env = os.environ.get("MKERNEL_GEMM_CONFIG")
+    if env:
+        return CONFIGS[int(env)]
+    best, best_cost = None, None
+    for cfg in CONFIGS.values():
+        if cfg.debug:
+            continue
+        tiles = max(1, num_tiles(cfg))
+        cost = math.ceil(tiles / num_sms) * cfg.bm * cfg.bn / cfg.efficiency
+        if best_cost is None or cost < best_cost:
+            best, best_cost = cfg, cost
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# operands
+# --------------------------------------------------------------------------------------------
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclass
+class _Operand:
+    """A TMA-ready view: ptr, dims (innermost first) and byte strides of dims[1:]."""
+
+    ptr: int
+    dims: tuple
+    strides: tuple
+    staging: object = None  # DeviceArray holding the padded copy, or None
+    copy: tuple | None = None  # (batch, rows, cols, cols_p, dst_ld, sb, sr, sc, src_ptr)
+
+
+def _tma_operand(x: DeviceArray, batch: int, rows: int, cols: int, sb: int, sr: int, sc: int) -> _Operand:
+    """View of x as [batch, rows, cols] (element strides sb, sr, sc) with `cols` contiguous.
+
+    Read in place when TMA allows (16-byte aligned base and strides, unit inner stride), else staged
+    into a dense [batch, rows, roundup(cols, 8)] zero-padded copy.
+    """
+    isz = x.dtype.itemsize
+    unit = sc == 1 or cols == 1
+    row_b = sr * isz if rows > 1 else _round_up(cols * isz, 16)
+    bat_b = sb * isz if batch > 1 else row_b * rows
+    ok = (unit and x.ptr % 16 == 0 and row_b > 0 and bat_b > 0 and row_b % 16 == 0 and bat_b % 16 == 0
+          and (rows == 1 or sr >= cols) and (batch == 1 or sb >= rows * sr))
+    if ok:
+        return _Operand(x.ptr, (cols, rows, batch), (row_b, bat_b))
+    cols_p = _round_up(cols, 8)
+    buf = DeviceArray.empty((batch, rows, cols_p), x.dtype.name, device=x.device)
+    row_b = cols_p * isz
+    return _Operand(buf.ptr, (cols, rows, batch), (row_b, row_b * rows), buf,
+                    (batch, rows, cols, cols_p, cols_p, sb, sr, sc, x.ptr))
+
+
+def _pad_launch(op: _Operand, in_dtype: str, out_dtype: str, device: int):
+    batch, rows, cols, cols_p, dst_ld, sb, sr, sc, src = op.copy
+    k = _kernel(in_dtype, out_dtype, 1, "mk_pad_copy_u16")
+    total = batch * rows * cols_p
+    grid = max(1, min((total + 255) // 256, 8 * _num_sms(device)))
+    args = [ctypes.c_void_p(op.ptr), ctypes.c_void_p(src)] + [ctypes.c_int64(v) for v in
+                                                             (batch, rows, cols, cols_p, dst_ld, sb, sr, sc)]
+    return (k, grid, 256, args)
+
+
+def _zero_fill_launch(out: DeviceArray, M: int, N: int, ldc: int, in_dtype: str, device: int):
+    name = "mk_pad_copy_u32" if out.dtype.itemsize == 4 else "mk_pad_copy_u16"
+    k = _kernel(in_dtype, out.dtype.name, 1, name)
+    grid = max(1, min((M * N + 255) // 256, 8 * _num_sms(device)))
+    args = [ctypes.c_void_p(out.ptr), ctypes.c_void_p(0)] + [ctypes.c_int64(v) for v in (1, M, N, N, ldc, 0, 0, 0)]
+    return (k, grid, 256, args)
+
+
+def _check_dtype(x: DeviceArray, name: str, allowed) -> str:
+    n = x.dtype.name
+    if n not in allowed:
+        raise TypeError(f"mkernel.gemm: {name} has dtype {n}; expected one of {', '.join(allowed)}")
+    return n
+
+
+def _check_device(arrays, names) -> int:
+    dev = arrays[0].device
+    for x, n in zip(arrays, names):
+        if x.device != dev:
+            raise ValueError(f"mkernel.gemm: {n} is on cuda:{x.device}, {names[0]} on cuda:{dev}")
+    return dev
+
+
+def _prepare_out(out, out_dtype, in_dtype: str, shape, device: int):
+    if out is None:
+        od = out_dtype or in_dtype
+        if od not in OUT_DTYPES:
+            raise TypeError(f"mkernel.gemm: out_dtype {od} not in {OUT_DTYPES}")
+        return DeviceArray.empty(shape, od, device=device)
+    o = out
+    _check_dtype(o, "out", OUT_DTYPES)
+    if out_dtype is not None and o.dtype.name != out_dtype:
+        raise TypeError(f"mkernel.gemm: out has dtype {o.dtype.name} but out_dtype={out_dtype}")
+    if tuple(o.shape) != tuple(shape):
+        raise ValueError(f"mkernel.gemm: out has shape {tuple(o.shape)}, expected {tuple(shape)}")
+    if shape[1] > 1 and o.strides[1] != 1:
+        raise ValueError("mkernel.gemm: out must have a unit column stride (row-major rows)")
+    if shape[0] > 1 and o.strides[0] < shape[1]:
+        raise ValueError(f"mkernel.gemm: out row stride {o.strides[0]} is smaller than N={shape[1]}")
+    return o
+
+
+# --------------------------------------------------------------------------------------------
+# plans
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    cfg: TileConfig
+    kernel: object
+    grid: int
+    args: list
+    pre: list  # staging launches: (kernel, grid, block, args)
+    keep: list  # device buffers the launches use
+
+    def run(self, stream):
+        for k, g, b, a in self.pre:
+            k.launch(g, b, a, stream=stream)
+        if self.kernel is not None:
+            self.kernel.launch(self.grid, self.cfg.threads, self.args, stream=stream, smem=self.cfg.smem)
+
+
+_plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_plans_lock = threading.Lock()
+_PLANS_MAX = 64
+
+
+def _cached_plan(key, build):
+    with _plans_lock:
+        p = _plans.get(key)
+        if p is not None:
+            _plans.move_to_end(key)
+            return p
+    p = build()
+    with _plans_lock:
+        _plans[key] = p
+        while len(_plans) > _PLANS_MAX:
+            _plans.popitem(last=False)
+    return p
+
+
+def _akey(x: DeviceArray):
+    return (x.ptr, tuple(x.shape), tuple(x.strides), x.dtype.name)
+
+
+def _tensor_maps(A: _Operand, B: _Operand, in_dtype: str, cfg: TileConfig, b_layout: str):
+    tma = encode_tiled(A.ptr, in_dtype, A.dims[:2], A.strides[:1], (64, cfg.bm))
+    if b_layout == "kn":
+        tmb = encode_tiled(B.ptr, in_dtype, B.dims, B.strides, (64, 64, 1))
+    else:
+        tmb = encode_tiled(B.ptr, in_dtype, B.dims, B.strides, (64, cfg.bn, 1))
+    return tma, tmb
+
+
+# --------------------------------------------------------------------------------------------
+# public ops
+# --------------------------------------------------------------------------------------------
+def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, stream=None,
+         config: int | None = None):
+    """``out[M, N] = a[M, K] @ b`` (``b`` is ``[K, N]`` for ``b_layout="kn"``, ``[N, K]`` for "nk").
+
+    a, b: bf16 or fp16 (same dtype), 2-D, on the current device, any strides (staged if TMA cannot
+    read them in place, see module doc).  out: ``[M, N]`` bf16/fp16/fp32 with unit column stride, or
+    None to allocate one of ``out_dtype`` (default a's dtype).  stream: any stream-like object (None:
+    the legacy default stream).  config: force a tile config id (``CONFIGS``; debugging and
+    benchmarks).  Returns ``out``.  Asynchronous with respect to the host.
+    """
+    if b_layout not in LAYOUTS:
+        raise ValueError(f"mkernel.gemm: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    A = as_device_array(a, name="gemm: a", stream=stream)
+    B = as_device_array(b, name="gemm: b", stream=stream)
+    O_in = None if out is None else as_device_array(out, name="gemm: out", stream=stream)
+    if len(A.shape) != 2 or len(B.shape) != 2:
+        raise ValueError(f"mkernel.gemm: a and b must be 2-D, got shapes {tuple(A.shape)} and {tuple(B.shape)}")
+    in_dtype = _check_dtype(A, "a", IN_DTYPES)
+    if _check_dtype(B, "b", IN_DTYPES) != in_dtype:
+        raise TypeError(f"mkernel.gemm: a is {in_dtype} but b is {B.dtype.name}; they must match")
+    M, K = A.shape
+    if b_layout == "kn":
+        Kb, N = B.shape
+    else:
+        N, Kb = B.shape
+    if Kb != K:
+        raise ValueError(f"mkernel.gemm: inner dimensions differ: a is {tuple(A.shape)}, b is {tuple(B.shape)} "
+                         f"(b_layout={b_layout!r})")
+    if max(M, N, K) >= 2**31:
+        raise ValueError("mkernel.gemm: dimensions must be below 2**31")
+    if config is not None and config not in CONFIGS:
+        raise ValueError(f"mkernel.gemm: unknown config {config}; known: {sorted(CONFIGS)}")
+    dev = _check_device([A, B] + ([O_in] if O_in is not None else []), ["a", "b", "out"])
+    with _on_device(dev):
+        O = _prepare_out(O_in, out_dtype, in_dtype, (M, N), dev)
+        if M == 0 or N == 0:
+            return out if out is not None else O
+        key = ("gemm", dev, b_layout, config, os.environ.get("MKERNEL_GEMM_CONFIG"), _akey(A), _akey(B), _akey(O))
+        plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config))
+        plan.run(stream)
+    return out if out is not None else O
+
+
+def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config) -> _Plan:
+    out_dtype = O.dtype.name
+    ldc = O.strides[0] if M > 1 else N
+    sms = _num_sms(dev)
+    if K == 0:
+        pre = [_zero_fill_launch(O, M, N, ldc, in_dtype, dev)]
+        return _Plan(CONFIGS[1], None, 0, [], pre, [])
+    cfg = CONFIGS[config] if config is not None else choose_config(
+        lambda c: math.ceil(M / c.bm) * math.ceil(N / c.bn), sms)
+    sa = A.strides
+    opa = _tma_operand(A, 1, M, K, 0, sa[0], sa[1])
+    sb = B.strides
+    if b_layout == "kn":  # B[K, N]: N contiguous
+        opb = _tma_operand(B, 1, K, N, 0, sb[0], sb[1])
+    else:  # B[N, K]: K contiguous
+        opb = _tma_operand(B, 1, N, K, 0, sb[0], sb[1])
+    pre, keep = [], []
+    for op in (opa, opb):
+        if op.copy is not None:
+            pre.append(_pad_launch(op, in_dtype, out_dtype, dev))
+            keep.append(op.staging)
+    tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
+    args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, 0)
+    tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.bn)
+    kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
+    return _Plan(cfg, kernel, max(1, min(tiles, sms)), [tma, tmb, args], pre, keep)
+
+
+def _vec_ok(O: DeviceArray, ldc: int, M: int) -> int:
+    return int(O.ptr % (2 * O.dtype.itemsize) == 0 and (ldc % 2 == 0 or M == 1))
+
+
+def _is_host_sequence(x) -> bool:
+    return isinstance(x, (list, tuple, np.ndarray))
+
+
+def grouped_gemm(a, b, group_offsets, out=None, *, b_layout: str = "kn", out_dtype: str | None = None,
+                 stream=None, config: int | None = None):
+    """Grouped GEMM: ``out[o[g]:o[g+1]] = a[o[g]:o[g+1]] @ b[g]`` for g in range(G).
+
+    a: ``[T, K]`` (T = total rows, e.g. tokens sorted by expert).  b: ``[G, K, N]`` ("kn") or
+    ``[G, N, K]`` ("nk").  group_offsets o: G+1 nondecreasing row offsets with 0 <= o[0] and
+    o[G] <= T; a host sequence (validated, uploaded once per distinct value) or a device array of
+    int64/int32 (trusted, never read on the host: no synchronization).  Groups may be empty; rows of
+    out outside [o[0], o[G]) are not written.  out: ``[T, N]`` or None (allocated, dtype ``out_dtype``
+    or a's).  Returns out.
+    """
+    if b_layout not in LAYOUTS:
+        raise ValueError(f"mkernel.grouped_gemm: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    A = as_device_array(a, name="grouped_gemm: a", stream=stream)
+    B = as_device_array(b, name="grouped_gemm: b", stream=stream)
+    O_in = None if out is None else as_device_array(out, name="grouped_gemm: out", stream=stream)
+    if len(A.shape) != 2 or len(B.shape) != 3:
+        raise ValueError(f"mkernel.grouped_gemm: a must be 2-D and b 3-D, got {tuple(A.shape)} and {tuple(B.shape)}")
+    in_dtype = _check_dtype(A, "a", IN_DTYPES)
+    if _check_dtype(B, "b", IN_DTYPES) != in_dtype:
+        raise TypeError(f"mkernel.grouped_gemm: a is {in_dtype} but b is {B.dtype.name}; they must match")
+    T, K = A.shape
+    if b_layout == "kn":
+        G, Kb, N = B.shape
+    else:
+        G, N, Kb = B.shape
+    if Kb != K:
+        raise ValueError(f"mkernel.grouped_gemm: inner dimensions differ: a is {tuple(A.shape)}, b is "
+                         f"{tuple(B.shape)} (b_layout={b_layout!r})")
+    if max(T, N, K, G) >= 2**31:
+        raise ValueError("mkernel.grouped_gemm: dimensions must be below 2**31")
+    dev = _check_device([A, B] + ([O_in] if O_in is not None else []), ["a", "b", "out"])
+    host_offs = None
+    dev_offs = None
+    if _is_host_sequence(group_offsets):
+        host_offs = np.asarray(group_offsets, dtype=np.int64).reshape(-1)
+        if host_offs.shape[0] != G + 1:
+            raise ValueError(f"mkernel.grouped_gemm: group_offsets has {host_offs.shape[0]} entries; b has G={G} "
+                             f"groups, so G+1={G + 1} are needed")
+        if G and (host_offs[0] < 0 or host_offs[-1] > T or np.any(np.diff(host_offs) < 0)):
+            raise ValueError(f"mkernel.grouped_gemm: group_offsets must be nondecreasing within [0, {T}]")
+        offs_key = ("host", host_offs.tobytes())
+    else:
+        D = dev_offs = as_device_array(group_offsets, name="grouped_gemm: group_offsets", stream=stream)
+        if D.dtype.name not in ("int64", "int32"):
+            raise TypeError(f"mkernel.grouped_gemm: device group_offsets must be int64 or int32, got {D.dtype.name}")
+        if tuple(D.shape) != (G + 1,) or (G + 1 > 1 and D.strides[0] != 1):
+            raise ValueError(f"mkernel.grouped_gemm: device group_offsets must be a contiguous [{G + 1}] array")
+        _check_device([A, D], ["a", "group_offsets"])
+        offs_key = ("dev", D.ptr, D.dtype.name)
+    if config is not None and config not in CONFIGS:
+        raise ValueError(f"mkernel.grouped_gemm: unknown config {config}; known: {sorted(CONFIGS)}")
+    with _on_device(dev):
+        O = _prepare_out(O_in, out_dtype, in_dtype, (T, N), dev)
+        if T == 0 or N == 0 or G == 0:
+            return out if out is not None else O
+        key = ("grouped", dev, b_layout, config, os.environ.get("MKERNEL_GEMM_CONFIG"), _akey(A), _akey(B),
+               _akey(O), offs_key)
+        plan = _cached_plan(key, lambda: _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype,
+                                                       b_layout, dev, config))
+        plan.run(stream)
+    return out if out is not None else O
+
+
+def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, dev, config) -> _Plan:
+    out_dtype = O.dtype.name
+    ldc = O.strides[0] if T > 1 else N
+    sms = _num_sms(dev)
+    keep = []
+    if host_offs is not None:
+        sizes = np.diff(host_offs)
+
+        def num_tiles(c):
+            return int(np.sum((sizes + c.bm - 1) // c.bm)) * math.ceil(N / c.bn)
+
+        offs_buf = DeviceArray.from_numpy(host_offs.astype(np.int64))
+        keep.append(offs_buf)
+        offs_ptr, offs_i32 = offs_buf.ptr, 0
+    else:
+        def num_tiles(c):  # upper bound without reading the offsets
+            return (math.ceil(T / c.bm) + G) * math.ceil(N / c.bn)
+
+        offs_ptr, offs_i32 = dev_offs.ptr, int(dev_offs.dtype.name == "int32")
+    if K == 0:
+        # rows [o[0], o[G]) must become zero; without host offsets we zero every row (documented).
+        if host_offs is not None:
+            r0, r1 = int(host_offs[0]), int(host_offs[-1])
+        else:
+            r0, r1 = 0, T
+        pre = []
+        if r1 > r0:
+            sub = _Sub(O.ptr + r0 * ldc * O.dtype.itemsize, O.dtype)
+            pre = [_zero_fill_launch(sub, r1 - r0, N, ldc, in_dtype, dev)]
+        return _Plan(CONFIGS[1], None, 0, [], pre, keep)
+    cfg = CONFIGS[config] if config is not None else choose_config(num_tiles, sms)
+    sa = A.strides
+    opa = _tma_operand(A, 1, T, K, 0, sa[0], sa[1])
+    sb = B.strides
+    if b_layout == "kn":  # B[G, K, N]
+        opb = _tma_operand(B, G, K, N, sb[0], sb[1], sb[2])
+    else:  # B[G, N, K]
+        opb = _tma_operand(B, G, N, K, sb[0], sb[1], sb[2])
+    pre = []
+    for op in (opa, opb):
+        if op.copy is not None:
+            pre.append(_pad_launch(op, in_dtype, out_dtype, dev))
+            keep.append(op.staging)
+    tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
+    args = _GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, _vec_ok(O, ldc, T), offs_i32, 0)
+    grid = max(1, min(num_tiles(cfg), sms))
+    kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
+    return _Plan(cfg, kernel, grid, [tma, tmb, args], pre, keep)
+
+
+@dataclass
+class _Sub:
+    """A bare (ptr, dtype) view for the zero-fill launch."""
+
+    ptr: int
+    dtype: object
+
+
+def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: str | None = None,
+             b_layout: str = "kn", config: int | None = None, device: int | None = None) -> dict:
+    """What ``gemm`` would launch for this shape: config, tile, grid, threads, shared memory,
+    registers per thread (ptxas) and the NVRTC compile time of the module (0 if it came from cache)."""
+    out_dtype = out_dtype or in_dtype
+    with _on_device(device) as (_, dev):
+        sms = _num_sms(dev)
+        cfg = CONFIGS[config] if config is not None else choose_config(
+            lambda c: math.ceil(M / c.bm) * math.ceil(N / c.bn), sms)
+        mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
+    name = f"mk_gemm_{b_layout}"
+    usage = mod.resource_usage.get(name, {})
+    tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.bn)
+    return dict(config=cfg.id, bm=cfg.bm, bn=cfg.bn, stages=cfg.stages, threads=cfg.threads, smem=cfg.smem,
+                registers=usage.get("registers"), spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
+                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles, grid=max(1, min(tiles, sms)))
+
+
+def _compile_one(item):
+    source, defines, arch = item
+    mod = runtime.compile_module(source, defines, arch=arch)
+    return mod.compile_seconds
+
+
+def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:
+    """Compile GEMM specializations into the disk cache in parallel worker processes.
+
+    specs: iterable of define dicts (default: every registered gemm.cu specialization).  Returns the
+    summed NVRTC seconds.  Later ``compile_module`` calls of this process load the cubins from disk.
+    """
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    if arch is None:
+        with _on_device(None):
+            arch = runtime.current_arch()
+    if specs is None:
+        specs = [d for s, d in runtime.registered_specializations() if s == SOURCE]
+    items = [(SOURCE, dict(d), arch) for d in specs]
+    workers = workers or max(1, min(len(items), (os.cpu_count() or 2)))
+    if workers == 1 or len(items) <= 1:
+        return sum(_compile_one(it) for it in items)
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        return sum(ex.map(_compile_one, items))

@@ -1,0 +1,92 @@
+"""Host side of the device signals: the error record kernels write on a timeout, op ids, MkComm.
+
+Layouts match ``cuda_src/mk_signal.cuh`` (``MkErrorRecord``, ``MkComm``).
+"""
+from __future__ import annotations
+
+import ctypes
+
+from .errors import CommError, CommTimeout
+
+__all__ = ["OPS", "op_name", "MkComm", "MkErrorRecord", "ErrorRecordView", "MK_OK", "MK_ERR_TIMEOUT",
+           "MK_ERR_MISMATCH", "MK_ERR_PROXY"]
+
+MK_OK, MK_ERR_TIMEOUT, MK_ERR_MISMATCH, MK_ERR_PROXY = 0, 1, 2, 3
+LOCAL_PEER_BIT = 0x40000000  # MK_LOCAL_PEER(j): the kernel named a peer by local rank
+
+# Op ids written into error records.
+OPS = {
+    "all_gather": 1,
+    "reduce_scatter": 2,
+    "all_reduce": 3,
+    "barrier": 4,
+    "ag_gemm": 10,
+    "gemm_rs": 11,
+    "gemm_ar": 12,
+    "proxy": 20,
+    "internode_all_gather": 21,
+    "internode_reduce_scatter": 22,
+    "internode_all_reduce": 23,
+}
+_OP_NAMES = {v: k for k, v in OPS.items()}
+
+
+def op_name(op_id: int) -> str:
+    return _OP_NAMES.get(op_id, f"op#{op_id}")
+
+
+class MkErrorRecord(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int32), ("rank", ctypes.c_int32), ("op", ctypes.c_int32),
+                ("peer", ctypes.c_int32), ("flag_index", ctypes.c_int32), ("block", ctypes.c_int32),
+                ("expected", ctypes.c_uint64), ("seen", ctypes.c_uint64), ("waited_ns", ctypes.c_uint64)]
+
+
+class MkComm(ctypes.Structure):
+    """Passed by value to every communicating kernel (``struct MkComm`` in mk_signal.cuh)."""
+
+    _fields_ = [("err", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
+                ("rank", ctypes.c_int32), ("world_size", ctypes.c_int32),
+                ("local_rank", ctypes.c_int32), ("local_size", ctypes.c_int32),
+                ("node", ctypes.c_int32), ("num_nodes", ctypes.c_int32),
+                ("op", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(MkErrorRecord) == 48 and ctypes.sizeof(MkComm) == 48
+
+
+class ErrorRecordView:
+    """Reads the host-mapped error record; ``raise_if_set`` turns it into a Python exception."""
+
+    def __init__(self, host_ptr: int, world_ranks_of_local: list[int] | None = None):
+        self._rec = MkErrorRecord.from_address(host_ptr)
+        self._local = list(world_ranks_of_local or [])
+
+    def as_dict(self) -> dict:
+        r = self._rec
+        peer = r.peer
+        if peer >= 0 and peer & LOCAL_PEER_BIT:
+            j = peer & ~LOCAL_PEER_BIT
+            peer = self._local[j] if j < len(self._local) else -1
+        return {"code": r.code, "rank": r.rank, "op": op_name(r.op), "peer": peer, "flag_index": r.flag_index,
+                "block": r.block, "expected": r.expected, "seen": r.seen, "waited_ns": r.waited_ns}
+
+    @property
+    def code(self) -> int:
+        return ctypes.c_int32.from_address(ctypes.addressof(self._rec)).value
+
+    def raise_if_set(self) -> None:
+        code = self.code
+        if code == MK_OK:
+            return
+        rec = self.as_dict()
+        if code == -1:  # a writer is mid-way; the record is complete once code is final
+            return
+        where = (f"rank {rec['rank']} in {rec['op']} waited {rec['waited_ns'] / 1e9:.3f} s for peer rank "
+                 f"{rec['peer']} (flag {rec['flag_index']}: expected >= {rec['expected']}, saw {rec['seen']}; "
+                 f"block {rec['block']})")
+        if code == MK_ERR_TIMEOUT:
+            raise CommTimeout(f"mkernel: communication timeout: {where}. The peer is dead, stuck, or did not "
+                              "make the same call; this communicator is no longer usable.", rec)
+        if code == MK_ERR_MISMATCH:
+            raise CommError(f"mkernel: peers disagree on the call's sizes: {where}", rec)
+        raise CommError(f"mkernel: communication error code {code}: {where}", rec)

@@ -1,0 +1,63 @@
+"""Who is where: nodes from a shared-memory split of the communicator, optionally emulated.
+
+Needs MPI only (no GPU), so it is tested on the CPU.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["Topology"]
+
+
+@dataclass
+class Topology:
+    """The rank's place in the job.
+
+    ``node``/``num_nodes`` index the (possibly emulated) nodes; ``local_rank``/``local_size`` are the
+    rank's index and count within its node (the ranks joined by NVLink); ``host_rank``/``host_size``
+    are the same on the physical host (they choose the GPU); ``local_world_ranks[i]`` is the world
+    rank of local rank ``i``; ``node_of_rank[r]`` the node of world rank ``r``.
+    """
+
+    rank: int
+    size: int
+    node: int
+    num_nodes: int
+    local_rank: int
+    local_size: int
+    host_rank: int
+    host_size: int
+    emulated: bool
+    local_world_ranks: list
+    node_of_rank: list
+    world: object = None
+    node_comm: object = None
+    host_comm: object = None
+
+    @classmethod
+    def from_comm(cls, comm=None, ranks_per_node: int | None = None) -> "Topology":
+        """Collective over ``comm``.  ``ranks_per_node`` (or env ``MKERNEL_RANKS_PER_NODE``) groups each
+        host's ranks, in host order, into emulated nodes of that many ranks."""
+        from mpi4py import MPI
+
+        world = comm if comm is not None else MPI.COMM_WORLD
+        rank, size = world.Get_rank(), world.Get_size()
+        host_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        host_rank, host_size = host_comm.Get_rank(), host_comm.Get_size()
+        if ranks_per_node is None:
+            env = os.environ.get("MKERNEL_RANKS_PER_NODE")
+            ranks_per_node = int(env) if env else None
+        if ranks_per_node is not None and ranks_per_node <= 0:
+            raise ValueError(f"mkernel: ranks_per_node must be positive, got {ranks_per_node}")
+        host_leader = host_comm.bcast(rank, root=0)
+        sub = host_rank // ranks_per_node if ranks_per_node else 0
+        keys = world.allgather((host_leader, sub))
+        uniq = sorted(set(keys))
+        node = uniq.index((host_leader, sub))
+        node_comm = world.Split(color=node, key=rank)
+        return cls(rank=rank, size=size, node=node, num_nodes=len(uniq), local_rank=node_comm.Get_rank(),
+                   local_size=node_comm.Get_size(), host_rank=host_rank, host_size=host_size,
+                   emulated=bool(ranks_per_node and ranks_per_node < host_size),
+                   local_world_ranks=node_comm.allgather(rank), node_of_rank=[uniq.index(k) for k in keys],
+                   world=world, node_comm=node_comm, host_comm=host_comm)

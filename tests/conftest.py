@@ -1,0 +1,66 @@
+"""Shared fixtures.  GPU tests are marked ``gpu`` and skip on machines without a usable CUDA GPU;
+MPI tests (``mpi``) run on every rank of ``mpirun -np N python -m pytest ...``."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+
+def _gpu_reason() -> str | None:
+    try:
+        from cuda.bindings import driver as cu
+    except Exception as exc:  # pragma: no cover
+        return f"cuda-python not importable: {exc}"
+    try:
+        err, = cu.cuInit(0)
+    except Exception as exc:  # no libcuda.so at all
+        return f"no NVIDIA driver ({type(exc).__name__})"
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return f"no usable CUDA driver/GPU (cuInit: {err.name})"
+    err, n = cu.cuDeviceGetCount()
+    if err != cu.CUresult.CUDA_SUCCESS or n == 0:
+        return "no CUDA GPU"
+    err, major = cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0)
+    if major < 9:
+        return f"needs a Hopper (sm_90) GPU, found compute capability {major}.x"
+    return None
+
+
+GPU_SKIP_REASON = _gpu_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_SKIP_REASON is None:
+        return
+    skip = pytest.mark.skip(reason=f"GPU test: {GPU_SKIP_REASON}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ctx():
+    """The session's mkernel Context (collective: every rank of the mpirun job creates it)."""
+    if GPU_SKIP_REASON is not None:
+        pytest.skip(GPU_SKIP_REASON)
+    import mkernel
+
+    c = mkernel.init()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def shared_rng(ctx):
+    """A generator seeded identically on every rank, freshly per test (seed from rank 0's entropy)."""
+    seed = ctx.world.bcast(int(np.random.SeedSequence().entropy % (1 << 63)) if ctx.rank == 0 else None, root=0)
+    return np.random.default_rng(seed)
+
+
+def world_size() -> int:
+    for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        if k in os.environ:
+            return int(os.environ[k])
+    return 1

@@ -1,0 +1,206 @@
+"""GEMM on the CPU: every registered gemm.cu specialization compiles for sm_90a with no spills and
+no ptxas warnings (setmaxnreg C7508, wgmma serialization); and the host-side planning of
+mkernel.gemm / grouped_gemm (tile config, staging decisions, tensor-map geometry, kernel arguments,
+grid) checked against fakes of the driver-facing pieces."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import re
+
+import numpy as np
+import pytest
+
+from mkernel import runtime
+from mkernel import gemm as G
+from mkernel.arrays import DeviceArray
+
+ARCH = "sm_90a"
+SPECS = [(s, d) for s, d in runtime.registered_specializations() if s == G.SOURCE]
+GEMM_KERNELS = ("mk_gemm_kn", "mk_gemm_nk", "mk_grouped_gemm_kn", "mk_grouped_gemm_nk")
+
+
+def test_all_combinations_registered():
+    got = {(d["MK_GEMM_IN"], d["MK_GEMM_OUT"], d["MK_GEMM_CONFIG"]) for _, d in SPECS}
+    want = {(G._CODE[i], G._CODE[o], c) for i in G.IN_DTYPES for o in G.OUT_DTYPES for c in G.CONFIGS}
+    assert got == want
+
+
+@pytest.mark.parametrize("source,defines", SPECS, ids=[
+    f"in{d['MK_GEMM_IN']}-out{d['MK_GEMM_OUT']}-cfg{d['MK_GEMM_CONFIG']}" for _, d in SPECS])
+def test_compiles_clean(source, defines, tmp_path, monkeypatch):
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    mod = runtime.compile_module(source, defines, arch=ARCH)
+    usage = mod.resource_usage
+    cfg = G.CONFIGS[defines["MK_GEMM_CONFIG"]]
+    for name in GEMM_KERNELS + ("mk_pad_copy_u16", "mk_pad_copy_u32"):
+        assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
+    for fn, u in usage.items():
+        assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, f"{fn} spills: {u}"
+        assert u.get("stack", 0) == 0, f"{fn} uses a stack frame: {u}"
+    for name in GEMM_KERNELS:
+        regs = usage[name]["registers"]
+        assert regs * cfg.threads <= 65536, f"{name}: {regs} registers x {cfg.threads} threads"
+    warnings = [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)]
+    assert not warnings, "ptxas warnings:\n" + "\n".join(warnings)
+
+
+def test_smem_budget():
+    for cfg in G.CONFIGS.values():
+        assert cfg.smem <= 227 * 1024, cfg
+        assert cfg.threads in (256, 384)
+
+
+# ---------------------------------------------------------------------------------------------
+# planning, against fakes
+# ---------------------------------------------------------------------------------------------
+class FakeKernel:
+    def __init__(self, log, key):
+        self.log, self.key = log, key
+
+    def launch(self, grid, block, args, *, stream=None, smem=0, **kw):
+        self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=grid, block=block, args=args, smem=smem))
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    launches, maps = [], []
+    ptrs = iter(range(1 << 40, 1 << 41, 1 << 28))
+
+    def empty(shape, dtype, device=None):
+        return DeviceArray(next(ptrs), shape, dtype, None, 0)
+
+    def from_numpy(x, dtype=None, device=None, stream=None):
+        return DeviceArray(next(ptrs), np.shape(x), dtype or np.asarray(x).dtype, None, 0)
+
+    def encode(ptr, dtype, dims, strides, box, **kw):
+        maps.append(dict(ptr=ptr, dtype=dtype, dims=tuple(dims), strides=tuple(strides), box=tuple(box)))
+        return bytes(128)
+
+    monkeypatch.setattr(G, "_kernel", lambda i, o, c, name: FakeKernel(launches, (i, o, c, name)))
+    monkeypatch.setattr(G, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(G, "encode_tiled", encode)
+    monkeypatch.setattr(G, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
+    monkeypatch.setattr(G.DeviceArray, "empty", staticmethod(empty))
+    monkeypatch.setattr(G.DeviceArray, "from_numpy", staticmethod(from_numpy))
+    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    G._plans.clear()
+    return launches, maps, empty
+
+
+def _args(launch) -> G._GemmArgs:
+    a = launch["args"][2]
+    assert isinstance(a, G._GemmArgs) and len(launch["args"][0]) == 128 == len(launch["args"][1])
+    return a
+
+
+def test_big_square_kn(fake):
+    launches, maps, empty = fake
+    a, b = empty((4096, 4096), "bfloat16"), empty((4096, 4096), "bfloat16")
+    out = G.gemm(a, b)
+    assert out.shape == (4096, 4096) and out.dtype.name == "bfloat16"
+    (l,) = launches
+    assert l["kernel"] == "mk_gemm_kn" and l["config"] == 3 and l["grid"] == 132 and l["block"] == 384
+    assert l["smem"] == G.CONFIGS[3].smem
+    ma, mb = maps
+    assert ma == dict(ptr=a.ptr, dtype="bfloat16", dims=(4096, 4096), strides=(8192,), box=(64, 128))
+    assert mb == dict(ptr=b.ptr, dtype="bfloat16", dims=(4096, 4096, 1), strides=(8192, 8192 * 4096), box=(64, 64, 1))
+    x = _args(l)
+    assert (x.M, x.N, x.K, x.ldc, x.num_groups, x.c_vec_ok, x.c) == (4096, 4096, 4096, 4096, 1, 1, out.ptr)
+    # same call again: the plan is reused, nothing re-encoded
+    G.gemm(a, b, out)
+    assert len(maps) == 2 and len(launches) == 2
+
+
+def test_nk_small_m_picks_small_tiles(fake):
+    launches, maps, empty = fake
+    a, b = empty((128, 8192), "float16"), empty((1024, 8192), "float16")
+    G.gemm(a, b, b_layout="nk", out_dtype="float32")
+    (l,) = launches
+    assert l["kernel"] == "mk_gemm_nk" and l["config"] == 1 and l["block"] == 256
+    assert maps[1]["dims"] == (8192, 1024, 1) and maps[1]["box"] == (64, 128, 1)
+
+
+def test_unaligned_k_is_staged(fake):
+    launches, maps, empty = fake
+    a, b = empty((100, 7), "bfloat16"), empty((33, 7), "bfloat16")
+    G.gemm(a, b, b_layout="nk")
+    pads = [l for l in launches if l["kernel"] == "mk_pad_copy_u16"]
+    assert len(pads) == 2 and launches[-1]["kernel"] == "mk_gemm_nk"
+    # pad copy args: dst, src, batch, rows, cols, cols_p, dst_ld, sb, sr, sc
+    vals = [v.value for v in pads[0]["args"]]
+    assert vals[1] == a.ptr and vals[2:] == [1, 100, 7, 8, 8, 0, 7, 1]
+    assert maps[0]["dims"] == (7, 100) and maps[0]["strides"] == (16,) and maps[0]["ptr"] == vals[0]
+    assert maps[1]["dims"] == (7, 33, 1) and maps[1]["strides"] == (16, 16 * 33)
+
+
+def test_kn_odd_n_stages_b_only(fake):
+    launches, maps, empty = fake
+    a, b = empty((64, 64), "bfloat16"), empty((64, 129), "bfloat16")
+    G.gemm(a, b)
+    assert [l["kernel"] for l in launches] == ["mk_pad_copy_u16", "mk_gemm_kn"]
+    assert maps[0]["ptr"] == a.ptr and maps[1]["dims"] == (129, 64, 1) and maps[1]["strides"] == (272, 272 * 64)
+    x = _args(launches[-1])
+    assert x.N == 129 and x.ldc == 129 and x.c_vec_ok == 0
+
+
+def test_m1_any_row_stride(fake):
+    launches, maps, empty = fake
+    a, b = empty((1, 64), "bfloat16"), empty((64, 8), "bfloat16")
+    G.gemm(a, b)
+    assert [l["kernel"] for l in launches] == ["mk_gemm_kn"]
+
+
+def test_k0_zero_fills(fake):
+    launches, maps, empty = fake
+    a, b = empty((5, 0), "bfloat16"), empty((0, 3), "bfloat16")
+    G.gemm(a, b, out_dtype="float32")
+    (l,) = launches
+    assert l["kernel"] == "mk_pad_copy_u32" and [v.value for v in l["args"]][1:] == [None, 1, 5, 3, 3, 3, 0, 0, 0]
+
+
+def test_grouped_host_offsets(fake):
+    launches, maps, empty = fake
+    offs = [0, 0, 300, 301, 301, 1000]
+    a, b = empty((1000, 256), "bfloat16"), empty((5, 256, 512), "bfloat16")
+    G.grouped_gemm(a, b, offs, config=2)
+    (l,) = launches
+    assert l["kernel"] == "mk_grouped_gemm_kn" and l["config"] == 2
+    tiles = sum((m + 127) // 128 for m in np.diff(offs)) * 4
+    assert l["grid"] == min(tiles, 132)
+    x = _args(l)
+    assert (x.M, x.N, x.K, x.num_groups, x.offsets_i32) == (1000, 512, 256, 5, 0) and x.group_offsets
+    assert maps[1]["dims"] == (512, 256, 5) and maps[1]["strides"] == (1024, 1024 * 256)
+
+
+def test_grouped_device_offsets_nk(fake):
+    launches, maps, empty = fake
+    a, b = empty((70, 64), "float16"), empty((3, 100, 64), "float16")
+    offs = empty((4,), "int32")
+    G.grouped_gemm(a, b, offs, b_layout="nk")
+    x = _args(launches[-1])
+    assert x.offsets_i32 == 1 and x.group_offsets == offs.ptr and x.num_groups == 3
+
+
+@pytest.mark.parametrize("bad", [
+    lambda e: G.gemm(e((4, 8), "bfloat16"), e((8, 4), "float16")),
+    lambda e: G.gemm(e((4, 8), "float32"), e((8, 4), "float32")),
+    lambda e: G.gemm(e((4, 8), "bfloat16"), e((9, 4), "bfloat16")),
+    lambda e: G.gemm(e((4, 8), "bfloat16"), e((8, 4), "bfloat16"), b_layout="kk"),
+    lambda e: G.gemm(e((4, 8), "bfloat16"), e((8, 4), "bfloat16"), e((4, 5), "bfloat16")),
+    lambda e: G.gemm(e((4, 8), "bfloat16"), e((8, 4), "bfloat16"), e((4, 4), "int32")),
+    lambda e: G.grouped_gemm(e((4, 8), "bfloat16"), e((2, 8, 4), "bfloat16"), [0, 5, 4]),
+    lambda e: G.grouped_gemm(e((4, 8), "bfloat16"), e((2, 8, 4), "bfloat16"), [0, 4]),
+])
+def test_bad_input_raises_before_launch(fake, bad):
+    launches, maps, empty = fake
+    with pytest.raises((TypeError, ValueError)):
+        bad(empty)
+    assert launches == []
+
+
+def test_args_struct_layout():
+    offs = {f[0]: getattr(G._GemmArgs, f[0]).offset for f in G._GemmArgs._fields_}
+    assert offs == dict(c=0, group_offsets=8, ldc=16, M=24, N=28, K=32, num_groups=36, group_m=40, c_vec_ok=44,
+                        offsets_i32=48, pad=52)
+    assert ctypes.sizeof(G._GemmArgs) == 56

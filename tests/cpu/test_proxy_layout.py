@@ -1,0 +1,56 @@
+"""The Python mirror of the command ring (mkernel/proxy.py) must match cuda_src/mk_proxy.cuh.
+
+NVRTC compiles (no GPU needed) a translation unit of static_asserts generated from the Python
+layout table, so any drift between the two fails to compile; the op codes and the NO_FLAG constant
+are checked the same way.  proxy_test.cu is compiled for sm_90a too (no spills).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from mkernel import proxy
+
+nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+
+
+def _compile(src: str, name: str = "layout_check.cu"):
+    from mkernel.runtime import cuda_src_dir, include_dirs
+
+    prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], [])[1]
+    opts = [b"-std=c++17", b"--gpu-architecture=sm_90a", f"-I{cuda_src_dir()}".encode(),
+            *[f"-I{d}".encode() for d in include_dirs()]]
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
+    log = b" " * size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(prog)
+    return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+
+
+def test_cmd_and_proxy_struct_layout_match_header():
+    lines = ['#include "mk_proxy.cuh"', "#define OFF(T, f) __builtin_offsetof(T, f)"]
+    lines.append(f"static_assert(sizeof(MkProxyCmd) == {proxy.CMD_DTYPE.itemsize}, \"cmd size\");")
+    for name, (off, typ) in proxy.LAYOUT.items():
+        lines.append(f"static_assert(OFF(MkProxyCmd, {name}) == {off}, \"{name}\");")
+        lines.append(f"static_assert(sizeof(((MkProxyCmd*)0)->{name}) == {ctypes.sizeof(ctypes.c_uint8) * __import__('numpy').dtype(typ).itemsize}, \"{name} size\");")
+    lines.append(f"static_assert(sizeof(MkProxy) == {ctypes.sizeof(proxy.MkProxyStruct)}, \"MkProxy size\");")
+    for fname, _ in proxy.MkProxyStruct._fields_:
+        off = getattr(proxy.MkProxyStruct, fname).offset
+        lines.append(f"static_assert(OFF(MkProxy, {fname}) == {off}, \"MkProxy.{fname}\");")
+    for op in ("NOP", "WRITE", "FLAG", "BARRIER"):
+        lines.append(f"static_assert(MK_PROXY_OP_{op} == {getattr(proxy, 'OP_' + op)}, \"op {op}\");")
+    lines.append(f"static_assert(MK_PROXY_NO_FLAG == {proxy.NO_FLAG}ull, \"NO_FLAG\");")
+    ok, log = _compile("\n".join(lines) + "\n")
+    assert ok, log
+
+
+def test_proxy_test_kernel_compiles_without_spills():
+    from mkernel.runtime import compile_module
+
+    mod = compile_module("proxy_test.cu", arch="sm_90a", use_disk_cache=False)
+    usage = mod.resource_usage
+    assert set(usage) >= {"mk_proxy_test_push", "mk_proxy_layout"}
+    for k, u in usage.items():
+        assert u.get("spill_stores", 0) == 0, (k, u)

@@ -1,0 +1,291 @@
+"""Multi-process proxy scenarios, run by every rank (not collected as tests: no test_ functions).
+
+Started by tests/cpu/test_proxy_tcp.py (under mpirun, or as plain processes rendezvousing through
+a SocketExchanger) and by tests/rdma/test_verbs.py inside the soft-RoCE VM:
+
+    python tests/cpu/test_proxy_scenarios.py --transport tcp [--socket RANK SIZE PORT] SCENARIO...
+
+Each scenario builds a Proxy over host windows (window 0: data, window 1: flags), drives it with a
+HostProducer standing in for GPU blocks, checks what arrived, prints ``OK <scenario>`` and closes.
+Exit status 0 only if every scenario passed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from mkernel.errors import CommError  # noqa: E402
+from mkernel.proxy import NO_FLAG, OP_BARRIER, OP_FLAG, OP_WRITE, Proxy  # noqa: E402
+from mkernel.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
+
+DATA_BYTES = 24 << 20
+FLAG_BYTES = 64 << 10
+TIMEOUT = 60.0
+
+
+def pattern(src: int, dst: int, idx: int, n: int, epoch: int = 1) -> np.ndarray:
+    k = np.arange(n, dtype=np.uint64)
+    return ((k * 7 + src * 31 + dst * 17 + idx * 131 + epoch * 3) & 0xFF).astype(np.uint8)
+
+
+def wait_flag(win: HostWindow, off: int, value: int, what: str, timeout: float = TIMEOUT, proxy=None) -> int:
+    t0 = time.monotonic()
+    while True:
+        v = win.read_u64(off)
+        if v >= value:
+            return v
+        if proxy is not None:
+            proxy.check()
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"flag {what} at {off} stuck at {v}, wanted {value}")
+        time.sleep(0)
+
+
+class Env:
+    def __init__(self, ex, transport, opts):
+        self.ex, self.transport, self.opts = ex, transport, opts
+        self.rank, self.size = ex.rank, ex.size
+
+    def proxy(self, ring_capacity=256, data_bytes=DATA_BYTES, **kw):
+        data, flags = HostWindow(data_bytes), HostWindow(FLAG_BYTES)
+        p = Proxy(self.ex, [data, flags], transport=self.transport, ring_capacity=ring_capacity,
+                  transport_options=dict(self.opts), **kw)
+        return p, data, flags
+
+
+def layout(n_cmds, sizes, size, rank_stride):
+    """Offsets: rank s writes its commands to every destination at s * rank_stride + prefix sums."""
+    offs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    assert offs[-1] + sizes[-1] <= rank_stride
+    return offs
+
+
+def _exchange_all(env, sizes, ring_capacity=256, start_first=True, epoch=1):
+    """Every rank writes len(sizes) chunks to every other rank, one flag per (source, chunk)."""
+    me, n = env.rank, env.size
+    stride = DATA_BYTES // n
+    offs = layout(len(sizes), sizes, n, stride)
+    p, data, flags = env.proxy(ring_capacity)
+    src = np.zeros(DATA_BYTES, np.uint8)  # what we send lives in our window at our own slot
+    prod = p.producer(TIMEOUT)
+    if start_first:
+        p.start()
+    for d in range(n):
+        if d == me:
+            continue
+        for i, (o, sz) in enumerate(zip(offs, sizes)):
+            # per destination the source range differs: stage it in our window's slot for d
+            base = me * stride + int(o)
+            data.array[base:base + sz] = pattern(me, d, i, sz, epoch)
+            prod.push(OP_WRITE, d, 0, base, base, int(sz), 1, 8 * (me * len(sizes) + i), epoch)
+            prod.wait_done(prod.head - 1)  # source reused for the next destination
+    if not start_first:
+        p.start()
+    for s in range(n):
+        if s == me:
+            continue
+        for i, (o, sz) in enumerate(zip(offs, sizes)):
+            wait_flag(flags, 8 * (s * len(sizes) + i), epoch, f"from {s} chunk {i}", proxy=p)
+            base = s * stride + int(o)
+            got = data.array[base:base + sz]
+            want = pattern(s, me, i, sz, epoch)
+            if not np.array_equal(got, want):
+                bad = int(np.argmax(got != want))
+                raise AssertionError(f"rank {me}: chunk {i} from {s} wrong at byte {bad}")
+    del src
+    return p, prod
+
+
+def sc_many(env):
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 3000, size=300)  # odd sizes
+    sizes[::17] = 0  # flag-only writes mixed in
+    sizes[0] = 1
+    p, _ = _exchange_all(env, sizes.tolist())
+    p.close()
+
+
+def sc_large(env):
+    n = env.size
+    stride = DATA_BYTES // n
+    sizes = [stride // 2 + 13, stride // 4 - 7, 4093]
+    p, _ = _exchange_all(env, sizes)
+    p.close()
+
+
+def sc_backpressure(env):
+    sizes = [64 + (i % 5) for i in range(400)]
+    p, prod = _exchange_all(env, sizes, ring_capacity=4)
+    p.close()
+    # wait_done after every push keeps the ring nearly empty; a burst fills the 4 slots
+    q, data, flags = env.proxy(ring_capacity=4)
+    prod = q.producer(TIMEOUT)
+    q.start()
+    dst = (env.rank + 1) % env.size
+    for i in range(2000):
+        prod.push(OP_FLAG, dst, flag_win=1, flag_offset=8 * (4000 + env.rank), flag_value=i + 1)
+    src = (env.rank - 1) % env.size
+    wait_flag(flags, 8 * (4000 + src), 2000, "burst", proxy=q)
+    assert prod.full_waits > 0, "the 4-slot ring never filled: no backpressure exercised"
+    q.close()
+
+
+def sc_flag_batching(env):
+    """Commands queued before the proxy starts are drained in one batch: one flag write per flag."""
+    me, n = env.rank, env.size
+    p, data, flags = env.proxy(ring_capacity=1024)
+    prod = p.producer(TIMEOUT)
+    dst = (me + 1) % n
+    ncmd = 200
+    for i in range(ncmd):
+        off = me * 65536 + i * 64
+        data.array[off:off + 64] = pattern(me, dst, i, 64)
+        prod.push(OP_WRITE, dst, 0, off, off, 64, 1, 8 * me, i + 1)  # same flag, growing value
+    p.start()
+    src = (me - 1) % n
+    wait_flag(flags, 8 * src, ncmd, "batched", proxy=p)
+    for i in range(ncmd):
+        off = src * 65536 + i * 64
+        assert np.array_equal(data.array[off:off + 64], pattern(src, me, i, 64)), f"chunk {i} wrong"
+    p.flush()
+    fw = p.stats["flag_writes"]
+    assert fw < ncmd // 4, f"expected coalesced flag writes, got {fw} for {ncmd} commands"
+    p.close()
+    return fw
+
+
+def sc_ordering(env):
+    """A reader that sees flag value v must see complete data of every epoch <= v."""
+    me, n = env.rank, env.size
+    p, data, flags = env.proxy(ring_capacity=64)
+    prod = p.producer(TIMEOUT)
+    p.start()
+    dst, src = (me + 1) % n, (me - 1) % n
+    E, SZ = 200, 20000
+    half = DATA_BYTES // 2
+    assert E * SZ <= half
+    sent = checked = 0
+    while checked < E or sent < E:
+        if sent < E:  # epoch `sent` goes to its own region [sent*SZ, +SZ) of the first half
+            off = sent * SZ
+            data.array[half + off:half + off + SZ] = pattern(me, dst, sent, SZ)
+            prod.push(OP_WRITE, dst, 0, half + off, off, SZ, 1, 8 * (100 + me), sent + 1)
+            prod.wait_done(prod.head - 1)
+            sent += 1
+        v = flags.read_u64(8 * (100 + src))
+        while checked < v:
+            off = checked * SZ
+            assert np.array_equal(data.array[off:off + SZ], pattern(src, me, checked, SZ)), \
+                f"flag {v} visible but epoch {checked} data incomplete"
+            checked += 1
+        if sent >= E and checked < E:
+            wait_flag(flags, 8 * (100 + src), checked + 1, "ordering", proxy=p)
+    p.close()
+
+
+def sc_barrier(env):
+    me, n = env.rank, env.size
+    p, data, flags = env.proxy()
+    prod = p.producer(TIMEOUT)
+    p.start()
+    for ep in (1, 2, 3):
+        prod.push(OP_BARRIER, -1, flag_win=1, flag_offset=8 * (200 + me), flag_value=ep)
+        for r in range(n):
+            if r != me:
+                wait_flag(flags, 8 * (200 + r), ep, f"barrier {ep} from {r}", proxy=p)
+    p.close()
+
+
+def sc_shutdown(env):
+    p, data, flags = env.proxy()
+    p.start()
+    t = p._thread
+    p.close()
+    assert not t.is_alive(), "proxy thread still running after close"
+    assert p.error is None
+    p.close()  # idempotent
+
+
+def sc_dead_peer(env):
+    """Rank 1 dies without closing; rank 0 must get CommError (not hang) within the timeout."""
+    me = env.rank
+    p, data, flags = env.proxy(ring_capacity=16)
+    prod = p.producer(20.0)
+    p.start()
+    env.ex.barrier()
+    if me == 1:
+        os._exit(0)  # simulated crash: no close, no bye
+    t0 = time.monotonic()
+    err = None
+    try:
+        for i in range(1_000_000):
+            prod.push(OP_WRITE, 1, 0, 0, 0, 4096, 1, 0, i + 1)
+            if p.error is not None:
+                break
+            if time.monotonic() - t0 > 30:
+                break
+        p.flush(20.0)
+        p.check()
+    except CommError as exc:
+        err = exc
+    dt = time.monotonic() - t0
+    assert err is not None or p.error is not None, "no error although the peer died"
+    print(f"dead peer detected after {dt:.2f} s: {err or p.error}", flush=True)
+    t1 = time.monotonic()
+    try:
+        p.close(timeout=5.0)
+    except CommError:
+        pass
+    assert time.monotonic() - t1 < 15, "close hung after a peer died"
+
+
+SCENARIOS = {k[3:]: v for k, v in globals().items() if k.startswith("sc_")}
+
+
+def main(argv=None):
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ.get("MK_TEST_DUMP_AFTER", "1e9")), exit=False)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--transport", default="tcp")
+    ap.add_argument("--socket", nargs=3, type=int, metavar=("RANK", "SIZE", "PORT"))
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--opt", action="append", default=[], help="transport option k=v")
+    ap.add_argument("scenarios", nargs="+")
+    a = ap.parse_args(argv)
+    if a.socket:
+        ex = SocketExchanger(a.socket[0], a.socket[1], a.host, a.socket[2])
+    else:
+        from mpi4py import MPI
+
+        ex = as_exchanger(MPI.COMM_WORLD)
+    opts = {}
+    for kv in a.opt:
+        k, v = kv.split("=", 1)
+        opts[k] = int(v) if v.lstrip("-").isdigit() else v
+    env = Env(ex, a.transport, opts)
+    rc = 0
+    for name in a.scenarios:
+        t0 = time.perf_counter()
+        try:
+            SCENARIOS[name](env)
+            print(f"OK {name} rank {ex.rank} {time.perf_counter() - t0:.2f}s", flush=True)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            print(f"FAIL {name} rank {ex.rank}", flush=True)
+            rc = 1
+            break
+        if name != "dead_peer":
+            ex.barrier()
+    sys.stdout.flush()
+    os._exit(rc)  # skip interpreter teardown (daemon threads, MPI) for a prompt, clean exit code
+
+
+if __name__ == "__main__":
+    main()

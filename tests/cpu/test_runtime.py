@@ -1,0 +1,96 @@
+"""NVRTC runtime on the CPU: every registered kernel specialization compiles for sm_90a without
+register spills; the disk cache; compile errors carry the NVRTC log."""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+import mkernel
+from mkernel import runtime
+from mkernel.errors import CompileError
+
+ARCH = "sm_90a"
+
+
+def _import_all_ops():
+    for m in pkgutil.iter_modules(mkernel.__path__):
+        if not m.name.startswith("_"):
+            try:
+                importlib.import_module(f"mkernel.{m.name}")
+            except ImportError as exc:  # optional deps (pyverbs) only
+                if "pyverbs" not in str(exc):
+                    raise
+
+
+_import_all_ops()
+SPECS = runtime.registered_specializations()
+
+
+def test_every_kernel_source_is_registered():
+    registered = {s for s, _ in SPECS}
+    sources = {p.name for p in runtime.cuda_src_dir().glob("*.cu") if not p.name.endswith("_test.cu")}
+    missing = sources - registered
+    assert not missing, f"kernel sources with no registered specialization: {missing}"
+
+
+@pytest.mark.parametrize("source,defines", SPECS, ids=[f"{s}:{d}" for s, d in SPECS])
+def test_compiles_without_spills(source, defines, tmp_path, monkeypatch):
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    mod = runtime.compile_module(source, defines, arch=ARCH, use_disk_cache=False)
+    usage = mod.resource_usage
+    assert usage, f"no ptxas report for {source} {defines}:\n{mod.log}"
+    for fn, u in usage.items():
+        assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, f"{fn} spills: {u}"
+        assert u.get("stack", 0) == 0 or "printf" in mod.log, f"{fn} uses a stack frame: {u}"
+    assert "C7508" not in mod.log, f"setmaxnreg ignored in {source}:\n{mod.log}"
+
+
+def test_disk_cache_hits_in_a_new_process(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    code = ("import sys; from mkernel import runtime; "
+            "m = runtime.compile_module('collectives.cu', {'MK_DTYPE': 2}, arch='sm_90a'); "
+            "print('cached' if m.cached else 'compiled')")
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert (first, second) == ("compiled", "cached")
+    # a different define is a different cubin
+    m = runtime.compile_module("collectives.cu", {"MK_DTYPE": 1}, arch=ARCH)
+    assert not m.cached
+
+
+def test_compile_error_has_log(tmp_path, monkeypatch):
+    src = runtime.cuda_src_dir()
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    with pytest.raises(CompileError) as ei:
+        runtime.compile_module("collectives.cu", {"MK_DTYPE": "this_is_not_a_type"}, arch=ARCH)
+    assert "error" in ei.value.log.lower()
+    assert src.is_dir()
+
+
+def test_stream_handle_forms():
+    class S:
+        def __cuda_stream__(self):
+            return (0, 1234)
+
+    class T:
+        cuda_stream = 99
+
+    assert runtime.stream_handle(None) == 0
+    assert runtime.stream_handle(7) == 7
+    assert runtime.stream_handle(S()) == 1234
+    assert runtime.stream_handle(T()) == 99
+    with pytest.raises(TypeError):
+        runtime.stream_handle(object())
+
+
+def test_ptxas_log_parse():
+    log = """ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas info    : Function properties for k
+ptxas         .     0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 232 registers, used 1 barriers"""
+    assert runtime.parse_ptxas_log(log) == {"k": {"stack": 0, "spill_stores": 8, "spill_loads": 4, "registers": 232}}

@@ -1,0 +1,52 @@
+"""Helpers for GPU tests: random inputs as device arrays with their exact float64 values."""
+from __future__ import annotations
+
+import numpy as np
+
+from mkernel.arrays import DeviceArray, bf16_to_f32, f32_to_bf16
+
+TOL = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -22}
+
+
+def host_values(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float64 data to ``dtype`` and return (storage array, exact float64 values)."""
+    if dtype == "bfloat16":
+        bits = f32_to_bf16(x.astype(np.float32))
+        return bits, bf16_to_f32(bits).astype(np.float64)
+    if dtype in ("float16", "float32"):
+        s = x.astype(dtype)
+        return s, s.astype(np.float64)
+    s = np.rint(x * 1000).astype(dtype)
+    return s, s.astype(np.float64)
+
+
+def upload(x: np.ndarray, dtype: str):
+    """(DeviceArray, float64 values) of ``x`` rounded to ``dtype``."""
+    storage, exact = host_values(x, dtype)
+    return DeviceArray.from_numpy(storage, dtype=dtype), exact
+
+
+def download(a: DeviceArray) -> np.ndarray:
+    """float64 values of a device array (bf16 decoded)."""
+    h = a.to_numpy()
+    if a.dtype.name == "bfloat16":
+        return bf16_to_f32(h).astype(np.float64)
+    return h.astype(np.float64)
+
+
+def poisoned(shape, dtype: str) -> DeviceArray:
+    a = DeviceArray.empty(tuple(shape), dtype)
+    a.fill_nan()
+    return a
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray, dtype: str, scale: np.ndarray | None = None, what: str = ""):
+    """|got - ref| <= tol(dtype) * (|ref| + scale) elementwise; NaN never passes."""
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert not np.isnan(got).any(), f"{what}: output has NaN (unwritten elements?) at {np.argwhere(np.isnan(got))[:5]}"
+    s = np.abs(ref) + (scale if scale is not None else 0.0)
+    bad = np.abs(got - ref) > TOL[dtype] * s + 1e-30
+    if bad.any():
+        i = np.argwhere(bad)[:5]
+        raise AssertionError(f"{what}: {bad.sum()} of {bad.size} elements off; first at {i.tolist()}: "
+                             f"got {got[tuple(i[0])]}, want {ref[tuple(i[0])]}")

@@ -1,0 +1,228 @@
+"""Collectives against float64 numpy references, on every rank of ``mpirun -np N python -m pytest``.
+
+Every rank draws all ranks' inputs from a generator seeded identically (fresh per test), uses its
+own, and checks the result against the reference computed from all of them.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+import pytest
+from cuda.bindings import driver as cu
+
+import mkernel
+from mkernel.arrays import DeviceArray
+from mkernel.runtime import check
+
+from _util import assert_close, download, poisoned, upload
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+DTYPES = ["bfloat16", "float16", "float32"]
+
+
+def _sizes(rng, count=20):
+    fixed = [1, 7, 8, 33, 1000, 4097, 65536 + 3, 1 << 20]
+    rand = rng.integers(1, 1_200_000, size=count - len(fixed)).tolist()
+    return fixed + rand
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_gather_sizes(ctx, shared_rng, dtype):
+    P, me = ctx.local_size, ctx.local_rank
+    for n in _sizes(shared_rng):
+        xs = [shared_rng.standard_normal(n) for _ in range(P)]
+        x, exact = upload(xs[me], dtype)
+        refs = [upload(v, dtype)[1] for v in xs]
+        out = poisoned((P * n,), dtype)
+        mkernel.all_gather(ctx, x, out)
+        ctx.synchronize()
+        got = download(out)
+        np.testing.assert_array_equal(got, np.concatenate(refs), err_msg=f"all_gather n={n} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_scatter_sizes(ctx, shared_rng, dtype):
+    P, me = ctx.local_size, ctx.local_rank
+    for n in _sizes(shared_rng):
+        xs = [shared_rng.standard_normal(P * n) for _ in range(P)]
+        exacts = [upload(v, dtype)[1] for v in xs]
+        x, _ = upload(xs[me], dtype)
+        out = poisoned((n,), dtype)
+        mkernel.reduce_scatter(ctx, x, out)
+        ctx.synchronize()
+        ref = sum(exacts)[me * n:(me + 1) * n]
+        scale = sum(np.abs(e) for e in exacts)[me * n:(me + 1) * n] * 1e-3
+        assert_close(download(out), ref, dtype, scale, f"reduce_scatter n={n} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_sizes(ctx, shared_rng, dtype):
+    P, me = ctx.local_size, ctx.local_rank
+    for n in _sizes(shared_rng):
+        xs = [shared_rng.standard_normal(n) for _ in range(P)]
+        exacts = [upload(v, dtype)[1] for v in xs]
+        x, _ = upload(xs[me], dtype)
+        out = poisoned((n,), dtype)
+        mkernel.all_reduce(ctx, x, out)
+        ctx.synchronize()
+        got = download(out)
+        assert_close(got, sum(exacts), dtype, sum(np.abs(e) for e in exacts) * 1e-3, f"all_reduce n={n} {dtype}")
+        # every rank holds bit-identical results
+        allgot = ctx.node_comm.allgather(got)
+        for g in allgot:
+            np.testing.assert_array_equal(g, got)
+
+
+def test_all_reduce_in_place_and_2d(ctx, shared_rng):
+    P, me = ctx.local_size, ctx.local_rank
+    for shape in [(3, 5), (1023, 77), (4096, 1024)]:
+        xs = [shared_rng.standard_normal(shape) for _ in range(P)]
+        exacts = [upload(v, "float32")[1] for v in xs]
+        x, _ = upload(xs[me], "float32")
+        mkernel.all_reduce(ctx, x, x)
+        ctx.synchronize()
+        assert_close(download(x), sum(exacts), "float32", sum(np.abs(e) for e in exacts) * 1e-3, f"in place {shape}")
+
+
+def test_all_gather_int_and_rows(ctx, shared_rng):
+    P, me = ctx.local_size, ctx.local_rank
+    for dtype, shape in [("int32", (17, 3)), ("int64", (5,)), ("bfloat16", (129, 64))]:
+        xs = [shared_rng.standard_normal(shape) for _ in range(P)]
+        x, _ = upload(xs[me], dtype)
+        out = mkernel.all_gather(ctx, x)
+        ctx.synchronize()
+        assert tuple(out.shape) == (P * shape[0],) + shape[1:]
+        np.testing.assert_array_equal(download(out), np.concatenate([upload(v, dtype)[1] for v in xs]))
+
+
+def test_back_to_back_1000_calls(ctx, shared_rng):
+    """1000 calls with changing data and no host sync in between; all checked at the end."""
+    P, me = ctx.local_size, ctx.local_rank
+    calls, n = 1000, 3000
+    xs = shared_rng.standard_normal((P, calls, n))
+    exacts = np.stack([upload(xs[r], "float32")[1] for r in range(P)])
+    x, _ = upload(xs[me], "float32")
+    ar = poisoned((calls, n), "float32")
+    ag = poisoned((calls, P * n), "float32")
+    rs_n = n // P
+    rs = poisoned((calls, rs_n), "float32")
+    for i in range(calls):
+        op = i % 3
+        if op == 0:
+            mkernel.all_reduce(ctx, x[i], ar[i])
+        elif op == 1:
+            mkernel.all_gather(ctx, x[i], ag[i])
+        else:
+            mkernel.reduce_scatter(ctx, x[i][: rs_n * P], rs[i])
+    ctx.synchronize()
+    h_ar, h_ag, h_rs = download(ar), download(ag), download(rs)
+    total = exacts.sum(axis=0)
+    scale = np.abs(exacts).sum(axis=0) * 1e-3
+    for i in range(calls):
+        if i % 3 == 0:
+            assert_close(h_ar[i], total[i], "float32", scale[i], f"call {i}")
+        elif i % 3 == 1:
+            np.testing.assert_array_equal(h_ag[i], exacts[:, i, :].reshape(-1), err_msg=f"call {i}")
+        else:
+            sl = slice(me * rs_n, (me + 1) * rs_n)
+            assert_close(h_rs[i], total[i][sl], "float32", scale[i][sl], f"call {i}")
+
+
+def test_graph_capture_replay(ctx, shared_rng):
+    """Capture all_reduce + all_gather in a CUDA graph, replay 100 times with new inputs each time."""
+    P, me = ctx.local_size, ctx.local_rank
+    n = 50_000
+    stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    x = DeviceArray.empty((n,), "float32")
+    ar = DeviceArray.empty((n,), "float32")
+    ag = DeviceArray.empty((P * n,), "float32")
+    # first calls outside capture: plan + workspace (collective host work happens here)
+    x.copy_from(upload(np.zeros(n) + 1.0, "float32")[0])
+    mkernel.all_reduce(ctx, x, ar, stream=stream)
+    mkernel.all_gather(ctx, x, ag, stream=stream)
+    ctx.synchronize(stream)
+    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    mkernel.all_reduce(ctx, x, ar, stream=int(stream))
+    mkernel.all_gather(ctx, x, ag, stream=int(stream))
+    graph = check(cu.cuStreamEndCapture(stream))
+    gexec = check(cu.cuGraphInstantiate(graph, 0))
+    host = np.empty(n, dtype=np.float32)
+    for rep in range(100):
+        xs = shared_rng.standard_normal((P, n)).astype(np.float32)
+        host[:] = xs[me]
+        check(cu.cuMemcpyHtoDAsync(x.ptr, host.ctypes.data, host.nbytes, stream))
+        ar.fill_nan(stream=stream)
+        ag.fill_nan(stream=stream)
+        check(cu.cuGraphLaunch(gexec, stream))
+        ctx.synchronize(stream)
+        ref = xs.astype(np.float64)
+        assert_close(download(ar), ref.sum(0), "float32", np.abs(ref).sum(0) * 1e-3, f"replay {rep}")
+        np.testing.assert_array_equal(download(ag), ref.reshape(-1), err_msg=f"replay {rep}")
+    check(cu.cuGraphExecDestroy(gexec))
+    check(cu.cuGraphDestroy(graph))
+    check(cu.cuStreamDestroy(stream))
+
+
+def test_bad_inputs_raise_before_launch(ctx):
+    P = ctx.local_size
+    x = DeviceArray.empty((64,), "int32")
+    with pytest.raises(TypeError, match="must be one of"):
+        mkernel.all_reduce(ctx, x)
+    with pytest.raises(TypeError, match="host array"):
+        mkernel.all_reduce(ctx, np.ones(4, dtype=np.float32))
+    y = DeviceArray.empty((P * 4 + 1,), "float32")
+    if P > 1:
+        with pytest.raises(ValueError, match="multiple"):
+            mkernel.reduce_scatter(ctx, y)
+    z = DeviceArray.empty((8, 8), "float32")
+    nc = DeviceArray(z.ptr, (8, 4), z.dtype, (8, 2), z.device, owner=z)
+    with pytest.raises(ValueError, match="contiguous"):
+        mkernel.all_reduce(ctx, nc)
+    out = DeviceArray.empty((3,), "float32")
+    with pytest.raises(ValueError, match="out must be"):
+        mkernel.all_reduce(ctx, DeviceArray.empty((4,), "float32"), out)
+    ndev = check(cu.cuDeviceGetCount())
+    if ndev > 1:
+        other = (ctx.device + 1) % ndev
+        ctx_dev = check(cu.cuDevicePrimaryCtxRetain(other))
+        check(cu.cuCtxPushCurrent(ctx_dev))
+        try:
+            w = DeviceArray.empty((16,), "float32")
+        finally:
+            check(cu.cuCtxPopCurrent())
+        with pytest.raises(ValueError, match="GPU"):
+            mkernel.all_reduce(ctx, w)
+    # sizes that differ across ranks: every rank gets a clear error
+    if ctx.size > 1:
+        bad = DeviceArray.empty((100 + ctx.local_rank,), "float32")
+        with pytest.raises(ValueError, match="disagree"):
+            mkernel.all_reduce(ctx, bad)
+    ctx.synchronize()
+
+
+def test_zzz_missing_peer_times_out(ctx):
+    """A rank that never makes the call: the other raises CommTimeout within the timeout."""
+    if ctx.local_size < 2:
+        pytest.skip("needs 2 ranks")
+    from mpi4py import MPI
+
+    c2 = mkernel.init(MPI.COMM_WORLD.Dup(), timeout=1.0)
+    x = DeviceArray.empty((1 << 16,), "float32")
+    x.copy_from(upload(np.ones(1 << 16), "float32")[0])
+    mkernel.all_reduce(c2, x)  # both ranks: agreement + workspace
+    c2.synchronize()
+    c2.world.Barrier()
+    if c2.rank == 0:
+        t0 = time.monotonic()
+        mkernel.all_reduce(c2, x)
+        with pytest.raises(mkernel.CommTimeout) as ei:
+            c2.synchronize()
+        dt = time.monotonic() - t0
+        rec = ei.value.record
+        assert rec["op"] == "all_reduce" and rec["rank"] == 0 and rec["peer"] == 1, rec
+        assert 0.9 < dt < 5.0, dt
+        assert rec["waited_ns"] >= 1e9
+    c2.world.Barrier()

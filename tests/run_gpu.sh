@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every GPU test on this machine, in one command:
+#   single-process GPU tests; MPI tests with 1 rank and with one rank per GPU (2+);
+#   emulated multi-node tests (one rank per "node", proxy path across).
+# Usage: bash tests/run_gpu.sh [extra pytest args]
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+NGPU=$(python -c "from cuda.bindings import driver as cu; cu.cuInit(0); print(cu.cuDeviceGetCount()[1])")
+MPIRUN=(mpirun)
+if mpirun --version 2>/dev/null | grep -q "Open MPI"; then MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none); fi
+status=0
+run() { echo "=== $*"; "$@" || status=1; }
+run python -m pytest -q -p no:cacheprovider -m "gpu and not mpi" tests/gpu "$@"
+run "${MPIRUN[@]}" -np 1 python -m pytest -q -p no:cacheprovider -m "gpu and mpi" tests/gpu "$@"
+if [ "$NGPU" -ge 2 ]; then
+  run "${MPIRUN[@]}" -np "$NGPU" python -m pytest -q -p no:cacheprovider -m "gpu and mpi" tests/gpu "$@"
+  run "${MPIRUN[@]}" -np "$NGPU" -x MKERNEL_RANKS_PER_NODE=1 python -m pytest -q -p no:cacheprovider \
+      -m "gpu and mpi and internode" tests/gpu "$@"
+fi
+echo "=== GPU tests: $([ $status = 0 ] && echo PASSED || echo FAILED)"
+exit $status
