@@ -18,7 +18,7 @@ export OUTDIR=$OUT
 "$HERE/softroce_vm.sh" "ip link set lo up && modprobe rdma_rxe && ip link add d0 type dummy && ip addr add 10.0.0.1/24 dev d0 && \
 ip link set d0 up && rdma link add rxe0 type rxe netdev d0 && cd '$REPO' && \
 PYTHONPATH='$C/pypath' PYTHONDONTWRITEBYTECODE=1 MKERNEL_CACHE_DIR=/tmp/mkcache \
-'$PY' -m pytest -q -p no:cacheprovider --color=no -rs --junitxml=\$RXE_OUT/junit.xml ${PYTEST_ARGS:-tests/rdma}"
+'$PY' -m pytest -q -s -p no:cacheprovider --color=no -rs --junitxml=\$RXE_OUT/junit.xml ${PYTEST_ARGS:-tests/rdma}"
 rc=$?
 echo "run_rdma_tests.sh: exit $rc (junit: $OUT/junit.xml)"
 exit $rc

@@ -132,15 +132,18 @@ class Case:
         else:
             self.dist.all_reduce(self.nccl_out)
 
-    def verify(self) -> tuple[bool, str]:
-        """Both libraries once on the same inputs (ours given the torch tensors and stream object
-        directly), outputs NaN-poisoned first; returns (match, message)."""
-        torch = self.torch
+    def verify_start(self) -> None:
+        """Verification, step 1: poison both outputs with NaN and launch ours once, given the torch
+        tensors and torch's stream object directly (the DLPack / CAI / stream interop check)."""
         self.ours_out.fill_(float("nan"))
         self.nccl_out.fill_(float("nan"))
         if self.op == "all_reduce":
             self.nccl_out.copy_(self.x)
         self.fn(self.ctx, self.x, self.ours_out, stream=self.stream)
+
+    def verify_finish(self) -> tuple[bool, str]:
+        """Step 2 (every rank's step 1 succeeded): NCCL on the same inputs, compare; (match, message)."""
+        torch = self.torch
         self.nccl()
         torch.cuda.synchronize()
         self.ctx.check()
@@ -218,18 +221,7 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
 
     # verification (also the first call: plan, agreement, workspace)
     if not state["ours_dead"] and not state["nccl_dead"]:
-        try:
-            ok, msg = case.verify()
-            err = None
-        except Exception as exc:  # noqa: BLE001
-            ok, msg, err = False, f"verification raised {type(exc).__name__}: {exc}", exc
-            traceback.print_exc()
-        if not ok:
-            print(f"[rank {ctx.rank}] MISMATCH ours vs NCCL: {op} {dtype} {C.fmt_bytes(case.nbytes)}: {msg}",
-                  flush=True)
-        rec["match"] = C.all_ranks_ok(ok, comm)
-        rec["match_msg"] = msg
-        _note_failure(ctx, err, state, rec, "verify")
+        rec["match"], rec["match_msg"] = _verify(ctx, case, state, rec)
 
     for who, fn in (("ours", case.ours), ("nccl", case.nccl)):
         if state[who + "_dead"]:
@@ -250,6 +242,38 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
         rec[who + "_busbw"] = busbw(op, rec["bytes"], rec[who + "_ms"], P)
     rec["ratio"] = rec["ours_busbw"] / rec["nccl_busbw"] if rec["nccl_busbw"] > 0 else float("nan")
     return rec
+
+
+def _verify(ctx, case, state, rec):
+    """(match on every rank, this rank's message); match None when a call failed (see rec["errors"])."""
+    import torch
+
+    comm, what = ctx.world, f"{case.op} {case.dtype} {C.fmt_bytes(case.nbytes)}"
+    err = None
+    try:
+        case.verify_start()
+    except Exception as exc:  # noqa: BLE001
+        err = exc
+        traceback.print_exc()
+    if not C.all_ranks_ok(err is None, comm):  # don't start NCCL on some ranks only
+        try:  # ranks whose kernel did launch: let it finish or time out
+            torch.cuda.synchronize()
+            ctx.check()
+        except Exception as exc:  # noqa: BLE001
+            err = err or exc
+        _note_failure(ctx, err, state, rec, "verify (ours)")
+        return None, f"ours raised {type(err).__name__}: {err}" if err else "ours failed on another rank"
+    try:
+        ok, msg = case.verify_finish()
+    except Exception as exc:  # noqa: BLE001
+        ok, msg, err = False, f"verification raised {type(exc).__name__}: {exc}", exc
+        traceback.print_exc()
+    if err is None and not ok:
+        print(f"[rank {ctx.rank}] MISMATCH ours vs NCCL: {what}: {msg}", flush=True)
+    errs = comm.allgather(err is not None)
+    match = None if any(errs) else C.all_ranks_ok(ok, comm)
+    _note_failure(ctx, err, state, rec, "verify")
+    return match, msg
 
 
 def _note_failure(ctx, err, state, rec, what) -> None:
@@ -304,12 +328,12 @@ def report(results, ce, meta, out_dir: Path) -> str:
     ce_big = ce.get(max(ce), {}).get("min_GBps", float("nan")) if ce else float("nan")
     parts = []
     for op in OPS:
-        pts = [r for r in results if r["op"] == op and r["dtype"] == "bfloat16" and r["ours_busbw"] == r["ours_busbw"]]
+        pts = [r for r in results if r["op"] == op and r["dtype"] == "bfloat16"]
         if pts and ce_big == ce_big:
             big = max(pts, key=lambda r: r["bytes"])
-            parts.append((100 * big["ours_busbw"] / ce_big, f"{SHORT[op]} {100 * big['ours_busbw'] / ce_big:.0f}% "
-                          f"at {C.fmt_bytes(big['bytes'])}"))
-    v2 = ("large-size busbw vs copy-engine: " + (f"{min(p[0] for p in parts):.0f}% (min over ops; "
+            pct = 100 * big["ours_busbw"] / ce_big
+            parts.append((pct, f"{SHORT[op]} {_f(pct, '.0f')}% at {C.fmt_bytes(big['bytes'])}"))
+    v2 = ("large-size busbw vs copy-engine: " + (f"{_f(min(p[0] for p in parts) if all(p[0] == p[0] for p in parts) else float('nan'), '.0f')}% (min over ops; "
           + ", ".join(p[1] for p in parts) + f"; copy engine {ce_big:.1f} GB/s per direction)" if parts else "n/a"))
     mism = [f"{_label(r)} {C.fmt_bytes(r['bytes'])}: {r['match_msg']}"
             for r in results if r["match"] is False]

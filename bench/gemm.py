@@ -87,7 +87,7 @@ def main():
     import torch
 
     import mkernel
-    from mkernel import gemm as G
+    from mkernel import gemm_engine as G
     from mkernel import runtime
     from mkernel.arrays import as_device_array
 

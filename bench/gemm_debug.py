@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cuda.bindings import driver as cu  # noqa: E402
 
-from mkernel import gemm as G  # noqa: E402
+from mkernel import gemm_engine as G  # noqa: E402
 from mkernel.arrays import DeviceArray, bf16_to_f32, f32_to_bf16  # noqa: E402
 from mkernel.runtime import check  # noqa: E402
 

@@ -11,6 +11,7 @@ driver API (cuda-python).  Arrays come and go through ``__cuda_array_interface__
 from .arrays import DeviceArray, as_device_array, bf16_to_f32, dtype_of, f32_to_bf16
 from .collectives import all_gather, all_reduce, reduce_scatter
 from .context import Context, init
+from .gemm_engine import gemm, grouped_gemm
 from .errors import CommError, CommTimeout, CompileError, CudaError, MkernelError
 from .topology import Topology
 
@@ -18,6 +19,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "Context", "Topology", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
-    "all_gather", "reduce_scatter", "all_reduce",
+    "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm",
     "MkernelError", "CudaError", "CompileError", "CommError", "CommTimeout",
 ]

@@ -883,13 +883,16 @@ def _from_cai(obj, cai: dict, name: str, stream) -> DeviceArray:
             raise ValueError(f"{name}: byte strides {tuple(bstrides)} are not multiples of the "
                              f"{dtype.name} itemsize {dtype.itemsize}")
         strides = tuple(int(s) // dtype.itemsize for s in bstrides)
-    device = _pointer_device(ptr) if ptr else None
-    if device is None:
-        dl = getattr(obj, "__dlpack_device__", None)
+    # the producer's own word first (torch/cupy/jax export __dlpack_device__), then the driver's
+    device = None
+    dl = getattr(obj, "__dlpack_device__", None)
+    if dl is not None:
         try:
-            device = int(dl()[1]) if dl is not None else None
+            device = int(dl()[1])
         except Exception:
             device = None
+    if device is None and ptr:
+        device = _pointer_device(ptr)
     if device is None:
         device = _current_device_or(0)
     prod_stream = cai.get("stream") if version >= 3 else None

@@ -160,6 +160,24 @@ class HostProducer:
             r.seq[t & r.mask] = t + 1  # publish last (x86: stores are not reordered with stores)
             return t
 
+    def push_many(self, n: int, **fields) -> int:
+        """Push ``n`` commands at once (vectorized; fields are scalars or length-n arrays, named as
+        in CMD_DTYPE, ``bytes`` for the size).  Models many GPU blocks pushing; returns the last ticket."""
+        with self._lock:
+            r, pos = self.ring, 0
+            while pos < n:
+                t = self.head
+                self._wait(lambda: t - int(r.tail[0]) < r.capacity, f"ring full (ticket {t})")
+                room = r.capacity - (t - int(r.tail[0]))
+                k = min(room, n - pos, r.capacity - (t & r.mask))  # no wrap inside one write
+                sl = slice(t & r.mask, (t & r.mask) + k)
+                for name, v in fields.items():
+                    r.cmds[name][sl] = v[pos:pos + k] if isinstance(v, np.ndarray) else v
+                r.seq[sl] = np.arange(t + 1, t + 1 + k, dtype=np.uint64)
+                self.head += k
+                pos += k
+            return self.head - 1
+
     def wait_done(self, ticket: int) -> None:
         self._wait(lambda: int(self.ring.done[0]) > ticket, f"command {ticket} never completed")
 
@@ -313,8 +331,8 @@ class Proxy:
             self._fail(exc)
 
     def _progress(self) -> int:
-        if not self._pending:
-            return 0
+        # always: a transport may have receive-side work (verbs notify="send" notices, re-posting
+        # receive buffers) even when this rank has nothing of its own in flight
         self._completed.update(self.transport.progress())
         n = 0
         while self._pending and self._pending[0][0] in self._completed:

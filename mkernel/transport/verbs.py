@@ -186,12 +186,14 @@ class VerbsTransport(Transport):
     name = "verbs"
 
     def __init__(self, exchanger, windows, device=None, port=None, gid_index=None, notify=None,
-                 sq_depth: int = 512, local_rank: int | None = None, timeout: float = 30.0, **options):
+                 sq_depth: int = 512, local_rank: int | None = None, timeout: float = 30.0, qp_timeout: int = 14,
+                 **options):
         require_pyverbs()
         super().__init__(exchanger, windows, **options)
         self.device, self.port, self.gid_index = device, port, gid_index
         self.notify = (notify or os.environ.get("MKERNEL_VERBS_NOTIFY") or "auto").lower()
         self.sq_depth, self.timeout = sq_depth, timeout
+        self.qp_timeout = qp_timeout  # ACK timeout 4.096 us * 2**qp_timeout (14: 67 ms), 7 retries
         self.local_rank = local_rank if local_rank is not None else int(
             os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", "0")))
         self.error: CommError | None = None
@@ -383,7 +385,7 @@ class VerbsTransport(Transport):
             a.max_dest_rd_atomic = 1
             a.max_rd_atomic = 1
             a.min_rnr_timer = 12
-            a.timeout = 14
+            a.timeout = self.qp_timeout
             a.retry_cnt = 7
             a.rnr_retry = 7
             gr = GlobalRoute(dgid=GID(t["gid"]), sgid_index=self.gid_index)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mkernel import runtime
-from mkernel import gemm as G
+from mkernel import gemm_engine as G
 from mkernel.arrays import DeviceArray
 
 ARCH = "sm_90a"

@@ -25,7 +25,8 @@ from mkernel.errors import CommError  # noqa: E402
 from mkernel.proxy import NO_FLAG, OP_BARRIER, OP_FLAG, OP_WRITE, Proxy  # noqa: E402
 from mkernel.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
 
-DATA_BYTES = 24 << 20
+SMALL = os.environ.get("MK_TEST_SMALL") == "1"  # soft-RoCE VM under emulation: smaller runs
+DATA_BYTES = (4 << 20) if SMALL else (24 << 20)
 FLAG_BYTES = 64 << 10
 TIMEOUT = 60.0
 
@@ -105,7 +106,7 @@ def _exchange_all(env, sizes, ring_capacity=256, start_first=True, epoch=1):
 
 def sc_many(env):
     rng = np.random.default_rng(7)
-    sizes = rng.integers(1, 3000, size=300)  # odd sizes
+    sizes = rng.integers(1, 3000, size=60 if SMALL else 300)  # odd sizes
     sizes[::17] = 0  # flag-only writes mixed in
     sizes[0] = 1
     p, _ = _exchange_all(env, sizes.tolist())
@@ -121,7 +122,7 @@ def sc_large(env):
 
 
 def sc_backpressure(env):
-    sizes = [64 + (i % 5) for i in range(400)]
+    sizes = [64 + (i % 5) for i in range(50 if SMALL else 400)]
     p, prod = _exchange_all(env, sizes, ring_capacity=4)
     p.close()
     # wait_done after every push keeps the ring nearly empty; a burst fills the 4 slots
@@ -129,10 +130,11 @@ def sc_backpressure(env):
     prod = q.producer(TIMEOUT)
     q.start()
     dst = (env.rank + 1) % env.size
-    for i in range(2000):
+    nburst = 300 if SMALL else 2000
+    for i in range(nburst):
         prod.push(OP_FLAG, dst, flag_win=1, flag_offset=8 * (4000 + env.rank), flag_value=i + 1)
     src = (env.rank - 1) % env.size
-    wait_flag(flags, 8 * (4000 + src), 2000, "burst", proxy=q)
+    wait_flag(flags, 8 * (4000 + src), nburst, "burst", proxy=q)
     assert prod.full_waits > 0, "the 4-slot ring never filled: no backpressure exercised"
     q.close()
 
@@ -143,7 +145,7 @@ def sc_flag_batching(env):
     p, data, flags = env.proxy(ring_capacity=1024)
     prod = p.producer(TIMEOUT)
     dst = (me + 1) % n
-    ncmd = 200
+    ncmd = 60 if SMALL else 200
     for i in range(ncmd):
         off = me * 65536 + i * 64
         data.array[off:off + 64] = pattern(me, dst, i, 64)
@@ -168,7 +170,7 @@ def sc_ordering(env):
     prod = p.producer(TIMEOUT)
     p.start()
     dst, src = (me + 1) % n, (me - 1) % n
-    E, SZ = 200, 20000
+    E, SZ = (50, 20000) if SMALL else (200, 20000)
     half = DATA_BYTES // 2
     assert E * SZ <= half
     sent = checked = 0

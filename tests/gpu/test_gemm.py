@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mkernel import gemm as G
+from mkernel import gemm_engine as G
 from mkernel.arrays import DeviceArray, bf16_to_f32, f32_to_bf16
 
 pytestmark = pytest.mark.gpu  # skipped by tests/conftest.py without a Hopper GPU

@@ -16,6 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
 from test_proxy_tcp import run_socket_ranks  # noqa: E402
 
+os.environ.setdefault("MK_TEST_SMALL", "1")  # inherited by the rank processes
+
 from mkernel.errors import CommError  # noqa: E402
 from mkernel.transport import Exchanger, HostWindow, select_transport  # noqa: E402
 from mkernel.transport import verbs  # noqa: E402
@@ -44,13 +46,15 @@ def test_auto_selection_picks_verbs(monkeypatch):
 def test_verbs_two_ranks(notify):
     rcs, outs = run_socket_ranks(2, SCENARIOS, transport="verbs", timeout=400, extra=["--opt", f"notify={notify}"])
     text = "\n".join(outs)
+    print(text)
     assert rcs == [0, 0], text[-6000:]
     for sc in SCENARIOS:
         assert text.count(f"OK {sc} ") == 2, text[-6000:]
 
 
 def test_verbs_dead_peer():
-    rcs, outs = run_socket_ranks(2, ["dead_peer"], transport="verbs", timeout=120)
+    rcs, outs = run_socket_ranks(2, ["dead_peer"], transport="verbs", timeout=120, extra=["--opt", "qp_timeout=10"])
+    print("\n".join(outs))
     assert rcs[0] == 0 and "dead peer detected" in outs[0], "\n".join(outs)[-4000:]
 
 

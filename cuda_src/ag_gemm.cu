@@ -1,0 +1,321 @@
+// ag_gemm.cu - AllGather + GEMM in one persistent kernel: C = AllGather_rows(A) @ B on every local rank,
+// each A shard multiplied as soon as it lands.  Host side: mkernel/ag_gemm.py; design: docs/ag_gemm.md.
+//
+// Local rank j holds A_j [M_j, K] (row-major, dense); the gathered A [M_total, K] lives in this op's
+// symmetric workspace, rows of rank j at row offs[j].  Workspace layout (same on every local rank):
+//
+//   [0]             MkEpochState      this rank's call counter
+//   [consumed_off]  u64[P]            consumed[j] = last call whose gathered rows local rank j finished
+//                                     reading (written by j into our memory)
+//   [flags_off]     u64[P][nch_stride] ready[src][chunk] = call that delivered rows
+//                                     [chunk*CR, chunk*CR + CR) of rank src into our gathered buffer
+//   [data_off]      gathered A        M_total rows of row_bytes (16-byte multiple)
+//
+// Kernel mk_ag_gemm_{kn,nk} (cooperative, grid <= #SMs, one block per SM, Cfg::THREADS threads,
+// Cfg::SMEM_BYTES dynamic shared memory):
+//   blocks [0, n_comm)   communication: (1) copy this rank's shard into its own gathered buffer
+//                        (and into `gathered_out` if given), chunk by chunk, raising ready[me][c];
+//                        (2) push it into every peer's gathered buffer, destination-major in
+//                        rank-rotated order (me+1 first: every rank receives first from me-1, which
+//                        is the order its GEMM consumes), each chunk followed by ready[me][c] on the
+//                        destination; before the first write into peer p's buffer for call e, wait
+//                        for consumed[p] >= e-1; (3) if `gathered_out`, copy every peer's chunks
+//                        out of the workspace as they arrive.  Never waits on compute.
+//   blocks [n_comm, grid) GEMM workers (mk_gemm.cuh): tiles of rank me's rows first, then me-1,
+//                        me-2, ... (tiles never straddle two shards: a shard's last tile is
+//                        partial); before the first K block of a tile the producer waits for the
+//                        ready flags of every chunk its rows overlap.  Epilogue: plain store to C.
+//   The last block to finish tells every peer it consumed its data, then commits the epoch.
+// Deadlock freedom: comm blocks wait only for peers' consumed flags of the previous call (or for
+// peers' pushes in step 3, which depend on nothing of ours); workers wait only for pushes; every block
+// is resident (cooperative launch).
+//
+// Kernel mk_ag_gather (the unfused fallback's gather; cooperative, blockDim 512, no dynamic smem):
+// every block is a communication block; the epoch is left open (defer_release = 1) because the
+// gathered buffer is read afterwards by a separate GEMM launch.  mk_ag_release (1 block) then tells
+// the peers and commits the epoch.
+//
+// Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (output dtype), MK_GEMM_CONFIG (1..3, 0 =
+// debug), exactly as gemm.cu.
+#include "mk_copy.cuh"
+#include "mk_gemm.cuh"
+#include "mk_signal.cuh"
+
+#ifndef MK_GEMM_IN
+#define MK_GEMM_IN MK_DTYPE_BF16
+#endif
+#ifndef MK_GEMM_OUT
+#define MK_GEMM_OUT MK_DTYPE_BF16
+#endif
+#ifndef MK_GEMM_CONFIG
+#define MK_GEMM_CONFIG 3
+#endif
+
+#define MK_AG_MAXP 16  // local ranks; tile_m carries the source rank in its low 4 bits
+
+template <int CONFIG, bool KN> struct MkCfgSel;
+template <bool KN> struct MkCfgSel<0, KN> { typedef MkGemmConfig<1, 128, 2, false, MK_GEMM_IN, KN> T; };
+template <bool KN> struct MkCfgSel<1, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN> T; };
+template <bool KN> struct MkCfgSel<2, KN> { typedef MkGemmConfig<2, 128, 6, true, MK_GEMM_IN, KN> T; };
+template <bool KN> struct MkCfgSel<3, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN> T; };
+
+typedef typename mk_type<MK_GEMM_OUT>::T MkOut;
+#define MK_THREADS (MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS)
+
+// Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 200 bytes).
+struct AgArgs {
+  const char* a_shard;   // this rank's rows, dense [M_me, K]
+  char* ws;              // this rank's workspace
+  const mk_u64* peers;   // local rank -> its workspace base, as mapped here
+  void* c;               // output [M_total, N], row stride ldc elements
+  char* gathered_out;    // optional dense [M_total, K] copy of the gathered A (nullptr: none)
+  mk_u64 row_bytes;      // K * itemsize (multiple of 16)
+  mk_u64 data_off, flags_off, consumed_off;
+  long long ldc;
+  int M_total, N, K;
+  int chunk_rows;        // CR: rows per ready flag (power of two)
+  int nch_stride;        // flags per source rank
+  int n_comm;            // communication blocks (blocks [0, n_comm))
+  int group_m;           // rasterization super-row height
+  int c_vec_ok;
+  int defer_release;     // 1: leave the epoch open (mk_ag_release closes it)
+  int P, me;             // local_size, local_rank
+  int pad0;
+  int offs[MK_AG_MAXP + 1];  // row offsets of local ranks in the gathered A; offs[P] = M_total
+};
+
+struct AgWs {
+  const AgArgs* a;
+  int P, me;
+  MK_DEVICE MkEpochState* epoch_state() const { return (MkEpochState*)a->ws; }
+  MK_DEVICE char* data() const { return a->ws + a->data_off; }
+  MK_DEVICE char* peer_data(int j) const { return (char*)a->peers[j] + a->data_off; }
+  MK_DEVICE mk_u64* consumed(int j) const { return (mk_u64*)(a->ws + a->consumed_off) + j; }
+  MK_DEVICE mk_u64* peer_consumed(int owner, int j) const { return (mk_u64*)((char*)a->peers[owner] + a->consumed_off) + j; }
+  MK_DEVICE int flag_idx(int src, int ch) const { return src * a->nch_stride + ch; }
+  MK_DEVICE mk_u64* ready(int src, int ch) const { return (mk_u64*)(a->ws + a->flags_off) + flag_idx(src, ch); }
+  MK_DEVICE mk_u64* peer_ready(int owner, int src, int ch) const {
+    return (mk_u64*)((char*)a->peers[owner] + a->flags_off) + flag_idx(src, ch);
+  }
+  MK_DEVICE int rows_of(int r) const { return a->offs[r + 1] - a->offs[r]; }
+  MK_DEVICE int chunks_of(int r) const { return (rows_of(r) + a->chunk_rows - 1) / a->chunk_rows; }
+  // byte range of chunk ch of rank r inside the gathered buffer, and its length
+  MK_DEVICE mk_u64 chunk_off(int r, int ch) const { return ((mk_u64)a->offs[r] + (mk_u64)ch * a->chunk_rows) * a->row_bytes; }
+  MK_DEVICE mk_u64 chunk_len(int r, int ch) const {
+    const int r0 = ch * a->chunk_rows;
+    return (mk_u64)min(a->chunk_rows, rows_of(r) - r0) * a->row_bytes;
+  }
+};
+
+// ---- communication blocks -------------------------------------------------------------------------
+// Block `cb` of `ncb` handles chunks cb, cb+ncb, ... of this rank's shard.  All threads call it; the
+// verdict is block-uniform (false: a wait failed, the caller returns).
+MK_DEVICE bool ag_comm(const MkComm& c, const AgWs& w, mk_u64 epoch, int cb, int ncb) {
+  const AgArgs& a = *w.a;
+  const int P = w.P, me = w.me;
+  const int nch = w.chunks_of(me);
+  const mk_u64 base = (mk_u64)a.offs[me] * a.row_bytes;  // my rows in any gathered buffer
+  // (1) local copy: the GEMM starts on these rows
+  for (int ch = cb; ch < nch; ch += ncb) {
+    const mk_u64 off = (mk_u64)ch * a.chunk_rows * a.row_bytes, len = w.chunk_len(me, ch);
+    mk_block_copy(w.data() + base + off, a.a_shard + off, len);
+    if (a.gathered_out) mk_block_copy(a.gathered_out + base + off, a.a_shard + off, len);
+    __syncthreads();
+    if (threadIdx.x == 0) mk_signal_set(w.ready(me, ch), epoch);
+  }
+  // (2) pushes, destination-major, rank-rotated
+  for (int j = 1; j < P; ++j) {
+    const int dst = (me + j) % P;
+    if (cb < nch && !mk_block_wait_geq(c, w.consumed(dst), epoch - 1, MK_LOCAL_PEER(dst), -1 - dst)) return false;
+    for (int ch = cb; ch < nch; ch += ncb) {
+      const mk_u64 off = (mk_u64)ch * a.chunk_rows * a.row_bytes;
+      mk_block_copy(w.peer_data(dst) + base + off, a.a_shard + off, w.chunk_len(me, ch));
+      __syncthreads();
+      if (threadIdx.x == 0) mk_signal_set(w.peer_ready(dst, me, ch), epoch);
+    }
+  }
+  // (3) the caller's copy of the gathered A: peers' rows, in arrival order
+  if (a.gathered_out) {
+    for (int j = 1; j < P; ++j) {
+      const int src = (me + P - j) % P;
+      const int n = w.chunks_of(src);
+      for (int ch = cb; ch < n; ch += ncb) {
+        if (!mk_block_wait_geq(c, w.ready(src, ch), epoch, MK_LOCAL_PEER(src), w.flag_idx(src, ch))) return false;
+        const mk_u64 off = w.chunk_off(src, ch);
+        mk_block_copy(a.gathered_out + off, w.data() + off, w.chunk_len(src, ch));
+      }
+    }
+  }
+  return true;
+}
+
+// End of call: the last block to arrive tells every peer that we are done with its rows (unless the
+// release is deferred to mk_ag_release), then commits the epoch.
+MK_DEVICE void ag_finish(const AgWs& w, mk_u64 epoch) {
+  if (mk_epoch_arrive(w.epoch_state(), gridDim.x)) {
+    if (w.a->defer_release) {
+      if (threadIdx.x == 0) w.epoch_state()->arrived = 0;
+      return;
+    }
+    for (int j = threadIdx.x; j < w.P; j += blockDim.x)
+      if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
+    __syncthreads();
+    mk_epoch_commit(w.epoch_state(), epoch);
+  }
+}
+
+// ---- GEMM policies ----------------------------------------------------------------------------------
+// Tiles of the gathered problem in arrival order: shard me, me-1, ..., each rasterized like a plain
+// GEMM (super-rows of group_m tile-rows).  A shard's tiles start at its own first row, so no tile
+// straddles two shards.  t.tile_m = (tile row within the shard << 4) | source rank (read by the hook);
+// t.group = 0 (B has one group).  Deterministic; stateless apart from the next linear id (everything
+// else is re-read from the kernel-parameter struct: the producer warp runs on 40 registers).
+template <int BM, int BN> struct AgScheduler {
+  const AgArgs* a;
+  int next_i, step;
+  MK_DEVICE explicit AgScheduler(const AgArgs* a_) : a(a_), next_i(0), step(1) {}
+  MK_DEVICE void init(int worker_id, int num_workers) {
+    next_i = worker_id;
+    step = num_workers;
+  }
+  MK_DEVICE bool next(MkTile& t) {
+    int i = next_i;
+    next_i += step;
+    const int P = a->P, me = a->me, N = a->N;
+    const int num_n = (N + BN - 1) / BN;
+    for (int k = 0; k < P; ++k) {
+      const int src = me - k < 0 ? me - k + P : me - k;
+      const int row0 = a->offs[src], rows = a->offs[src + 1] - row0;
+      const int num_m = (rows + BM - 1) / BM;
+      const int cnt = num_m * num_n;
+      if (i < cnt) {
+        int tm, tn;
+        mk_raster(i, num_m, num_n, a->group_m, tm, tn);
+        t.group = 0;
+        t.tile_m = (tm << 4) | src;
+        t.tile_n = tn;
+        t.row0 = row0 + tm * BM;
+        t.rows = min(BM, rows - tm * BM);
+        t.col0 = tn * BN;
+        t.cols = min(BN, N - t.col0);
+        return true;
+      }
+      i -= cnt;
+    }
+    return false;
+  }
+};
+
+// Producer hook: before a tile's first K block, wait until every chunk its rows overlap has landed in
+// our gathered buffer (ready[src][chunk] >= epoch), then order those generic-proxy writes before the
+// TMA (async proxy) reads.  Lane l of the producer warp watches chunk first+l (a tile overlaps at most
+// BM / chunk_rows + 1 <= 32 chunks: the host keeps chunk_rows >= 8), so the wait costs the 40-register
+// producer one flag per lane instead of a loop.  Times out like mk_wait_geq (error record, false).
+template <int BM> struct AgWaitRows {
+  const MkComm* c;
+  const AgArgs* a;
+  mk_u64 epoch;
+  MK_DEVICE bool before_load(int, int tile_m, int, int k_block) const {
+    if (k_block != 0) return true;
+    const int lane = threadIdx.x & 31;
+    const int src = tile_m & 15;
+    const int r0 = (tile_m >> 4) * BM;
+    const int r1 = min(r0 + BM, a->offs[src + 1] - a->offs[src]);  // exclusive, > r0
+    const int CR = a->chunk_rows;
+    const int first = r0 / CR, n = (r1 - 1) / CR - first + 1;
+    const int idx = src * a->nch_stride + first + (lane < n ? lane : 0);
+    const mk_u64* flag = (const mk_u64*)(a->ws + a->flags_off) + idx;
+    mk_u64 t0 = 0;
+    unsigned spins = 0;
+    while (true) {
+      const mk_u64 v = mk_ld_acquire(flag);
+      const bool ready = (mk_i64)(v - epoch) >= 0;
+      if (__all_sync(0xffffffffu, ready)) break;
+      if ((++spins & 63u) == 0) {
+        const mk_u64 now = __shfl_sync(0xffffffffu, mk_globaltimer(), 0);  // warp-uniform verdicts
+        if (t0 == 0) {
+          t0 = now;
+        } else if (now - t0 > c->timeout_ns) {
+          const unsigned late = __ballot_sync(0xffffffffu, !ready);
+          if (lane == __ffs(late) - 1) mk_report(*c, MK_ERR_TIMEOUT, MK_LOCAL_PEER(src), idx, epoch, v, now - t0);
+          return false;
+        }
+        if (__any_sync(0xffffffffu, lane == 0 && mk_failed(*c))) return false;
+        if (spins > 4096) __nanosleep(256);
+      }
+    }
+    __syncwarp();  // memory ordering among the lanes: every lane's acquire precedes lane 0's loads
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    return true;
+  }
+};
+
+// ---- kernels ------------------------------------------------------------------------------------------
+template <bool KN>
+MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkComm& c, const AgArgs& a) {
+  typedef typename MkCfgSel<MK_GEMM_CONFIG, KN>::T Cfg;
+  extern __shared__ unsigned char mk_smem[];
+  AgWs w;
+  w.a = &a;
+  w.P = c.local_size;
+  w.me = c.local_rank;
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  const int n_comm = a.n_comm;
+  bool ok;
+  if ((int)blockIdx.x < n_comm) {
+    ok = ag_comm(c, w, epoch, blockIdx.x, n_comm);
+  } else {
+    AgScheduler<Cfg::BM, Cfg::BN> sched(&a);
+    AgWaitRows<Cfg::BM> hook;
+    hook.c = &c;
+    hook.a = &a;
+    hook.epoch = epoch;
+    MkEpilogueStore<MkOut> epi;
+    epi.c = reinterpret_cast<MkOut*>(a.c);
+    epi.ldc = a.ldc;
+    epi.vec_ok = a.c_vec_ok;
+    const bool r = mk_gemm_run<Cfg>(tmA, tmB, a.K, sched, hook, epi, mk_smem, (int)blockIdx.x - n_comm,
+                                    (int)gridDim.x - n_comm);
+    ok = __syncthreads_and(r ? 1 : 0) != 0;  // every thread of the block returned from mk_gemm_run
+  }
+  if (!ok) return;  // a wait timed out (recorded) or a peer failed: leave the epoch open
+  ag_finish(w, epoch);
+}
+
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
+    mk_ag_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,
+                  const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
+  ag_gemm_body<true>(&tmA, &tmB, c, a);
+}
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
+    mk_ag_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,
+                  const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
+  ag_gemm_body<false>(&tmA, &tmB, c, a);
+}
+
+// Gather only (unfused path): every block is a communication block; a.n_comm is ignored.
+extern "C" __global__ void __launch_bounds__(512, 1)
+    mk_ag_gather(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
+  AgWs w;
+  w.a = &a;
+  w.P = c.local_size;
+  w.me = c.local_rank;
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  if (!ag_comm(c, w, epoch, blockIdx.x, gridDim.x)) return;
+  ag_finish(w, epoch);
+}
+
+// Closes a deferred call (after the GEMM that read the gathered buffer): tell every peer, commit.
+// One block.
+extern "C" __global__ void __launch_bounds__(128, 1)
+    mk_ag_release(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
+  AgWs w;
+  w.a = &a;
+  w.P = c.local_size;
+  w.me = c.local_rank;
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  for (int j = threadIdx.x; j < w.P; j += blockDim.x)
+    if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
+  __syncthreads();
+  mk_epoch_commit(w.epoch_state(), epoch);
+}
