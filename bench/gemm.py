@@ -152,13 +152,13 @@ def main():
         t_ours = _time(ours, nsets, batch, reps, args.eager)
         t_theirs = _time(theirs, nsets, batch, reps, args.eager)
         info = G.describe(M, N, K, b_layout=layout, config=args.config)
-        tf_o, tf_t = flop / t_ours / 1e9, flop / t_theirs / 1e9
+        tf_o, tf_t = flop / t_ours / 1e12, flop / t_theirs / 1e12  # _time returns seconds
         r = dict(name=name, M=M, N=N, K=K, layout=layout, ms=t_ours, cublas_ms=t_theirs, tflops=tf_o,
                  cublas_tflops=tf_t, ratio=tf_o / tf_t, err=err, ok=ok, config=info["config"],
                  tile=f"{info['bm']}x{info['bn']}x64/{info['stages']}st", registers=info["registers"],
                  smem=info["smem"], grid=info["grid"], tiles=info["tiles"], nsets=nsets, batch=batch)
         results.append(r)
-        rows.append([name, M, N, K, layout, f"{t_ours * 1e3:.1f}", f"{tf_o:.0f}", f"{tf_t:.0f}", f"{r['ratio']:.2f}",
+        rows.append([name, M, N, K, layout, f"{t_ours * 1e6:.1f}", f"{tf_o:.0f}", f"{tf_t:.0f}", f"{r['ratio']:.2f}",
                      r["tile"], info["registers"], f"{info['smem'] // 1024} KiB", "ok" if ok else f"ERR {err:.1e}"])
         print(f"{name:20s} M={M:6d} N={N:6d} K={K:6d} {layout}  mkernel {tf_o:6.0f} TFLOP/s  cuBLAS {tf_t:6.0f}  "
               f"ratio {r['ratio']:.2f}  cfg {info['config']} {r['tile']}  err {err:.1e}", flush=True)
