@@ -93,19 +93,40 @@ def shutdown(ctx) -> None:
 
 
 # ------------------------------------------------------------------------------------ timing
-def time_stats(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None) -> dict:
+def time_stats(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None, graph: bool = False) -> dict:
     """Time ``fn()`` (which enqueues GPU work on torch's current stream) with CUDA events.
 
     ``warmup`` untimed calls, then ``reps`` batches of ``batch`` back-to-back calls, each batch
     bracketed by two events (device synchronized and ``barrier()`` called before every batch).
-    Returns per-call milliseconds: ``median_ms``, ``min_ms``, ``max_ms``, ``samples`` (one per
-    batch) and ``host_ms`` (median host time to *submit* one call; close to ``median_ms`` means the
-    measurement is bound by host launch overhead, not by the GPU).
+    ``graph``: warm up on a side stream, capture the ``batch`` calls once in a CUDA graph and time
+    its replays (no host launch overhead; ``fn`` must launch on ``torch.cuda.current_stream()`` as
+    it is at call time).  Returns per-call milliseconds: ``median_ms``, ``min_ms``, ``max_ms``,
+    ``samples`` (one per batch) and ``host_ms`` (median host time to *submit* one call; close to
+    ``median_ms`` means the measurement is bound by host launch overhead, not by the GPU).
     """
     import torch
 
-    for _ in range(warmup):
-        fn()
+    run, g = None, None
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            for _ in range(batch):
+                fn()
+        torch.cuda.synchronize()
+        if barrier is not None:
+            barrier()
+        g.replay()  # first replay (uploads the graph) untimed
+        run = g.replay
+    else:
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples, host = [], []
@@ -115,20 +136,24 @@ def time_stats(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None
             barrier()
         t0 = time.perf_counter()
         start.record()
-        for _ in range(batch):
-            fn()
+        if run is not None:
+            run()
+        else:
+            for _ in range(batch):
+                fn()
         end.record()
         host.append((time.perf_counter() - t0) * 1e3 / batch)
         end.synchronize()
         samples.append(start.elapsed_time(end) / batch)
     torch.cuda.synchronize()
+    del g
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples),
-            "samples": samples, "host_ms": statistics.median(host), "reps": reps, "batch": batch}
+            "samples": samples, "host_ms": statistics.median(host), "reps": reps, "batch": batch, "graph": graph}
 
 
-def time_fn(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None) -> float:
+def time_fn(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None, graph: bool = False) -> float:
     """Median milliseconds per call of ``fn`` (see :func:`time_stats`)."""
-    return time_stats(fn, warmup, reps, batch, barrier)["median_ms"]
+    return time_stats(fn, warmup, reps, batch, barrier, graph)["median_ms"]
 
 
 # ------------------------------------------------------------------------------------ cross-rank

@@ -2,6 +2,7 @@
 """mkernel all-gather / reduce-scatter / all-reduce against NCCL, and copy-engine peer bandwidth.
 
     mpirun --allow-run-as-root -np 2 python bench/collectives.py [--quick] [--out DIR] [--torch-args]
+                                                                 [--graph] [--ops ...] [--max-bytes N]
 
 Every rank: ``mkernel.init()``, torch on the same GPU, ``torch.distributed`` (NCCL) over the same
 ranks (one node).  Inputs are torch tensors (random normal, bf16; fp32 for all-reduce at 1/16/256
@@ -17,14 +18,17 @@ mkernel all-reduce is out of place (x -> out); torch's NCCL all-reduce is in pla
 
 By default the timed loop passes mkernel the DeviceArray views made once from the torch tensors
 (zero-copy, pointer-checked), so the per-call DLPack import is not timed; ``--torch-args`` passes
-the torch tensors on every call instead.
+the torch tensors on every call instead.  Small sizes are bound by host launch overhead on both
+sides (marked †); ``--graph`` captures each batch of calls (ours and NCCL alike) in a CUDA graph
+and times its replays, which measures GPU time only.
 
 Copy-engine bandwidth: every rank at once copies a buffer to the next rank's GPU with torch
 ``dst.copy_(src, non_blocking=True)`` (dst allocated on GPU (rank+1)%P from this process; torch
 enables peer access and issues cudaMemcpyAsync on the copy engine), timed with events: GB/s per
 direction.
 
-Writes ``<out>/collectives_bench.{md,png,json}`` (default ``docs/``).
+Writes ``<out>/collectives_bench.{md,png,json}`` (``collectives_bench_graph.*`` with ``--graph``;
+default ``<out>``: ``docs/``).
 """
 from __future__ import annotations
 
@@ -124,6 +128,9 @@ class Case:
     def ours(self):
         self.fn(self.ctx, *self.args, stream=self.sh)
 
+    def ours_current_stream(self):  # for CUDA-graph capture: the capture stream is torch's current one
+        self.fn(self.ctx, *self.args, stream=self.torch.cuda.current_stream().cuda_stream)
+
     def nccl(self):
         if self.op == "all_gather":
             self.dist.all_gather_into_tensor(self.nccl_out, self.x)
@@ -221,22 +228,25 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
 
     # verification (also the first call: plan, agreement, workspace)
     if not state["ours_dead"] and not state["nccl_dead"]:
-        rec["match"], rec["match_msg"] = _verify(ctx, case, state, rec)
+        rec["match"], rec["match_msg"], skip = _verify(ctx, case, state, rec)
+    else:
+        skip = set()
 
-    for who, fn in (("ours", case.ours), ("nccl", case.nccl)):
-        if state[who + "_dead"]:
+    for who, fn in (("ours", case.ours_current_stream if args.graph else case.ours), ("nccl", case.nccl)):
+        if state[who + "_dead"] or who in skip:
             continue
         try:
-            st = C.time_stats(fn, p["warmup"], p["reps"], p["batch"], barrier=comm.Barrier)
+            st = C.time_stats(fn, p["warmup"], p["reps"], p["batch"], barrier=comm.Barrier, graph=args.graph)
             if who == "ours":
                 ctx.check()
-            med, host, err = st["median_ms"], st["host_ms"], None
+            med, host, samples, err = st["median_ms"], st["host_ms"], st["samples"], None
         except Exception as exc:  # noqa: BLE001
-            med, host, err = None, None, exc
+            med, host, samples, err = None, None, None, exc
             print(f"[rank {ctx.rank}] {who} {op} {dtype} {C.fmt_bytes(case.nbytes)} failed: "
                   f"{type(exc).__name__}: {exc}", flush=True)
         rec[who + "_ms"], rec[who + "_ms_per_rank"] = C.max_over_ranks(med, comm)
         rec[who + "_host_ms"], _ = C.max_over_ranks(host, comm)
+        rec[who + "_samples_ms"] = comm.allgather(samples)  # per rank, per batch
         _note_failure(ctx, err, state, rec, who)
     for who in ("ours", "nccl"):
         rec[who + "_busbw"] = busbw(op, rec["bytes"], rec[who + "_ms"], P)
@@ -245,7 +255,11 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
 
 
 def _verify(ctx, case, state, rec):
-    """(match on every rank, this rank's message); match None when a call failed (see rec["errors"])."""
+    """(match on every rank, this rank's message, libraries not to time at this point).
+
+    match is None when a call failed on some rank (see rec["errors"]); then the failing library (or
+    both, if the failure came after both were called) is not timed, so no rank waits alone in a
+    collective the others skipped."""
     import torch
 
     comm, what = ctx.world, f"{case.op} {case.dtype} {C.fmt_bytes(case.nbytes)}"
@@ -262,7 +276,7 @@ def _verify(ctx, case, state, rec):
         except Exception as exc:  # noqa: BLE001
             err = err or exc
         _note_failure(ctx, err, state, rec, "verify (ours)")
-        return None, f"ours raised {type(err).__name__}: {err}" if err else "ours failed on another rank"
+        return None, f"ours raised {type(err).__name__}: {err}" if err else "ours failed on another rank", {"ours"}
     try:
         ok, msg = case.verify_finish()
     except Exception as exc:  # noqa: BLE001
@@ -273,7 +287,7 @@ def _verify(ctx, case, state, rec):
     errs = comm.allgather(err is not None)
     match = None if any(errs) else C.all_ranks_ok(ok, comm)
     _note_failure(ctx, err, state, rec, "verify")
-    return match, msg
+    return match, msg, ({"ours", "nccl"} if any(errs) else set())
 
 
 def _note_failure(ctx, err, state, rec, what) -> None:
@@ -301,20 +315,24 @@ def _label(r) -> str:
     return f"{SHORT[r['op']]} {r['dtype'].replace('bfloat16', 'bf16').replace('float32', 'fp32')}"
 
 
+def _pct(v) -> str:
+    return "n/a" if v != v else f"{v:.0f}%"
+
+
 def _f(v, fmt):
     return "n/a" if v is None or v != v else format(v, fmt)
 
 
 def report(results, ce, meta, out_dir: Path) -> str:
     """Write the markdown / JSON / PNG (rank 0) and return the markdown + the 2-line verdict."""
-    P = meta["P"]
+    P, stem = meta["P"], meta["stem"]
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for r in results:
         host_bound = r["ours_host_ms"] == r["ours_host_ms"] and r["ours_host_ms"] >= 0.9 * r["ours_ms"]
         mark = "" if r["match"] in (True, None) else " ✗"
         rows.append([_label(r) + mark,
-                     C.fmt_bytes(r["bytes"]),
+                     C.fmt_bytes(r["size"]),
                      _f(r["ours_ms"] * 1e3, ".1f") + (" †" if host_bound else ""), _f(r["ours_busbw"], ".1f"),
                      _f(r["nccl_ms"] * 1e3, ".1f"), _f(r["nccl_busbw"], ".1f"), _f(r["ratio"], ".2f")])
     table = C.markdown_table(["op", "size", "ours (us)", "ours busbw (GB/s)", "NCCL (us)", "NCCL busbw (GB/s)",
@@ -322,29 +340,34 @@ def report(results, ce, meta, out_dir: Path) -> str:
     ce_line = ", ".join(f"{C.fmt_bytes(n)}: {_f(v['min_GBps'], '.1f')} GB/s (per rank "
                         f"{', '.join(_f(x, '.1f') for x in v['per_rank_GBps'])})" for n, v in ce.items()) or "n/a"
     # verdict
-    fails = [f"{_label(r)} {C.fmt_bytes(r['bytes'])} ({_f(r['ratio'], '.2f')})"
-             for r in results if r["bytes"] >= 1 * MiB and not (r["ratio"] >= 1.0)]
+    fails = [f"{_label(r)} {C.fmt_bytes(r['size'])} ({_f(r['ratio'], '.2f')})"
+             for r in results if r["size"] >= 1 * MiB and not (r["ratio"] >= 1.0)]
     v1 = "at or above NCCL from 1 MiB up: " + ("yes" if not fails else f"no ({', '.join(fails)})")
     ce_big = ce.get(max(ce), {}).get("min_GBps", float("nan")) if ce else float("nan")
     parts = []
     for op in OPS:
         pts = [r for r in results if r["op"] == op and r["dtype"] == "bfloat16"]
         if pts and ce_big == ce_big:
-            big = max(pts, key=lambda r: r["bytes"])
+            big = max(pts, key=lambda r: r["size"])
             pct = 100 * big["ours_busbw"] / ce_big
-            parts.append((pct, f"{SHORT[op]} {_f(pct, '.0f')}% at {C.fmt_bytes(big['bytes'])}"))
-    v2 = ("large-size busbw vs copy-engine: " + (f"{_f(min(p[0] for p in parts) if all(p[0] == p[0] for p in parts) else float('nan'), '.0f')}% (min over ops; "
-          + ", ".join(p[1] for p in parts) + f"; copy engine {ce_big:.1f} GB/s per direction)" if parts else "n/a"))
-    mism = [f"{_label(r)} {C.fmt_bytes(r['bytes'])}: {r['match_msg']}"
+            parts.append((pct, f"{SHORT[op]} {_pct(pct)} at {C.fmt_bytes(big['size'])}"))
+    worst = min(p[0] for p in parts) if parts and all(p[0] == p[0] for p in parts) else float("nan")
+    v2 = "large-size busbw vs copy-engine: " + (
+        f"{_pct(worst)} (min over ops; " + ", ".join(p[1] for p in parts)
+        + f"; copy engine {ce_big:.1f} GB/s per direction)" if parts else "n/a")
+    mism = [f"{_label(r)} {C.fmt_bytes(r['size'])}: {r['match_msg']}"
             for r in results if r["match"] is False]
-    errs = [f"{_label(r)} {C.fmt_bytes(r['bytes'])}: {e}" for r in results for e in r["errors"]]
+    errs = [f"{_label(r)} {C.fmt_bytes(r['size'])}: {e}" for r in results for e in r["errors"]]
     md = "\n".join([
         "# mkernel collectives vs NCCL", "",
         f"{meta['date']}; {P} x {meta['gpu']}; torch {meta['torch']}, NCCL {meta['nccl']}; "
-        f"{'quick' if meta['quick'] else 'full'} run; ours given {meta['ours_args']}.", "",
+        f"{'quick' if meta['quick'] else 'full'} run; "
+        f"{'CUDA-graph replays of each batch' if meta.get('graph') else 'eager launches'}; "
+        f"ours given {meta['ours_args']}.", "",
         "Sizes per nccl-tests (AG: output bytes, RS: input bytes, AR: buffer bytes); busbw = size/t x (P-1)/P "
         "(AG, RS) or x 2(P-1)/P (AR), GB = 1e9 B. Time = max over ranks of each rank's median per-call time "
-        "(CUDA events around batches of back-to-back calls on torch's current stream). Ratio > 1: ours faster. "
+        "(CUDA events around batches of back-to-back calls on torch's current stream); busbw uses the exact bytes "
+        "(sizes rounded down to whole elements per rank). Ratio > 1: ours faster. "
         "† = host-bound (submitting a call took >= 90% of its GPU time). ✗ = ours did not match NCCL.", "",
         f"Copy-engine peer bandwidth (torch `copy_` to the next rank's GPU, all ranks at once, per direction): "
         f"{ce_line}.", "",
@@ -352,8 +375,8 @@ def report(results, ce, meta, out_dir: Path) -> str:
         "**" + v1 + "**  ", "**" + v2 + "**", ""]
         + (["## Mismatches", ""] + [f"- {m}" for m in mism] + [""] if mism else [])
         + (["## Errors", ""] + [f"- {e}" for e in errs] + [""] if errs else []))
-    (out_dir / "collectives_bench.md").write_text(md)
-    C.write_json(out_dir / "collectives_bench.json", {"meta": meta, "copy_engine": {str(k): v for k, v in ce.items()},
+    (out_dir / f"{stem}.md").write_text(md)
+    C.write_json(out_dir / f"{stem}.json", {"meta": meta, "copy_engine": {str(k): v for k, v in ce.items()},
                                                       "results": results, "verdict": [v1, v2]})
     try:
         panels = []
@@ -363,12 +386,12 @@ def report(results, ce, meta, out_dir: Path) -> str:
                 pts = [r for r in results if r["op"] == op and r["dtype"] == dt]
                 if not pts:
                     continue
-                x = [r["bytes"] for r in pts]
+                x = [r["size"] for r in pts]
                 solid, dashed = ("o-", "s--") if dt == "bfloat16" else ("^-", "v--")
                 series += [{"x": x, "y": [r["ours_busbw"] for r in pts], "label": f"mkernel {tag}", "style": solid},
                            {"x": x, "y": [r["nccl_busbw"] for r in pts], "label": f"NCCL {tag}", "style": dashed}]
             panels.append({"title": op.replace("_", "-"), "series": series})
-        C.plot_panels(out_dir / "collectives_bench.png", panels,
+        C.plot_panels(out_dir / f"{stem}.png", panels,
                       hlines=[(ce_big, f"copy engine {C.fmt_bytes(max(ce))}" if ce else "copy engine")],
                       title=f"mkernel vs NCCL, {P} x {meta['gpu']}")
     except Exception as exc:  # noqa: BLE001
@@ -382,6 +405,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE.parent / "docs"), help="output folder (default docs/)")
     ap.add_argument("--torch-args", action="store_true", help="pass torch tensors to mkernel on every timed call")
     ap.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays of each batch (both libraries): "
+                    "GPU time without host launch overhead")
+    ap.add_argument("--max-bytes", type=int, default=GiB, help="largest size (default 1 GiB)")
     args = ap.parse_args()
     t_start = time.monotonic()
 
@@ -396,6 +422,7 @@ def main() -> int:
     mk = _mk_ops()
     sizes = ([64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB, 1 * GiB] if args.quick
              else [1 << k for k in range(16, 31)])
+    sizes = [s for s in sizes if s <= args.max_bytes]
     ops = [o for o in args.ops.split(",") if o]
     cases = [(op, "bfloat16", s) for s in sizes for op in OPS if op in ops]
     cases += [("all_reduce", "float32", s) for s in sizes if s in FP32_AR_SIZES and "all_reduce" in ops]
@@ -415,25 +442,27 @@ def main() -> int:
     for op, dtype, size in cases:
         rec = measure(ctx, mk, op, dtype, size, args, state)
         results.append(rec)
-        say(f"{SHORT[op]} {dtype:8s} {C.fmt_bytes(rec['bytes']):>8s}: ours {_f(rec['ours_ms'] * 1e3, '9.1f')} us "
+        say(f"{SHORT[op]} {dtype:8s} {C.fmt_bytes(rec['size']):>8s}: ours {_f(rec['ours_ms'] * 1e3, '9.1f')} us "
             f"{_f(rec['ours_busbw'], '6.1f')} GB/s | NCCL {_f(rec['nccl_ms'] * 1e3, '9.1f')} us "
             f"{_f(rec['nccl_busbw'], '6.1f')} GB/s | x{_f(rec['ratio'], '.2f')}"
             f"{'' if rec['match'] in (True, None) else '  MISMATCH'}  [{time.monotonic() - t_start:.0f} s]")
-        torch.cuda.empty_cache() if size >= 256 * MiB else None
+        if size >= 256 * MiB:
+            torch.cuda.empty_cache()
 
     if ctx.rank == 0:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "P": P, "gpu": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                "quick": args.quick, "ours_args": "torch tensors every call" if args.torch_args
+                "quick": args.quick, "graph": args.graph, "ours_args": "torch tensors every call" if args.torch_args
                 else "zero-copy DeviceArray views of the torch tensors (made once)",
-                "elapsed_s": time.monotonic() - t_start}
+                "elapsed_s": time.monotonic() - t_start,
+                "stem": "collectives_bench_graph" if args.graph else "collectives_bench"}
         try:
             text = report(results, ce, meta, out_dir)
             print("\n" + text, flush=True)
-            print(f"\nwrote {out_dir}/collectives_bench.md / .png / .json", flush=True)
+            print(f"\nwrote {out_dir}/{meta['stem']}.md / .png / .json", flush=True)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-            C.write_json(out_dir / "collectives_bench.json", {"meta": meta, "results": results})
+            C.write_json(out_dir / f"{meta['stem']}.json", {"meta": meta, "results": results})
     comm.Barrier()
     C.shutdown(ctx)
     return 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """mkernel.gemm against torch.matmul (cuBLAS) on one GPU, in the same run.
 
-    python bench/gemm.py [--quick] [--out DIR] [--reps N] [--eager]
+    python bench/gemm.py [--quick] [--sweep] [--config ID] [--out DIR] [--reps N] [--eager]
 
 Shapes: squares 1024..16384 (B "kn": C = A @ B) and the projection GEMMs of Llama-3-70B and
 DeepSeek-V3 for M (tokens) in {128, 512, 2048, 8192, 16384} with weights stored [N, K] as
@@ -82,6 +82,8 @@ def main():
     ap.add_argument("--reps", type=int, default=0, help="graph replays per shape (default: 5 quick, 10 full)")
     ap.add_argument("--eager", action="store_true", help="time plain launches instead of CUDA graphs")
     ap.add_argument("--config", type=int, default=None, help="force an mkernel tile config")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time every auto-candidate config per shape (calibrates the heuristic)")
     args = ap.parse_args()
     setup_env()
     import torch
@@ -152,11 +154,29 @@ def main():
         t_ours = _time(ours, nsets, batch, reps, args.eager)
         t_theirs = _time(theirs, nsets, batch, reps, args.eager)
         info = G.describe(M, N, K, b_layout=layout, config=args.config)
+        sweep = {}
+        if args.sweep:
+            for cid in G.AUTO_CANDIDATES:
+                if layout == "kn" and G.CONFIGS[cid].bn_kn is not None:
+                    continue
+
+                def forced(i, cid=cid):
+                    G.gemm(dA[i], dB[i], dC[i], b_layout=layout, stream=torch.cuda.current_stream(), config=cid)
+
+                forced(0)
+                torch.cuda.synchronize()
+                e = ((C[0].float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                t = _time(forced, nsets, batch, reps, args.eager)
+                sweep[cid] = dict(tflops=flop / t / 1e12, err=e, ok=e < 1e-2)
+            print("    sweep: " + "  ".join(f"cfg {c} {v['tflops']:.0f}{'' if v['ok'] else ' ERR'}"
+                                            for c, v in sweep.items()), flush=True)
         tf_o, tf_t = flop / t_ours / 1e12, flop / t_theirs / 1e12  # _time returns seconds
         r = dict(name=name, M=M, N=N, K=K, layout=layout, ms=t_ours, cublas_ms=t_theirs, tflops=tf_o,
                  cublas_tflops=tf_t, ratio=tf_o / tf_t, err=err, ok=ok, config=info["config"],
-                 tile=f"{info['bm']}x{info['bn']}x64/{info['stages']}st", registers=info["registers"],
-                 smem=info["smem"], grid=info["grid"], tiles=info["tiles"], nsets=nsets, batch=batch)
+                 tile=f"{info['bm']}x{info['bn']}x64/{info['stages']}st{' pp' if info['pingpong'] else ''}",
+                 registers=info["registers"],
+                 smem=info["smem"], grid=info["grid"], tiles=info["tiles"], nsets=nsets, batch=batch,
+                 sweep=sweep)
         results.append(r)
         rows.append([name, M, N, K, layout, f"{t_ours * 1e6:.1f}", f"{tf_o:.0f}", f"{tf_t:.0f}", f"{r['ratio']:.2f}",
                      r["tile"], info["registers"], f"{info['smem'] // 1024} KiB", "ok" if ok else f"ERR {err:.1e}"])
@@ -182,6 +202,14 @@ def main():
           "Registers: per thread at launch (ptxas); the 2-consumer configs rebalance to 40 (producer) / "
           "232 (consumers) with setmaxnreg.", "",
           markdown_table(headers, rows), ""]
+    if any(r["sweep"] for r in results):
+        cids = sorted({c for r in results for c in r["sweep"]})
+        md += ["Config sweep (`--sweep`; TFLOP/s of each forced config, * = the heuristic's pick):", "",
+               markdown_table(["shape", "M", "N", "K"] + [f"cfg {c}" for c in cids],
+                              [[r["name"], r["M"], r["N"], r["K"]]
+                               + [(f"{r['sweep'][c]['tflops']:.0f}" + ("*" if c == r["config"] else "")
+                                   + ("" if r["sweep"][c]["ok"] else " ERR")) if c in r["sweep"] else "-"
+                                  for c in cids] for r in results]), ""]
     (out / "gemm_bench.md").write_text("\n".join(md))
     write_json(out / "gemm_bench.json", dict(device=props.name, compile_seconds=compile_s, results=results))
     _plot(out / "gemm_bench.png", results, props.name)

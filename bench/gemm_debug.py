@@ -4,7 +4,7 @@
     python bench/gemm_debug.py
 
 For every tile config (0 = simple: 1 consumer warpgroup, 2 stages, every wgmma batch waited on;
-1..3 = the pipelined ones) and both B layouts, runs a few shapes and prints the relative Frobenius
+1..6 = the pipelined ones: 4/5 = 128x192 / 128x224 tiles, 6 = ping-pong 64x256) and both B layouts, runs a few shapes and prints the relative Frobenius
 error and the max abs error against a float64 numpy reference, one line per (config, layout).
 A hang (deadlock) is detected by polling the stream for 10 s and reported before exiting.
 
@@ -13,8 +13,11 @@ Reading the table:
     (for one layout only: the MN-major "kn" B descriptor, or the "nk" K-major one);
   * config 0 right but 1..3 wrong on multi-k-block shapes -> pipeline (mbarrier phase / release) bug;
   * only ragged shapes wrong -> masking / TMA out-of-bounds handling;
-  * identity probe: A = I (64x64) reproduces B exactly when the B path is right; the printed
-    mismatch pattern (transposed? swizzled 8-row blocks?) localizes the bug.
+  * identity probe: A = I (64x64) reproduces B (64 x 256: every column of the widest tiles) exactly
+    when the B path is right; the printed mismatch pattern (transposed? swizzled 8-row blocks?)
+    localizes the bug;
+  * only configs 4/5 wrong -> the n192/n224 wgmma wrappers or the 224-row "nk" B box; only config 6
+    wrong (esp. on the last, many-tiles shape) -> ping-pong ring bookkeeping (positions j*nkb).
 """
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ from mkernel import gemm_engine as G  # noqa: E402
 from mkernel.arrays import DeviceArray, bf16_to_f32, f32_to_bf16  # noqa: E402
 from mkernel.runtime import check  # noqa: E402
 
-SHAPES = [(64, 128, 64), (128, 256, 64), (64, 128, 256), (300, 520, 1000), (129, 1000, 7), (1000, 384, 4097)]
+SHAPES = [(64, 128, 64), (128, 256, 64), (64, 128, 256), (300, 520, 1000), (129, 1000, 7), (1000, 384, 4097),
+          # many tiles per block (ring reuse across tiles; ping-pong warpgroup alternation), ragged K
+          (2100, 4100, 328)]
 
 
 def dev(x):
@@ -79,7 +84,7 @@ def run(cfg, layout, M, N, K, rng, stream):
 
 def identity_probe(cfg, layout, stream):
     """A = I_64: C must equal B's 64 x N block exactly; print where it does not."""
-    M, N, K = 64, 128, 64
+    M, N, K = 64, 256, 64
     rng = np.random.default_rng(0)
     bk = np.round(rng.standard_normal((K, N)) * 8).astype(np.float32)  # exact in bf16
     b = bk if layout == "kn" else np.ascontiguousarray(bk.T)
@@ -116,7 +121,8 @@ def main():
                     flag = "" if rel < 1e-2 and nan == 0 else " <-- BAD"
                     parts.append(f"{M}x{N}x{K}: rel {rel:.1e} max {mx:.1e}" + (f" nan {nan}" if nan else "") + flag)
                 probe = identity_probe(cfg, layout, stream)
-                print(f"config {cfg} ({c.bm}x{c.bn}, {c.stages} stages, {c.consumers} consumer WG) {layout}: {probe}")
+                kind = "ping-pong" if c.pingpong else f"{c.consumers} consumer WG"
+                print(f"config {cfg} ({c.bm}x{c.tile_n(layout)}, {c.stages} stages, {kind}) {layout}: {probe}")
                 for p in parts:
                     print(f"    {p}")
                 sys.stdout.flush()

@@ -31,8 +31,8 @@
 // is resident (cooperative launch).
 //
 // Kernel mk_ag_gather (the unfused fallback's gather; cooperative, blockDim 512, no dynamic smem):
-// every block is a communication block; the epoch is left open (defer_release = 1) because the
-// gathered buffer is read afterwards by a separate GEMM launch.  mk_ag_release (1 block) then tells
+// every block is a communication block and also waits for every peer's rows; the epoch is left open
+// (gather_only = 1) because the gathered buffer is read afterwards by a separate GEMM launch.  mk_ag_release (1 block) then tells
 // the peers and commits the epoch.
 //
 // Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (output dtype), MK_GEMM_CONFIG (1..3, 0 =
@@ -78,11 +78,12 @@ struct AgArgs {
   int n_comm;            // communication blocks (blocks [0, n_comm))
   int group_m;           // rasterization super-row height
   int c_vec_ok;
-  int defer_release;     // 1: leave the epoch open (mk_ag_release closes it)
+  int gather_only;       // 1 (mk_ag_gather): wait for every peer's rows, leave the epoch open
   int P, me;             // local_size, local_rank
   int pad0;
   int offs[MK_AG_MAXP + 1];  // row offsets of local ranks in the gathered A; offs[P] = M_total
 };
+static_assert(sizeof(AgArgs) == 200, "AgArgs layout changed: update mkernel/ag_gemm.py");
 
 struct AgWs {
   const AgArgs* a;
@@ -134,33 +135,51 @@ MK_DEVICE bool ag_comm(const MkComm& c, const AgWs& w, mk_u64 epoch, int cb, int
       if (threadIdx.x == 0) mk_signal_set(w.peer_ready(dst, me, ch), epoch);
     }
   }
-  // (3) the caller's copy of the gathered A: peers' rows, in arrival order
-  if (a.gathered_out) {
+  // (3) gather only: wait until every peer's rows are here (a separate GEMM reads them next); and
+  // the caller's copy of the gathered A: peers' rows, in arrival order
+  if (a.gathered_out || a.gather_only) {
     for (int j = 1; j < P; ++j) {
       const int src = (me + P - j) % P;
       const int n = w.chunks_of(src);
       for (int ch = cb; ch < n; ch += ncb) {
         if (!mk_block_wait_geq(c, w.ready(src, ch), epoch, MK_LOCAL_PEER(src), w.flag_idx(src, ch))) return false;
-        const mk_u64 off = w.chunk_off(src, ch);
-        mk_block_copy(a.gathered_out + off, w.data() + off, w.chunk_len(src, ch));
+        if (a.gathered_out) {
+          const mk_u64 off = w.chunk_off(src, ch);
+          mk_block_copy(a.gathered_out + off, w.data() + off, w.chunk_len(src, ch));
+        }
       }
     }
   }
   return true;
 }
 
-// End of call: the last block to arrive tells every peer that we are done with its rows (unless the
-// release is deferred to mk_ag_release), then commits the epoch.
-MK_DEVICE void ag_finish(const AgWs& w, mk_u64 epoch) {
-  if (mk_epoch_arrive(w.epoch_state(), gridDim.x)) {
-    if (w.a->defer_release) {
-      if (threadIdx.x == 0) w.epoch_state()->arrived = 0;
-      return;
-    }
-    for (int j = threadIdx.x; j < w.P; j += blockDim.x)
-      if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
-    __syncthreads();
-    mk_epoch_commit(w.epoch_state(), epoch);
+// End of call, run by `nthreads` threads (a multiple of 32) starting at thread `tid0`: the block
+// arrives; the last block to arrive tells every peer that we are done with its rows, then commits the
+// epoch (with gather_only both are left to mk_ag_release, launched after the GEMM that reads them).
+// Named barrier 7 (not __syncthreads: in GEMM blocks only the consumer warpgroups get here, the
+// producer warpgroup has exited, so no code runs under both register budgets of setmaxnreg).
+MK_DEVICE void ag_finish(const AgWs& w, mk_u64 epoch, int tid0, int nthreads) {
+  __shared__ int last;
+  MkEpochState* s = w.epoch_state();
+  const int t = (int)threadIdx.x - tid0;
+  mk_named_barrier_sync(7, nthreads);  // every thread of the group is done with the call's data
+  if (t == 0) {
+    __threadfence();
+    last = atomicAdd(&s->arrived, 1u) == gridDim.x - 1;
+  }
+  mk_named_barrier_sync(7, nthreads);
+  if (!last) return;
+  if (w.a->gather_only) {
+    if (t == 0) s->arrived = 0;
+    return;
+  }
+  for (int j = t; j < w.P; j += nthreads)
+    if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
+  mk_named_barrier_sync(7, nthreads);
+  if (t == 0) {
+    s->arrived = 0;
+    __threadfence();
+    *((volatile mk_u64*)&s->epoch) = epoch;
   }
 }
 
@@ -225,23 +244,23 @@ template <int BM> struct AgWaitRows {
     const int first = r0 / CR, n = (r1 - 1) / CR - first + 1;
     const int idx = src * a->nch_stride + first + (lane < n ? lane : 0);
     const mk_u64* flag = (const mk_u64*)(a->ws + a->flags_off) + idx;
-    mk_u64 t0 = 0;
-    unsigned spins = 0;
+    unsigned t0 = 0, spins = 0;  // time in units of 1.024 us, 32 bits (wraps after 73 minutes)
     while (true) {
       const mk_u64 v = mk_ld_acquire(flag);
       const bool ready = (mk_i64)(v - epoch) >= 0;
       if (__all_sync(0xffffffffu, ready)) break;
       if ((++spins & 63u) == 0) {
-        const mk_u64 now = __shfl_sync(0xffffffffu, mk_globaltimer(), 0);  // warp-uniform verdicts
-        if (t0 == 0) {
+        const unsigned now = __shfl_sync(0xffffffffu, (unsigned)(mk_globaltimer() >> 10), 0);  // warp-uniform
+        if (spins == 64) {
           t0 = now;
-        } else if (now - t0 > c->timeout_ns) {
+        } else if (now - t0 > (unsigned)(c->timeout_ns >> 10)) {
           const unsigned late = __ballot_sync(0xffffffffu, !ready);
-          if (lane == __ffs(late) - 1) mk_report(*c, MK_ERR_TIMEOUT, MK_LOCAL_PEER(src), idx, epoch, v, now - t0);
+          if (lane == __ffs(late) - 1)
+            mk_report(*c, MK_ERR_TIMEOUT, MK_LOCAL_PEER(src), idx, epoch, v, (mk_u64)(now - t0) << 10);
           return false;
         }
         if (__any_sync(0xffffffffu, lane == 0 && mk_failed(*c))) return false;
-        if (spins > 4096) __nanosleep(256);
+        if (spins > 256) __nanosleep(256);  // ~100 producers spin: keep their .sys loads off the fabric
       }
     }
     __syncwarp();  // memory ordering among the lanes: every lane's acquire precedes lane 0's loads
@@ -261,7 +280,7 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   w.me = c.local_rank;
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
   const int n_comm = a.n_comm;
-  bool ok;
+  bool ok = true;
   if ((int)blockIdx.x < n_comm) {
     ok = ag_comm(c, w, epoch, blockIdx.x, n_comm);
   } else {
@@ -276,10 +295,14 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
     epi.vec_ok = a.c_vec_ok;
     const bool r = mk_gemm_run<Cfg>(tmA, tmB, a.K, sched, hook, epi, mk_smem, (int)blockIdx.x - n_comm,
                                     (int)gridDim.x - n_comm);
-    ok = __syncthreads_and(r ? 1 : 0) != 0;  // every thread of the block returned from mk_gemm_run
+    // The producer warpgroup is done (every load it issued was consumed); the consumers finish the
+    // call.  Their verdict is uniform: all of them see the abort flag at the same K block.
+    if (threadIdx.x < 128 || !r) return;
+    ag_finish(w, epoch, 128, 128 * Cfg::NC);
+    return;
   }
   if (!ok) return;  // a wait timed out (recorded) or a peer failed: leave the epoch open
-  ag_finish(w, epoch);
+  ag_finish(w, epoch, 0, blockDim.x);
 }
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
@@ -293,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
   ag_gemm_body<false>(&tmA, &tmB, c, a);
 }
 
-// Gather only (unfused path): every block is a communication block; a.n_comm is ignored.
+// Gather only (unfused path; a.gather_only = 1): every block is a communication block (a.n_comm unused).
 extern "C" __global__ void __launch_bounds__(512, 1)
     mk_ag_gather(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
   AgWs w;
@@ -302,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
   w.me = c.local_rank;
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
   if (!ag_comm(c, w, epoch, blockIdx.x, gridDim.x)) return;
-  ag_finish(w, epoch);
+  ag_finish(w, epoch, 0, blockDim.x);
 }
 
 // Closes a deferred call (after the GEMM that read the gathered buffer): tell every peer, commit.

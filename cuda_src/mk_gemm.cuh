@@ -27,24 +27,32 @@
 //              static constexpr bool kTileDone; MK_DEVICE void tile_done(const MkTile& t);
 //              If kTileDone, after every consumer thread has returned from store() (named barrier 1),
 //              one consumer thread calls tile_done(t) (e.g. __threadfence_system + mk_signal_set).
+//              Ping-pong configs (Cfg::PINGPONG): a tile is 64 x BN, owned by one consumer warpgroup w;
+//              store() is called with slab = 0 by that warpgroup's 128 threads only, and tile_done(t)
+//              by its first thread after named barrier 1 + w (128 threads).
 //
 // Block shape: Cfg::THREADS threads (128 * (NC + 1)); every thread of the block calls mk_gemm_run
 // (it initialises barriers and runs __syncthreads once, before the role split).  Dynamic shared
-// memory: Cfg::SMEM_BYTES.  Named barrier 1 is used among consumer threads; a fused kernel must not
-// use it concurrently.
+// memory: Cfg::SMEM_BYTES.  Named barriers 1 and 2 are used among consumer threads; a fused kernel
+// must not use them concurrently.
 #pragma once
 #include "mk_common.cuh"
 #include "mk_tma.cuh"
 #include "mk_wgmma.cuh"
 
 // ---- configuration --------------------------------------------------------------------------------
-// NC consumer warpgroups (BM = 64*NC), BN columns (64, 128 or 256), STAGES ring slots, DT input dtype
-// code, B_KN: B stored [K, N] (MN-major operand) instead of [N, K], PIPELINED: keep one wgmma batch in
-// flight (0: wait for every batch; the debug configuration).
-template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_>
+// NC consumer warpgroups, BN columns (64, 128, 192, 224 or 256; 192/224 exist to fill the SMs with
+// fewer wasted tiles, 224 only with B "nk"), STAGES ring slots, DT input dtype code, B_KN: B stored
+// [K, N] (MN-major operand) instead of [N, K], PIPELINED: keep one wgmma batch in flight (0: wait for
+// every batch; the debug configuration), PINGPONG (needs NC = 2): the two consumer warpgroups work on
+// *different* 64 x BN tiles (BM = 64), alternating along the block's tile sequence, so one's epilogue
+// runs while the other's main loop keeps the tensor cores busy (otherwise BM = 64*NC and every consumer
+// warpgroup owns a 64-row slab of the same tile).
+template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false>
 struct MkGemmConfig {
   static constexpr int NC = NC_;
-  static constexpr int BM = 64 * NC_;
+  static constexpr bool PINGPONG = PINGPONG_;
+  static constexpr int BM = PINGPONG_ ? 64 : 64 * NC_;
   static constexpr int BN = BN_;
   static constexpr int BK = 64;  // 64 16-bit elements = one 128-byte swizzle row
   static constexpr int STAGES = STAGES_;
@@ -53,17 +61,23 @@ struct MkGemmConfig {
   static constexpr bool B_KN = B_KN_;
   static constexpr int THREADS = 128 * (NC_ + 1);
   static constexpr int A_BYTES = BM * BK * 2;
-  static constexpr int B_BYTES = BN * BK * 2;
   static constexpr int B_CHUNK_BYTES = 64 * BK * 2;  // one 64-column chunk of an MN-major B tile
+  static constexpr int B_CHUNKS = (BN_ + 63) / 64;
+  static constexpr int B_BYTES = B_CHUNKS * B_CHUNK_BYTES;  // smem reserved for B (BN*BK*2 rounded up to 8 KiB)
+  static constexpr int B_NK_TX_BYTES = BN_ * BK * 2;       // bytes one "nk" B box delivers
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;
   static constexpr int SMEM_BYTES = BAR_OFFSET + 256 + 1024;  // barriers + alignment slack
+  // Consumer arrivals that release a ring slot: lane 0 of every warp of the warpgroup(s) reading it.
+  static constexpr int EMPTY_ARRIVALS = PINGPONG_ ? 4 : 4 * NC_;
   // Register reallocation (only with two consumer warpgroups: 128*40 + 256*232 = 64512 <= 65536).
   static constexpr bool SETMAXNREG = NC_ == 2;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static_assert(NC_ == 1 || NC_ == 2, "one or two consumer warpgroups");
-  static_assert(BN_ == 64 || BN_ == 128 || BN_ == 256, "BN must be 64, 128 or 256");
+  static_assert(BN_ == 64 || BN_ == 128 || BN_ == 192 || BN_ == 224 || BN_ == 256, "BN must be 64, 128, 192, 224 or 256");
+  static_assert(!B_KN_ || BN_ % 64 == 0, "an MN-major (kn) B tile is made of whole 64-column chunks");
+  static_assert(!PINGPONG_ || (NC_ == 2 && PIPELINED_), "ping-pong needs two pipelined consumer warpgroups");
   static_assert(2 * STAGES_ * 8 + 16 <= 256, "too many stages for the barrier area");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget exceeded");
 };
@@ -249,23 +263,47 @@ template <class Cfg> struct MkGemmSmem {
   }
 };
 
-// ---- the tile loop ----------------------------------------------------------------------------------------
-// tmA: 2-D map over A (dims {K, rows}, box {64, BM}).  tmB: 3-D map over B (kn: dims {N, K, groups},
-// box {64, 64, 1}; nk: dims {K, N, groups}, box {64, BN, 1}); both 128B-swizzled (mkernel/tensormap.py).
-// K: the reduction length (k blocks = ceil(K / 64); loads past the maps' bounds are zero-filled).
-// Returns false if the hook aborted.
-template <class Cfg, class Sched, class Hook, class Epi>
-MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K, Sched sched, const Hook& hook,
-                           Epi& epi, unsigned char* smem_raw, int worker_id, int num_workers) {
-  const MkGemmSmem<Cfg> sm(smem_raw);
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
+// ---- pieces shared by the cooperative and ping-pong tile loops ----------------------------------------------
+// Producer (one lane): arm full[stage] with the bytes of K block kb of tile t and issue its TMA loads.
+template <class Cfg>
+MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmA, const MkTensorMap* tmB,
+                                   const MkTile& t, int kb) {
+  const int k0 = kb * Cfg::BK;
+  if constexpr (Cfg::B_KN) {
+    const int nchunks = (t.cols + 63) / 64;  // skip chunks wholly right of N
+    mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + nchunks * Cfg::B_CHUNK_BYTES);
+    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, t.row0);
+    for (int j = 0; j < nchunks; ++j)
+      mk_tma_load_3d(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
+  } else {
+    mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + Cfg::B_NK_TX_BYTES);
+    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, t.row0);
+    mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
+  }
+}
 
-  if (tid == 0) {
+// Consumer warpgroup: one K block (4 k16 slices) of acc(64 x BN) += A(64 rows at a_addr) * B(b_addr),
+// committed as one wgmma batch.  accumulate = false: the first K block overwrites acc.
+template <class Cfg>
+MK_DEVICE void mk_gemm_mma_kblock(float (&acc)[Cfg::BN / 2], mk_u32 a_addr, mk_u32 b_addr, bool accumulate) {
+  mk_wgmma_fence_regs(acc);
+  mk_wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < Cfg::BK / 16; ++k) {
+    const mk_u64 da = mk_wgmma_desc_kmajor(a_addr, k);
+    const mk_u64 db = Cfg::B_KN ? mk_wgmma_desc_mnmajor(b_addr, k, Cfg::B_CHUNK_BYTES) : mk_wgmma_desc_kmajor(b_addr, k);
+    MkWgmma<Cfg::BN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da, db, (accumulate || k > 0) ? 1 : 0);
+  }
+  mk_wgmma_commit();
+}
+
+// Barrier setup shared by both loops; every thread of the block calls it (one __syncthreads).
+template <class Cfg>
+MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, const MkTensorMap* tmB) {
+  if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::STAGES; ++s) {
       mk_mbar_init(sm.full(s), 1);
-      mk_mbar_init(sm.empty(s), 4 * Cfg::NC);  // lane 0 of every consumer warp
+      mk_mbar_init(sm.empty(s), Cfg::EMPTY_ARRIVALS);  // lane 0 of every consumer warp reading the slot
     }
     *sm.abort_flag() = 0;
     mk_mbar_init_fence();
@@ -273,6 +311,124 @@ MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K
     mk_tma_prefetch_desc(tmB);
   }
   __syncthreads();
+}
+
+// ---- the ping-pong tile loop (Cfg::PINGPONG) -----------------------------------------------------------------
+// The block's tiles (Scheduler order) j = 0, 1, 2, ... are 64 x BN; consumer warpgroup w computes the
+// tiles with j % 2 == w, each alone (one m64nBNk16 per k16 slice, the whole tile in its registers), and
+// runs that tile's epilogue while the other warpgroup's main loop uses the tensor cores.
+//
+// Ring bookkeeping: the producer fills ring positions p = 0, 1, 2, ... in tile order (tile j's K block
+// kb is position j*nkb + kb, slot p % STAGES, phase parity (p / STAGES) & 1), so a warpgroup starts tile
+// j at position j*nkb and simply never touches the other warpgroup's positions.  Each slot is read by
+// one warpgroup, so its empty barrier counts 4 arrivals (EMPTY_ARRIVALS).  There is no cycle: the
+// producer only waits for slots released by the warpgroup whose tile came earlier in the sequence.
+//
+// Abort (hook returned false at position p): the producer raises the smem abort flag, waits until the
+// loads it already issued (positions p-STAGES .. p-1) have landed (their full barriers complete, so no
+// TMA write is in flight when the block exits) and returns false.  Consumers poll the flag while they
+// wait for a full barrier, so a warpgroup waiting on a position that will never be filled returns
+// (after draining its wgmmas) instead of hanging; one that has run out of tiles returns true.
+template <class Cfg, class Sched, class Hook, class Epi>
+MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* tmB, int K, Sched sched,
+                                    const Hook& hook, Epi& epi, unsigned char* smem_raw, int worker_id,
+                                    int num_workers) {
+  static_assert(Cfg::PINGPONG && Cfg::NC == 2 && Cfg::BM == 64, "ping-pong layout");
+  const MkGemmSmem<Cfg> sm(smem_raw);
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
+  mk_gemm_setup<Cfg>(sm, tmA, tmB);
+
+  if (tid < 128) {
+    // ================= producer warpgroup =================
+    mk_setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    if (tid >= 32) return true;
+    sched.init(worker_id, num_workers);
+    unsigned pos = 0;  // ring positions issued so far
+    MkTile t;
+    while (sched.next(t)) {
+      for (int kb = 0; kb < nkb; ++kb) {
+        if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb)) {
+          if (lane == 0) *sm.abort_flag() = 1;
+          const unsigned first = pos > (unsigned)Cfg::STAGES ? pos - Cfg::STAGES : 0u;
+          for (unsigned q = first; q < pos; ++q) mk_mbar_wait(sm.full(q % Cfg::STAGES), (q / Cfg::STAGES) & 1u);
+          __syncwarp();
+          return false;
+        }
+        const int stage = (int)(pos % Cfg::STAGES);
+        mk_mbar_wait(sm.empty(stage), ((pos / Cfg::STAGES) & 1u) ^ 1u);
+        if (lane == 0) mk_gemm_issue_loads<Cfg>(sm, stage, tmA, tmB, t, kb);
+        __syncwarp();
+        ++pos;
+      }
+    }
+    return true;
+  }
+
+  // ================= consumer warpgroups =================
+  mk_setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+  const int wg = tid / 128 - 1;  // 0 or 1
+  float acc[Cfg::BN / 2];
+#pragma unroll
+  for (int i = 0; i < Cfg::BN / 2; ++i) acc[i] = 0.f;
+  sched.init(worker_id, num_workers);
+  bool aborted = false;
+  unsigned j = 0;  // index of the tile in the block's sequence
+  MkTile t;
+  while (sched.next(t)) {
+    const unsigned tile_j = j++;
+    if ((int)(tile_j & 1u) != wg) continue;  // the other warpgroup's tile
+    const unsigned start = tile_j * (unsigned)nkb;
+    int stage = (int)(start % Cfg::STAGES);
+    mk_u32 phase = (start / Cfg::STAGES) & 1u;
+    int prev = -1;
+    for (int kb = 0; kb < nkb; ++kb) {
+      while (!mk_mbar_try_wait(sm.full(stage), phase)) {
+        if (*sm.abort_flag()) {
+          aborted = true;
+          break;
+        }
+      }
+      if (aborted) break;
+      mk_gemm_mma_kblock<Cfg>(acc, mk_smem_addr(sm.a(stage)), mk_smem_addr(sm.b(stage)), kb > 0);
+      mk_wgmma_wait<1>();  // the previous batch is done: its slot can be refilled
+      mk_wgmma_fence_regs(acc);
+      if (prev >= 0 && lane == 0) mk_mbar_arrive(sm.empty(prev));
+      prev = stage;
+      if (++stage == Cfg::STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    mk_wgmma_wait<0>();
+    mk_wgmma_fence_regs(acc);
+    if (aborted) break;
+    if (prev >= 0 && lane == 0) mk_mbar_arrive(sm.empty(prev));
+    epi.template store<Cfg::BN>(t, 0, acc);
+    if constexpr (Epi::kTileDone) {
+      mk_named_barrier_sync(1 + wg, 128);
+      if ((tid & 127) == 0) epi.tile_done(t);
+    }
+  }
+  return !aborted;
+}
+
+// ---- the tile loop ----------------------------------------------------------------------------------------
+// tmA: 2-D map over A (dims {K, rows}, box {64, BM}).  tmB: 3-D map over B (kn: dims {N, K, groups},
+// box {64, 64, 1}; nk: dims {K, N, groups}, box {64, BN, 1}); both 128B-swizzled (mkernel/tensormap.py).
+// K: the reduction length (k blocks = ceil(K / 64); loads past the maps' bounds are zero-filled).
+// Returns false if the hook aborted.
+template <class Cfg, class Sched, class Hook, class Epi>
+MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap* tmB, int K, Sched sched,
+                                       const Hook& hook, Epi& epi, unsigned char* smem_raw, int worker_id,
+                                       int num_workers) {
+  const MkGemmSmem<Cfg> sm(smem_raw);
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
+
+  mk_gemm_setup<Cfg>(sm, tmA, tmB);
 
   if (tid < 128) {
     // ================= producer warpgroup =================
@@ -293,20 +449,7 @@ MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K
           return false;
         }
         mk_mbar_wait(sm.empty(stage), phase ^ 1);
-        if (lane == 0) {
-          const int k0 = kb * Cfg::BK;
-          if constexpr (Cfg::B_KN) {
-            const int nchunks = (t.cols + 63) / 64;  // skip chunks wholly right of N
-            mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + nchunks * Cfg::B_CHUNK_BYTES);
-            mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, t.row0);
-            for (int j = 0; j < nchunks; ++j)
-              mk_tma_load_3d(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
-          } else {
-            mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::STAGE_BYTES);
-            mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, t.row0);
-            mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
-          }
-        }
+        if (lane == 0) mk_gemm_issue_loads<Cfg>(sm, stage, tmA, tmB, t, kb);
         __syncwarp();
         if (++stage == Cfg::STAGES) {
           stage = 0;
@@ -336,17 +479,7 @@ MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K
         aborted = true;
         break;
       }
-      const mk_u32 a_addr = mk_smem_addr(sm.a(stage)) + slab * 64 * 128;
-      const mk_u32 b_addr = mk_smem_addr(sm.b(stage));
-      mk_wgmma_fence_regs(acc);
-      mk_wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < Cfg::BK / 16; ++k) {
-        const mk_u64 da = mk_wgmma_desc_kmajor(a_addr, k);
-        const mk_u64 db = Cfg::B_KN ? mk_wgmma_desc_mnmajor(b_addr, k, Cfg::B_CHUNK_BYTES) : mk_wgmma_desc_kmajor(b_addr, k);
-        MkWgmma<Cfg::BN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da, db, (kb > 0 || k > 0) ? 1 : 0);
-      }
-      mk_wgmma_commit();
+      mk_gemm_mma_kblock<Cfg>(acc, mk_smem_addr(sm.a(stage)) + slab * 64 * 128, mk_smem_addr(sm.b(stage)), kb > 0);
       if constexpr (Cfg::PIPELINED) {
         mk_wgmma_wait<1>();  // the previous batch is done: its stage can be refilled
         mk_wgmma_fence_regs(acc);
@@ -375,4 +508,15 @@ MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K
     }
   }
   return !aborted;
+}
+
+// The component's entry point (see the contract at the top of this file and docs/gemm.md).
+template <class Cfg, class Sched, class Hook, class Epi>
+MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K, Sched sched, const Hook& hook,
+                           Epi& epi, unsigned char* smem_raw, int worker_id, int num_workers) {
+  if constexpr (Cfg::PINGPONG) {
+    return mk_gemm_run_pingpong<Cfg>(tmA, tmB, K, sched, hook, epi, smem_raw, worker_id, num_workers);
+  } else {
+    return mk_gemm_run_cooperative<Cfg>(tmA, tmB, K, sched, hook, epi, smem_raw, worker_id, num_workers);
+  }
 }

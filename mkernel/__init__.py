@@ -12,6 +12,7 @@ from .arrays import DeviceArray, as_device_array, bf16_to_f32, dtype_of, f32_to_
 from .collectives import all_gather, all_reduce, reduce_scatter
 from .context import Context, init
 from .gemm_engine import gemm, grouped_gemm
+from .ag_gemm import ag_gemm
 from .errors import CommError, CommTimeout, CompileError, CudaError, MkernelError
 from .topology import Topology
 
@@ -19,6 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "Context", "Topology", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
-    "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm",
+    "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm",
     "MkernelError", "CudaError", "CompileError", "CommError", "CommTimeout",
 ]

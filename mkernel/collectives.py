@@ -5,7 +5,10 @@ host synchronization between calls (per-call epochs live on the device), so call
 in a CUDA graph and replayed.  Every device-side wait is bounded by the context timeout; a dead peer
 turns into :class:`mkernel.CommTimeout` at the next :meth:`Context.check`/``synchronize``.
 
-The ranks taking part are those of the caller's node (``ctx.local_size`` ranks joined by NVLink).
+All ranks of the context's communicator take part.  On one node (``ctx.num_nodes == 1``) the
+kernels below move data over NVLink only; across nodes (real, or emulated with
+``MKERNEL_RANKS_PER_NODE``) :mod:`mkernel.internode` runs the hierarchical versions (NVLink inside a
+node, the CPU proxy across nodes).
 bf16 / fp16 / fp32 (reductions accumulate in fp32); all-gather also takes int32/int64.  Inputs and
 outputs are any CUDA arrays (``__cuda_array_interface__`` / DLPack), C-contiguous, on the context's
 GPU; they need not be symmetric memory: each op owns a symmetric workspace, allocated on first use
@@ -15,8 +18,9 @@ rank makes the same call.
 from __future__ import annotations
 
 import ctypes
+import os
 
-from . import runtime
+from . import internode, runtime
 from .arrays import DeviceArray, as_device_array, dtype_of
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks"]
@@ -45,16 +49,33 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def plan_chunks(slot_bytes: int, grid_max: int, min_chunk: int = 32 * 1024) -> tuple[int, int]:
+MIN_CHUNK = int(os.environ.get("MKERNEL_COLL_MIN_CHUNK", 32 * 1024))
+MAX_BLOCKS = int(os.environ.get("MKERNEL_COLL_MAX_BLOCKS", 0))  # 0: one block per SM
+
+
+def plan_chunks(slot_bytes: int, grid_max: int, min_chunk: int | None = None) -> tuple[int, int]:
     """(chunk_bytes, nchunks): about two chunks per block, none smaller than ``min_chunk``."""
+    min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
     slot_bytes = max(slot_bytes, 16)
     chunk = max(min_chunk, -(-slot_bytes // (2 * grid_max)))
     chunk = _round_up(min(chunk, _round_up(slot_bytes, 16)), 16)
     return chunk, -(-slot_bytes // chunk)
 
 
+# Blocks per call.  Measured on 2x H200 (docs/collectives.md): with one block per SM, slots of
+# 2-32 MiB ran 3-7x slower than with 32 blocks (e.g. all-gather 8 MiB: 245 us vs 46 us), while
+# slots of 64 MiB and more ran at or above NCCL with one block per SM.
+SMALL_SLOT_BLOCKS = 32
+LARGE_SLOT_BYTES = 64 << 20
+
+
+def grid_for(slot_bytes: int, grid_max: int) -> int:
+    return grid_max if slot_bytes >= LARGE_SLOT_BYTES else min(grid_max, SMALL_SLOT_BLOCKS)
+
+
 def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLayout, int]:
     slot_bytes = _round_up(max(slot_bytes, 16), 256)
+    grid_max = grid_for(slot_bytes, grid_max)
     chunk, nchunks = plan_chunks(slot_bytes, grid_max)
     L = CollLayout()
     L.consumed_off = 64
@@ -78,7 +99,7 @@ class _Launcher:
         per_sm = self.kernel.max_active_blocks_per_sm(_THREADS)
         if per_sm < 1:
             raise RuntimeError(f"mkernel: {op} kernel cannot be resident ({per_sm} blocks/SM)")
-        self.grid_max = ctx.sm_count
+        self.grid_max = min(ctx.sm_count, MAX_BLOCKS) if MAX_BLOCKS > 0 else ctx.sm_count
 
     def workspace(self, L: CollLayout, total: int):
         # one workspace per (op) per context; layouts are computed from sizes all ranks agreed on
@@ -120,7 +141,7 @@ def all_gather(ctx, x, out=None, *, stream=None):
     """Gather ``x`` from every local rank: ``out`` = concat over local ranks (axis 0).
 
     ``x``: ``[n, ...]`` on every local rank (same shape and dtype everywhere);
-    ``out``: ``[local_size * n, ...]``, allocated when None; rank j's ``x`` lands in rows
+    ``out``: ``[size * n, ...]``, allocated when None; rank j's ``x`` lands in rows
     ``[j*n, (j+1)*n)`` on every rank.  ``x`` may be this rank's own rows of ``out`` (in place).
     Returns ``out``.
     """
@@ -128,7 +149,7 @@ def all_gather(ctx, x, out=None, *, stream=None):
     ctx.check()
     x = as_device_array(x, name="x")
     _check_array(ctx, x, what, "x", _GATHER_DTYPES)
-    P = ctx.local_size
+    P = ctx.size
     out_shape = (P * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
     if out is None:
         out = DeviceArray.empty(out_shape, x.dtype, device=ctx.device)
@@ -136,16 +157,19 @@ def all_gather(ctx, x, out=None, *, stream=None):
     _check_array(ctx, o, what, "out", _GATHER_DTYPES)
     if o.dtype.name != x.dtype.name or tuple(o.shape) != out_shape:
         raise ValueError(f"{what}: out must be {x.dtype.name} {out_shape}, got {o.dtype.name} {tuple(o.shape)}")
-    own = o.ptr + ctx.local_rank * x.nbytes
+    own = o.ptr + ctx.rank * x.nbytes
     if _overlaps(x, o) and x.ptr != own:
         raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
-    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.node_comm)
+    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
     if x.nbytes == 0:
+        return out
+    if ctx.num_nodes > 1:
+        internode.all_gather(ctx, x, o, stream)
         return out
     ln = _launcher(ctx, "all_gather", dtype_of("bfloat16"))  # byte-oriented: one kernel for every dtype
     L, total = _layout(P, x.nbytes, ln.grid_max, 1)
     ws = ln.workspace(L, total)
-    grid = min(ln.grid_max, L.nchunks)
+    grid = min(grid_for(L.slot_bytes, ln.grid_max), L.nchunks)
     args = [ctx.comm_args("all_gather"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes),
             ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
     _launch(ctx, ln, args, grid, stream)
@@ -155,14 +179,14 @@ def all_gather(ctx, x, out=None, *, stream=None):
 def reduce_scatter(ctx, x, out=None, *, stream=None):
     """Sum ``x`` over local ranks and scatter: ``out`` on local rank j = sum_r x_r[j*n:(j+1)*n].
 
-    ``x``: ``[local_size * n, ...]``; ``out``: ``[n, ...]`` (allocated when None), must not overlap
+    ``x``: ``[size * n, ...]``; ``out``: ``[n, ...]`` (allocated when None), must not overlap
     ``x``.  bf16/fp16/fp32, fp32 accumulation.  Returns ``out``.
     """
     what = "mkernel.reduce_scatter"
     ctx.check()
     x = as_device_array(x, name="x")
     _check_array(ctx, x, what, "x", _REDUCE_DTYPES)
-    P = ctx.local_size
+    P = ctx.size
     if x.ndim == 0 or x.shape[0] % P:
         raise ValueError(f"{what}: x's first dimension ({x.shape[0] if x.ndim else 'scalar'}) must be a multiple "
                          f"of the number of local ranks ({P})")
@@ -175,14 +199,17 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
         raise ValueError(f"{what}: out must be {x.dtype.name} {out_shape}, got {o.dtype.name} {tuple(o.shape)}")
     if _overlaps(x, o):
         raise ValueError(f"{what}: out must not overlap x")
-    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.node_comm)
+    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
     n = o.size
     if n == 0:
+        return out
+    if ctx.num_nodes > 1:
+        internode.reduce_scatter(ctx, x, o, stream)
         return out
     ln = _launcher(ctx, "reduce_scatter", x.dtype)
     L, total = _layout(P, o.nbytes, ln.grid_max, 1)
     ws = ln.workspace(L, total)
-    grid = min(ln.grid_max, L.nchunks)
+    grid = min(grid_for(L.slot_bytes, ln.grid_max), L.nchunks)
     args = [ctx.comm_args("reduce_scatter"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n),
             ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
     _launch(ctx, ln, args, grid, stream)
@@ -208,9 +235,12 @@ def all_reduce(ctx, x, out=None, *, stream=None):
         raise ValueError(f"{what}: out must be {x.dtype.name} {tuple(x.shape)}, got {o.dtype.name} {tuple(o.shape)}")
     if _overlaps(x, o) and x.ptr != o.ptr:
         raise ValueError(f"{what}: out overlaps x without being x")
-    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.node_comm)
+    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
     n = x.size
     if n == 0:
+        return out
+    if ctx.num_nodes > 1:
+        internode.all_reduce(ctx, x, o, stream)
         return out
     P = ctx.local_size
     ln = _launcher(ctx, "all_reduce", x.dtype)
@@ -219,7 +249,7 @@ def all_reduce(ctx, x, out=None, *, stream=None):
     shard = n if one_shot else _round_up(-(-n // P), vec)
     L, total = _layout(P, shard * x.dtype.itemsize, ln.grid_max, 1 if one_shot else 2)
     ws = ln.workspace(L, total)
-    grid = min(ln.grid_max, L.nchunks)
+    grid = min(grid_for(L.slot_bytes, ln.grid_max), L.nchunks)
     args = [ctx.comm_args("all_reduce"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n),
             ctypes.c_uint64(shard), ctypes.c_int32(1 if one_shot else 0), ctypes.c_uint64(ws.ptr),
             ctypes.c_uint64(ws.peer_table), L]

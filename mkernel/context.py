@@ -81,8 +81,9 @@ class Context:
         self._workspaces: dict = {}
         self._agreed: set = set()
         self._symmetric: list = []
+        self._closers: list = []  # close() hooks of op state (e.g. inter-node proxies), run first
+        self._checks: list = []   # check() hooks raising host-side failures (e.g. a proxy's)
         self._closed = False
-        self.proxy = None  # inter-node proxy, created on first multi-node use
 
     # ------------------------------------------------------------------ kernel arguments
     def comm_args(self, op: str | int) -> MkComm:
@@ -99,17 +100,35 @@ class Context:
     def check(self) -> None:
         """Raise :class:`~mkernel.CommTimeout` if any kernel of this rank reported a failure (non-blocking)."""
         self.error_record.raise_if_set()
-        if self.proxy is not None:
-            self.proxy.check()
+        for fn in self._checks:
+            fn()
 
     def synchronize(self, stream=None) -> None:
         """Wait for ``stream`` (or the whole device when None) and raise what the kernels reported."""
         if stream is None:
             r = cu.cuCtxSynchronize()
         else:
-            r = cu.cuStreamSynchronize(cu.CUstream(stream_handle(stream)))
+            # poll, sleeping between queries, so threads of this process that the GPU may be
+            # waiting on (the inter-node proxy) keep getting the GIL
+            s = cu.CUstream(stream_handle(stream))
+            while True:
+                r, = cu.cuStreamQuery(s)
+                if r != cu.CUresult.CUDA_ERROR_NOT_READY:
+                    break
+                time.sleep(20e-6)
         self.check()
         check(r)
+
+    def _report_host_failure(self, code: int, message: str, peer: int = -1) -> None:
+        """A host-side failure (e.g. the proxy's transport died): write the error record, so every
+        device-side wait of this rank stops, and remember the message for the exception."""
+        from .signals import OPS
+
+        rec = self.error_record._rec
+        if rec.code == 0:
+            rec.rank, rec.op, rec.peer, rec.flag_index = self.rank, OPS["proxy"], peer, -1
+            rec.code = code
+        self._host_failure = message
 
     # ------------------------------------------------------------------ agreement across ranks
     def agree(self, what: str, signature: tuple, comm=None) -> None:
@@ -179,9 +198,11 @@ class Context:
             check(cu.cuCtxSynchronize())
         except Exception:
             pass
-        if self.proxy is not None:
-            self.proxy.close()
-            self.proxy = None
+        for fn in self._closers:
+            try:
+                fn()
+            except Exception:
+                pass
         for ws in list(self._symmetric):
             if not ws.freed:
                 ws.free()

@@ -38,7 +38,8 @@ from . import runtime
 from .arrays import DeviceArray, _on_device, as_device_array
 from .tensormap import encode_tiled
 
-__all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "describe"]
+__all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "config_cost", "describe",
+           "AUTO_CANDIDATES", "LEGACY_CANDIDATES"]
 
 SOURCE = "gemm.cu"
 _CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -49,23 +50,38 @@ LAYOUTS = ("kn", "nk")
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One tile configuration of cuda_src/gemm.cu (MK_GEMM_CONFIG)."""
+    """One tile configuration of cuda_src/gemm.cu (MK_GEMM_CONFIG).
+
+    ``bm x bn`` is the tile with B "nk"; ``bn_kn`` (if set) the tile width with B "kn" (MN-major B
+    tiles are whole 64-column chunks, so config 5's 224 becomes 256 there).  ``pingpong``: the two
+    consumer warpgroups compute different ``bm x bn`` tiles at once (a block holds 2 tiles).
+    """
 
     id: int
     bm: int
     bn: int
     stages: int
     consumers: int  # consumer warpgroups; block = 128 * (consumers + 1) threads
-    efficiency: float  # relative per-tile throughput used by the heuristic
+    efficiency: float  # relative per-tile main-loop throughput used by the heuristic
     debug: bool = False
+    pingpong: bool = False
+    bn_kn: int | None = None
 
     @property
     def threads(self) -> int:
         return 128 * (self.consumers + 1)
 
     @property
-    def smem(self) -> int:  # must match MkGemmConfig::SMEM_BYTES
-        return self.stages * (self.bm + self.bn) * 64 * 2 + 256 + 1024
+    def tiles_per_block(self) -> int:
+        return 2 if self.pingpong else 1
+
+    def tile_n(self, layout: str = "nk") -> int:
+        return self.bn_kn if (layout == "kn" and self.bn_kn is not None) else self.bn
+
+    @property
+    def smem(self) -> int:  # must match MkGemmConfig::SMEM_BYTES (B reserved in whole 8 KiB chunks)
+        bn = max(self.bn, self.bn_kn or 0)
+        return self.stages * (self.bm * 64 * 2 + -(-bn // 64) * 64 * 64 * 2) + 256 + 1024
 
 
 CONFIGS = {
@@ -73,7 +89,17 @@ CONFIGS = {
     1: TileConfig(1, 64, 128, 8, 1, 0.80),
     2: TileConfig(2, 128, 128, 6, 2, 0.92),
     3: TileConfig(3, 128, 256, 4, 2, 1.00),
+    4: TileConfig(4, 128, 192, 5, 2, 0.94),  # fills 132 SMs where 256-wide tiles leave many idle
+    5: TileConfig(5, 128, 224, 4, 2, 0.96, bn_kn=256),  # idem, "nk" only (kn: config 3's tile)
+    6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True),  # small K: epilogue hidden
 }
+# Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
+LEGACY_CANDIDATES = (1, 2, 3)
+# Configs mkernel.gemm / grouped_gemm choose among.
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 6)
+# Epilogue cost in K-equivalents (a 128 x 256 bf16 tile's register-to-global stores take about as long
+# as 256 more K of main loop; from the K = 512 kv_b measurement).  Ping-pong hides it except at the end.
+EPILOGUE_K = 256
 GROUP_M = 8  # rasterization super-row height (tiles)
 
 for _i in IN_DTYPES:
@@ -132,25 +158,59 @@ def _num_sms(device: int) -> int:
     return n
 
 
-def choose_config(num_tiles, num_sms: int) -> TileConfig:
-    """Pick the tile config minimising (waves x per-tile time).
+def _env_candidates(candidates):
+    env = os.environ.get("MKERNEL_GEMM_CANDIDATES")
+    if not env:
+        return tuple(candidates)
+    allowed = {int(x) for x in env.replace(",", " ").split()}
+    return tuple(c for c in candidates if c in allowed) or tuple(candidates)
 
-    ``num_tiles(cfg)`` gives the tile count of the problem under ``cfg``.  Per-tile time is taken
-    as BM*BN / efficiency; waves = ceil(tiles / SMs) (a persistent block runs ceil or floor of the
-    average).  ``MKERNEL_GEMM_CONFIG`` (0..3) forces a config.
+
+def choose_config(num_tiles, num_sms: int, *, k: int | None = None, layout: str | None = None,
+                  candidates=LEGACY_CANDIDATES) -> TileConfig:
+    """Pick the tile config of least predicted time.
+
+    ``num_tiles(cfg)`` gives the tile count of the problem under ``cfg``.  Cost per SM, in
+    multiply-accumulates / efficiency: a cooperative config runs ``w = ceil(tiles / SMs)`` waves of
+    ``bm*bn*(K + EPILOGUE_K)``; a ping-pong config runs ``2*w'`` half-tiles per block
+    (``w' = ceil(tiles / (2 SMs))``) of ``bm*bn*K``, plus the last epilogue(s), which are exposed
+    (both warpgroups' if each has a single tile).  Without ``k`` (callers that only compare tile
+    shapes) the cost is ``waves * bm * bn / efficiency``.  ``layout`` ("kn" / "nk") drops configs
+    whose tile differs by layout when the layout does not suit them (config 5 with "kn").
+
+    ``candidates``: config ids to consider; the default is the set every fused kernel source also
+    defines.  ``MKERNEL_GEMM_CONFIG=<id>`` forces ``id`` if it is 0 or among the candidates;
+    ``MKERNEL_GEMM_CANDIDATES=1,2,3`` restricts the candidates (e.g. back to the original three).
     """
+    candidates = _env_candidates(candidates)
     env = os.environ.get("MKERNEL_GEMM_CONFIG")
-    if env:
+    if env and (int(env) == 0 or int(env) in candidates):
         return CONFIGS[int(env)]
     best, best_cost = None, None
-    for cfg in CONFIGS.values():
-        if cfg.debug:
+    for cid in candidates:
+        cfg = CONFIGS[cid]
+        if cfg.debug or (layout == "kn" and cfg.bn_kn is not None):
             continue
-        tiles = max(1, num_tiles(cfg))
-        cost = math.ceil(tiles / num_sms) * cfg.bm * cfg.bn / cfg.efficiency
+        cost = config_cost(cfg, max(1, num_tiles(cfg)), num_sms, k, layout or "nk")
         if best_cost is None or cost < best_cost:
             best, best_cost = cfg, cost
     return best
+
+
+def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout: str = "nk") -> float:
+    """Predicted per-SM time of ``tiles`` tiles under ``cfg`` (arbitrary units; see choose_config)."""
+    area = cfg.bm * cfg.tile_n(layout)
+    if k is None:
+        return math.ceil(tiles / (num_sms * cfg.tiles_per_block)) * cfg.tiles_per_block * area / cfg.efficiency
+    if not cfg.pingpong:
+        return math.ceil(tiles / num_sms) * area * (k + EPILOGUE_K) / cfg.efficiency
+    w = math.ceil(tiles / (2 * num_sms))
+    exposed = (2 if w == 1 else 1) * area * EPILOGUE_K
+    return 2 * w * area * k / cfg.efficiency + exposed
+
+
+def _grid(cfg: TileConfig, tiles: int, sms: int) -> int:
+    return max(1, min(math.ceil(tiles / cfg.tiles_per_block), sms))
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +351,7 @@ def _tensor_maps(A: _Operand, B: _Operand, in_dtype: str, cfg: TileConfig, b_lay
     if b_layout == "kn":
         tmb = encode_tiled(B.ptr, in_dtype, B.dims, B.strides, (64, 64, 1))
     else:
-        tmb = encode_tiled(B.ptr, in_dtype, B.dims, B.strides, (64, cfg.bn, 1))
+        tmb = encode_tiled(B.ptr, in_dtype, B.dims, B.strides, (64, cfg.tile_n("nk"), 1))
     return tma, tmb
 
 
@@ -335,7 +395,7 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
         O = _prepare_out(O_in, out_dtype, in_dtype, (M, N), dev)
         if M == 0 or N == 0:
             return out if out is not None else O
-        key = ("gemm", dev, b_layout, config, os.environ.get("MKERNEL_GEMM_CONFIG"), _akey(A), _akey(B), _akey(O))
+        key = ("gemm", dev, b_layout, config, _env_key(), _akey(A), _akey(B), _akey(O))
         plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config))
         plan.run(stream)
     return out if out is not None else O
@@ -348,8 +408,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config) -> _Plan:
     if K == 0:
         pre = [_zero_fill_launch(O, M, N, ldc, in_dtype, dev)]
         return _Plan(CONFIGS[1], None, 0, [], pre, [])
-    cfg = CONFIGS[config] if config is not None else choose_config(
-        lambda c: math.ceil(M / c.bm) * math.ceil(N / c.bn), sms)
+    cfg = CONFIGS[config] if config is not None else _auto_config(M, N, K, b_layout, sms)
     sa = A.strides
     opa = _tma_operand(A, 1, M, K, 0, sa[0], sa[1])
     sb = B.strides
@@ -364,9 +423,18 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config) -> _Plan:
             keep.append(op.staging)
     tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
     args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, 0)
-    tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.bn)
+    tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
-    return _Plan(cfg, kernel, max(1, min(tiles, sms)), [tma, tmb, args], pre, keep)
+    return _Plan(cfg, kernel, _grid(cfg, tiles, sms), [tma, tmb, args], pre, keep)
+
+
+def _env_key():
+    return (os.environ.get("MKERNEL_GEMM_CONFIG"), os.environ.get("MKERNEL_GEMM_CANDIDATES"))
+
+
+def _auto_config(M: int, N: int, K: int, b_layout: str, sms: int) -> TileConfig:
+    return choose_config(lambda c: math.ceil(M / c.bm) * math.ceil(N / c.tile_n(b_layout)), sms, k=K,
+                         layout=b_layout, candidates=AUTO_CANDIDATES)
 
 
 def _vec_ok(O: DeviceArray, ldc: int, M: int) -> int:
@@ -433,8 +501,7 @@ def grouped_gemm(a, b, group_offsets, out=None, *, b_layout: str = "kn", out_dty
         O = _prepare_out(O_in, out_dtype, in_dtype, (T, N), dev)
         if T == 0 or N == 0 or G == 0:
             return out if out is not None else O
-        key = ("grouped", dev, b_layout, config, os.environ.get("MKERNEL_GEMM_CONFIG"), _akey(A), _akey(B),
-               _akey(O), offs_key)
+        key = ("grouped", dev, b_layout, config, _env_key(), _akey(A), _akey(B), _akey(O), offs_key)
         plan = _cached_plan(key, lambda: _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype,
                                                        b_layout, dev, config))
         plan.run(stream)
@@ -450,14 +517,14 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
         sizes = np.diff(host_offs)
 
         def num_tiles(c):
-            return int(np.sum((sizes + c.bm - 1) // c.bm)) * math.ceil(N / c.bn)
+            return int(np.sum((sizes + c.bm - 1) // c.bm)) * math.ceil(N / c.tile_n(b_layout))
 
         offs_buf = DeviceArray.from_numpy(host_offs.astype(np.int64))
         keep.append(offs_buf)
         offs_ptr, offs_i32 = offs_buf.ptr, 0
     else:
         def num_tiles(c):  # upper bound without reading the offsets
-            return (math.ceil(T / c.bm) + G) * math.ceil(N / c.bn)
+            return (math.ceil(T / c.bm) + G) * math.ceil(N / c.tile_n(b_layout))
 
         offs_ptr, offs_i32 = dev_offs.ptr, int(dev_offs.dtype.name == "int32")
     if K == 0:
@@ -471,7 +538,8 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
             sub = _Sub(O.ptr + r0 * ldc * O.dtype.itemsize, O.dtype)
             pre = [_zero_fill_launch(sub, r1 - r0, N, ldc, in_dtype, dev)]
         return _Plan(CONFIGS[1], None, 0, [], pre, keep)
-    cfg = CONFIGS[config] if config is not None else choose_config(num_tiles, sms)
+    cfg = CONFIGS[config] if config is not None else choose_config(
+        num_tiles, sms, k=K, layout=b_layout, candidates=AUTO_CANDIDATES)
     sa = A.strides
     opa = _tma_operand(A, 1, T, K, 0, sa[0], sa[1])
     sb = B.strides
@@ -486,7 +554,7 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
             keep.append(op.staging)
     tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
     args = _GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, _vec_ok(O, ldc, T), offs_i32, 0)
-    grid = max(1, min(num_tiles(cfg), sms))
+    grid = _grid(cfg, num_tiles(cfg), sms)
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
     return _Plan(cfg, kernel, grid, [tma, tmb, args], pre, keep)
 
@@ -506,15 +574,15 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
     out_dtype = out_dtype or in_dtype
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
-        cfg = CONFIGS[config] if config is not None else choose_config(
-            lambda c: math.ceil(M / c.bm) * math.ceil(N / c.bn), sms)
+        cfg = CONFIGS[config] if config is not None else _auto_config(M, N, K, b_layout, sms)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
     name = f"mk_gemm_{b_layout}"
     usage = mod.resource_usage.get(name, {})
-    tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.bn)
-    return dict(config=cfg.id, bm=cfg.bm, bn=cfg.bn, stages=cfg.stages, threads=cfg.threads, smem=cfg.smem,
-                registers=usage.get("registers"), spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
-                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles, grid=max(1, min(tiles, sms)))
+    tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
+    return dict(config=cfg.id, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
+                smem=cfg.smem, pingpong=cfg.pingpong, registers=usage.get("registers"),
+                spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
+                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles, grid=_grid(cfg, tiles, sms))
 
 
 def _compile_one(item):

@@ -220,12 +220,12 @@ class TcpTransport(Transport):
         if win.kind == "host":
             _recv_into(s, memoryview(win.host_view()[off:off + n]))
             return
-        st = win.staging()
+        st = win.rx_staging()  # not win.staging(): the proxy thread reads through that one meanwhile
         pos = 0
         while pos < n:
             m = min(len(st), n - pos)
             _recv_into(s, memoryview(st[:m]))
-            win.write_from_staging(off + pos, m)
+            win.write_from_rx_staging(off + pos, m)
             pos += m
 
     # ---- shutdown ---------------------------------------------------------------------------------

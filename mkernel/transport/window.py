@@ -132,6 +132,7 @@ class GpuWindow(Window):
         self._stream = None
         self._staging_bytes = staging_bytes
         self._staging = None
+        self._rx = None  # (stream, pinned ptr, array) of the receiver thread
         self._lock = threading.Lock()
 
     def _ensure(self):
@@ -179,12 +180,25 @@ class GpuWindow(Window):
                 check(cu.cuStreamSynchronize(self._stream))
                 pos += m
 
-    def write_from_staging(self, offset, n):
-        """Copy staging[:n] (filled by the caller) to [offset, offset+n) and wait."""
+    def rx_staging(self) -> np.ndarray:
+        """A pinned buffer of its own for a receiver thread (``read``/``write`` use the other one
+        under the lock, from the proxy thread, at the same time)."""
+        if self._rx is None:
+            cu, check = self._cu, self._check
+            check(cu.cuCtxSetCurrent(self.ctx))
+            stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            p = int(check(cu.cuMemHostAlloc(self._staging_bytes, 0)))
+            buf = np.ctypeslib.as_array((ctypes.c_uint8 * self._staging_bytes).from_address(p))
+            self._rx = (stream, p, buf)
+        return self._rx[2]
+
+    def write_from_rx_staging(self, offset, n):
+        """Copy rx_staging()[:n] (filled by the receiver thread) to [offset, offset+n) and wait."""
         self.check_range(offset, n)
         cu, check = self._cu, self._check
-        check(cu.cuMemcpyHtoDAsync(self.ptr + offset, self._staging_ptr, n, self._stream))
-        check(cu.cuStreamSynchronize(self._stream))
+        stream, p, _ = self._rx
+        check(cu.cuMemcpyHtoDAsync(self.ptr + offset, p, n, stream))
+        check(cu.cuStreamSynchronize(stream))
 
     def write_u64(self, offset, value):
         if offset % 8:
@@ -198,6 +212,11 @@ class GpuWindow(Window):
             cu.cuStreamDestroy(self._stream)
             cu.cuMemFreeHost(self._staging_ptr)
             self._stream = None
+        if self._rx is not None:
+            cu.cuCtxSetCurrent(self.ctx)
+            cu.cuStreamDestroy(self._rx[0])
+            cu.cuMemFreeHost(self._rx[1])
+            self._rx = None
 
 
 def as_window(x) -> Window:

@@ -204,3 +204,61 @@ def test_args_struct_layout():
     assert offs == dict(c=0, group_offsets=8, ldc=16, M=24, N=28, K=32, num_groups=36, group_m=40, c_vec_ok=44,
                         offsets_i32=48, pad=52)
     assert ctypes.sizeof(G._GemmArgs) == 56
+
+
+# ---------------------------------------------------------------------------------------------
+# heuristic: configs 4..6 where they pay, the original choice everywhere else
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("M,N,K,layout,want", [
+    (2048, 2048, 2048, "kn", 3), (4096, 4096, 4096, "kn", 3), (8192, 8192, 8192, "kn", 3),
+    (2048, 10240, 8192, "nk", 3), (8192, 8192, 28672, "nk", 3),
+    (2048, 1536, 7168, "nk", 4),     # dsv3.q_a: 128 tiles of 128x192 (was 384 of 64x128)
+    (512, 7168, 2048, "nk", 5),      # dsv3.moe_down: 128 tiles of 128x224 (was 112 of 128x256)
+    (8192, 32768, 512, "nk", 6),     # dsv3.kv_b: K = 512, epilogue-bound -> ping-pong
+    (128, 57344, 8192, "nk", 5),     # llama gate_up: 256 tiles (2 full waves) instead of 224
+    (128, 1024, 8192, "nk", 1),
+])
+def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
+    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
+    assert G._auto_config(M, N, K, layout, 132).id == want
+
+
+def test_heuristic_env_overrides(monkeypatch):
+    monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", "1,2,3")  # the original heuristic
+    assert G._auto_config(2048, 1536, 7168, "nk", 132).id == 1
+    assert G._auto_config(8192, 32768, 512, "nk", 132).id == 3
+    monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES")
+    monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "3")
+    assert G._auto_config(8192, 32768, 512, "nk", 132).id == 3
+    # fused kernels (ag_gemm.cu defines configs 0..3 only) never get a new config, even when forced
+    monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "6")
+    assert G.choose_config(lambda c: 100, 132).id in G.LEGACY_CANDIDATES
+    assert G._auto_config(64, 64, 64, "kn", 132).id == 6
+
+
+def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch):
+    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    c5 = G.CONFIGS[5]
+    assert c5.tile_n("nk") == 224 and c5.tile_n("kn") == 256 and c5.smem == G.CONFIGS[3].smem
+    for m, n, k in [(512, 7168, 2048), (128, 57344, 8192), (4096, 4096, 4096)]:
+        assert G._auto_config(m, n, k, "kn", 132).id != 5
+
+
+def test_pingpong_and_224_plans(fake):
+    launches, maps, empty = fake
+    a, b = empty((8192, 512), "bfloat16"), empty((32768, 512), "bfloat16")
+    G.gemm(a, b, b_layout="nk")
+    (l,) = launches
+    assert l["config"] == 6 and l["block"] == 384 and l["grid"] == 132 and l["smem"] == G.CONFIGS[6].smem
+    assert maps[0]["box"] == (64, 64) and maps[1]["box"] == (64, 256, 1)
+    launches.clear(), maps.clear()
+    # few tiles: a ping-pong block takes two at once, so the grid is half the tile count
+    G.gemm(empty((256, 64), "bfloat16"), empty((64, 512), "bfloat16"), config=6)
+    assert launches[0]["grid"] == 4  # 4 x 2 tiles of 64x256
+    launches.clear(), maps.clear()
+    G.gemm(empty((512, 2048), "bfloat16"), empty((7168, 2048), "bfloat16"), b_layout="nk")
+    assert launches[0]["config"] == 5 and maps[1]["box"] == (64, 224, 1) and launches[0]["grid"] == 128
+    launches.clear(), maps.clear()
+    G.gemm(empty((512, 2048), "bfloat16"), empty((2048, 7168), "bfloat16"), config=5)  # kn: 256-wide tiles
+    assert maps[1]["box"] == (64, 64, 1) and launches[0]["grid"] == 4 * 28

@@ -248,6 +248,71 @@ def sc_dead_peer(env):
     assert time.monotonic() - t1 < 15, "close hung after a peer died"
 
 
+def sc_gpu(env):
+    """GPU end to end (needs a GPU; 2 ranks may share one): rank 0's kernel (proxy_test.cu) pushes
+    WRITE commands through the host-mapped ring; rank 1 checks data + flags in its device window."""
+    import ctypes
+
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check, compile_module, current_arch
+    from mkernel.transport import GpuWindow
+
+    check(cu.cuInit(0))
+    ndev = check(cu.cuDeviceGetCount())
+    dev = check(cu.cuDeviceGet(env.rank % ndev))
+    ctx = check(cu.cuDevicePrimaryCtxRetain(dev))
+    check(cu.cuCtxSetCurrent(ctx))
+    blocks, per_block, chunk = 8, 16, 4096 + 36
+    nchunks = blocks * per_block
+    dbytes = nchunks * chunk + 4096
+    data_d = int(check(cu.cuMemAlloc(dbytes)))
+    flag_d = int(check(cu.cuMemAlloc(8 * nchunks)))
+    check(cu.cuMemsetD8(data_d, 0xEE, dbytes))
+    check(cu.cuMemsetD8(flag_d, 0, 8 * nchunks))
+    err_h = int(check(cu.cuMemHostAlloc(64, cu.CU_MEMHOSTALLOC_DEVICEMAP)))
+    ctypes.memset(err_h, 0, 64)
+    err_d = int(check(cu.cuMemHostGetDevicePointer(err_h, 0)))
+    dw, fw = GpuWindow(data_d, dbytes), GpuWindow(flag_d, 8 * nchunks)
+    p = Proxy(env.ex, [dw, fw], transport=env.transport, ring_capacity=16,
+              transport_options=dict(env.opts)).start()
+
+    class MkComm(ctypes.Structure):
+        _fields_ = [("err", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64)] + \
+                   [(n, ctypes.c_int32) for n in ("rank", "world_size", "local_rank", "local_size", "node",
+                                                  "num_nodes", "op", "pad")]
+
+    epoch = 1
+    if env.rank == 0:
+        k = compile_module("proxy_test.cu", arch=current_arch()).function("mk_proxy_test_push")
+        comm = MkComm(err_d, 10_000_000_000, 0, env.size, 0, 1, 0, env.size, 0, 0)
+        k.launch(blocks, 128, [comm, p.ring_device_struct(), ctypes.c_uint64(data_d), ctypes.c_int32(per_block),
+                               ctypes.c_int32(1), ctypes.c_uint64(chunk), ctypes.c_uint64(0), ctypes.c_uint64(epoch),
+                               ctypes.c_int32(1)])
+        check(cu.cuCtxSynchronize())
+        code = ctypes.c_int.from_address(err_h).value
+        assert code == 0, f"kernel reported error code {code}"
+        assert int(p.ring.done[0]) >= nchunks
+    elif env.rank == 1:
+        t0 = time.monotonic()
+        while True:
+            f = fw.read(0, 8 * nchunks).view(np.uint64)
+            if (f >= epoch).all():
+                break
+            p.check()
+            assert time.monotonic() - t0 < 60, f"flags stuck: {int((f >= epoch).sum())}/{nchunks}"
+            time.sleep(1e-3)
+        got = dw.read(0, nchunks * chunk).reshape(nchunks, chunk)
+        g = np.arange(nchunks, dtype=np.uint64)[:, None]
+        kk = np.arange(chunk, dtype=np.uint64)[None, :]
+        want = ((g * 131 + kk * 7 + epoch) & 0xFF).astype(np.uint8)
+        assert np.array_equal(got, want), f"data wrong in {int((got != want).any(1).sum())} chunks"
+    env.ex.barrier()
+    p.close()
+    dw.close(), fw.close()
+    cu.cuMemFree(data_d), cu.cuMemFree(flag_d), cu.cuMemFreeHost(err_h)
+
+
 SCENARIOS = {k[3:]: v for k, v in globals().items() if k.startswith("sc_")}
 
 

@@ -125,6 +125,28 @@ def test_big_square(rng, layout, config):
     run_gemm(rng, 4096, 4096, 4096, layout, config=config, sample=256)
 
 
+# configs 4..6: 128x192 / 128x224 tiles (n192 / n224 wgmma, 224-row "nk" B box) and ping-pong 64x256
+# (alternating warpgroups; many tiles per block so ring positions are reused across tiles and
+# warpgroups; ragged K so nkb is not a multiple of the stage count).
+RING_SHAPES = [(2100, 4100, 328), (4100, 2100, 520), (300, 7168, 2048)]
+
+
+@pytest.mark.parametrize("config", [4, 5, 6])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("M,N,K", RING_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in RING_SHAPES])
+def test_new_configs_many_tiles(rng, M, N, K, layout, config):
+    run_gemm(rng, M, N, K, layout, config=config, sample=None if M * N <= 4100 * 2100 else 256)
+
+
+# the projection shapes the heuristic sends to configs 4, 5, 6 (dsv3 q_a, moe_down, kv_b; gate_up)
+AUTO_SHAPES = [(2048, 1536, 7168), (512, 7168, 2048), (8192, 32768, 512), (128, 57344, 8192)]
+
+
+@pytest.mark.parametrize("M,N,K", AUTO_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in AUTO_SHAPES])
+def test_auto_projection_shapes(rng, M, N, K):
+    run_gemm(rng, M, N, K, "nk", sample=256)
+
+
 def test_big_rect(rng):
     run_gemm(rng, 8192, 8192, 4096, "nk", sample=192)
 

@@ -1,0 +1,350 @@
+#!/usr/bin/env python
+"""AllGather + GEMM (column-parallel projections): mkernel's fused kernel against NCCL + cuBLAS,
+torch's symmetric-memory fused op, and the no-overlap floor, in the same run.
+
+    mpirun --allow-run-as-root --bind-to none -np 2 python bench/ag_gemm.py [--quick] [--out DIR]
+
+Every rank holds ``A_r [M/P, K]`` (bf16) and its weight shard ``W_r [N/P, K]`` (stored [N, K] as
+frameworks do; mkernel ``b_layout="nk"``, torch ``A @ W_r.t()``) and computes
+``C_r = AllGather(A) @ W_r.T`` ``[M, N/P]``.  Written for any P (one node); run with 2 GPUs.
+
+Per shape, in the same run:
+  (a) NCCL ``all_gather_into_tensor`` then ``torch.matmul``, sequential on one stream;
+  (b) ``torch.ops.symm_mem.fused_all_gather_matmul`` (torch's async-TP op) if it runs here, else n/a;
+  (c) mkernel's GEMM alone on the gathered A, and mkernel's all_gather alone: floor = max of the two
+      (perfect overlap, no SMs lost to communication);
+  (d) ``mkernel.ag_gemm`` with the automatic plan (fused or unfused: reported);
+  (e) when (d) ran unfused: the fused kernel forced at the model's best split (calibration data).
+Shapes: Llama-3-70B (hidden 8192; QKV 10240, MLP up/gate 28672) and Llama-3-405B (hidden 16384; QKV
+18432, MLP 53248) with N = out/P per rank and total M in {1024, 4096, 8192, 16384, 32768}; and the
+square sweep M = K in {4096, 8192, 16384, 32768} with N/P = M/16 per rank.  ``--quick``: 5 shapes.
+
+Every method's output is checked against (a) (relative Frobenius error < 1e-2) on the first call.
+Timing: CUDA events around batches of back-to-back calls on torch's current stream, an MPI barrier
+before every batch; the reported time is the max over ranks of each rank's median per-call time.
+Reports time, TFLOP/s per GPU (2*M*(N/P)*K / t), speedups of (d) over (a) and (b), overlap efficiency
+max(T_gemm, T_allgather) / T_(d), the plan (path, comm SMs) and the model's predictions.  Writes
+``<out>/ag_gemm_bench.{md,png,json}`` (default docs/).
+
+NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set before torch is imported.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import _common as C  # noqa: E402
+
+C.setup_env()  # before torch is imported anywhere
+
+MS = (1024, 4096, 8192, 16384, 32768)
+MODELS = {  # name: (K = hidden, N = projection output width over all ranks)
+    "llama3-70b.qkv": (8192, 10240),
+    "llama3-70b.mlp_up": (8192, 28672),
+    "llama3-405b.qkv": (16384, 18432),
+    "llama3-405b.mlp_up": (16384, 53248),
+}
+SWEEP = (4096, 8192, 16384, 32768)
+REL_TOL = 1e-2
+
+
+def shapes(P: int, quick: bool):
+    """[(name, M_total, N_per_rank, K)]."""
+    out = []
+    if quick:
+        picks = [("llama3-70b.qkv", 4096), ("llama3-70b.mlp_up", 8192), ("llama3-405b.qkv", 16384),
+                 ("llama3-405b.mlp_up", 1024)]
+        for name, m in picks:
+            K, N = MODELS[name]
+            out.append((name, m, N // P, K))
+        out.append(("sweep M=K", 8192, 8192 // 16, 8192))
+        return out
+    for name, (K, N) in MODELS.items():
+        for m in MS:
+            out.append((name, m, N // P, K))
+    for m in SWEEP:
+        out.append(("sweep M=K", m, m // 16, m))
+    return out
+
+
+def reps_for(est_ms: float, quick: bool) -> dict:
+    batch = int(min(20, max(1, round(4.0 / max(est_ms, 1e-3)))))
+    return {"warmup": 2 if est_ms > 5 else 5, "reps": 3 if quick else 5, "batch": batch}
+
+
+def rel_err(torch, got, ref) -> float:
+    g, r = got.float(), ref.float()
+    if torch.isnan(g).any():
+        return float("inf")
+    return float(torch.linalg.norm(g - r) / torch.linalg.norm(r).clamp_min(1e-30))
+
+
+class TorchSymmMem:
+    """torch's fused all-gather matmul, or the reason it is unavailable."""
+
+    def __init__(self, torch, dist):
+        self.torch, self.dist, self.fn, self.group, self.reason = torch, dist, None, None, None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            group = dist.group.WORLD.group_name
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:
+                enable(group)
+            self.fn = torch.ops.symm_mem.fused_all_gather_matmul
+            self.group = group
+        except Exception as exc:  # noqa: BLE001
+            self.reason = f"{type(exc).__name__}: {exc}"[:200]
+
+    def __call__(self, a_shard, bt):
+        try:
+            _, outs = self.fn(a_shard, [bt], 0, self.group, return_A=False)
+        except TypeError:
+            _, outs = self.fn(a_shard, [bt], 0, self.group)
+        return outs[0]
+
+
+def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
+    from mkernel.arrays import as_device_array
+
+    P, me, comm = ctx.local_size, ctx.local_rank, ctx.world
+    dev = torch.device("cuda", ctx.device)
+    Mr = M // P
+    g = torch.Generator(device=dev)
+    g.manual_seed(17 + 7919 * ctx.rank + M + N + K)
+    a = torch.randn(Mr, K, dtype=torch.bfloat16, device=dev, generator=g)
+    w = torch.randn(N, K, dtype=torch.bfloat16, device=dev, generator=g) / math.sqrt(K)
+    a_full = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+    c_ref = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    c_ours = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    a_full_ours = torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+    c_gemm = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    stream = torch.cuda.current_stream()
+    sh = int(stream.cuda_stream)
+    A, W, CO = (as_device_array(t, stream=sh) for t in (a, w, c_ours))
+    AF, CG = as_device_array(a_full_ours, stream=sh), as_device_array(c_gemm, stream=sh)
+    flops = 2.0 * M * N * K
+    est_ms = flops / 550e12 * 1e3 + (M * K * 2) / 250e9 * 1e3
+    rp = reps_for(est_ms, quick)
+    rec = {"name": name, "M": M, "N_per_rank": N, "K": K, "P": P, "flops_per_gpu": flops, **rp}
+
+    def nccl_mm():
+        dist.all_gather_into_tensor(a_full, a)
+        torch.matmul(a_full, w.t(), out=c_ref)
+
+    def ours_auto():
+        agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh)
+
+    def ours_gemm():
+        mk.gemm(AF, W, CG, b_layout="nk", stream=sh)
+
+    def ours_ag():
+        mk.all_gather(ctx, A, AF, stream=sh)
+
+    def timed(key, fn, check=None):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            ctx.check()
+            if check is not None:
+                err = check()
+                rec[key + "_err"] = err
+                if not err < REL_TOL:
+                    rec[key + "_note"] = f"MISMATCH rel err {err:.2e}"
+            st = C.time_stats(fn, rp["warmup"], rp["reps"], rp["batch"], barrier=comm.Barrier)
+            ctx.check()
+            ms = st["median_ms"]
+        except Exception as exc:  # noqa: BLE001
+            rec[key + "_note"] = f"{type(exc).__name__}: {exc}"[:300]
+            ms = None
+        rec[key + "_ms"], _ = C.max_over_ranks(ms, comm)
+
+    timed("nccl", nccl_mm)  # also produces the reference c_ref
+    timed("ours", ours_auto, lambda: rel_err(torch, c_ours, c_ref))
+    plan = agm.last_plan
+    rec["plan"] = {"path": plan.path, "comm_sms": plan.comm_sms, "workers": plan.workers, "config": plan.config,
+                   "chunk_rows": plan.chunk_rows, "pred_fused_ms": plan.predicted_fused * 1e3,
+                   "pred_unfused_ms": plan.predicted_unfused * 1e3, "pred_comm_ms": plan.predicted_comm * 1e3,
+                   "pred_gemm_ms": plan.predicted_gemm * 1e3, "reason": plan.reason}
+    timed("allgather", ours_ag, lambda: rel_err(torch, a_full_ours, a_full))
+    timed("gemm", ours_gemm)
+    if symm.fn is not None:
+        holder = {}
+
+        def symm_call():
+            holder["c"] = symm(a, w.t())
+
+        timed("symm", symm_call, lambda: rel_err(torch, holder["c"], c_ref))
+    else:
+        rec["symm_ms"], rec["symm_note"] = None, symm.reason
+    if plan.path == "unfused" and plan.fused_comm_sms > 0:
+        n = plan.fused_comm_sms
+        timed("forced", lambda: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, comm_sms=n),
+              lambda: rel_err(torch, c_ours, c_ref))
+        rec["forced_comm_sms"] = n
+    # derived numbers
+    t = {k: rec.get(k + "_ms") for k in ("nccl", "symm", "gemm", "allgather", "ours", "forced")}
+    ok = lambda v: v is not None and v == v and v > 0  # noqa: E731
+    if ok(t["gemm"]) and ok(t["allgather"]):
+        rec["floor_ms"] = max(t["gemm"], t["allgather"])
+    for k, v in t.items():
+        if ok(v):
+            rec[k + "_tflops"] = flops / (v * 1e-3) / 1e12
+    if ok(t["ours"]):
+        if ok(t["nccl"]):
+            rec["speedup_vs_nccl"] = t["nccl"] / t["ours"]
+        if ok(t["symm"]):
+            rec["speedup_vs_symm"] = t["symm"] / t["ours"]
+        if rec.get("floor_ms"):
+            rec["overlap_eff"] = rec["floor_ms"] / t["ours"]
+    del a, w, a_full, c_ref, c_ours, a_full_ours, c_gemm, A, W, CO, AF, CG
+    torch.cuda.empty_cache()
+    return rec
+
+
+def _f(v, fmt):
+    return "n/a" if v is None or v != v else format(v, fmt)
+
+
+def report(results, meta, out_dir: Path) -> str:
+    headers = ["shape", "M", "N/P", "K", "(a) NCCL+mm ms", "(b) torch symm ms", "gemm ms", "allgather ms",
+               "floor ms", "(d) ours ms", "ours TFLOP/s/GPU", "vs (a)", "vs (b)", "overlap eff", "path (comm SMs)",
+               "pred ms", "(e) forced fused ms"]
+    rows = []
+    for r in results:
+        p = r.get("plan", {})
+        path = f"{p.get('path', '?')} ({p.get('comm_sms', '-')})"
+        pred = p.get("pred_fused_ms") if p.get("path") == "fused" else p.get("pred_unfused_ms")
+        notes = [r[k] for k in r if k.endswith("_note") and k != "symm_note"]
+        rows.append([r["name"] + (" [" + "; ".join(notes) + "]" if notes else ""), r["M"], r["N_per_rank"], r["K"],
+                     _f(r.get("nccl_ms"), ".3f"), _f(r.get("symm_ms"), ".3f"), _f(r.get("gemm_ms"), ".3f"),
+                     _f(r.get("allgather_ms"), ".3f"), _f(r.get("floor_ms"), ".3f"), _f(r.get("ours_ms"), ".3f"),
+                     _f(r.get("ours_tflops"), ".0f"), _f(r.get("speedup_vs_nccl"), ".2f"),
+                     _f(r.get("speedup_vs_symm"), ".2f"), _f(r.get("overlap_eff"), ".2f"), path, _f(pred, ".3f"),
+                     _f(r.get("forced_ms"), ".3f") + (f" ({r['forced_comm_sms']})" if "forced_comm_sms" in r else "")])
+    symm_notes = sorted({r["symm_note"] for r in results if r.get("symm_note")})
+    md = [f"# AllGather + GEMM benchmark ({meta['P']} x {meta['gpu']})", "",
+          f"{meta['date']}, torch {meta['torch']}, NCCL {meta['nccl']}, {'--quick, ' if meta['quick'] else ''}"
+          f"{meta['elapsed_s']:.0f} s.  bf16, weights [N, K] (b_layout='nk'); times are the max over ranks of "
+          "the median per-call time.  (a) NCCL all_gather_into_tensor + torch.matmul; (b) "
+          "torch.ops.symm_mem.fused_all_gather_matmul; floor = max(our GEMM alone, our all_gather alone); "
+          "(d) mkernel.ag_gemm (automatic plan); overlap eff = floor / (d); pred = the planner's prediction for "
+          "the path it chose; (e) fused kernel forced at the model's split when (d) ran unfused.", "",
+          C.markdown_table(headers, rows)]
+    if symm_notes:
+        md += ["", "(b) unavailable: " + " / ".join(symm_notes)]
+    text = "\n".join(md) + "\n"
+    (out_dir / "ag_gemm_bench.md").write_text(text)
+    C.write_json(out_dir / "ag_gemm_bench.json", {"meta": meta, "results": results})
+    try:
+        plot(results, out_dir / "ag_gemm_bench.png", meta)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    return text
+
+
+def plot(results, path: Path, meta) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = []
+    for r in results:
+        if r["name"] not in groups:
+            groups.append(r["name"])
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.0), squeeze=False)
+    series = [("nccl", "(a) NCCL+mm", "s--"), ("symm", "(b) torch symm", "^--"), ("ours", "(d) mkernel", "o-")]
+    for ax, name in zip(axes[0], groups):
+        rs = [r for r in results if r["name"] == name]
+        xs = [r["M"] for r in rs]
+        for key, label, style in series:
+            ys = [r.get(key + "_tflops") for r in rs]
+            pts = [(x, y) for x, y in zip(xs, ys) if y]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
+        fl = [(r["M"], r["flops_per_gpu"] / (r["floor_ms"] * 1e-3) / 1e12) for r in rs if r.get("floor_ms")]
+        if fl:
+            ax.plot([p[0] for p in fl], [p[1] for p in fl], ":", color="gray", label="floor (no overlap loss)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs], rotation=45)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("total M (tokens)")
+        ax.set_ylabel("TFLOP/s per GPU")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"AllGather + GEMM, {meta['P']} x {meta['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5 shapes, fewer batches (< 2 min)")
+    ap.add_argument("--out", default=str(HERE.parent / "docs"), help="output folder (default docs/)")
+    ap.add_argument("--max-m", type=int, default=1 << 30, help="skip shapes with a larger total M")
+    args = ap.parse_args()
+    t_start = time.monotonic()
+
+    ctx = C.bootstrap()
+    import torch
+    import torch.distributed as dist
+
+    import mkernel as mk
+
+    agm = importlib.import_module("mkernel.ag_gemm")
+    comm, P = ctx.world, ctx.local_size
+    say = lambda *a: C.rank0_print(comm, *a)  # noqa: E731
+    if ctx.size != P:
+        say("WARNING: run on one node: mkernel's ops span the ranks of a node, NCCL spans the world")
+    if ctx.local_rank == 0:  # every specialization into the disk cache, in parallel
+        agm.precompile()
+        agm.G.precompile([agm.G._defines("bfloat16", "bfloat16", c) for c in (1, 2, 3)])
+    comm.Barrier()
+    symm = TorchSymmMem(torch, dist)
+    todo = [s for s in shapes(P, args.quick) if s[1] <= args.max_m]
+    say(f"{P} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, {len(todo)} shapes; torch symm "
+        f"mem: {'available' if symm.fn is not None else symm.reason}")
+    results = []
+    for name, M, N, K in todo:
+        rec = measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, args.quick)
+        results.append(rec)
+        p = rec.get("plan", {})
+        say(f"{name:20s} M={M:6d} N/P={N:6d} K={K:6d}: NCCL+mm {_f(rec.get('nccl_ms'), '8.3f')} | symm "
+            f"{_f(rec.get('symm_ms'), '8.3f')} | gemm {_f(rec.get('gemm_ms'), '8.3f')} ag "
+            f"{_f(rec.get('allgather_ms'), '7.3f')} | ours {_f(rec.get('ours_ms'), '8.3f')} ms "
+            f"{_f(rec.get('ours_tflops'), '4.0f')} TF/s x{_f(rec.get('speedup_vs_nccl'), '.2f')} "
+            f"eff {_f(rec.get('overlap_eff'), '.2f')} {p.get('path')}({p.get('comm_sms')}) "
+            f"{'; '.join(str(v) for k, v in rec.items() if k.endswith('_note') and k != 'symm_note')} "
+            f"[{time.monotonic() - t_start:.0f} s]")
+    if ctx.rank == 0:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "P": P, "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                "quick": args.quick, "elapsed_s": time.monotonic() - t_start,
+                "model": {k: getattr(agm.MODEL, k) for k in agm.CostModel.__dataclass_fields__}}
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            print("\n" + report(results, meta, out_dir), flush=True)
+            print(f"wrote {out_dir}/ag_gemm_bench.md / .png / .json", flush=True)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            C.write_json(out_dir / "ag_gemm_bench.json", {"meta": meta, "results": results})
+    comm.Barrier()
+    C.shutdown(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

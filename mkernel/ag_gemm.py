@@ -1,0 +1,682 @@
+"""AllGather + GEMM (column-parallel tensor parallelism), fused into one persistent kernel.
+
+``ag_gemm(ctx, a_shard, b)``: local rank r holds the row shard ``A_r [M_r, K]`` and its weight shard
+``B_r`` (``[K, N]`` for ``b_layout="kn"``, ``[N, K]`` for "nk"); every rank computes
+``C_r = AllGather(A) @ B_r`` of shape ``[sum_j M_j, N]``, rows of rank j at row offset
+``sum_{i<j} M_i``.  The ranks taking part are the ``ctx.local_size`` ranks of this node (NVLink).
+
+Fused path (``cuda_src/ag_gemm.cu``): one cooperative kernel; ``comm_sms`` blocks copy this rank's
+shard into the op's symmetric workspace (the gathered A) on every rank, chunk by chunk, raising a
+ready flag per chunk; the other blocks are GEMM workers (``cuda_src/mk_gemm.cuh``) that take the
+local rows first, then rows of ranks me-1, me-2, ... (the order they arrive) and wait only for the
+chunks a tile needs.  Unfused path: a gather kernel (every SM copies, same protocol), then
+:func:`mkernel.gemm` on the gathered buffer, then a one-block release kernel.  A small cost model
+(:data:`MODEL`, :func:`plan`) picks the path and the SM split; ``comm_sms=`` overrides it
+(``comm_sms=0`` forces the unfused path; env ``MKERNEL_AG_GEMM_PATH=fused|unfused`` forces a path
+with the model's split).  The plan that ran is in ``ag_gemm.last_plan`` (also the module attribute
+``mkernel.ag_gemm.last_plan``; ``.path``, ``.comm_sms``, predicted times); ``MKERNEL_LOG=1`` prints
+one line per new plan.
+
+Shapes and rules:
+
+* ``a_shard``: bf16 or fp16, 2-D ``[M_r, K]``, C-contiguous, on ``ctx``'s GPU (any memory: it need
+  not be symmetric).  ``M_r`` may be any value >= 0 and may differ across ranks.  ``K * itemsize``
+  must be a multiple of 16 (TMA row stride of the gathered A), i.e. K % 8 == 0.
+* ``b``: same dtype, ``[K, N]`` or ``[N, K]``, any strides (staged like :func:`mkernel.gemm` when TMA
+  cannot read it in place).  N may differ across ranks.
+* ``out``: ``[M_total, N]``, dtype = a's or float32, unit column stride (any row stride); allocated
+  when None.  Returned.
+* ``gathered_a``: optional ``[M_total, K]`` C-contiguous array of a's dtype that receives the whole
+  gathered A (written by the communication blocks from the workspace, exactly).
+* ``m_sizes``: optional host sequence of every local rank's ``M_j`` (``m_sizes[local_rank]`` must be
+  ``M_r``).  Without it, the first call with a new *local* signature (dtype, M_r, K, N, comm_sms,
+  gathered_a given or not) exchanges every rank's signature over the node communicator (bounded by
+  the context timeout) and caches the result; so when ranks change their M_r independently of each
+  other, pass ``m_sizes`` (then any change is a new signature on every rank).
+* Every rank must make the same sequence of calls.  Ranks that disagree on dtype, K, comm_sms or
+  m_sizes get a ``ValueError`` (all of them) before anything is launched.
+
+No host synchronization between calls (per-call epochs live on the device; the consumed handshake of
+``docs/design.md`` protects the workspace), so calls can be captured in a CUDA graph and replayed
+(make the first call with a signature outside the capture: it may exchange signatures and allocate
+the workspace).  Every device wait is bounded by the context timeout (:class:`mkernel.CommTimeout`
+on the next ``ctx.check()``/``ctx.synchronize()``).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from . import gemm_engine as G
+from . import runtime
+from .arrays import DeviceArray, as_device_array
+from .errors import CommTimeout
+from .runtime import check
+from .tensormap import encode_tiled
+
+
+__all__ = ["ag_gemm", "plan", "precompile", "AgPlan", "CostModel", "MODEL", "AgArgs", "last_plan", "chunk_rows_for"]
+
+SOURCE = "ag_gemm.cu"
+IN_DTYPES = ("bfloat16", "float16")
+MAXP = 16  # local ranks (the kernel keeps the source rank in 4 bits of the tile id)
+GATHER_THREADS = 512
+RELEASE_THREADS = 128
+_FUSED_CONFIGS = (1, 2, 3)  # 0 is the debug config (config=0 forces it)
+
+for _i in IN_DTYPES:
+    for _o in (_i, "float32"):
+        for _c in (0,) + _FUSED_CONFIGS:
+            runtime.register_specialization(SOURCE, dict(MK_GEMM_IN=G._CODE[_i], MK_GEMM_OUT=G._CODE[_o],
+                                                         MK_GEMM_CONFIG=_c))
+
+
+class AgArgs(ctypes.Structure):
+    """Mirror of ``struct AgArgs`` in cuda_src/ag_gemm.cu (200 bytes)."""
+
+    _fields_ = [
+        ("a_shard", ctypes.c_void_p), ("ws", ctypes.c_void_p), ("peers", ctypes.c_void_p),
+        ("c", ctypes.c_void_p), ("gathered_out", ctypes.c_void_p),
+        ("row_bytes", ctypes.c_uint64), ("data_off", ctypes.c_uint64), ("flags_off", ctypes.c_uint64),
+        ("consumed_off", ctypes.c_uint64), ("ldc", ctypes.c_int64),
+        ("M_total", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
+        ("chunk_rows", ctypes.c_int32), ("nch_stride", ctypes.c_int32), ("n_comm", ctypes.c_int32),
+        ("group_m", ctypes.c_int32), ("c_vec_ok", ctypes.c_int32), ("gather_only", ctypes.c_int32),
+        ("P", ctypes.c_int32), ("me", ctypes.c_int32), ("pad0", ctypes.c_int32),
+        ("offs", ctypes.c_int32 * (MAXP + 1)),
+    ]
+
+
+assert ctypes.sizeof(AgArgs) == 200
+
+
+# --------------------------------------------------------------------------------------------
+# cost model and planner
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CostModel:
+    """Every constant of the planner, in one place (H200, NVLink 4 through NVSwitch)."""
+
+    per_block_bw: float = 20e9      # B/s one communication block pushes to a peer over NVLink
+    link_bw: float = 300e9          # B/s a GPU sends (and receives) over NVLink, achievable by SM copies
+                                    # (all-gather 1 GiB: 276-291 GB/s bus bw, copy engine 384 GB/s;
+                                    # docs/validation.md)
+    local_block_bw: float = 60e9    # B/s one block copies HBM -> HBM
+    hbm_copy_bw: float = 1.6e12     # B/s cap of local copies (read + write share HBM)
+    gemm_rate: float = 650e12       # dense bf16/fp16 FLOP/s of the whole GPU (all SMs busy)
+    chunk_latency: float = 2e-6     # s per chunk a block moves (flag round trip, barrier)
+    launch_latency: float = 6e-6    # s per kernel launch + epoch handshake
+    fuse_margin: float = 0.97       # fuse only if predicted fused < margin * predicted unfused
+    max_comm_sms: int = 32          # candidates for the split: 1 .. max_comm_sms
+    chunk_target_bytes: int = 1 << 20  # bytes per ready flag (before the parallelism cap)
+    min_chunks: int = 16            # the largest shard is cut into at least this many chunks
+    comm_safety: float = 1.25       # push times are scaled by this (a late chunk stalls the GEMM)
+    min_comm_sms: int = 4           # never fewer communication blocks (they also do the local copy)
+
+
+def _model_from_env() -> CostModel:
+    """CostModel() with overrides from ``MKERNEL_AG_GEMM_MODEL="per_block_bw=15e9,link_bw=280e9"``."""
+    spec = os.environ.get("MKERNEL_AG_GEMM_MODEL", "").strip()
+    kw = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, val = item.partition("=")
+        f = CostModel.__dataclass_fields__.get(name.strip())
+        if f is None:
+            raise ValueError(f"MKERNEL_AG_GEMM_MODEL: unknown field {name!r}; known: {list(CostModel.__dataclass_fields__)}")
+        kw[name.strip()] = int(float(val)) if f.type in ("int", int) else float(val)
+    return CostModel(**kw)
+
+
+MODEL = _model_from_env()
+
+
+@dataclass
+class AgPlan:
+    """What one ag_gemm call ran (or would run).  Times are predictions, in seconds."""
+
+    path: str                       # "fused" | "unfused"
+    comm_sms: int                   # communication blocks of the fused kernel (0 when unfused)
+    workers: int                    # GEMM blocks of the fused kernel
+    config: int                     # tile config of the fused kernel (mkernel.gemm.CONFIGS)
+    chunk_rows: int                 # rows per ready flag
+    m_sizes: tuple                  # M_j of every local rank
+    n_max: int
+    K: int
+    P: int
+    predicted_fused: float
+    predicted_unfused: float
+    predicted_comm: float           # fused: communication time with comm_sms blocks
+    predicted_gemm: float           # fused: GEMM time on the workers
+    predicted_allgather: float      # unfused parts
+    predicted_gemm_alone: float
+    reason: str = ""
+    gather_blocks: int = 0          # unfused: blocks of the gather kernel
+    fused_comm_sms: int = 0         # the model's best split, also when the unfused path was chosen
+
+    def describe(self) -> str:
+        us = lambda t: f"{t * 1e6:.1f}us" if math.isfinite(t) else "n/a"  # noqa: E731
+        return (f"path={self.path} comm_sms={self.comm_sms} workers={self.workers} config={self.config} "
+                f"chunk_rows={self.chunk_rows} P={self.P} M={list(self.m_sizes)} N={self.n_max} K={self.K} "
+                f"predicted fused={us(self.predicted_fused)} (comm {us(self.predicted_comm)}, gemm "
+                f"{us(self.predicted_gemm)}) unfused={us(self.predicted_unfused)} (allgather "
+                f"{us(self.predicted_allgather)} + gemm {us(self.predicted_gemm_alone)}) [{self.reason}]")
+
+
+last_plan: AgPlan | None = None
+
+
+def _pow2_floor(x: float) -> int:
+    x = max(1, int(x))
+    return 1 << (x.bit_length() - 1)
+
+
+def chunk_rows_for(m_sizes, row_bytes: int, model: CostModel = MODEL) -> int:
+    """Rows per ready flag: a power of two in [8, 8192], about ``chunk_target_bytes`` per chunk but
+    small enough that the largest shard has ``min_chunks`` chunks (so many blocks can push at once).
+    Depends only on values every rank agrees on."""
+    m_max = max(m_sizes) if len(m_sizes) else 0
+    target = _pow2_floor(model.chunk_target_bytes / max(row_bytes, 1))
+    cap = _pow2_floor(max(1, m_max // model.min_chunks))
+    return int(min(8192, max(8, min(target, cap))))
+
+
+def _tile_time(cfg, K: int, sms: int, model: CostModel) -> float:
+    return 2.0 * cfg.bm * cfg.bn * max(K, 1) / (model.gemm_rate / sms) / cfg.efficiency
+
+
+def _gemm_time(tiles: int, workers: int, cfg, K: int, sms: int, model: CostModel) -> float:
+    return math.ceil(tiles / max(workers, 1)) * _tile_time(cfg, K, sms, model) if tiles else 0.0
+
+
+def _push_rate(blocks: int, nch: int, model: CostModel) -> tuple[float, int]:
+    """(bytes/s one rank pushes with `blocks` blocks over `nch` chunks, blocks actually busy)."""
+    eff = max(1, min(blocks, nch)) if nch else 1
+    return min(eff * model.per_block_bw, model.link_bw), eff
+
+
+def _comm_time(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, gathered: bool, model: CostModel) -> float:
+    """Slowest rank: local copy, then pushes to P-1 peers (send and receive both bounded by the link)."""
+    P = len(m_sizes)
+    total = sum(m_sizes)
+    worst = 0.0
+    for m in m_sizes:
+        nch = -(-m // chunk_rows) if m else 0
+        rate, eff = _push_rate(blocks, nch, model)
+        local = m * row_bytes + (total * row_bytes if gathered else 0)
+        t_local = local / min(eff * model.local_block_bw, model.hbm_copy_bw)
+        send = m * row_bytes * (P - 1)
+        recv = (total - m) * row_bytes
+        t_net = max(send / rate, recv / model.link_bw) * model.comm_safety
+        t_lat = math.ceil(nch * P / eff) * model.chunk_latency if nch else 0.0
+        worst = max(worst, t_local + t_net + t_lat)
+    return worst
+
+
+def _fused_finish(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, tiles_of, workers: int, tile_time: float,
+                  model: CostModel) -> float:
+    """Streaming timeline of the fused kernel on the slowest rank.
+
+    Rank r consumes shards r, r-1, ... (k = 0 .. P-1); rank s pushes to s+1, s+2, ... in turn, so
+    shard r-k reaches r after its sender's local copy and k shard pushes.  Shard k's GEMM can finish
+    neither before the previous shard's (compute bound) nor before its last chunk landed plus one tile.
+    """
+    P = len(m_sizes)
+    worst = 0.0
+    arrive = []
+    for m in m_sizes:  # per sender: local copy time, one-destination push time
+        nch = -(-m // chunk_rows) if m else 0
+        rate, eff = _push_rate(blocks, nch, model)
+        t_local = m * row_bytes / min(eff * model.local_block_bw, model.hbm_copy_bw)
+        t_push = (m * row_bytes / rate) * model.comm_safety + (math.ceil(nch / eff) * model.chunk_latency if nch else 0)
+        arrive.append((t_local, t_push))
+    for r in range(P):
+        f = 0.0
+        for k in range(P):
+            s = (r - k) % P
+            t_local, t_push = arrive[s]
+            arr = t_local + k * t_push
+            g = tiles_of(m_sizes[s]) / workers * tile_time
+            f = max(f + g, arr + (tile_time if m_sizes[s] else 0.0))
+        worst = max(worst, f)
+    return worst
+
+
+def _fused_tiles(m_sizes, N: int, cfg) -> int:
+    return sum(-(-m // cfg.bm) for m in m_sizes) * -(-N // cfg.bn)
+
+
+def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | None = None,
+         gathered: bool = False, force_path: str | None = None, config: int | None = None,
+         model: CostModel = MODEL) -> AgPlan:
+    """The plan for gathering shards of ``m_sizes`` rows (one per local rank) of K columns and
+    multiplying by an [K, N] operand on a GPU of ``sms`` SMs.  Pure function of its arguments (every
+    rank computes the same plan from the values they exchanged)."""
+    m_sizes = tuple(int(m) for m in m_sizes)
+    P = len(m_sizes)
+    M = sum(m_sizes)
+    row_bytes = K * itemsize
+    cr = chunk_rows_for(m_sizes, row_bytes, model)
+    # unfused: gather on up to every SM, then mkernel.gemm over the gathered rows
+    nch_max = max([-(-m // cr) for m in m_sizes] + [1])
+    g_blocks = max(1, min(sms, nch_max, model.max_comm_sms))  # many spinning blocks hurt (docs/collectives.md)
+    t_ag = (_comm_time(m_sizes, row_bytes, g_blocks, cr, gathered, model) + 2 * model.launch_latency
+            if P > 1 else (M * row_bytes / model.hbm_copy_bw if gathered else 0.0))
+    cfg_u = G.choose_config(lambda c: -(-M // c.bm) * -(-N // c.bn), sms)
+    t_gu = _gemm_time(-(-M // cfg_u.bm) * -(-N // cfg_u.bn), sms, cfg_u, K, sms, model) + model.launch_latency
+    t_unfused = t_ag + t_gu
+
+    def fused_at(n: int):
+        w = sms - n
+        cfg = G.CONFIGS[config] if config is not None else G.choose_config(
+            lambda c: _fused_tiles(m_sizes, N, c), w)
+        tiles = _fused_tiles(m_sizes, N, cfg)
+        tt = _tile_time(cfg, K, sms, model)
+        t_comm = _comm_time(m_sizes, row_bytes, n, cr, gathered, model)
+        t_gemm = _gemm_time(tiles, w, cfg, K, sms, model)
+        per_shard = lambda m: -(-m // cfg.bm) * -(-N // cfg.bn)  # noqa: E731
+        t_stream = _fused_finish(m_sizes, row_bytes, n, cr, per_shard, w, tt, model)
+        t = max(t_stream, t_gemm, t_comm + tt) + model.launch_latency
+        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1))
+
+    base = dict(chunk_rows=cr, m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
+                predicted_allgather=t_ag, predicted_gemm_alone=t_gu, gather_blocks=g_blocks)
+    degenerate = None
+    if P == 1:
+        degenerate = "P == 1: nothing to gather"
+    elif M == 0 or N == 0 or K == 0:
+        degenerate = "empty problem"
+    if degenerate is not None:  # nothing to fuse: overrides are moot
+        return AgPlan(path="unfused", comm_sms=0, workers=0, config=cfg_u.id, predicted_fused=float("inf"),
+                      predicted_comm=0.0, predicted_gemm=0.0, reason=degenerate, **base)
+    if comm_sms is not None and comm_sms > 0:
+        if not 1 <= comm_sms < sms:
+            raise ValueError(f"mkernel.ag_gemm: comm_sms={comm_sms} must be in [1, {sms - 1}] on this "
+                             f"{sms}-SM GPU (0 forces the unfused path)")
+        t, tc, tg, cfg, w = fused_at(comm_sms)
+        return AgPlan(path="fused", comm_sms=comm_sms, workers=w, config=cfg.id, predicted_fused=t,
+                      predicted_comm=tc, predicted_gemm=tg, reason="comm_sms given", fused_comm_sms=comm_sms,
+                      **base)
+    best = None
+    for n in range(min(model.min_comm_sms, sms // 2), min(model.max_comm_sms, sms // 2) + 1):
+        cand = fused_at(n)
+        if best is None or cand[0] < best[1][0] * 0.999:
+            best = (n, cand)
+    n, (t, tc, tg, cfg, w) = best
+    if comm_sms == 0 or force_path == "unfused":
+        path, reason = "unfused", ("comm_sms=0" if comm_sms == 0 else "MKERNEL_AG_GEMM_PATH=unfused")
+    elif force_path == "fused":
+        path, reason = "fused", "MKERNEL_AG_GEMM_PATH=fused"
+    elif t < model.fuse_margin * t_unfused:
+        path, reason = "fused", "model: fused faster"
+    else:
+        path, reason = "unfused", "model: fusion does not pay (small M, tiny K or N)"
+    if path == "unfused":
+        return AgPlan(path="unfused", comm_sms=0, workers=0, config=cfg_u.id, predicted_fused=t,
+                      predicted_comm=tc, predicted_gemm=tg, reason=reason, fused_comm_sms=n, **base)
+    return AgPlan(path="fused", comm_sms=n, workers=w, config=cfg.id, predicted_fused=t, predicted_comm=tc,
+                  predicted_gemm=tg, reason=reason, fused_comm_sms=n, **base)
+
+
+# --------------------------------------------------------------------------------------------
+# signature exchange (first call of a signature)
+# --------------------------------------------------------------------------------------------
+_FORCE = {None: 0, "fused": 1, "unfused": 2}
+
+
+def _exchange(ctx, vec: np.ndarray) -> np.ndarray:
+    """Allgather one int64 vector per local rank over the node communicator, bounded by the timeout."""
+    comm = ctx.node_comm
+    allv = np.empty((comm.Get_size(), vec.shape[0]), dtype=np.int64)
+    req = comm.Iallgather(vec, allv)
+    limit = max(ctx.timeout, 1.0) * 4
+    deadline = time.monotonic() + limit
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"mkernel.ag_gemm: rank {ctx.rank} waited {limit:.1f} s for the other local ranks "
+                              "to join the call's signature exchange; a rank is dead or made a different call",
+                              {"rank": ctx.rank, "op": "ag_gemm"})
+        time.sleep(1e-4)
+    return allv
+
+
+def _agree(ctx, dtype: str, M: int, K: int, N: int, comm_sms, gathered: bool, force, config, m_sizes):
+    """Exchange every rank's call signature.  Returns (M of every local rank, max N, any rank wants the
+    gathered A, P); raises ValueError on every rank when they disagree."""
+    msz_hash = 0 if m_sizes is None else (hash(tuple(m_sizes)) & ((1 << 62) - 1)) + 1
+    mine = np.array([G._CODE[dtype], M, K, N, -1 if comm_sms is None else comm_sms, int(gathered),
+                     _FORCE.get(force, 3), -1 if config is None else config, msz_hash], dtype=np.int64)
+    allv = _exchange(ctx, mine)
+    P = allv.shape[0]
+    problems = []
+    for col, name in ((0, "dtype"), (2, "K"), (4, "comm_sms"), (6, "path override"), (7, "config"),
+                      (8, "m_sizes")):
+        vals = allv[:, col]
+        if np.any(vals != vals[0]):
+            problems.append(f"{name} differs across local ranks: {vals.tolist()}")
+    ms = tuple(int(v) for v in allv[:, 1])
+    if m_sizes is not None and tuple(m_sizes) != ms:
+        problems.append(f"m_sizes={list(m_sizes)} but the ranks hold shards of {list(ms)} rows")
+    if problems:
+        raise ValueError("mkernel.ag_gemm: ranks disagree on the call: " + "; ".join(problems))
+    return ms, int(allv[:, 3].max()), bool(allv[:, 5].any()), P
+
+
+# --------------------------------------------------------------------------------------------
+# kernels, workspace layout
+# --------------------------------------------------------------------------------------------
+_kernels: dict = {}
+
+
+def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
+    key = (in_dtype, out_dtype, config, name)
+    k = _kernels.get(key)
+    if k is None:
+        mod = runtime.compile_module(SOURCE, dict(MK_GEMM_IN=G._CODE[in_dtype], MK_GEMM_OUT=G._CODE[out_dtype],
+                                                  MK_GEMM_CONFIG=config))
+        k = mod.function(name)
+        _kernels[key] = k
+    return k
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class _Layout:
+    consumed_off: int
+    flags_off: int
+    data_off: int
+    nch_stride: int
+    total: int
+
+
+def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
+    nch = max([-(-m // chunk_rows) for m in m_sizes] + [1])
+    consumed_off = 64
+    flags_off = 256
+    data_off = _round_up(flags_off + 8 * P * nch, 4096)
+    return _Layout(consumed_off, flags_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# the op
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _Sig:
+    """Per (context, local signature): the agreed plan and the workspace layout."""
+
+    plan: AgPlan
+    layout: _Layout | None
+    offs: tuple
+    P: int
+
+
+_sigs: "OrderedDict[tuple, _Sig]" = OrderedDict()
+_bindings: "OrderedDict[tuple, tuple]" = OrderedDict()
+_lock = threading.Lock()
+_SIGS_MAX = 256
+_BINDINGS_MAX = 64
+
+
+def _lru_put(d: OrderedDict, key, value, cap: int) -> None:
+    with _lock:
+        d[key] = value
+        d.move_to_end(key)
+        while len(d) > cap:
+            d.popitem(last=False)
+
+
+def _lru_get(d: OrderedDict, key):
+    with _lock:
+        v = d.get(key)
+        if v is not None:
+            d.move_to_end(key)
+        return v
+
+
+def _log(ctx, plan_: AgPlan) -> None:
+    if os.environ.get("MKERNEL_LOG", "") not in ("", "0"):
+        print(f"mkernel.ag_gemm[rank {ctx.rank}]: {plan_.describe()}", file=sys.stderr, flush=True)
+
+
+def _set_last(p: AgPlan) -> None:
+    global last_plan
+    last_plan = p
+    ag_gemm.last_plan = p
+
+
+def _check_same_device(ctx, arr: DeviceArray, name: str) -> None:
+    if arr.device != ctx.device:
+        raise ValueError(f"mkernel.ag_gemm: {name} is on cuda:{arr.device}, but this rank's context uses "
+                         f"cuda:{ctx.device}")
+
+
+def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn", stream=None,
+            comm_sms: int | None = None, m_sizes=None, config: int | None = None):
+    """``out = AllGather(a_shard over local ranks) @ b`` (see the module doc for shapes and rules).
+
+    a_shard: ``[M_r, K]`` bf16/fp16, C-contiguous.  b: ``[K, N]`` ("kn") or ``[N, K]`` ("nk").
+    out: ``[sum M_j, N]`` (a's dtype or float32) or None.  gathered_a: optional ``[sum M_j, K]``
+    receiving the gathered A.  stream: any stream-like (None: the legacy default stream).
+    comm_sms: communication SMs of the fused kernel (forces fusion), 0 forces the unfused path, None
+    lets the cost model decide.  m_sizes: every local rank's M_j (optional, see module doc).
+    config: force the fused kernel's tile config (mkernel.gemm.CONFIGS; 0 = debug).  Returns out;
+    ``ag_gemm.last_plan`` describes what ran.
+    """
+    what = "mkernel.ag_gemm"
+    ctx.check()
+    if b_layout not in G.LAYOUTS:
+        raise ValueError(f"{what}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    A = as_device_array(a_shard, name="ag_gemm: a_shard", stream=stream)
+    B = as_device_array(b, name="ag_gemm: b", stream=stream)
+    if A.ndim != 2 or B.ndim != 2:
+        raise ValueError(f"{what}: a_shard and b must be 2-D, got shapes {tuple(A.shape)} and {tuple(B.shape)}")
+    dt = A.dtype.name
+    if dt not in IN_DTYPES:
+        raise TypeError(f"{what}: a_shard has dtype {dt}; expected one of {', '.join(IN_DTYPES)}")
+    if B.dtype.name != dt:
+        raise TypeError(f"{what}: a_shard is {dt} but b is {B.dtype.name}; they must match")
+    _check_same_device(ctx, A, "a_shard")
+    _check_same_device(ctx, B, "b")
+    if not A.is_contiguous():
+        raise ValueError(f"{what}: a_shard must be C-contiguous (strides {A.strides} for shape {tuple(A.shape)})")
+    M_r, K = A.shape
+    if b_layout == "kn":
+        Kb, N = B.shape
+    else:
+        N, Kb = B.shape
+    if Kb != K:
+        raise ValueError(f"{what}: inner dimensions differ: a_shard is {tuple(A.shape)}, b is {tuple(B.shape)} "
+                         f"(b_layout={b_layout!r})")
+    isz = A.dtype.itemsize
+    if (K * isz) % 16:
+        raise ValueError(f"{what}: K={K} gives {K * isz}-byte rows; the gathered A needs rows of a multiple of "
+                         f"16 bytes (K % {16 // isz} == 0)")
+    if max(M_r, N, K) >= 2 ** 31:
+        raise ValueError(f"{what}: dimensions must be below 2**31")
+    P, me = ctx.local_size, ctx.local_rank
+    if P > MAXP:
+        raise ValueError(f"{what}: {P} local ranks; at most {MAXP} are supported")
+    if comm_sms is not None and (not isinstance(comm_sms, (int, np.integer)) or comm_sms < 0):
+        raise ValueError(f"{what}: comm_sms must be None or an int >= 0, got {comm_sms!r}")
+    if config is not None and config not in (0,) + _FUSED_CONFIGS:
+        raise ValueError(f"{what}: config {config} is not one of the fused kernel's tile configs "
+                         f"{[0, *_FUSED_CONFIGS]} (mkernel.gemm_engine.CONFIGS)")
+    if m_sizes is not None:
+        m_sizes = tuple(int(m) for m in m_sizes)
+        if len(m_sizes) != P or m_sizes[me] != M_r or min(m_sizes) < 0:
+            raise ValueError(f"{what}: m_sizes={list(m_sizes)} must list {P} sizes >= 0 with m_sizes[{me}] == "
+                             f"{M_r} (this rank's rows)")
+    force = os.environ.get("MKERNEL_AG_GEMM_PATH") or None
+    if force not in (None, "fused", "unfused"):
+        raise ValueError(f"{what}: MKERNEL_AG_GEMM_PATH must be 'fused' or 'unfused', got {force!r}")
+    O_in = None if out is None else as_device_array(out, name="ag_gemm: out", stream=stream)
+    GA = None if gathered_a is None else as_device_array(gathered_a, name="ag_gemm: gathered_a", stream=stream)
+    out_dtype = O_in.dtype.name if O_in is not None else dt
+    if out_dtype not in (dt, "float32"):
+        raise TypeError(f"{what}: out has dtype {out_dtype}; expected {dt} or float32")
+
+    # ---- the agreed signature (exchanged on first use) -----------------------------------------
+    dev = ctx.device
+    sms = ctx.sm_count
+    skey = (ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config, m_sizes)
+    sig = _lru_get(_sigs, skey)
+    if sig is None:
+        ms, n_max, any_gathered, _ = _agree(ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config,
+                                            m_sizes) if P > 1 else ((M_r,), N, GA is not None, 1)
+        p = plan(ms, n_max, K, isz, sms, comm_sms=comm_sms, gathered=any_gathered, force_path=force,
+                 config=config)
+        layout = _layout(P, ms, p.chunk_rows, K * isz) if P > 1 and sum(ms) > 0 and K > 0 else None
+        offs = tuple(int(x) for x in np.concatenate([[0], np.cumsum(ms)]))
+        sig = _Sig(p, layout, offs, P)
+        _lru_put(_sigs, skey, sig, _SIGS_MAX)
+        _log(ctx, p)
+    p = sig.plan
+    M_total = sig.offs[-1]
+    if M_total >= 2 ** 31:
+        raise ValueError(f"{what}: the gathered A has {M_total} rows; at most 2**31 - 1 are supported")
+
+    # ---- out / gathered_a ----------------------------------------------------------------------
+    if O_in is None:
+        O = DeviceArray.empty((M_total, N), dt, device=dev)
+    else:
+        O = O_in
+        _check_same_device(ctx, O, "out")
+        if tuple(O.shape) != (M_total, N):
+            raise ValueError(f"{what}: out has shape {tuple(O.shape)}, expected {(M_total, N)} (sum of the local "
+                             f"ranks' rows {list(p.m_sizes)} x N)")
+        if N > 1 and M_total > 0 and O.strides[1] != 1:
+            raise ValueError(f"{what}: out must have a unit column stride (row-major rows)")
+        if M_total > 1 and O.strides[0] < N:
+            raise ValueError(f"{what}: out row stride {O.strides[0]} is smaller than N={N}")
+    if GA is not None:
+        _check_same_device(ctx, GA, "gathered_a")
+        if GA.dtype.name != dt or tuple(GA.shape) != (M_total, K):
+            raise ValueError(f"{what}: gathered_a must be {dt} {(M_total, K)}, got {GA.dtype.name} "
+                             f"{tuple(GA.shape)}")
+        if not GA.is_contiguous():
+            raise ValueError(f"{what}: gathered_a must be C-contiguous")
+    result = out if out is not None else O
+    _set_last(p)
+    if M_total == 0:
+        return result
+
+    # ---- P == 1 or nothing to communicate: plain GEMM (+ copy) ---------------------------------
+    if sig.layout is None:
+        if GA is not None and GA.nbytes and GA.ptr != A.ptr:
+            check(cu.cuMemcpyDtoDAsync(GA.ptr, A.ptr, A.nbytes, cu.CUstream(runtime.stream_handle(stream))))
+        if N > 0:
+            a_full = A if P == 1 else DeviceArray(A.ptr, (M_total, 0), dt, (1, 1), dev, owner=A)
+            G.gemm(a_full, B, O, b_layout=b_layout, stream=stream)
+        return result
+
+    # ---- workspace, bound launch arguments -----------------------------------------------------
+    L = sig.layout
+    ws = ctx.workspace(("ag_gemm",), L.total)
+    bkey = (skey, b_layout, out_dtype, ws, A.ptr, G._akey(B), G._akey(O),
+            GA.ptr if GA is not None else 0)
+    bound = _lru_get(_bindings, bkey)
+    if bound is None:
+        bound = _bind(ctx, sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K)
+        _lru_put(_bindings, bkey, bound, _BINDINGS_MAX)
+    bound(stream)
+    return result
+
+
+def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K):
+    """Build the launch closure for these pointers (tensor maps, packed args, B staging)."""
+    p, L = sig.plan, sig.layout
+    P, me = sig.P, ctx.local_rank
+    isz = A.dtype.itemsize
+    ldc = O.strides[0] if M_total > 1 else N
+    args = AgArgs()
+    args.a_shard, args.ws, args.peers, args.c = A.ptr, ws.ptr, ws.peer_table, O.ptr
+    args.gathered_out = GA.ptr if GA is not None else None
+    args.row_bytes, args.data_off, args.flags_off, args.consumed_off = K * isz, L.data_off, L.flags_off, L.consumed_off
+    args.ldc = ldc
+    args.M_total, args.N, args.K = M_total, N, K
+    args.chunk_rows, args.nch_stride = p.chunk_rows, L.nch_stride
+    args.group_m, args.c_vec_ok = G.GROUP_M, G._vec_ok(O, ldc, M_total)
+    args.P, args.me = P, me
+    for j, o in enumerate(sig.offs):
+        args.offs[j] = o
+    comm = ctx.comm_args("ag_gemm")
+    dev = ctx.device
+
+    if p.path == "unfused":
+        args.n_comm, args.gather_only = 0, 1
+        gather = _kernel(dt, out_dtype, p.config, "mk_ag_gather")
+        release = _kernel(dt, out_dtype, p.config, "mk_ag_release")
+        gathered = DeviceArray(ws.ptr + L.data_off, (M_total, K), dt, None, dev, owner=ws)
+        # bare views: a cached binding must not keep the caller's memory alive
+        B = DeviceArray(B.ptr, B.shape, B.dtype, B.strides, B.device)
+        O = DeviceArray(O.ptr, O.shape, O.dtype, O.strides, O.device)
+        grid = p.gather_blocks
+        cargs = [comm, args]
+
+        def run_unfused(stream):
+            gather.launch(grid, GATHER_THREADS, cargs, stream=stream, cooperative=True)
+            if N > 0:
+                G.gemm(gathered, B, O, b_layout=b_layout, stream=stream)
+            release.launch(1, RELEASE_THREADS, cargs, stream=stream)
+        return run_unfused
+
+    cfg = G.CONFIGS[p.config]
+    args.n_comm, args.gather_only = p.comm_sms, 0
+    kern = _kernel(dt, out_dtype, cfg.id, f"mk_ag_gemm_{b_layout}")
+    if kern.max_active_blocks_per_sm(cfg.threads, cfg.smem) < 1:
+        raise RuntimeError(f"mkernel.ag_gemm: config {cfg.id} cannot be resident on this GPU")
+    tma = encode_tiled(ws.ptr + L.data_off, dt, (K, M_total), (K * isz,), (64, cfg.bm))
+    sb = B.strides
+    if b_layout == "kn":
+        opb = G._tma_operand(B, 1, K, N, 0, sb[0], sb[1])
+        tmb = encode_tiled(opb.ptr, dt, opb.dims, opb.strides, (64, 64, 1))
+    else:
+        opb = G._tma_operand(B, 1, N, K, 0, sb[0], sb[1])
+        tmb = encode_tiled(opb.ptr, dt, opb.dims, opb.strides, (64, cfg.bn, 1))
+    pre = [G._pad_launch(opb, dt, out_dtype, dev)] if opb.copy is not None else []
+    grid = p.comm_sms + p.workers
+    kargs = [tma, tmb, comm, args]
+    keep = (opb.staging,)
+
+    def run_fused(stream, _keep=keep):
+        for k, g, blk, a in pre:
+            k.launch(g, blk, a, stream=stream)
+        kern.launch(grid, cfg.threads, kargs, stream=stream, smem=cfg.smem, cooperative=True)
+    return run_fused
+
+
+ag_gemm.last_plan = None
+
+
+def _compile_one(item):
+    source, defines, arch = item
+    return runtime.compile_module(source, defines, arch=arch).compile_seconds
+
+
+def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:
+    """Compile ag_gemm.cu specializations (default: every registered one) into the disk cache in
+    parallel worker processes; returns the summed NVRTC seconds (0 for cubins already cached)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    if arch is None:
+        arch = runtime.current_arch()
+    if specs is None:
+        specs = [d for s, d in runtime.registered_specializations() if s == SOURCE]
+    items = [(SOURCE, dict(d), arch) for d in specs]
+    workers = workers or max(1, min(len(items), (os.cpu_count() or 2)))
+    if workers == 1 or len(items) <= 1:
+        return sum(_compile_one(it) for it in items)
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        return sum(ex.map(_compile_one, items))

@@ -1,0 +1,309 @@
+"""AllGather + GEMM against float64 numpy, on every rank of ``mpirun -np N python -m pytest``.
+
+Every rank draws all ranks' shards A_j and weights B_j from a generator seeded identically (fresh
+per test), passes its own, and checks ``C_r = concat_j(A_j) @ B_r`` (relative Frobenius error below
+1e-2; the output is NaN-poisoned first, so unwritten elements fail) and, where requested, the
+gathered A exactly.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+
+import numpy as np
+import pytest
+from cuda.bindings import driver as cu
+
+import mkernel
+from mkernel.arrays import DeviceArray
+from mkernel.runtime import check
+
+from _util import download, poisoned, upload
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+agm = importlib.import_module("mkernel.ag_gemm")  # the module (mkernel.ag_gemm may be the function)
+REL_TOL = 1e-2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled(ctx):
+    """Compile every ag_gemm.cu specialization and the gemm.cu ones the unfused path may use into the
+    disk cache, in parallel processes, on local rank 0 (the other ranks then load the cubins)."""
+    if ctx.local_rank == 0:
+        try:
+            agm.precompile()
+            agm.G.precompile([agm.G._defines(i, o, c) for i in ("bfloat16", "float16") for o in (i, "float32")
+                              for c in (1, 2, 3)])
+        except Exception as exc:  # noqa: BLE001  (kernels then compile lazily)
+            print(f"precompile failed, compiling lazily: {exc!r}")
+    ctx.world.Barrier()
+
+
+def _ms(spec, P):
+    return [int(spec(r, P)) for r in range(P)]
+
+
+def _make(rng, m_sizes, N, K, dtype, b_layout):
+    """Every rank's shard [M_j, K] and weight ([K, N] "kn" or [N, K] "nk"), float64 (same on all ranks)."""
+    P = len(m_sizes)
+    shards = [rng.standard_normal((m, K)) for m in m_sizes]
+    bs = [rng.standard_normal((K, N) if b_layout == "kn" else (N, K)) for _ in range(P)]
+    return shards, bs
+
+
+def _rel_fro(got, ref):
+    assert not np.isnan(got).any(), f"NaN in output at {np.argwhere(np.isnan(got))[:5].tolist()}"
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _run_case(ctx, rng, m_sizes, N, K, *, dtype="bfloat16", b_layout="kn", comm_sms=None, gathered=False,
+              out_dtype=None, config=None, what=""):
+    P, me = ctx.local_size, ctx.local_rank
+    shards, bs = _make(rng, m_sizes, N, K, dtype, b_layout)
+    a, _ = upload(shards[me], dtype)
+    exact_a = [upload(s, dtype)[1] for s in shards]
+    b, exact_b = upload(bs[me], dtype)
+    M = sum(m_sizes)
+    out = poisoned((M, N), out_dtype or dtype)
+    ga = poisoned((M, K), dtype) if gathered else None
+    res = mkernel_ag_gemm(ctx, a, b, out, gathered_a=ga, b_layout=b_layout, comm_sms=comm_sms, config=config)
+    ctx.synchronize()
+    assert res is out
+    plan = agm.last_plan
+    A = np.concatenate(exact_a, axis=0)
+    Bkn = exact_b if b_layout == "kn" else exact_b.T
+    err = _rel_fro(download(out), A @ Bkn)
+    assert err < REL_TOL, f"{what}: rel. Frobenius error {err:.3e} (plan: {plan.describe()})"
+    if gathered:
+        np.testing.assert_array_equal(download(ga), A, err_msg=f"{what}: gathered_a")
+    return plan
+
+
+def mkernel_ag_gemm(ctx, *args, **kw):
+    return agm.ag_gemm(ctx, *args, **kw)
+
+
+# (name, m_sizes(r, P), N, K, b_layout, mode, extra); mode: "fused:<comm_sms>", "unfused", "auto"
+CASES = [
+    ("equal-kn", lambda r, P: 256, 512, 512, "kn", "fused:8", {}),
+    ("equal-nk", lambda r, P: 256, 512, 512, "nk", "fused:4", {"gathered": True}),
+    ("odd-M-ragged-K", lambda r, P: 129, 200, 136, "kn", "fused:8", {"gathered": True}),
+    ("unequal-M-nk", lambda r, P: 100 + 37 * r, 384, 256, "nk", "fused:6", {}),
+    ("rank0-empty", lambda r, P: 0 if (r == 0 and P > 1) else 300, 256, 128, "kn", "fused:2", {"gathered": True}),
+    ("one-row-each", lambda r, P: 1, 64, 64, "kn", "fused:1", {}),
+    ("many-chunks-per-tile", lambda r, P: 64 + 8 * r, 256, 4096, "nk", "fused:8", {}),
+    ("wide-K-odd-N", lambda r, P: 333, 1000, 1024, "kn", "auto", {"gathered": True}),
+    ("auto-medium", lambda r, P: 1024, 1024, 1024, "nk", "auto", {}),
+    ("auto-unequal", lambda r, P: 777 + 223 * (r % 2), 1000, 1024, "kn", "auto", {}),
+    ("unfused-kn", lambda r, P: 300, 260, 200, "kn", "unfused", {"gathered": True}),
+    ("unfused-unequal-nk", lambda r, P: 65 + 64 * r, 130, 64, "nk", "unfused", {}),
+    ("auto-tiny-N", lambda r, P: 2048, 16, 2048, "kn", "auto", {}),
+    ("fp16-nk", lambda r, P: 200, 300, 256, "nk", "fused:8", {"dtype": "float16"}),
+    ("fp32-out", lambda r, P: 256, 256, 256, "kn", "fused:4", {"out_dtype": "float32"}),
+    ("fp16-unfused-fp32-out", lambda r, P: 97, 96, 128, "kn", "unfused", {"dtype": "float16", "out_dtype": "float32"}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_shapes(ctx, shared_rng, case):
+    name, spec, N, K, layout, mode, extra = case
+    P = ctx.local_size
+    m_sizes = _ms(spec, P)
+    comm_sms = None if mode == "auto" else 0 if mode == "unfused" else int(mode.split(":")[1])
+    plan = _run_case(ctx, shared_rng, m_sizes, N, K, b_layout=layout, comm_sms=comm_sms, what=name, **extra)
+    if P > 1 and mode.startswith("fused"):
+        assert plan.path == "fused" and plan.comm_sms == comm_sms, plan.describe()
+    elif mode == "unfused" or P == 1:
+        assert plan.path == "unfused", plan.describe()
+    else:  # auto: what the model says for these agreed sizes
+        want = agm.plan(m_sizes, N, K, 2, ctx.sm_count, gathered=bool(extra.get("gathered"))).path
+        assert plan.path == want, plan.describe()
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("config", [0, 1, 2, 3])
+def test_fused_every_config(ctx, shared_rng, layout, config):
+    """Every tile config of the fused kernel, ragged M (tiles end inside a shard) and N."""
+    m_sizes = _ms(lambda r, P: 150 + 50 * r, ctx.local_size)
+    plan = _run_case(ctx, shared_rng, m_sizes, 520, 320, b_layout=layout, comm_sms=5, config=config,
+                     gathered=True, what=f"config {config} {layout}")
+    if ctx.local_size > 1:
+        assert plan.path == "fused" and plan.config == config, plan.describe()
+
+
+def test_m_sizes_argument(ctx, shared_rng):
+    P, me = ctx.local_size, ctx.local_rank
+    m_sizes = [40 + 24 * r for r in range(P)]
+    shards, bs = _make(shared_rng, m_sizes, 96, 64, "bfloat16", "kn")
+    a, _ = upload(shards[me], "bfloat16")
+    b, eb = upload(bs[me], "bfloat16")
+    out = poisoned((sum(m_sizes), 96), "bfloat16")
+    agm.ag_gemm(ctx, a, b, out, m_sizes=m_sizes, comm_sms=3)
+    ctx.synchronize()
+    A = np.concatenate([upload(s, "bfloat16")[1] for s in shards])
+    assert _rel_fro(download(out), A @ eb) < REL_TOL
+
+
+def test_back_to_back_1000_calls(ctx, shared_rng):
+    """1000 calls (fused, unfused, auto with gathered A) with changing data, no host sync in between."""
+    P, me = ctx.local_size, ctx.local_rank
+    calls, Mr, K, N = 1000, 64, 64, 64
+    M = Mr * P
+    A_all = shared_rng.standard_normal((P, calls, Mr, K))
+    B_all = shared_rng.standard_normal((P, calls, K, N))
+    a, _ = upload(A_all[me], "bfloat16")
+    b, eb = upload(B_all[me], "bfloat16")
+    exact_a = np.stack([upload(A_all[r], "bfloat16")[1] for r in range(P)])  # [P, calls, Mr, K]
+    out = poisoned((calls, M, N), "bfloat16")
+    ga = poisoned((calls, M, K), "bfloat16")
+    for i in range(calls):
+        mode = i % 3
+        if mode == 0:
+            agm.ag_gemm(ctx, a[i], b[i], out[i], comm_sms=2)
+        elif mode == 1:
+            agm.ag_gemm(ctx, a[i], b[i], out[i], comm_sms=0)
+        else:
+            agm.ag_gemm(ctx, a[i], b[i], out[i], gathered_a=ga[i])
+    ctx.synchronize()
+    h_out, h_ga = download(out), download(ga)
+    for i in range(calls):
+        A = exact_a[:, i].reshape(M, K)
+        err = _rel_fro(h_out[i], A @ eb[i])
+        assert err < REL_TOL, f"call {i} (mode {i % 3}): rel. error {err:.3e}"
+        if i % 3 == 2:
+            np.testing.assert_array_equal(h_ga[i], A, err_msg=f"call {i}: gathered_a")
+
+
+def test_graph_capture_replay(ctx, shared_rng):
+    """Capture a fused and an unfused call in one CUDA graph; replay 100 times with new inputs."""
+    P, me = ctx.local_size, ctx.local_rank
+    Mr, K, N = 128, 256, 192
+    M = Mr * P
+    stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    a = DeviceArray.empty((Mr, K), "bfloat16")
+    b = DeviceArray.empty((N, K), "bfloat16")
+    out1 = DeviceArray.empty((M, N), "bfloat16")
+    out2 = DeviceArray.empty((M, N), "float32")
+    ga = DeviceArray.empty((M, K), "bfloat16")
+    a.copy_from(upload(np.ones((Mr, K)), "bfloat16")[0])
+    b.copy_from(upload(np.ones((N, K)), "bfloat16")[0])
+
+    def calls(s):
+        agm.ag_gemm(ctx, a, b, out1, gathered_a=ga, b_layout="nk", stream=s, comm_sms=4)
+        agm.ag_gemm(ctx, a, b, out2, b_layout="nk", stream=s, comm_sms=0)
+
+    calls(stream)  # outside the capture: signature exchange, workspace, plans
+    ctx.synchronize(stream)
+    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    calls(int(stream))
+    graph = check(cu.cuStreamEndCapture(stream))
+    gexec = check(cu.cuGraphInstantiate(graph, 0))
+    from mkernel.arrays import f32_to_bf16, bf16_to_f32
+
+    for rep in range(100):
+        As = shared_rng.standard_normal((P, Mr, K)).astype(np.float32)
+        Bs = shared_rng.standard_normal((P, N, K)).astype(np.float32)
+        ha = np.ascontiguousarray(f32_to_bf16(As[me]))
+        hb = np.ascontiguousarray(f32_to_bf16(Bs[me]))
+        check(cu.cuMemcpyHtoDAsync(a.ptr, ha.ctypes.data, ha.nbytes, stream))
+        check(cu.cuMemcpyHtoDAsync(b.ptr, hb.ctypes.data, hb.nbytes, stream))
+        out1.fill_nan(stream=stream)
+        out2.fill_nan(stream=stream)
+        ga.fill_nan(stream=stream)
+        check(cu.cuGraphLaunch(gexec, stream))
+        ctx.synchronize(stream)
+        A = bf16_to_f32(f32_to_bf16(As.reshape(M, K))).astype(np.float64)
+        ref = A @ bf16_to_f32(hb).astype(np.float64).T
+        for o in (out1, out2):
+            err = _rel_fro(download(o), ref)
+            assert err < REL_TOL, f"replay {rep}: rel. error {err:.3e}"
+        np.testing.assert_array_equal(download(ga), A, err_msg=f"replay {rep}: gathered_a")
+    check(cu.cuGraphExecDestroy(gexec))
+    check(cu.cuGraphDestroy(graph))
+    check(cu.cuStreamDestroy(stream))
+
+
+def test_bad_inputs_raise_before_launch(ctx):
+    P = ctx.local_size
+    a = DeviceArray.empty((32, 64), "bfloat16")
+    b = DeviceArray.empty((64, 48), "bfloat16")
+    out = poisoned((32 * P, 48), "bfloat16")
+    with pytest.raises(TypeError, match="dtype"):
+        agm.ag_gemm(ctx, DeviceArray.empty((32, 64), "int32"), b)
+    with pytest.raises(TypeError, match="must match"):
+        agm.ag_gemm(ctx, a, DeviceArray.empty((64, 48), "float16"))
+    with pytest.raises(TypeError):
+        agm.ag_gemm(ctx, np.ones((32, 64), dtype=np.float16), b)
+    with pytest.raises(ValueError, match="2-D"):
+        agm.ag_gemm(ctx, DeviceArray.empty((2, 32, 64), "bfloat16"), b)
+    with pytest.raises(ValueError, match="inner dimensions"):
+        agm.ag_gemm(ctx, a, DeviceArray.empty((48, 64), "bfloat16"))  # kn expects [64, N]
+    with pytest.raises(ValueError, match="multiple of"):
+        agm.ag_gemm(ctx, DeviceArray.empty((32, 7), "bfloat16"), DeviceArray.empty((7, 48), "bfloat16"))
+    z = DeviceArray.empty((32, 128), "bfloat16")
+    nc = DeviceArray(z.ptr, (32, 64), z.dtype, (128, 1), z.device, owner=z)
+    with pytest.raises(ValueError, match="contiguous"):
+        agm.ag_gemm(ctx, nc, b)
+    with pytest.raises(ValueError, match="b_layout"):
+        agm.ag_gemm(ctx, a, b, b_layout="km")
+    with pytest.raises(ValueError, match="comm_sms"):
+        agm.ag_gemm(ctx, a, b, comm_sms=-1)
+    with pytest.raises(ValueError, match="m_sizes"):
+        agm.ag_gemm(ctx, a, b, m_sizes=[33] * P)
+    with pytest.raises(ValueError, match="out has shape"):
+        agm.ag_gemm(ctx, a, b, DeviceArray.empty((32 * P + 1, 48), "bfloat16"))
+    with pytest.raises(TypeError, match="out has dtype"):
+        agm.ag_gemm(ctx, a, b, DeviceArray.empty((32 * P, 48), "float16"))
+    with pytest.raises(ValueError, match="gathered_a"):
+        agm.ag_gemm(ctx, a, b, out, gathered_a=DeviceArray.empty((32 * P, 63), "bfloat16"))
+    if P > 1:
+        with pytest.raises(ValueError, match="comm_sms"):  # all ranks agree, but too many for the GPU
+            agm.ag_gemm(ctx, a, b, out, comm_sms=ctx.sm_count)
+        # ranks disagree on K (a signature no rank has used yet): every rank raises.  A rank that
+        # repeats an already-agreed signature while another changes it is not checked on the host
+        # (no per-call host exchange); the device-side timeout catches that case.
+        K = 64 + 8 * ctx.local_rank
+        with pytest.raises(ValueError, match="disagree"):
+            agm.ag_gemm(ctx, DeviceArray.empty((37, K), "bfloat16"), DeviceArray.empty((K, 40), "bfloat16"))
+        with pytest.raises(ValueError, match="disagree"):
+            agm.ag_gemm(ctx, a, b, comm_sms=2 + ctx.local_rank)
+    ndev = check(cu.cuDeviceGetCount())
+    if ndev > 1:
+        other = (ctx.device + 1) % ndev
+        pctx = check(cu.cuDevicePrimaryCtxRetain(other))
+        check(cu.cuCtxPushCurrent(pctx))
+        try:
+            w = DeviceArray.empty((32, 64), "bfloat16")
+        finally:
+            check(cu.cuCtxPopCurrent())
+        with pytest.raises(ValueError, match="cuda:"):
+            agm.ag_gemm(ctx, w, b)
+    ctx.synchronize()
+    assert np.isnan(download(out)).all(), "a failing call launched something"
+
+
+def test_zzz_missing_peer_times_out(ctx):
+    """A rank that never makes the call: the other raises CommTimeout within the timeout."""
+    if ctx.local_size < 2:
+        pytest.skip("needs 2 ranks")
+    from mpi4py import MPI
+
+    c2 = mkernel.init(MPI.COMM_WORLD.Dup(), timeout=1.0)
+    a, _ = upload(np.ones((256, 128)), "bfloat16")
+    b, _ = upload(np.ones((128, 256)), "bfloat16")
+    out = DeviceArray.empty((256 * c2.local_size, 256), "bfloat16")
+    agm.ag_gemm(c2, a, b, out, comm_sms=4)  # both ranks: signature exchange + workspace
+    c2.synchronize()
+    c2.world.Barrier()
+    if c2.rank == 0:
+        t0 = time.monotonic()
+        agm.ag_gemm(c2, a, b, out, comm_sms=4)
+        with pytest.raises(mkernel.CommTimeout) as ei:
+            c2.synchronize()
+        dt = time.monotonic() - t0
+        rec = ei.value.record
+        assert rec["op"] == "ag_gemm" and rec["rank"] == 0 and rec["peer"] == 1, rec
+        assert 0.9 < dt < 5.0, dt
+        assert rec["waited_ns"] >= 1e9
+    c2.world.Barrier()
