@@ -91,12 +91,13 @@ CONFIGS = {
     3: TileConfig(3, 128, 256, 4, 2, 1.00),
     4: TileConfig(4, 128, 192, 5, 2, 0.94),  # fills 132 SMs where 256-wide tiles leave many idle
     5: TileConfig(5, 128, 224, 4, 2, 0.96, bn_kn=256),  # idem, "nk" only (kn: config 3's tile)
-    6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True),  # small K: epilogue hidden
+    # 6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True) -- ping-pong 64x256: DISABLED, it deadlocked
+    #    on an H200 (kn 300x520x1000, bench/gemm_debug.py, 2026-11-30); see docs/gemm.md.
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5, 6)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5)
 # Epilogue cost in K-equivalents (a 128 x 256 bf16 tile's register-to-global stores take about as long
 # as 256 more K of main loop; from the K = 512 kv_b measurement).  Ping-pong hides it except at the end.
 EPILOGUE_K = 256

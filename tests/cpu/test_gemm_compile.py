@@ -214,7 +214,7 @@ def test_args_struct_layout():
     (2048, 10240, 8192, "nk", 3), (8192, 8192, 28672, "nk", 3),
     (2048, 1536, 7168, "nk", 4),     # dsv3.q_a: 128 tiles of 128x192 (was 384 of 64x128)
     (512, 7168, 2048, "nk", 5),      # dsv3.moe_down: 128 tiles of 128x224 (was 112 of 128x256)
-    (8192, 32768, 512, "nk", 6),     # dsv3.kv_b: K = 512, epilogue-bound -> ping-pong
+    (8192, 32768, 512, "nk", 3),     # dsv3.kv_b: K = 512 (ping-pong config 6 disabled)
     (128, 57344, 8192, "nk", 5),     # llama gate_up: 256 tiles (2 full waves) instead of 224
     (128, 1024, 8192, "nk", 1),
 ])
@@ -234,7 +234,7 @@ def test_heuristic_env_overrides(monkeypatch):
     # fused kernels (ag_gemm.cu defines configs 0..3 only) never get a new config, even when forced
     monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "6")
     assert G.choose_config(lambda c: 100, 132).id in G.LEGACY_CANDIDATES
-    assert G._auto_config(64, 64, 64, "kn", 132).id == 6
+    assert 6 not in G.CONFIGS  # ping-pong config disabled after it deadlocked on an H200
 
 
 def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch):
@@ -245,18 +245,8 @@ def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch):
         assert G._auto_config(m, n, k, "kn", 132).id != 5
 
 
-def test_pingpong_and_224_plans(fake):
+def test_224_plans(fake):
     launches, maps, empty = fake
-    a, b = empty((8192, 512), "bfloat16"), empty((32768, 512), "bfloat16")
-    G.gemm(a, b, b_layout="nk")
-    (l,) = launches
-    assert l["config"] == 6 and l["block"] == 384 and l["grid"] == 132 and l["smem"] == G.CONFIGS[6].smem
-    assert maps[0]["box"] == (64, 64) and maps[1]["box"] == (64, 256, 1)
-    launches.clear(), maps.clear()
-    # few tiles: a ping-pong block takes two at once, so the grid is half the tile count
-    G.gemm(empty((256, 64), "bfloat16"), empty((64, 512), "bfloat16"), config=6)
-    assert launches[0]["grid"] == 4  # 4 x 2 tiles of 64x256
-    launches.clear(), maps.clear()
     G.gemm(empty((512, 2048), "bfloat16"), empty((7168, 2048), "bfloat16"), b_layout="nk")
     assert launches[0]["config"] == 5 and maps[1]["box"] == (64, 224, 1) and launches[0]["grid"] == 128
     launches.clear(), maps.clear()
