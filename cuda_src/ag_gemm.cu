@@ -38,29 +38,10 @@
 // Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (output dtype), MK_GEMM_CONFIG (1..3, 0 =
 // debug), exactly as gemm.cu.
 #include "mk_copy.cuh"
-#include "mk_gemm.cuh"
+#include "mk_gemm_configs.cuh"
 #include "mk_signal.cuh"
 
-#ifndef MK_GEMM_IN
-#define MK_GEMM_IN MK_DTYPE_BF16
-#endif
-#ifndef MK_GEMM_OUT
-#define MK_GEMM_OUT MK_DTYPE_BF16
-#endif
-#ifndef MK_GEMM_CONFIG
-#define MK_GEMM_CONFIG 3
-#endif
-
 #define MK_AG_MAXP 16  // local ranks; tile_m carries the source rank in its low 4 bits
-
-template <int CONFIG, bool KN> struct MkCfgSel;
-template <bool KN> struct MkCfgSel<0, KN> { typedef MkGemmConfig<1, 128, 2, false, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<1, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<2, KN> { typedef MkGemmConfig<2, 128, 6, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<3, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN> T; };
-
-typedef typename mk_type<MK_GEMM_OUT>::T MkOut;
-#define MK_THREADS (MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS)
 
 // Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 200 bytes).
 struct AgArgs {

@@ -124,6 +124,8 @@ mk_all_gather(MkComm c, const char* in, char* out, mk_u64 shard_bytes, char* ws,
 // dst[0..n) = sum over local ranks j in rank order of (j == me ? own : slot_j)[0..n), fp32
 // accumulation.  The fixed order makes the one-shot all-reduce bit-identical on every rank.  Slot
 // loads bypass L1 (peers rewrite slots over NVLink between calls).
+// (mk_copy.cuh's mk_sum_sources does the same sum; switching to it changes this kernel's code, so it
+// waits for a GPU run that can re-validate it.)
 MK_DEVICE void reduce_slots(T* dst, const T* own, const Ws& w, int phase, mk_u64 byte_off, mk_u64 n) {
   constexpr int V = mk_vec<T>::N;
   const char* s0 = w.slot(phase, 0) + byte_off;

@@ -1,51 +1,14 @@
 // gemm.cu - plain and grouped GEMM kernels built from the mk_gemm.cuh component, and the staging
 // copy used when an operand's row stride is not TMA-compatible.
 //
-// Specialization (preprocessor defines, set by mkernel/gemm.py):
-//   MK_GEMM_IN      input dtype code (MK_DTYPE_BF16 | MK_DTYPE_F16) of A and B
-//   MK_GEMM_OUT     output dtype code (MK_DTYPE_BF16 | MK_DTYPE_F16 | MK_DTYPE_F32)
-//   MK_GEMM_CONFIG  tile configuration:
-//                     0  debug: BM=64  (1 consumer WG), BN=128, 2 stages, every wgmma batch waited on
-//                     1  BM=64  (1 consumer WG), BN=128, 8 stages   (small M / few tiles)
-//                     2  BM=128 (2 consumer WGs), BN=128, 6 stages
-//                     3  BM=128 (2 consumer WGs), BN=256, 4 stages  (large problems)
-//                     4  BM=128 (2 consumer WGs), BN=192, 5 stages  (wave quantization: N = 1536, ...)
-//                     5  BM=128 (2 consumer WGs), BN=224, 4 stages with B "nk" (N = 7168, 57344, ...);
-//                        with B "kn" (MN-major tiles need whole 64-column chunks) it is config 3's tile
-//                     6  ping-pong: 2 consumer WGs on alternate 64x256 tiles, 5 stages (small K: the
-//                        epilogue of one WG hides under the other's main loop)
+// Specialization: MK_GEMM_IN, MK_GEMM_OUT, MK_GEMM_CONFIG (see mk_gemm_configs.cuh).
 //
 // Kernels (each block: MkCfg::THREADS threads, MkCfg::SMEM_BYTES of dynamic shared memory; grid:
 // any number of persistent blocks, normally the SM count):
 //   mk_gemm_kn / mk_gemm_nk                  C[M, N] = A[M, K] @ B, B stored [K, N] / [N, K]
 //   mk_grouped_gemm_kn / mk_grouped_gemm_nk  C[offs[g]:offs[g+1]] = A[offs[g]:offs[g+1]] @ B[g]
 //   mk_pad_copy_u16 / mk_pad_copy_u32        dense zero-padded staging copy (see below)
-#include "mk_gemm.cuh"
-
-#ifndef MK_GEMM_IN
-#define MK_GEMM_IN MK_DTYPE_BF16
-#endif
-#ifndef MK_GEMM_OUT
-#define MK_GEMM_OUT MK_DTYPE_BF16
-#endif
-#ifndef MK_GEMM_CONFIG
-#define MK_GEMM_CONFIG 3
-#endif
-
-template <int CONFIG, bool KN> struct MkCfgSel;
-template <bool KN> struct MkCfgSel<0, KN> { typedef MkGemmConfig<1, 128, 2, false, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<1, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<2, KN> { typedef MkGemmConfig<2, 128, 6, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<3, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<4, KN> { typedef MkGemmConfig<2, 192, 5, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<5, KN> { typedef MkGemmConfig<2, KN ? 256 : 224, 4, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<6, KN> { typedef MkGemmConfig<2, 256, 5, true, MK_GEMM_IN, KN, true> T; };
-static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
-                  MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,
-              "one launch geometry per config (mkernel/gemm_engine.py: TileConfig.smem / threads)");
-
-typedef typename mk_type<MK_GEMM_OUT>::T MkOut;
-#define MK_THREADS (MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS)
+#include "mk_gemm_configs.cuh"
 
 // Passed by value; mirrored by mkernel/gemm.py:_GemmArgs (same order, natural alignment, 56 bytes).
 struct MkGemmArgs {

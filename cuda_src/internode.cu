@@ -162,31 +162,6 @@ mk_inter_all_gather(MkComm c, MkProxy p, const char* in, char* out, mk_u64 shard
   inter_finish(c, w, p, epoch);
 }
 
-// dst[i] = sum over k < count of src(k)[i], fp32 accumulation, in k order.  `src(k)` returns a
-// const T*; `aligned` says every pointer (and dst) is 16-byte aligned.
-template <typename F>
-MK_DEVICE void sum_sources(T* dst, int count, F src, mk_u64 n, bool aligned) {
-  constexpr int V = mk_vec<T>::N;
-  const mk_u64 nvec = aligned ? n / V : 0;
-  for (mk_u64 i = threadIdx.x; i < nvec; i += blockDim.x) {
-    float acc[V];
-#pragma unroll
-    for (int k = 0; k < V; ++k) acc[k] = 0.f;
-    for (int k = 0; k < count; ++k) {
-      float f[V];
-      mk_unpack<T>(__ldcg((const int4*)src(k) + i), f);
-#pragma unroll
-      for (int q = 0; q < V; ++q) acc[q] += f[q];
-    }
-    ((int4*)dst)[i] = mk_pack<T>(acc);
-  }
-  for (mk_u64 i = nvec * V + threadIdx.x; i < n; i += blockDim.x) {
-    float acc = 0.f;
-    for (int k = 0; k < count; ++k) acc += mk_to_f32(__ldcg(src(k) + i));
-    dst[i] = mk_from_f32<T>(acc);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // reduce-scatter over every world rank: out[0..n) = sum over world ranks q of x_q[me*n ...].
 // Slots: A(j, m) = [j*N + m] for j < L, m < N: local peer j's x chunk for rail rank (m, l);
@@ -220,7 +195,7 @@ mk_inter_reduce_scatter(MkComm c, MkProxy p, const T* x, T* out, mk_u64 n, char*
     for (int j = 0; j < L; ++j)
       if (j != w.l && !mk_block_wait_geq(c, w.ready(A(j, m)), epoch, w.world(w.n, j), A(j, m))) return;
     const T* own = x + (mk_u64)w.world(m, w.l) * n;
-    sum_sources((T*)w.slot(S(m)), L,
+    mk_sum_sources((T*)w.slot(S(m)), L,
                 [&](int j) { return j == w.l ? own : (const T*)w.slot(A(j, m)); }, n, xal);
     __syncthreads();
     if (m != w.n) {
@@ -236,7 +211,7 @@ mk_inter_reduce_scatter(MkComm c, MkProxy p, const T* x, T* out, mk_u64 n, char*
       const int mm = (w.n + q) % N;
       if (!mk_block_wait_geq(c, w.ready(B(mm)), epoch, w.world(mm, w.l), B(mm))) return;
     }
-    sum_sources(out, N, [&](int mm) { return (const T*)w.slot(mm == w.n ? S(mm) : B(mm)); }, n,
+    mk_sum_sources(out, N, [&](int mm) { return (const T*)w.slot(mm == w.n ? S(mm) : B(mm)); }, n,
                 ((((mk_u64)out) | bytes) & 15) == 0);
   }
   inter_finish(c, w, p, epoch);

@@ -60,29 +60,29 @@ template <typename T> MK_DEVICE int4 mk_pack(const float* f) {
   return v;
 }
 
-// dst[i] = sum_k srcs[k][i] for i < n elements, fp32 accumulation, in the order srcs are given
-// (a fixed order: every rank gets bit-identical sums).  Vectorized when every pointer is 16B
-// aligned and n is a multiple of the vector width; the tail is scalar.
-template <typename T, int MAXSRC>
-MK_DEVICE void mk_reduce(T* __restrict__ dst, const T* const* srcs, int nsrc, mk_u64 n, unsigned tid, unsigned nthreads) {
+// dst[i] = sum over k < count of src(k)[i] for i < n, fp32 accumulation, in k order (a fixed order:
+// whoever sums the same sources gets the same bits).  `src(k)` returns a const T*; `aligned`: dst and
+// every src(k) are 16-byte aligned (then 16-byte vectors, scalar tail).  Source loads bypass L1 (peers
+// rewrite receive slots over NVLink between calls).  The threads of the block share the work.
+template <typename T, typename F>
+MK_DEVICE void mk_sum_sources(T* dst, int count, F src, mk_u64 n, bool aligned) {
   constexpr int V = mk_vec<T>::N;
-  mk_u64 align = (mk_u64)dst;
-  for (int k = 0; k < nsrc; ++k) align |= (mk_u64)srcs[k];
-  mk_u64 nvec = ((align & 15) == 0) ? n / V : 0;
-  for (mk_u64 i = tid; i < nvec; i += nthreads) {
+  const mk_u64 nvec = aligned ? n / V : 0;
+  for (mk_u64 i = threadIdx.x; i < nvec; i += blockDim.x) {
     float acc[V];
-    mk_unpack<T>(((const int4*)srcs[0])[i], acc);
-    for (int k = 1; k < nsrc; ++k) {
-      float f[V];
-      mk_unpack<T>(((const int4*)srcs[k])[i], f);
 #pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] += f[j];
+    for (int k = 0; k < V; ++k) acc[k] = 0.f;
+    for (int k = 0; k < count; ++k) {
+      float f[V];
+      mk_unpack<T>(__ldcg((const int4*)src(k) + i), f);
+#pragma unroll
+      for (int q = 0; q < V; ++q) acc[q] += f[q];
     }
     ((int4*)dst)[i] = mk_pack<T>(acc);
   }
-  for (mk_u64 i = nvec * V + tid; i < n; i += nthreads) {
-    float acc = mk_to_f32(srcs[0][i]);
-    for (int k = 1; k < nsrc; ++k) acc += mk_to_f32(srcs[k][i]);
+  for (mk_u64 i = nvec * V + threadIdx.x; i < n; i += blockDim.x) {
+    float acc = 0.f;
+    for (int k = 0; k < count; ++k) acc += mk_to_f32(__ldcg(src(k) + i));
     dst[i] = mk_from_f32<T>(acc);
   }
 }

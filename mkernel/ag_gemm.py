@@ -49,7 +49,6 @@ import math
 import os
 import sys
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -59,7 +58,6 @@ from cuda.bindings import driver as cu
 from . import gemm_engine as G
 from . import runtime
 from .arrays import DeviceArray, as_device_array
-from .errors import CommTimeout
 from .runtime import check
 from .tensormap import encode_tiled
 
@@ -341,29 +339,13 @@ _FORCE = {None: 0, "fused": 1, "unfused": 2}
 FUSED_AUTO = os.environ.get("MKERNEL_AG_GEMM_FUSED_AUTO", "0") == "1"
 
 
-def _exchange(ctx, vec: np.ndarray) -> np.ndarray:
-    """Allgather one int64 vector per local rank over the node communicator, bounded by the timeout."""
-    comm = ctx.node_comm
-    allv = np.empty((comm.Get_size(), vec.shape[0]), dtype=np.int64)
-    req = comm.Iallgather(vec, allv)
-    limit = max(ctx.timeout, 1.0) * 4
-    deadline = time.monotonic() + limit
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise CommTimeout(f"mkernel.ag_gemm: rank {ctx.rank} waited {limit:.1f} s for the other local ranks "
-                              "to join the call's signature exchange; a rank is dead or made a different call",
-                              {"rank": ctx.rank, "op": "ag_gemm"})
-        time.sleep(1e-4)
-    return allv
-
-
 def _agree(ctx, dtype: str, M: int, K: int, N: int, comm_sms, gathered: bool, force, config, m_sizes):
     """Exchange every rank's call signature.  Returns (M of every local rank, max N, any rank wants the
     gathered A, P); raises ValueError on every rank when they disagree."""
     msz_hash = 0 if m_sizes is None else (hash(tuple(m_sizes)) & ((1 << 62) - 1)) + 1
     mine = np.array([G._CODE[dtype], M, K, N, -1 if comm_sms is None else comm_sms, int(gathered),
                      _FORCE.get(force, 3), -1 if config is None else config, msz_hash], dtype=np.int64)
-    allv = _exchange(ctx, mine)
+    allv = ctx.bounded_allgather(mine, "mkernel.ag_gemm's signature exchange", ctx.node_comm)
     P = allv.shape[0]
     problems = []
     for col, name in ((0, "dtype"), (2, "K"), (4, "comm_sms"), (6, "path override"), (7, "config"),

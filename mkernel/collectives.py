@@ -21,7 +21,7 @@ import ctypes
 import os
 
 from . import internode, runtime
-from .arrays import DeviceArray, as_device_array, dtype_of
+from .arrays import DeviceArray, as_device_array, dtype_of, require
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks"]
 
@@ -73,7 +73,8 @@ def grid_for(slot_bytes: int, grid_max: int) -> int:
     return grid_max if slot_bytes >= LARGE_SLOT_BYTES else min(grid_max, SMALL_SLOT_BLOCKS)
 
 
-def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLayout, int]:
+def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLayout, int, int]:
+    """(layout, workspace bytes, grid) for ``P`` local ranks exchanging slots of ``slot_bytes``."""
     slot_bytes = _round_up(max(slot_bytes, 16), 256)
     grid_max = grid_for(slot_bytes, grid_max)
     chunk, nchunks = plan_chunks(slot_bytes, grid_max)
@@ -84,53 +85,44 @@ def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLa
     L.data1_off = L.data0_off + P * slot_bytes
     L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks
     total = L.data0_off + phases * P * slot_bytes
-    return L, total
+    return L, total, min(grid_max, nchunks)
 
 
-class _Launcher:
-    """Compiled kernel + workspace for one (op, dtype) on one context."""
-
-    def __init__(self, ctx, op: str, dtype_code: int):
-        self.ctx = ctx
-        self.op = op
-        mod = runtime.compile_module(_SOURCE, {"MK_DTYPE": dtype_code})
-        self.kernel = mod.function("mk_" + op)
-        # co-residency: one block per SM
-        per_sm = self.kernel.max_active_blocks_per_sm(_THREADS)
-        if per_sm < 1:
-            raise RuntimeError(f"mkernel: {op} kernel cannot be resident ({per_sm} blocks/SM)")
-        self.grid_max = min(ctx.sm_count, MAX_BLOCKS) if MAX_BLOCKS > 0 else ctx.sm_count
-
-    def workspace(self, L: CollLayout, total: int):
-        # one workspace per (op) per context; layouts are computed from sizes all ranks agreed on
-        return self.ctx.workspace(("collective", self.op), total)
+def _kernel(ctx, op: str, dtype):
+    """The compiled kernel of ``op`` for ``dtype`` on this context (checked once for residency)."""
+    kernels = ctx.__dict__.setdefault("_collective_kernels", {})
+    k = kernels.get((op, dtype.code))
+    if k is None:
+        k = runtime.compile_module(_SOURCE, {"MK_DTYPE": dtype.code}).function("mk_" + op)
+        if k.max_active_blocks_per_sm(_THREADS) < 1:  # the launch is cooperative: one block per SM
+            raise RuntimeError(f"mkernel: the {op} kernel cannot be resident")
+        kernels[(op, dtype.code)] = k
+    return k
 
 
-_launchers: dict = {}
+def _launch(ctx, op: str, dtype, slot_bytes: int, phases: int, head_args: list, stream) -> None:
+    """Plan the chunks, take the op's symmetric workspace (grown collectively when needed), launch."""
+    k = _kernel(ctx, op, dtype)
+    grid_max = min(ctx.sm_count, MAX_BLOCKS) if MAX_BLOCKS > 0 else ctx.sm_count
+    L, total, grid = _layout(ctx.local_size, slot_bytes, grid_max, phases)
+    ws = ctx.workspace(("collective", op), total)
+    args = [ctx.comm_args(op), *head_args, ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
+    k.launch(grid, _THREADS, args, stream=stream, cooperative=True)
 
 
-def _launcher(ctx, op: str, dtype) -> _Launcher:
-    key = (id(ctx), op, dtype.code)
-    ln = _launchers.get(key)
-    if ln is None or ln.ctx is not ctx:
-        ln = _Launcher(ctx, op, dtype.code)
-        _launchers[key] = ln
-    return ln
+def _arg(ctx, arr, what: str, name: str, dtypes) -> DeviceArray:
+    a = as_device_array(arr, name=f"{what}: {name}")
+    return require(a, f"{what}: {name}", dtypes=dtypes, device=ctx.device, align=a.dtype.itemsize)
 
 
-def _check_array(ctx, arr: DeviceArray, what: str, name: str, dtypes) -> None:
-    if arr.dtype.name not in dtypes:
-        raise TypeError(f"{what}: {name} must be one of {', '.join(dtypes)}, got {arr.dtype.name}")
-    if arr.device != ctx.device:
-        raise ValueError(f"{what}: {name} is on GPU {arr.device}, but this rank's context uses GPU {ctx.device}")
-    if not arr.is_contiguous():
-        raise ValueError(f"{what}: {name} must be C-contiguous (strides {arr.strides} for shape {arr.shape})")
-    if arr.ptr % arr.dtype.itemsize:
-        raise ValueError(f"{what}: {name} is not aligned to its element size")
-
-
-def _launch(ctx, ln: _Launcher, args, grid: int, stream) -> None:
-    ln.kernel.launch(grid, _THREADS, args, stream=stream, cooperative=True)
+def _out(ctx, out, what: str, shape: tuple, x: DeviceArray, dtypes):
+    """(the object to return, its DeviceArray view): ``out`` checked, or a new array when None."""
+    if out is None:
+        out = DeviceArray.empty(shape, x.dtype, device=ctx.device)
+    o = _arg(ctx, out, what, "out", dtypes)
+    if o.dtype != x.dtype or tuple(o.shape) != tuple(shape):
+        raise ValueError(f"{what}: out must be {x.dtype.name} {tuple(shape)}, got {o.dtype.name} {tuple(o.shape)}")
+    return out, o
 
 
 def _overlaps(a: DeviceArray, b: DeviceArray) -> bool:
@@ -147,18 +139,10 @@ def all_gather(ctx, x, out=None, *, stream=None):
     """
     what = "mkernel.all_gather"
     ctx.check()
-    x = as_device_array(x, name="x")
-    _check_array(ctx, x, what, "x", _GATHER_DTYPES)
-    P = ctx.size
-    out_shape = (P * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:])
-    if out is None:
-        out = DeviceArray.empty(out_shape, x.dtype, device=ctx.device)
-    o = as_device_array(out, name="out")
-    _check_array(ctx, o, what, "out", _GATHER_DTYPES)
-    if o.dtype.name != x.dtype.name or tuple(o.shape) != out_shape:
-        raise ValueError(f"{what}: out must be {x.dtype.name} {out_shape}, got {o.dtype.name} {tuple(o.shape)}")
-    own = o.ptr + ctx.rank * x.nbytes
-    if _overlaps(x, o) and x.ptr != own:
+    x = _arg(ctx, x, what, "x", _GATHER_DTYPES)
+    out, o = _out(ctx, out, what, (ctx.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:]), x,
+                  _GATHER_DTYPES)
+    if _overlaps(x, o) and x.ptr != o.ptr + ctx.rank * x.nbytes:
         raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
     ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
     if x.nbytes == 0:
@@ -166,13 +150,9 @@ def all_gather(ctx, x, out=None, *, stream=None):
     if ctx.num_nodes > 1:
         internode.all_gather(ctx, x, o, stream)
         return out
-    ln = _launcher(ctx, "all_gather", dtype_of("bfloat16"))  # byte-oriented: one kernel for every dtype
-    L, total = _layout(P, x.nbytes, ln.grid_max, 1)
-    ws = ln.workspace(L, total)
-    grid = min(grid_for(L.slot_bytes, ln.grid_max), L.nchunks)
-    args = [ctx.comm_args("all_gather"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes),
-            ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
-    _launch(ctx, ln, args, grid, stream)
+    # byte-oriented: one kernel for every dtype
+    _launch(ctx, "all_gather", dtype_of("bfloat16"), x.nbytes, 1,
+            [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes)], stream)
     return out
 
 
@@ -184,35 +164,22 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
     """
     what = "mkernel.reduce_scatter"
     ctx.check()
-    x = as_device_array(x, name="x")
-    _check_array(ctx, x, what, "x", _REDUCE_DTYPES)
+    x = _arg(ctx, x, what, "x", _REDUCE_DTYPES)
     P = ctx.size
     if x.ndim == 0 or x.shape[0] % P:
         raise ValueError(f"{what}: x's first dimension ({x.shape[0] if x.ndim else 'scalar'}) must be a multiple "
-                         f"of the number of local ranks ({P})")
-    out_shape = (x.shape[0] // P,) + tuple(x.shape[1:])
-    if out is None:
-        out = DeviceArray.empty(out_shape, x.dtype, device=ctx.device)
-    o = as_device_array(out, name="out")
-    _check_array(ctx, o, what, "out", _REDUCE_DTYPES)
-    if o.dtype.name != x.dtype.name or tuple(o.shape) != out_shape:
-        raise ValueError(f"{what}: out must be {x.dtype.name} {out_shape}, got {o.dtype.name} {tuple(o.shape)}")
+                         f"of the number of ranks ({P})")
+    out, o = _out(ctx, out, what, (x.shape[0] // P,) + tuple(x.shape[1:]), x, _REDUCE_DTYPES)
     if _overlaps(x, o):
         raise ValueError(f"{what}: out must not overlap x")
     ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
-    n = o.size
-    if n == 0:
+    if o.size == 0:
         return out
     if ctx.num_nodes > 1:
         internode.reduce_scatter(ctx, x, o, stream)
         return out
-    ln = _launcher(ctx, "reduce_scatter", x.dtype)
-    L, total = _layout(P, o.nbytes, ln.grid_max, 1)
-    ws = ln.workspace(L, total)
-    grid = min(grid_for(L.slot_bytes, ln.grid_max), L.nchunks)
-    args = [ctx.comm_args("reduce_scatter"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n),
-            ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
-    _launch(ctx, ln, args, grid, stream)
+    _launch(ctx, "reduce_scatter", x.dtype, o.nbytes, 1,
+            [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(o.size)], stream)
     return out
 
 
@@ -225,14 +192,8 @@ def all_reduce(ctx, x, out=None, *, stream=None):
     """
     what = "mkernel.all_reduce"
     ctx.check()
-    x = as_device_array(x, name="x")
-    _check_array(ctx, x, what, "x", _REDUCE_DTYPES)
-    if out is None:
-        out = DeviceArray.empty(tuple(x.shape), x.dtype, device=ctx.device)
-    o = as_device_array(out, name="out")
-    _check_array(ctx, o, what, "out", _REDUCE_DTYPES)
-    if o.dtype.name != x.dtype.name or tuple(o.shape) != tuple(x.shape):
-        raise ValueError(f"{what}: out must be {x.dtype.name} {tuple(x.shape)}, got {o.dtype.name} {tuple(o.shape)}")
+    x = _arg(ctx, x, what, "x", _REDUCE_DTYPES)
+    out, o = _out(ctx, out, what, tuple(x.shape), x, _REDUCE_DTYPES)
     if _overlaps(x, o) and x.ptr != o.ptr:
         raise ValueError(f"{what}: out overlaps x without being x")
     ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
@@ -243,15 +204,9 @@ def all_reduce(ctx, x, out=None, *, stream=None):
         internode.all_reduce(ctx, x, o, stream)
         return out
     P = ctx.local_size
-    ln = _launcher(ctx, "all_reduce", x.dtype)
     one_shot = x.nbytes <= ONE_SHOT_MAX_BYTES or P == 1
-    vec = 16 // x.dtype.itemsize
-    shard = n if one_shot else _round_up(-(-n // P), vec)
-    L, total = _layout(P, shard * x.dtype.itemsize, ln.grid_max, 1 if one_shot else 2)
-    ws = ln.workspace(L, total)
-    grid = min(grid_for(L.slot_bytes, ln.grid_max), L.nchunks)
-    args = [ctx.comm_args("all_reduce"), ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n),
-            ctypes.c_uint64(shard), ctypes.c_int32(1 if one_shot else 0), ctypes.c_uint64(ws.ptr),
-            ctypes.c_uint64(ws.peer_table), L]
-    _launch(ctx, ln, args, grid, stream)
+    shard = n if one_shot else _round_up(-(-n // P), 16 // x.dtype.itemsize)
+    _launch(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 1 if one_shot else 2,
+            [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(shard),
+             ctypes.c_int32(1 if one_shot else 0)], stream)
     return out

@@ -99,9 +99,9 @@ class Context:
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
         """Raise :class:`~mkernel.CommTimeout` if any kernel of this rank reported a failure (non-blocking)."""
-        self.error_record.raise_if_set()
-        for fn in self._checks:
+        for fn in self._checks:  # host-side failures first: they carry the cause (e.g. the transport's)
             fn()
+        self.error_record.raise_if_set()
 
     def synchronize(self, stream=None) -> None:
         """Wait for ``stream`` (or the whole device when None) and raise what the kernels reported."""
@@ -119,16 +119,15 @@ class Context:
         self.check()
         check(r)
 
-    def _report_host_failure(self, code: int, message: str, peer: int = -1) -> None:
-        """A host-side failure (e.g. the proxy's transport died): write the error record, so every
-        device-side wait of this rank stops, and remember the message for the exception."""
+    def _report_host_failure(self, code: int, peer: int = -1) -> None:
+        """A host-side failure (e.g. the proxy's transport died): write the error record so every
+        device-side wait of this rank stops; the failing component's check hook raises the cause."""
         from .signals import OPS
 
         rec = self.error_record._rec
         if rec.code == 0:
             rec.rank, rec.op, rec.peer, rec.flag_index = self.rank, OPS["proxy"], peer, -1
             rec.code = code
-        self._host_failure = message
 
     # ------------------------------------------------------------------ agreement across ranks
     def agree(self, what: str, signature: tuple, comm=None) -> None:
@@ -142,22 +141,30 @@ class Context:
         if key in self._agreed:
             return
         digest = zlib.crc32(repr((what, signature)).encode()) & 0xFFFFFFFF
-        mine = np.array([digest], dtype=np.int64)
-        allv = np.empty(comm.Get_size(), dtype=np.int64)
-        req = comm.Iallgather(mine, allv)
-        deadline = time.monotonic() + max(self.timeout, 1.0) * 4
-        while not req.Test():
-            if time.monotonic() > deadline:
-                raise CommTimeout(f"mkernel: rank {self.rank} waited {max(self.timeout, 1.0) * 4:.1f} s for the "
-                                  f"other ranks to join {what}; a rank is dead or made a different call",
-                                  {"rank": self.rank, "op": what})
-            time.sleep(1e-4)
+        allv = self.bounded_allgather(np.array([digest], dtype=np.int64), what, comm)[:, 0]
         if not np.all(allv == digest):
             sigs = comm.allgather(signature)
             bad = [i for i, s in enumerate(sigs) if s != signature]
             raise ValueError(f"mkernel: {what}: ranks disagree on the call: this rank (rank {comm.Get_rank()} of "
                              f"the communicator) has {signature}, ranks {bad} have {[sigs[i] for i in bad]}")
         self._agreed.add(key)
+
+    def bounded_allgather(self, vec: np.ndarray, what: str, comm=None) -> np.ndarray:
+        """Allgather one int64 vector per rank of ``comm`` (default: the world) -> ``[size, len]``,
+        raising :class:`CommTimeout` instead of hanging when a rank does not join within 4x the
+        timeout (at least 4 s)."""
+        comm = comm if comm is not None else self.world
+        vec = np.ascontiguousarray(vec, dtype=np.int64).reshape(-1)
+        allv = np.empty((comm.Get_size(), vec.shape[0]), dtype=np.int64)
+        req = comm.Iallgather(vec, allv)
+        limit = max(self.timeout, 1.0) * 4
+        deadline = time.monotonic() + limit
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"mkernel: rank {self.rank} waited {limit:.1f} s for the other ranks to join "
+                                  f"{what}; a rank is dead or made a different call", {"rank": self.rank, "op": what})
+            time.sleep(1e-4)
+        return allv
 
     # ------------------------------------------------------------------ memory
     def alloc_symmetric(self, nbytes: int, comm=None):
@@ -198,7 +205,7 @@ class Context:
             check(cu.cuCtxSynchronize())
         except Exception:
             pass
-        for fn in self._closers:
+        for fn in list(self._closers):  # a closer removes itself
             try:
                 fn()
             except Exception:

@@ -71,11 +71,10 @@ class _State:
         self.ws = ctx.workspace(("internode", op), nbytes)
         self.window = GpuWindow(self.ws.ptr, self.ws.nbytes)
 
-        def on_error(exc, _ctx=ctx):
-            _ctx._report_host_failure(MK_ERR_PROXY, f"proxy: {exc}")
-
-        self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024, on_error=on_error)
+        self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024,
+                           on_error=lambda exc: ctx._report_host_failure(MK_ERR_PROXY))
         self.proxy.start()
+        self.ctx = ctx
         ctx._closers.append(self.close)
         ctx._checks.append(self.proxy.check)
         self.closed = False
@@ -83,6 +82,8 @@ class _State:
     def close(self):
         if not self.closed:
             self.closed = True
+            self.ctx._closers.remove(self.close)
+            self.ctx._checks.remove(self.proxy.check)
             self.proxy.close()
 
 

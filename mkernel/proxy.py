@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import os
 import threading
 import time
 

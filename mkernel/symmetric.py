@@ -7,7 +7,6 @@ any peer's copy: ``peer_table[j] + offset`` is byte ``offset`` of local rank ``j
 """
 from __future__ import annotations
 
-import ctypes
 
 import numpy as np
 from cuda.bindings import driver as cu

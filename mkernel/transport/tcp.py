@@ -22,7 +22,6 @@ import selectors
 import socket
 import struct
 import threading
-import time
 
 import numpy as np
 

@@ -1,0 +1,109 @@
+"""Host side of the collectives on the CPU: argument checks raise before any launch, and the plan
+(one-shot vs two-phase, shard alignment, chunking, grid) is what the kernels expect.  The context is
+a stand-in and arrays carry fake device pointers: nothing touches a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mkernel import collectives as C
+from mkernel.arrays import DeviceArray
+
+
+class FakeCtx:
+    device, size, local_size, rank, local_rank, num_nodes, sm_count = 0, 2, 2, 0, 0, 1, 132
+    world = object()
+
+    def __init__(self):
+        self.agreed = []
+
+    def check(self):
+        pass
+
+    def agree(self, what, signature, comm=None):
+        self.agreed.append((what, signature))
+
+
+@pytest.fixture
+def env(monkeypatch):
+    launches = []
+    monkeypatch.setattr(C, "_launch", lambda ctx, op, dtype, slot, phases, head, stream:
+                        launches.append(dict(op=op, dtype=dtype.name, slot=slot, phases=phases, head=head)))
+    return FakeCtx(), launches
+
+
+_next = [1 << 20]
+
+
+def arr(shape, dtype="float32", device=0, ptr=None, strides=None):
+    p = ptr if ptr is not None else _next[0]
+    _next[0] += 1 << 24
+    return DeviceArray(p, shape, dtype, strides, device, None)
+
+
+def test_bad_inputs_raise_before_launch(env):
+    ctx, launches = env
+    with pytest.raises(TypeError, match="all_reduce: x must be bfloat16, float16 or float32, got int32"):
+        C.all_reduce(ctx, arr((8,), "int32"), arr((8,), "int32"))
+    with pytest.raises(TypeError, match="host array"):
+        C.all_reduce(ctx, np.ones(4, np.float32), arr((4,)))
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        C.all_reduce(ctx, arr((8, 4), strides=(8, 2)), arr((8, 4)))
+    with pytest.raises(ValueError, match="x is on cuda:1, expected cuda:0"):
+        C.all_reduce(ctx, arr((8,), device=1), arr((8,)))
+    with pytest.raises(ValueError, match="x must be 4-byte aligned"):
+        C.all_reduce(ctx, arr((8,), ptr=(1 << 40) + 2), arr((8,)))
+    with pytest.raises(ValueError, match=r"out must be float32 \(8,\), got float32 \(3,\)"):
+        C.all_reduce(ctx, arr((8,)), arr((3,)))
+    with pytest.raises(ValueError, match=r"out must be float32 \(8,\), got bfloat16 \(8,\)"):
+        C.all_reduce(ctx, arr((8,)), arr((8,), "bfloat16"))
+    x = arr((16,))
+    with pytest.raises(ValueError, match="overlaps x without being x"):
+        C.all_reduce(ctx, x, DeviceArray(x.ptr + 4, (16,), "float32", None, 0, None))
+    with pytest.raises(ValueError, match="multiple of the number of ranks"):
+        C.reduce_scatter(ctx, arr((7,)), arr((3,)))
+    with pytest.raises(ValueError, match="out must not overlap x"):
+        C.reduce_scatter(ctx, x, DeviceArray(x.ptr, (8,), "float32", None, 0, None))
+    out = arr((8,))
+    with pytest.raises(ValueError, match="not this rank's own rows"):
+        C.all_gather(ctx, DeviceArray(out.ptr + 4, (4,), "float32", None, 0, None), out)
+    with pytest.raises(TypeError, match="all_gather: x: unsupported __cuda_array_interface__ typestr '<f8'"):
+        C.all_gather(ctx, _bad_gather_dtype(), arr((8,)))
+    assert launches == [] and ctx.agreed == []
+
+
+def _bad_gather_dtype():
+    class CAI:  # a float64 producer: not a dtype the collectives take
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f8", "data": (1 << 41, False), "version": 3}
+
+    return CAI()
+
+
+def test_plans(env):
+    ctx, launches = env
+    C.all_gather(ctx, arr((5, 3), "bfloat16"), arr((10, 3), "bfloat16"))
+    own = arr((8,), "int64")
+    C.all_gather(ctx, DeviceArray(own.ptr, (4,), "int64", None, 0, None), own)  # in place: own rows
+    C.reduce_scatter(ctx, arr((6, 2), "float16"), arr((3, 2), "float16"))
+    C.all_reduce(ctx, arr((1000,), "bfloat16"), arr((1000,), "bfloat16"))
+    n = C.ONE_SHOT_MAX_BYTES  # bf16: twice the one-shot limit in bytes
+    C.all_reduce(ctx, arr((n + 1,), "bfloat16"), arr((n + 1,), "bfloat16"))
+    ag, ag2, rs, ar1, ar2 = launches
+    assert (ag["op"], ag["dtype"], ag["slot"], ag["phases"]) == ("all_gather", "bfloat16", 30, 1)
+    assert ag2["dtype"] == "bfloat16" and ag2["slot"] == 32  # one byte-oriented kernel for every dtype
+    assert (rs["op"], rs["slot"], rs["head"][2].value) == ("reduce_scatter", 12, 6)
+    assert (ar1["phases"], ar1["head"][4].value, ar1["slot"]) == (1, 1, 2000)  # one-shot
+    shard = ar2["head"][3].value
+    assert ar2["phases"] == 2 and ar2["head"][4].value == 0 and shard % 8 == 0 and 2 * shard >= n + 1
+    assert ar2["slot"] == shard * 2
+    assert [a[1] for a in ctx.agreed][0] == ("bfloat16", (5, 3))
+
+
+@pytest.mark.parametrize("slot", [16, 1000, 4 << 20, 32 << 20, 64 << 20, (1 << 30) + 12345])
+def test_layout(slot):
+    L, total, grid = C._layout(2, slot, 132, 2)
+    assert L.chunk_bytes % 16 == 0 and L.nchunks * L.chunk_bytes >= L.slot_bytes >= slot
+    assert (L.nchunks - 1) * L.chunk_bytes < L.slot_bytes
+    assert 1 <= grid <= min(L.nchunks, 132 if L.slot_bytes >= C.LARGE_SLOT_BYTES else C.SMALL_SLOT_BLOCKS)
+    assert L.data0_off % 4096 == 0 and L.flags_off + 8 * 2 * 2 * L.nchunks <= L.data0_off
+    assert total == L.data0_off + 2 * 2 * L.slot_bytes
