@@ -466,29 +466,12 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     """
     what = "mkernel.ag_gemm"
     ctx.check()
-    if b_layout not in G.LAYOUTS:
-        raise ValueError(f"{what}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
-    A = as_device_array(a_shard, name="ag_gemm: a_shard", stream=stream)
-    B = as_device_array(b, name="ag_gemm: b", stream=stream)
-    if A.ndim != 2 or B.ndim != 2:
-        raise ValueError(f"{what}: a_shard and b must be 2-D, got shapes {tuple(A.shape)} and {tuple(B.shape)}")
+    A, B, M_r, K, N, _ = G.check_operands(a_shard, b, b_layout, what=what, a_name="a_shard", stream=stream)
     dt = A.dtype.name
-    if dt not in IN_DTYPES:
-        raise TypeError(f"{what}: a_shard has dtype {dt}; expected one of {', '.join(IN_DTYPES)}")
-    if B.dtype.name != dt:
-        raise TypeError(f"{what}: a_shard is {dt} but b is {B.dtype.name}; they must match")
     _check_same_device(ctx, A, "a_shard")
     _check_same_device(ctx, B, "b")
     if not A.is_contiguous():
         raise ValueError(f"{what}: a_shard must be C-contiguous (strides {A.strides} for shape {tuple(A.shape)})")
-    M_r, K = A.shape
-    if b_layout == "kn":
-        Kb, N = B.shape
-    else:
-        N, Kb = B.shape
-    if Kb != K:
-        raise ValueError(f"{what}: inner dimensions differ: a_shard is {tuple(A.shape)}, b is {tuple(B.shape)} "
-                         f"(b_layout={b_layout!r})")
     isz = A.dtype.itemsize
     if (K * isz) % 16:
         raise ValueError(f"{what}: K={K} gives {K * isz}-byte rows; the gathered A needs rows of a multiple of "

@@ -39,7 +39,7 @@ from .arrays import DeviceArray, _on_device, as_device_array
 from .tensormap import encode_tiled
 
 __all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "config_cost", "describe",
-           "AUTO_CANDIDATES", "LEGACY_CANDIDATES"]
+           "AUTO_CANDIDATES", "LEGACY_CANDIDATES", "check_operands"]
 
 SOURCE = "gemm.cu"
 _CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -271,11 +271,35 @@ def _zero_fill_launch(out: DeviceArray, M: int, N: int, ldc: int, in_dtype: str,
     return (k, grid, 256, args)
 
 
-def _check_dtype(x: DeviceArray, name: str, allowed) -> str:
-    n = x.dtype.name
-    if n not in allowed:
-        raise TypeError(f"mkernel.gemm: {name} has dtype {n}; expected one of {', '.join(allowed)}")
-    return n
+def check_operands(a, b, b_layout: str, *, what: str, a_name: str = "a", grouped: bool = False, stream=None):
+    """The checks every GEMM-based op makes of its operands, before any launch.
+
+    ``a``: 2-D ``[M, K]``; ``b``: ``[K, N]`` / ``[N, K]`` ("kn" / "nk"), or ``[G, K, N]`` / ``[G, N, K]``
+    when ``grouped``; both bf16 or both fp16; dimensions below 2**31.  ``what`` prefixes every message
+    (e.g. ``"mkernel.gemm"``).  Returns ``(A, B, M, K, N, G)`` (``G`` = 1 when not grouped)."""
+    if b_layout not in LAYOUTS:
+        raise ValueError(f"{what}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    short = what.rsplit(".", 1)[-1]
+    A = as_device_array(a, name=f"{short}: {a_name}", stream=stream)
+    B = as_device_array(b, name=f"{short}: b", stream=stream)
+    b_nd = 3 if grouped else 2
+    if A.ndim != 2 or B.ndim != b_nd:
+        raise ValueError(f"{what}: {a_name} must be 2-D and b {b_nd}-D, got shapes {tuple(A.shape)} and "
+                         f"{tuple(B.shape)}")
+    for x, name in ((A, a_name), (B, "b")):
+        if x.dtype.name not in IN_DTYPES:
+            raise TypeError(f"{what}: {name} has dtype {x.dtype.name}; expected one of {', '.join(IN_DTYPES)}")
+    if B.dtype != A.dtype:
+        raise TypeError(f"{what}: {a_name} is {A.dtype.name} but b is {B.dtype.name}; they must match")
+    M, K = A.shape
+    G = B.shape[0] if grouped else 1
+    Kb, N = B.shape[-2:] if b_layout == "kn" else B.shape[-2:][::-1]
+    if Kb != K:
+        raise ValueError(f"{what}: inner dimensions differ: {a_name} is {tuple(A.shape)}, b is {tuple(B.shape)} "
+                         f"(b_layout={b_layout!r})")
+    if max(M, N, K, G) >= 2**31:
+        raise ValueError(f"{what}: dimensions must be below 2**31")
+    return A, B, M, K, N, G
 
 
 def _check_device(arrays, names) -> int:
@@ -293,7 +317,8 @@ def _prepare_out(out, out_dtype, in_dtype: str, shape, device: int):
             raise TypeError(f"mkernel.gemm: out_dtype {od} not in {OUT_DTYPES}")
         return DeviceArray.empty(shape, od, device=device)
     o = out
-    _check_dtype(o, "out", OUT_DTYPES)
+    if o.dtype.name not in OUT_DTYPES:
+        raise TypeError(f"mkernel.gemm: out has dtype {o.dtype.name}; expected one of {', '.join(OUT_DTYPES)}")
     if out_dtype is not None and o.dtype.name != out_dtype:
         raise TypeError(f"mkernel.gemm: out has dtype {o.dtype.name} but out_dtype={out_dtype}")
     if tuple(o.shape) != tuple(shape):
@@ -369,26 +394,9 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
     the legacy default stream).  config: force a tile config id (``CONFIGS``; debugging and
     benchmarks).  Returns ``out``.  Asynchronous with respect to the host.
     """
-    if b_layout not in LAYOUTS:
-        raise ValueError(f"mkernel.gemm: b_layout must be 'kn' or 'nk', got {b_layout!r}")
-    A = as_device_array(a, name="gemm: a", stream=stream)
-    B = as_device_array(b, name="gemm: b", stream=stream)
+    A, B, M, K, N, _ = check_operands(a, b, b_layout, what="mkernel.gemm", stream=stream)
+    in_dtype = A.dtype.name
     O_in = None if out is None else as_device_array(out, name="gemm: out", stream=stream)
-    if len(A.shape) != 2 or len(B.shape) != 2:
-        raise ValueError(f"mkernel.gemm: a and b must be 2-D, got shapes {tuple(A.shape)} and {tuple(B.shape)}")
-    in_dtype = _check_dtype(A, "a", IN_DTYPES)
-    if _check_dtype(B, "b", IN_DTYPES) != in_dtype:
-        raise TypeError(f"mkernel.gemm: a is {in_dtype} but b is {B.dtype.name}; they must match")
-    M, K = A.shape
-    if b_layout == "kn":
-        Kb, N = B.shape
-    else:
-        N, Kb = B.shape
-    if Kb != K:
-        raise ValueError(f"mkernel.gemm: inner dimensions differ: a is {tuple(A.shape)}, b is {tuple(B.shape)} "
-                         f"(b_layout={b_layout!r})")
-    if max(M, N, K) >= 2**31:
-        raise ValueError("mkernel.gemm: dimensions must be below 2**31")
     if config is not None and config not in CONFIGS:
         raise ValueError(f"mkernel.gemm: unknown config {config}; known: {sorted(CONFIGS)}")
     dev = _check_device([A, B] + ([O_in] if O_in is not None else []), ["a", "b", "out"])
@@ -457,26 +465,9 @@ def grouped_gemm(a, b, group_offsets, out=None, *, b_layout: str = "kn", out_dty
     out outside [o[0], o[G]) are not written.  out: ``[T, N]`` or None (allocated, dtype ``out_dtype``
     or a's).  Returns out.
     """
-    if b_layout not in LAYOUTS:
-        raise ValueError(f"mkernel.grouped_gemm: b_layout must be 'kn' or 'nk', got {b_layout!r}")
-    A = as_device_array(a, name="grouped_gemm: a", stream=stream)
-    B = as_device_array(b, name="grouped_gemm: b", stream=stream)
+    A, B, T, K, N, G = check_operands(a, b, b_layout, what="mkernel.grouped_gemm", grouped=True, stream=stream)
+    in_dtype = A.dtype.name
     O_in = None if out is None else as_device_array(out, name="grouped_gemm: out", stream=stream)
-    if len(A.shape) != 2 or len(B.shape) != 3:
-        raise ValueError(f"mkernel.grouped_gemm: a must be 2-D and b 3-D, got {tuple(A.shape)} and {tuple(B.shape)}")
-    in_dtype = _check_dtype(A, "a", IN_DTYPES)
-    if _check_dtype(B, "b", IN_DTYPES) != in_dtype:
-        raise TypeError(f"mkernel.grouped_gemm: a is {in_dtype} but b is {B.dtype.name}; they must match")
-    T, K = A.shape
-    if b_layout == "kn":
-        G, Kb, N = B.shape
-    else:
-        G, N, Kb = B.shape
-    if Kb != K:
-        raise ValueError(f"mkernel.grouped_gemm: inner dimensions differ: a is {tuple(A.shape)}, b is "
-                         f"{tuple(B.shape)} (b_layout={b_layout!r})")
-    if max(T, N, K, G) >= 2**31:
-        raise ValueError("mkernel.grouped_gemm: dimensions must be below 2**31")
     dev = _check_device([A, B] + ([O_in] if O_in is not None else []), ["a", "b", "out"])
     host_offs = None
     dev_offs = None
