@@ -633,24 +633,11 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
 ag_gemm.last_plan = None
 
 
-def _compile_one(item):
-    source, defines, arch = item
-    return runtime.compile_module(source, defines, arch=arch).compile_seconds
-
-
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:
     """Compile ag_gemm.cu specializations (default: every registered one) into the disk cache in
     parallel worker processes; returns the summed NVRTC seconds (0 for cubins already cached)."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
     if arch is None:
         arch = runtime.current_arch()
     if specs is None:
-        specs = [d for s, d in runtime.registered_specializations() if s == SOURCE]
-    items = [(SOURCE, dict(d), arch) for d in specs]
-    workers = workers or max(1, min(len(items), (os.cpu_count() or 2)))
-    if workers == 1 or len(items) <= 1:
-        return sum(_compile_one(it) for it in items)
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        return sum(ex.map(_compile_one, items))
+        specs = [d for src, d in runtime.registered_specializations() if src == SOURCE]
+    return runtime.precompile([(SOURCE, d) for d in specs], arch=arch, workers=workers)

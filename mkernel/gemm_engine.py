@@ -577,29 +577,15 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles, grid=_grid(cfg, tiles, sms))
 
 
-def _compile_one(item):
-    source, defines, arch = item
-    mod = runtime.compile_module(source, defines, arch=arch)
-    return mod.compile_seconds
-
-
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:
     """Compile GEMM specializations into the disk cache in parallel worker processes.
 
     specs: iterable of define dicts (default: every registered gemm.cu specialization).  Returns the
     summed NVRTC seconds.  Later ``compile_module`` calls of this process load the cubins from disk.
     """
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
     if arch is None:
         with _on_device(None):
             arch = runtime.current_arch()
     if specs is None:
-        specs = [d for s, d in runtime.registered_specializations() if s == SOURCE]
-    items = [(SOURCE, dict(d), arch) for d in specs]
-    workers = workers or max(1, min(len(items), (os.cpu_count() or 2)))
-    if workers == 1 or len(items) <= 1:
-        return sum(_compile_one(it) for it in items)
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        return sum(ex.map(_compile_one, items))
+        specs = [d for src, d in runtime.registered_specializations() if src == SOURCE]
+    return runtime.precompile([(SOURCE, d) for d in specs], arch=arch, workers=workers)
