@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--eager", action="store_true", help="time plain launches instead of CUDA graphs")
     ap.add_argument("--config", type=int, default=None, help="force an mkernel tile config")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time every auto-candidate config per shape (calibrates the heuristic)")
+                    help="also time every (non-debug) config per shape (calibrates the heuristic)")
     args = ap.parse_args()
     setup_env()
     import torch
@@ -156,7 +156,7 @@ def main():
         info = G.describe(M, N, K, b_layout=layout, config=args.config)
         sweep = {}
         if args.sweep:
-            for cid in G.AUTO_CANDIDATES:
+            for cid in (c for c in sorted(G.CONFIGS) if not G.CONFIGS[c].debug):
                 if layout == "kn" and G.CONFIGS[cid].bn_kn is not None:
                     continue
 

@@ -36,7 +36,9 @@ from mkernel import gemm_engine as G  # noqa: E402
 from mkernel.arrays import DeviceArray, bf16_to_f32, f32_to_bf16  # noqa: E402
 from mkernel.runtime import check  # noqa: E402
 
-SHAPES = [(64, 128, 64), (128, 256, 64), (64, 128, 256), (300, 520, 1000), (129, 1000, 7), (1000, 384, 4097),
+SHAPES = [# one block, two tiles: K blocks 4 < stages, 5, 16 (ping-pong parity aliasing, docs/gemm.md)
+          (128, 256, 256), (128, 256, 320), (128, 256, 1024),
+          (64, 128, 64), (128, 256, 64), (64, 128, 256), (300, 520, 1000), (129, 1000, 7), (1000, 384, 4097),
           # many tiles per block (ring reuse across tiles; ping-pong warpgroup alternation), ragged K
           (2100, 4100, 328)]
 

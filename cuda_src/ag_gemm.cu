@@ -41,7 +41,10 @@
 #include "mk_gemm_configs.cuh"
 #include "mk_signal.cuh"
 
-#define MK_AG_MAXP 16  // local ranks; tile_m carries the source rank in its low 4 bits
+#define MK_AG_MAXP 16
+#ifndef MK_AG_ERR_CHECK_SPINS
+#define MK_AG_ERR_CHECK_SPINS 2048  // a power of two: at MK_POLL_SLEEP_MAX_NS = 512, ~1 ms of polling
+#endif  // local ranks; tile_m carries the source rank in its low 4 bits
 
 // Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 200 bytes).
 struct AgArgs {
@@ -217,6 +220,9 @@ template <int BM> struct AgWaitRows {
   mk_u64 epoch;
   MK_DEVICE bool before_load(int, int tile_m, int, int k_block) const {
     if (k_block != 0) return true;
+#ifdef MK_AG_TIMING_NO_WAIT
+    return true;  // timing experiment only (docs/ag_gemm.md): the GEMM without its waits; wrong output
+#endif
     const int lane = threadIdx.x & 31;
     const int src = tile_m & 15;
     const int r0 = (tile_m >> 4) * BM;
@@ -225,14 +231,19 @@ template <int BM> struct AgWaitRows {
     const int first = r0 / CR, n = (r1 - 1) / CR - first + 1;
     const int idx = src * a->nch_stride + first + (lane < n ? lane : 0);
     const mk_u64* flag = (const mk_u64*)(a->ws + a->flags_off) + idx;
-    unsigned t0 = 0, spins = 0;  // time in units of 1.024 us, 32 bits (wraps after 73 minutes)
+    // Polls like mk_wait_geq (mk_signal.cuh: back-off, the error record read about every millisecond),
+    // written out with lane 0's clock so it fits the 40-register producer (MkPoll's state spills).
+    unsigned t0 = 0, spins = 0;  // time in units of 1.024 us
     while (true) {
       const mk_u64 v = mk_ld_acquire(flag);
       const bool ready = (mk_i64)(v - epoch) >= 0;
       if (__all_sync(0xffffffffu, ready)) break;
-      if ((++spins & 63u) == 0) {
-        const unsigned now = __shfl_sync(0xffffffffu, (unsigned)(mk_globaltimer() >> 10), 0);  // warp-uniform
-        if (spins == 64) {
+#if MK_POLL_SLEEP_MAX_NS > 0
+      __nanosleep(MK_POLL_SLEEP_MAX_NS);
+#endif
+      if ((++spins & 7u) == 0) {
+        const unsigned now = __shfl_sync(0xffffffffu, MkPoll::now_us(), 0);  // warp-uniform
+        if (spins == 8) {
           t0 = now;
         } else if (now - t0 > (unsigned)(c->timeout_ns >> 10)) {
           const unsigned late = __ballot_sync(0xffffffffu, !ready);
@@ -240,8 +251,9 @@ template <int BM> struct AgWaitRows {
             mk_report(*c, MK_ERR_TIMEOUT, MK_LOCAL_PEER(src), idx, epoch, v, (mk_u64)(now - t0) << 10);
           return false;
         }
-        if (__any_sync(0xffffffffu, lane == 0 && mk_failed(*c))) return false;
-        if (spins > 256) __nanosleep(256);  // ~100 producers spin: keep their .sys loads off the fabric
+        // the error record (PCIe): every MK_AG_ERR_CHECK_SPINS polls, about a millisecond apart
+        if ((spins & (MK_AG_ERR_CHECK_SPINS - 1)) == 0 && __any_sync(0xffffffffu, lane == 0 && mk_failed(*c)))
+          return false;
       }
     }
     __syncwarp();  // memory ordering among the lanes: every lane's acquire precedes lane 0's loads

@@ -261,6 +261,10 @@ template <class Cfg> struct MkGemmSmem {
   MK_DEVICE volatile int* abort_flag() const {
     return reinterpret_cast<volatile int*>(base + Cfg::BAR_OFFSET + 2 * Cfg::STAGES * 8);
   }
+  // Ping-pong only: ring positions the producer has issued so far (see mk_gemm_run_pingpong).
+  MK_DEVICE volatile unsigned* issued() const {
+    return reinterpret_cast<volatile unsigned*>(base + Cfg::BAR_OFFSET + 2 * Cfg::STAGES * 8 + 4);
+  }
 };
 
 // ---- pieces shared by the cooperative and ping-pong tile loops ----------------------------------------------
@@ -306,6 +310,7 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
       mk_mbar_init(sm.empty(s), Cfg::EMPTY_ARRIVALS);  // lane 0 of every consumer warp reading the slot
     }
     *sm.abort_flag() = 0;
+    *sm.issued() = 0;
     mk_mbar_init_fence();
     mk_tma_prefetch_desc(tmA);
     mk_tma_prefetch_desc(tmB);
@@ -320,7 +325,10 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
 //
 // Ring bookkeeping: the producer fills ring positions p = 0, 1, 2, ... in tile order (tile j's K block
 // kb is position j*nkb + kb, slot p % STAGES, phase parity (p / STAGES) & 1), so a warpgroup starts tile
-// j at position j*nkb and simply never touches the other warpgroup's positions.  Each slot is read by
+// j at position j*nkb and simply never touches the other warpgroup's positions.  Because a warpgroup
+// jumps over the other's positions, a parity wait alone could pass on a phase completed STAGES
+// positions earlier (parity aliasing); the producer therefore publishes in shared memory how many
+// positions it has issued, and a consumer waits for position p to be issued before its parity wait.  Each slot is read by
 // one warpgroup, so its empty barrier counts 4 arrivals (EMPTY_ARRIVALS).  There is no cycle: the
 // producer only waits for slots released by the warpgroup whose tile came earlier in the sequence.
 //
@@ -358,7 +366,10 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
         }
         const int stage = (int)(pos % Cfg::STAGES);
         mk_mbar_wait(sm.empty(stage), ((pos / Cfg::STAGES) & 1u) ^ 1u);
-        if (lane == 0) mk_gemm_issue_loads<Cfg>(sm, stage, tmA, tmB, t, kb);
+        if (lane == 0) {
+          mk_gemm_issue_loads<Cfg>(sm, stage, tmA, tmB, t, kb);
+          *sm.issued() = pos + 1;
+        }
         __syncwarp();
         ++pos;
       }
@@ -384,7 +395,9 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
     mk_u32 phase = (start / Cfg::STAGES) & 1u;
     int prev = -1;
     for (int kb = 0; kb < nkb; ++kb) {
-      while (!mk_mbar_try_wait(sm.full(stage), phase)) {
+      // Parity waits are exact only once position start+kb was issued (the slot's barrier has then
+      // completed q or q+1 phases, never q-1); before that, wait for the producer to get there.
+      while (*sm.issued() <= start + (unsigned)kb || !mk_mbar_try_wait(sm.full(stage), phase)) {
         if (*sm.abort_flag()) {
           aborted = true;
           break;

@@ -70,27 +70,32 @@ MK_DEVICE void mk_st_relaxed_u32(unsigned* p, unsigned v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Wait (one thread) until a host-written counter reaches `need` (wrap-safe), polling like mk_wait_geq;
+// on timeout reports MK_ERR_PROXY (peer, flag_index -1, expected/seen = counter values).
+MK_DEVICE bool mk_proxy_wait_counter(const MkComm& c, const mk_u64* counter, mk_u64 need, int peer) {
+  mk_u64 v = mk_ld_acquire(counter);
+  if ((mk_i64)(v - need) >= 0) return true;
+  MkPoll poll;
+  poll.start();
+  while (true) {
+    poll.pause();
+    v = mk_ld_acquire(counter);
+    if ((mk_i64)(v - need) >= 0) return true;
+    mk_u64 dt;
+    const int t = poll.tick(c, &dt);
+    if (t == 1) {
+      mk_report(c, MK_ERR_PROXY, peer, -1, need, v, dt);
+      return false;
+    }
+    if (t == 2 && mk_failed(c)) return false;
+  }
+}
+
 // Wait (one thread) until the host has freed the slot of `ticket`: tail > ticket - capacity.
 // On timeout reports MK_ERR_PROXY (peer = dst_rank, flag_index = -1, expected/seen = tail values).
 MK_DEVICE bool mk_proxy_wait_room(const MkComm& c, const MkProxy& p, mk_u64 ticket, int dst_rank) {
   const mk_u64 need = ticket + 1 - p.capacity;  // wraps for the first `capacity` tickets: fine
-  mk_u64 v = mk_ld_acquire(p.tail);
-  if ((mk_i64)(v - need) >= 0) return true;
-  const mk_u64 t0 = mk_globaltimer();
-  unsigned spins = 0;
-  while (true) {
-    v = mk_ld_acquire(p.tail);
-    if ((mk_i64)(v - need) >= 0) return true;
-    if ((++spins & 63u) == 0) {
-      const mk_u64 dt = mk_globaltimer() - t0;
-      if (dt > c.timeout_ns) {
-        mk_report(c, MK_ERR_PROXY, dst_rank, -1, need, v, dt);
-        return false;
-      }
-      if (mk_failed(c)) return false;
-      if (spins > 4096) __nanosleep(512);
-    }
-  }
+  return mk_proxy_wait_counter(c, p.tail, need, dst_rank);
 }
 
 // Push one command (ONE thread calls it).  Returns the ticket, or MK_PROXY_NO_FLAG when the ring
@@ -121,21 +126,5 @@ MK_DEVICE mk_u64 mk_proxy_push(const MkComm& c, const MkProxy& p, int op, int ds
 // Reports MK_ERR_PROXY (peer = -1) on timeout.
 MK_DEVICE bool mk_proxy_wait_done(const MkComm& c, const MkProxy& p, mk_u64 ticket) {
   const mk_u64 need = ticket + 1;
-  mk_u64 v = mk_ld_acquire(p.done);
-  if ((mk_i64)(v - need) >= 0) return true;
-  const mk_u64 t0 = mk_globaltimer();
-  unsigned spins = 0;
-  while (true) {
-    v = mk_ld_acquire(p.done);
-    if ((mk_i64)(v - need) >= 0) return true;
-    if ((++spins & 63u) == 0) {
-      const mk_u64 dt = mk_globaltimer() - t0;
-      if (dt > c.timeout_ns) {
-        mk_report(c, MK_ERR_PROXY, -1, -1, need, v, dt);
-        return false;
-      }
-      if (mk_failed(c)) return false;
-      if (spins > 4096) __nanosleep(512);
-    }
-  }
+  return mk_proxy_wait_counter(c, p.done, need, -1);
 }

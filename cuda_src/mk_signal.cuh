@@ -100,26 +100,71 @@ MK_DEVICE void mk_report(const MkComm& c, int code, int peer, int flag_index, mk
   }
 }
 
+// Polling policy, shared by every wait in mkernel (docs/design.md, "Waiting"):
+//  * back off from the first miss: __nanosleep starting at MK_POLL_SLEEP_MIN_NS, doubling up to
+//    MK_POLL_SLEEP_MAX_NS, so a hundred waiting warps do not flood the memory system with .sys loads
+//    while communication blocks of the same kernel are moving data;
+//  * the host-mapped error record (another block of this rank failed) is read over PCIe only after
+//    MK_POLL_ERR_CHECK_NS of waiting, then every 128 polls: a failing rank still drains within about
+//    a millisecond, and a healthy wait never touches the PCIe bus;
+//  * the clock is read every 8 polls for the timeout.
+// The state is two 32-bit registers (time in units of 1.024 us: globaltimer >> 10, differences wrap
+// safely for 73 minutes), small enough for the 40-register producer warp of a GEMM.
+#ifndef MK_POLL_SLEEP_MIN_NS
+#define MK_POLL_SLEEP_MIN_NS 32
+#endif
+#ifndef MK_POLL_SLEEP_MAX_NS
+#define MK_POLL_SLEEP_MAX_NS 512
+#endif
+#ifndef MK_POLL_ERR_CHECK_NS
+#define MK_POLL_ERR_CHECK_NS 1000000ull
+#endif
+
+// Back-off state of one waiting thread (or warp: every lane holds the same state).
+struct MkPoll {
+  unsigned t0, spins;
+  MK_DEVICE static unsigned now_us() { return (unsigned)(mk_globaltimer() >> 10); }
+  MK_DEVICE void start() {
+    t0 = now_us();
+    spins = 0;
+  }
+  MK_DEVICE void pause() const {
+#if MK_POLL_SLEEP_MAX_NS > 0
+    const unsigned s = spins < 16u ? (unsigned)MK_POLL_SLEEP_MIN_NS << spins : 0xffffffffu;
+    __nanosleep(s < (unsigned)MK_POLL_SLEEP_MAX_NS ? s : (unsigned)MK_POLL_SLEEP_MAX_NS);
+#endif
+  }
+  // Call once per poll.  Every 8th call reads the clock: 1 = timed out (waited ns in *dt), 2 = time
+  // to look at the error record, 0 = keep polling.
+  MK_DEVICE int tick(const MkComm& c, mk_u64* dt) {
+    if ((++spins & 7u) != 0) return 0;
+    const unsigned waited = now_us() - t0;
+    *dt = (mk_u64)waited << 10;
+    if (waited > (unsigned)(c.timeout_ns >> 10)) return 1;
+    if (waited >= (unsigned)(MK_POLL_ERR_CHECK_NS >> 10) && (spins & 127u) == 0) return 2;
+    return 0;
+  }
+};
+
 // Spin until *flag >= expected (wrap-safe), with a timeout.  Returns false on timeout, or when
 // another thread of this rank already failed (so every block drains quickly); the caller must then
 // stop and return.  One thread calls this.
 MK_DEVICE bool mk_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expected, int peer, int flag_index) {
   mk_u64 v = mk_ld_acquire(flag);
   if ((mk_i64)(v - expected) >= 0) return true;
-  const mk_u64 t0 = mk_globaltimer();
-  unsigned spins = 0;
+  MkPoll poll;
+  poll.start();
   while (true) {
+    poll.pause();
     v = mk_ld_acquire(flag);
     if ((mk_i64)(v - expected) >= 0) return true;
-    if ((++spins & 63u) == 0) {
-      const mk_u64 dt = mk_globaltimer() - t0;
-      if (dt > c.timeout_ns) {
-        mk_report(c, MK_ERR_TIMEOUT, peer, flag_index, expected, v, dt);
-        return false;
-      }
-      if (mk_failed(c)) return false;
-      if (spins > 4096) __nanosleep(256);
+    mk_u64 dt;
+    const int t = poll.tick(c, &dt);
+    if (t == 1) {
+      mk_report(c, MK_ERR_TIMEOUT, peer, flag_index, expected, v, dt);
+      return false;
     }
+    if (t == 2 && mk_failed(c)) return false;
   }
 }
 

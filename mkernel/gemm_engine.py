@@ -91,8 +91,9 @@ CONFIGS = {
     3: TileConfig(3, 128, 256, 4, 2, 1.00),
     4: TileConfig(4, 128, 192, 5, 2, 0.94),  # fills 132 SMs where 256-wide tiles leave many idle
     5: TileConfig(5, 128, 224, 4, 2, 0.96, bn_kn=256),  # idem, "nk" only (kn: config 3's tile)
-    # 6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True) -- ping-pong 64x256: DISABLED, it deadlocked
-    #    on an H200 (kn 300x520x1000, bench/gemm_debug.py, 2026-11-30); see docs/gemm.md.
+    # ping-pong 64x256 (docs/gemm.md: it deadlocked on an H200 until the parity-aliasing fix; not among
+    # AUTO_CANDIDATES until measured)
+    6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)

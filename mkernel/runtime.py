@@ -226,6 +226,21 @@ def _define_flags(defines: Mapping[str, object]) -> list[str]:
     return out
 
 
+def _env_defines() -> dict:
+    """Extra defines for every module from ``MKERNEL_DEFINES`` (``"A=1,B"``): experiments only
+    (e.g. timing-only switches documented in docs/); they enter the cache key like any define."""
+    out: dict = {}
+    for item in os.environ.get("MKERNEL_DEFINES", "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, eq, value = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):
+            raise ValueError(f"MKERNEL_DEFINES: bad define {item!r} (expected NAME or NAME=VALUE, comma-separated)")
+        out[name.strip()] = value.strip() if eq else True
+    return out
+
+
 _module_cache: dict[tuple, Module] = {}
 _module_cache_lock = threading.Lock()
 
@@ -238,6 +253,7 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     device's (``sm_90a`` on Hopper).  Raises :class:`CompileError` with the NVRTC log on failure.
     """
     defines = dict(defines or {})
+    defines.update(_env_defines())
     arch = arch or current_arch()
     root = cuda_src_dir()
     sources: dict[str, str] = {}

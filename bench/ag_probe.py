@@ -1,0 +1,86 @@
+"""Probe: mkernel.ag_gemm's fused and unfused paths against our GEMM alone and our all-gather alone,
+on the quick shapes of bench/ag_gemm.py, timed with CUDA events (no torch).  For experiments (e.g.
+kernel defines through MKERNEL_DEFINES, docs/ag_gemm.md); bench/ag_gemm.py is the benchmark.
+
+    mpirun -np 2 python bench/ag_probe.py
+PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes.
+One line per (shape, variant): median us per call (max over ranks) and overlap efficiency
+max(gemm alone, all-gather alone) / time.
+"""
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from cuda.bindings import driver as cu
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mkernel  # noqa: E402
+from mkernel import ag_gemm as agm  # noqa: E402
+from mkernel.arrays import DeviceArray, f32_to_bf16  # noqa: E402
+from mkernel.runtime import check  # noqa: E402
+
+SHAPES = {  # name: (M_total, N over all ranks, K)
+    "qkv70": (4096, 10240, 8192),
+    "mlp70": (8192, 28672, 8192),
+    "qkv405": (16384, 18432, 16384),
+    "mlp405": (1024, 53248, 16384),
+    "sweep8k": (8192, 1024, 8192),  # N/P = M/16 with P = 2
+}
+
+
+def main():
+    ctx = mkernel.init()
+    P = ctx.local_size
+    stream = check(cu.cuStreamCreate(1))
+    s = int(stream)
+    e0, e1 = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
+    rng = np.random.default_rng(1234 + ctx.rank)
+    names = [x for x in os.environ.get("PROBE_SHAPES", ",".join(SHAPES)).split(",") if x]
+    extra = [int(x) for x in os.environ.get("PROBE_COMM_SMS", "").split(",") if x.strip()]
+    tag = os.environ.get("MKERNEL_DEFINES", "") or "default"
+
+    def timed(fn, est_us):
+        batch = int(min(20, max(2, 4000 // max(est_us, 1))))
+        fn()
+        ctx.synchronize(s)
+        times = []
+        for _ in range(5):
+            ctx.world.Barrier()
+            check(cu.cuEventRecord(e0, stream))
+            for _ in range(batch):
+                fn()
+            check(cu.cuEventRecord(e1, stream))
+            ctx.synchronize(s)
+            times.append(check(cu.cuEventElapsedTime(e0, e1)) / batch * 1e3)
+        return ctx.world.allreduce(float(np.median(times)), op=MPI.MAX)
+
+    for name in names:
+        M, N_all, K = SHAPES[name]
+        Mr, N = M // P, N_all // P
+        a = DeviceArray.from_numpy(f32_to_bf16(rng.standard_normal((Mr, K), dtype=np.float32)), dtype="bfloat16")
+        w = DeviceArray.from_numpy(f32_to_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K)),
+                                   dtype="bfloat16")
+        out = DeviceArray.empty((M, N), "bfloat16")
+        full = DeviceArray.empty((M, K), "bfloat16")
+        est = 2.0 * M * N * K / 600e12 * 1e6
+        t_gemm = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s), est)
+        t_ag = timed(lambda: mkernel.all_gather(ctx, a, full, stream=s), est)
+        floor = max(t_gemm, t_ag)
+        rows = []
+        variants = [None, -1, *extra]  # automatic plan; -1: fused at the model's best split
+        for cs in variants:
+            if cs == -1:
+                cs = agm.last_plan.fused_comm_sms
+            t = timed(lambda cs=cs: agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, comm_sms=cs), est)
+            p = agm.last_plan
+            rows.append((f"{p.path}/{p.comm_sms}", t))
+        if ctx.rank == 0:
+            print(f"[{tag}] {name:8s} M={M} N/P={N} K={K}: gemm {t_gemm:8.1f} us  all_gather {t_ag:7.1f} us  "
+                  + "  ".join(f"{v} {t:8.1f} us (eff {floor / t:.2f})" for v, t in rows), flush=True)
+    ctx.close()
+
+
+if __name__ == "__main__":
+    main()
