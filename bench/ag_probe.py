@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mkernel  # noqa: E402
-from mkernel import ag_gemm as agm  # noqa: E402
+import importlib  # noqa: E402
 from mkernel.arrays import DeviceArray, f32_to_bf16  # noqa: E402
 from mkernel.runtime import check  # noqa: E402
 
@@ -28,6 +28,9 @@ SHAPES = {  # name: (M_total, N over all ranks, K)
     "mlp405": (1024, 53248, 16384),
     "sweep8k": (8192, 1024, 8192),  # N/P = M/16 with P = 2
 }
+
+
+agm = importlib.import_module("mkernel.ag_gemm")  # the module (mkernel.ag_gemm is the function)
 
 
 def main():
@@ -69,11 +72,14 @@ def main():
         t_ag = timed(lambda: mkernel.all_gather(ctx, a, full, stream=s), est)
         floor = max(t_gemm, t_ag)
         rows = []
-        variants = [None, -1, *extra]  # automatic plan; -1: fused at the model's best split
+        variants = [None, "ce", -1, *extra]  # automatic plan; copy engines; -1: fused at the model's split
         for cs in variants:
+            kw = dict(comm_sms=cs)
             if cs == -1:
-                cs = agm.last_plan.fused_comm_sms
-            t = timed(lambda cs=cs: agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, comm_sms=cs), est)
+                kw = dict(comm_sms=agm.last_plan.fused_comm_sms)
+            elif cs == "ce":
+                kw = dict(path="fused_ce")
+            t = timed(lambda kw=kw: agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, **kw), est)
             p = agm.last_plan
             rows.append((f"{p.path}/{p.comm_sms}", t))
         if ctx.rank == 0:

@@ -9,6 +9,8 @@
 //                                     reading (written by j into our memory)
 //   [flags_off]     u64[P][nch_stride] ready[src][chunk] = call that delivered rows
 //                                     [chunk*CR, chunk*CR + CR) of rank src into our gathered buffer
+//   [ce_vals_off]   u64[nch_stride]   copy-engine path: the current call number, the source of the
+//                                     copy engine's flag writes
 //   [data_off]      gathered A        M_total rows of row_bytes (16-byte multiple)
 //
 // Kernel mk_ag_gemm_{kn,nk} (cooperative, grid <= #SMs, one block per SM, Cfg::THREADS threads,
@@ -29,6 +31,14 @@
 // Deadlock freedom: comm blocks wait only for peers' consumed flags of the previous call (or for
 // peers' pushes in step 3, which depend on nothing of ours); workers wait only for pushes; every block
 // is resident (cooperative launch).
+//
+// Copy-engine path (mkernel/ag_gemm.py, path "fused_ce"): mk_ag_gemm_* runs with n_comm = 0 (every
+// block a GEMM worker, grid <= #SMs - 1) while a side stream moves the rows with the copy engines:
+// mk_ag_ce_begin (one warp: reads the call number e, waits until every peer consumed call e-1, writes
+// e into the flag-value array), then cuMemcpyAsync of the local shard into our gathered buffer and of each
+// chunk into every peer's, each followed by a copy-engine write of e into the chunk's ready flags
+// (copied from the flag-value array).  No SM is spent on communication; the free SM runs the begin
+// kernel even while the GEMM occupies the others.
 //
 // Kernel mk_ag_gather (the unfused fallback's gather; cooperative, blockDim 512, no dynamic smem):
 // every block is a communication block and also waits for every peer's rows; the epoch is left open
@@ -62,9 +72,9 @@ struct AgArgs {
   int n_comm;            // communication blocks (blocks [0, n_comm))
   int group_m;           // rasterization super-row height
   int c_vec_ok;
-  int gather_only;       // 1 (mk_ag_gather): wait for every peer's rows, leave the epoch open
+  int gather_only;       // 1: leave the epoch open for mk_ag_release (mk_ag_gather: also wait for every peer's rows; copy-engine path: the gathered_a copy follows)
   int P, me;             // local_size, local_rank
-  int pad0;
+  int ce_vals_off;       // copy-engine path: byte offset of u64[nch_stride] flag values in the workspace
   int offs[MK_AG_MAXP + 1];  // row offsets of local ranks in the gathered A; offs[P] = M_total
 };
 static_assert(sizeof(AgArgs) == 200, "AgArgs layout changed: update mkernel/ag_gemm.py");
@@ -319,6 +329,27 @@ extern "C" __global__ void __launch_bounds__(512, 1)
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
   if (!ag_comm(c, w, epoch, blockIdx.x, gridDim.x)) return;
   ag_finish(w, epoch, 0, blockDim.x);
+}
+
+// Opens call e of the copy-engine path on the side stream (one warp; see the top of this file).  On a
+// timeout the flag values are left at e-1, so the peers' GEMMs time out too instead of reading rows
+// that were never sent.
+extern "C" __global__ void __launch_bounds__(32, 1)
+    mk_ag_ce_begin(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
+  AgWs w;
+  w.a = &a;
+  w.P = c.local_size;
+  w.me = c.local_rank;
+  // The call number every kernel of this call uses: the previous call committed its epoch before the
+  // fork event this stream waited on, and this call's GEMM cannot commit before our local rows'
+  // flags (copied after this kernel) are raised.
+  const mk_u64 e = mk_epoch_begin(w.epoch_state());
+  bool ok = true;
+  for (int j = threadIdx.x; j < w.P; j += 32)
+    if (j != w.me) ok = ok && mk_wait_geq(c, w.consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
+  if (!__all_sync(0xffffffffu, ok)) return;
+  mk_u64* vals = (mk_u64*)(a.ws + a.ce_vals_off);
+  for (int i = threadIdx.x; i < a.nch_stride; i += 32) vals[i] = e;
 }
 
 // Closes a deferred call (after the GEMM that read the gathered buffer): tell every peer, commit.

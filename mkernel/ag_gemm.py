@@ -5,15 +5,23 @@
 ``C_r = AllGather(A) @ B_r`` of shape ``[sum_j M_j, N]``, rows of rank j at row offset
 ``sum_{i<j} M_i``.  The ranks taking part are the ``ctx.local_size`` ranks of this node (NVLink).
 
-Fused path (``cuda_src/ag_gemm.cu``): one cooperative kernel; ``comm_sms`` blocks copy this rank's
-shard into the op's symmetric workspace (the gathered A) on every rank, chunk by chunk, raising a
-ready flag per chunk; the other blocks are GEMM workers (``cuda_src/mk_gemm.cuh``) that take the
-local rows first, then rows of ranks me-1, me-2, ... (the order they arrive) and wait only for the
-chunks a tile needs.  Unfused path: a gather kernel (every SM copies, same protocol), then
-:func:`mkernel.gemm` on the gathered buffer, then a one-block release kernel.  A small cost model
-(:data:`MODEL`, :func:`plan`) picks the path and the SM split; ``comm_sms=`` overrides it
-(``comm_sms=0`` forces the unfused path; env ``MKERNEL_AG_GEMM_PATH=fused|unfused`` forces a path
-with the model's split).  The plan that ran is in ``ag_gemm.last_plan`` (also the module attribute
+Three paths, one kernel source (``cuda_src/ag_gemm.cu``), one workspace protocol:
+
+* ``"fused_ce"`` (copy engines): the GEMM kernel runs on all SMs but one, on the caller's stream;
+  a side stream (``ctx.side_stream()``, forked and joined with events, so it is captured with the
+  call in a CUDA graph) copies this rank's shard with the copy engines into the op's symmetric
+  workspace (the gathered A) on every rank, chunk by chunk, each chunk followed by a copy-engine
+  write of its ready flag.  GEMM workers (``cuda_src/mk_gemm.cuh``) take the local rows first, then
+  rows of ranks me-1, me-2, ... (the order they arrive) and wait only for the chunks a tile needs.
+  No SM is spent on communication.
+* ``"fused"`` (SM communication): one cooperative kernel whose first ``comm_sms`` blocks do the
+  copies instead (same flags, same workers).
+* ``"unfused"``: a gather kernel (every SM copies, same protocol), then :func:`mkernel.gemm` on the
+  gathered buffer, then a one-block release kernel.
+
+A small cost model (:data:`MODEL`, :func:`plan`) picks the path (and the SM split of "fused");
+``path=`` or env ``MKERNEL_AG_GEMM_PATH`` force one, ``comm_sms=N`` forces "fused" with N
+communication blocks, ``comm_sms=0`` forces "unfused".  The plan that ran is in ``ag_gemm.last_plan`` (also the module attribute
 ``mkernel.ag_gemm.last_plan``; ``.path``, ``.comm_sms``, predicted times); ``MKERNEL_LOG=1`` prints
 one line per new plan.
 
@@ -27,7 +35,8 @@ Shapes and rules:
 * ``out``: ``[M_total, N]``, dtype = a's or float32, unit column stride (any row stride); allocated
   when None.  Returned.
 * ``gathered_a``: optional ``[M_total, K]`` C-contiguous array of a's dtype that receives the whole
-  gathered A (written by the communication blocks from the workspace, exactly).
+  gathered A, exactly (written by the communication blocks; on "fused_ce" copied from the workspace
+  after the GEMM, then the call is closed by the release kernel).
 * ``m_sizes``: optional host sequence of every local rank's ``M_j`` (``m_sizes[local_rank]`` must be
   ``M_r``).  Without it, the first call with a new *local* signature (dtype, M_r, K, N, comm_sms,
   gathered_a given or not) exchanges every rank's signature over the node communicator (bounded by
@@ -89,7 +98,7 @@ class AgArgs(ctypes.Structure):
         ("M_total", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
         ("chunk_rows", ctypes.c_int32), ("nch_stride", ctypes.c_int32), ("n_comm", ctypes.c_int32),
         ("group_m", ctypes.c_int32), ("c_vec_ok", ctypes.c_int32), ("gather_only", ctypes.c_int32),
-        ("P", ctypes.c_int32), ("me", ctypes.c_int32), ("pad0", ctypes.c_int32),
+        ("P", ctypes.c_int32), ("me", ctypes.c_int32), ("ce_vals_off", ctypes.c_int32),
         ("offs", ctypes.c_int32 * (MAXP + 1)),
     ]
 
@@ -119,6 +128,12 @@ class CostModel:
     min_chunks: int = 16            # the largest shard is cut into at least this many chunks
     comm_safety: float = 1.25       # push times are scaled by this (a late chunk stalls the GEMM)
     min_comm_sms: int = 4           # never fewer communication blocks (they also do the local copy)
+    # copy-engine path ("fused_ce")
+    ce_link_bw: float = 370e9       # B/s the copy engines push to one peer (copy engine 382.7 GB/s measured)
+    ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
+    ce_op_latency: float = 4e-6     # s per copy-engine operation (data or flag copy)
+    ce_chunks: int = 4              # chunks (ready flags) per shard
+    ce_gemm_slowdown: float = 1.05  # the GEMM beside incoming NVLink traffic (L2 / HBM sharing)
 
 
 def _model_from_env() -> CostModel:
@@ -141,7 +156,7 @@ MODEL = _model_from_env()
 class AgPlan:
     """What one ag_gemm call ran (or would run).  Times are predictions, in seconds."""
 
-    path: str                       # "fused" | "unfused"
+    path: str                       # "fused" (SM communication) | "fused_ce" (copy engines) | "unfused"
     comm_sms: int                   # communication blocks of the fused kernel (0 when unfused)
     workers: int                    # GEMM blocks of the fused kernel
     config: int                     # tile config of the fused kernel (mkernel.gemm.CONFIGS)
@@ -219,23 +234,16 @@ def _comm_time(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, gathered: 
     return worst
 
 
-def _fused_finish(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, tiles_of, workers: int, tile_time: float,
-                  model: CostModel) -> float:
-    """Streaming timeline of the fused kernel on the slowest rank.
+def _stream_finish(m_sizes, arrive, tiles_of, workers: int, tile_time: float) -> float:
+    """Streaming timeline of a fused kernel on the slowest rank.
 
-    Rank r consumes shards r, r-1, ... (k = 0 .. P-1); rank s pushes to s+1, s+2, ... in turn, so
-    shard r-k reaches r after its sender's local copy and k shard pushes.  Shard k's GEMM can finish
-    neither before the previous shard's (compute bound) nor before its last chunk landed plus one tile.
+    Rank r consumes shards r, r-1, ... (k = 0 .. P-1); rank s sends to s+1, s+2, ... in turn, so
+    shard r-k reaches r at ``t_local + k * t_push`` of its sender (``arrive[s] = (t_local, t_push)``).
+    Shard k's GEMM can finish neither before the previous shard's (compute bound) nor before its last
+    chunk landed plus one tile.
     """
     P = len(m_sizes)
     worst = 0.0
-    arrive = []
-    for m in m_sizes:  # per sender: local copy time, one-destination push time
-        nch = -(-m // chunk_rows) if m else 0
-        rate, eff = _push_rate(blocks, nch, model)
-        t_local = m * row_bytes / min(eff * model.local_block_bw, model.hbm_copy_bw)
-        t_push = (m * row_bytes / rate) * model.comm_safety + (math.ceil(nch / eff) * model.chunk_latency if nch else 0)
-        arrive.append((t_local, t_push))
     for r in range(P):
         f = 0.0
         for k in range(P):
@@ -246,6 +254,27 @@ def _fused_finish(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, tiles_o
             f = max(f + g, arr + (tile_time if m_sizes[s] else 0.0))
         worst = max(worst, f)
     return worst
+
+
+def _fused_finish(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, tiles_of, workers: int, tile_time: float,
+                  model: CostModel) -> float:
+    """_stream_finish with SM communication blocks (local copy, then one push per destination)."""
+    arrive = []
+    for m in m_sizes:  # per sender: local copy time, one-destination push time
+        nch = -(-m // chunk_rows) if m else 0
+        rate, eff = _push_rate(blocks, nch, model)
+        t_local = m * row_bytes / min(eff * model.local_block_bw, model.hbm_copy_bw)
+        t_push = (m * row_bytes / rate) * model.comm_safety + (math.ceil(nch / eff) * model.chunk_latency if nch else 0)
+        arrive.append((t_local, t_push))
+    return _stream_finish(m_sizes, arrive, tiles_of, workers, tile_time)
+
+
+def ce_chunk_rows(m_sizes, model: CostModel = MODEL) -> int:
+    """Rows per ready flag on the copy-engine path: a power of two >= 128 (whole tiles), about
+    ``ce_chunks`` chunks for the largest shard."""
+    m_max = max(m_sizes) if len(m_sizes) else 0
+    want = max(1, -(-m_max // model.ce_chunks))
+    return max(128, 1 << (want - 1).bit_length())
 
 
 def _fused_tiles(m_sizes, N: int, cfg) -> int:
@@ -285,7 +314,25 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         t = max(t_stream, t_gemm, t_comm + tt) + model.launch_latency
         return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1))
 
-    base = dict(chunk_rows=cr, m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
+    def fused_ce():
+        w = sms - 1  # one SM stays free for the side stream's begin kernel
+        cfg = G.CONFIGS[config] if config is not None else G.choose_config(
+            lambda c: _fused_tiles(m_sizes, N, c), w)
+        cr_ce = ce_chunk_rows(m_sizes, model)
+        tiles = _fused_tiles(m_sizes, N, cfg)
+        tt = _tile_time(cfg, K, sms, model) * model.ce_gemm_slowdown
+        t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown
+        arrive = []
+        for m in m_sizes:
+            ops = 2 * (-(-m // cr_ce)) * model.ce_op_latency
+            arrive.append((m * row_bytes / model.ce_local_bw + ops + model.launch_latency,
+                           m * row_bytes / model.ce_link_bw + ops))
+        t_comm = max(tl + (P - 1) * tp for tl, tp in arrive)
+        per_shard = lambda m: -(-m // cfg.bm) * -(-N // cfg.bn)  # noqa: E731
+        t = max(_stream_finish(m_sizes, arrive, per_shard, w, tt), t_gemm) + model.launch_latency
+        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), cr_ce
+
+    base = dict(m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
                 predicted_allgather=t_ag, predicted_gemm_alone=t_gu, gather_blocks=g_blocks)
     degenerate = None
     if P == 1:
@@ -294,7 +341,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         degenerate = "empty problem"
     if degenerate is not None:  # nothing to fuse: overrides are moot
         return AgPlan(path="unfused", comm_sms=0, workers=0, config=cfg_u.id, predicted_fused=float("inf"),
-                      predicted_comm=0.0, predicted_gemm=0.0, reason=degenerate, **base)
+                      predicted_comm=0.0, predicted_gemm=0.0, reason=degenerate, chunk_rows=cr, **base)
     if comm_sms is not None and comm_sms > 0:
         if not 1 <= comm_sms < sms:
             raise ValueError(f"mkernel.ag_gemm: comm_sms={comm_sms} must be in [1, {sms - 1}] on this "
@@ -302,34 +349,41 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         t, tc, tg, cfg, w = fused_at(comm_sms)
         return AgPlan(path="fused", comm_sms=comm_sms, workers=w, config=cfg.id, predicted_fused=t,
                       predicted_comm=tc, predicted_gemm=tg, reason="comm_sms given", fused_comm_sms=comm_sms,
-                      **base)
+                      chunk_rows=cr, **base)
     best = None
     for n in range(min(model.min_comm_sms, sms // 2), min(model.max_comm_sms, sms // 2) + 1):
         cand = fused_at(n)
         if best is None or cand[0] < best[1][0] * 0.999:
             best = (n, cand)
     n, (t, tc, tg, cfg, w) = best
+    t_ce, tc_ce, tg_ce, cfg_ce, w_ce, cr_ce = fused_ce()
     if comm_sms == 0 or force_path == "unfused":
-        path, reason = "unfused", ("comm_sms=0" if comm_sms == 0 else "MKERNEL_AG_GEMM_PATH=unfused")
-    elif force_path == "fused":
-        path, reason = "fused", "MKERNEL_AG_GEMM_PATH=fused"
-    elif not FUSED_AUTO:
-        path, reason = "unfused", "automatic fusion off (FUSED_AUTO): the fused kernel measured slow on H200"
-    elif t < model.fuse_margin * t_unfused:
-        path, reason = "fused", "model: fused faster"
+        path, reason = "unfused", ("comm_sms=0" if comm_sms == 0 else "path forced: unfused")
+    elif force_path in ("fused", "fused_ce"):
+        path, reason = force_path, f"path forced: {force_path}"
     else:
-        path, reason = "unfused", "model: fusion does not pay (small M, tiny K or N)"
+        cands = [("fused_ce", t_ce)] + ([("fused", t)] if FUSED_AUTO else [])
+        path, t_best = min(cands, key=lambda c: c[1])
+        if t_best < model.fuse_margin * t_unfused:
+            reason = f"model: {path} faster"
+        else:
+            path, reason = "unfused", "model: fusion does not pay (small M, tiny K or N)"
     if path == "unfused":
-        return AgPlan(path="unfused", comm_sms=0, workers=0, config=cfg_u.id, predicted_fused=t,
-                      predicted_comm=tc, predicted_gemm=tg, reason=reason, fused_comm_sms=n, **base)
+        return AgPlan(path="unfused", comm_sms=0, workers=0, config=cfg_u.id, predicted_fused=min(t, t_ce),
+                      predicted_comm=tc, predicted_gemm=tg, reason=reason, fused_comm_sms=n, chunk_rows=cr, **base)
+    if path == "fused_ce":
+        return AgPlan(path="fused_ce", comm_sms=0, workers=w_ce, config=cfg_ce.id, predicted_fused=t_ce,
+                      predicted_comm=tc_ce, predicted_gemm=tg_ce, reason=reason, fused_comm_sms=n,
+                      chunk_rows=cr_ce, **base)
     return AgPlan(path="fused", comm_sms=n, workers=w, config=cfg.id, predicted_fused=t, predicted_comm=tc,
-                  predicted_gemm=tg, reason=reason, fused_comm_sms=n, **base)
+                  predicted_gemm=tg, reason=reason, fused_comm_sms=n, chunk_rows=cr, **base)
 
 
 # --------------------------------------------------------------------------------------------
 # signature exchange (first call of a signature)
 # --------------------------------------------------------------------------------------------
-_FORCE = {None: 0, "fused": 1, "unfused": 2}
+_FORCE = {None: 0, "fused": 1, "unfused": 2, "fused_ce": 3}
+PATHS = ("fused", "fused_ce", "unfused")
 
 # The automatic plan may pick the fused kernel only when this is set.  The first H200 measurement
 # (docs/ag_gemm.md, 2026-11-30) had the fused kernel 3-10x slower than the unfused path at every
@@ -386,17 +440,20 @@ def _round_up(x: int, m: int) -> int:
 class _Layout:
     consumed_off: int
     flags_off: int
+    vals_off: int   # copy-engine path: flag values (u64[nch_stride])
     data_off: int
     nch_stride: int
     total: int
 
 
 def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
+    """The workspace (cuda_src/ag_gemm.cu has the picture)."""
     nch = max([-(-m // chunk_rows) for m in m_sizes] + [1])
     consumed_off = 64
     flags_off = 256
-    data_off = _round_up(flags_off + 8 * P * nch, 4096)
-    return _Layout(consumed_off, flags_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)
+    vals_off = flags_off + 8 * P * nch
+    data_off = _round_up(vals_off + 8 * nch, 4096)
+    return _Layout(consumed_off, flags_off, vals_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,7 +510,7 @@ def _check_same_device(ctx, arr: DeviceArray, name: str) -> None:
 
 
 def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn", stream=None,
-            comm_sms: int | None = None, m_sizes=None, config: int | None = None):
+            comm_sms: int | None = None, m_sizes=None, config: int | None = None, path: str | None = None):
     """``out = AllGather(a_shard over local ranks) @ b`` (see the module doc for shapes and rules).
 
     a_shard: ``[M_r, K]`` bf16/fp16, C-contiguous.  b: ``[K, N]`` ("kn") or ``[N, K]`` ("nk").
@@ -461,7 +518,9 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     receiving the gathered A.  stream: any stream-like (None: the legacy default stream).
     comm_sms: communication SMs of the fused kernel (forces fusion), 0 forces the unfused path, None
     lets the cost model decide.  m_sizes: every local rank's M_j (optional, see module doc).
-    config: force the fused kernel's tile config (mkernel.gemm.CONFIGS; 0 = debug).  Returns out;
+    config: force the fused kernel's tile config (mkernel.gemm.CONFIGS; 0 = debug).  path: force
+    "fused_ce" (copy-engine communication), "fused" (SM communication) or "unfused" (env
+    ``MKERNEL_AG_GEMM_PATH`` does the same; None lets the cost model decide).  Returns out;
     ``ag_gemm.last_plan`` describes what ran.
     """
     what = "mkernel.ag_gemm"
@@ -491,9 +550,11 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
         if len(m_sizes) != P or m_sizes[me] != M_r or min(m_sizes) < 0:
             raise ValueError(f"{what}: m_sizes={list(m_sizes)} must list {P} sizes >= 0 with m_sizes[{me}] == "
                              f"{M_r} (this rank's rows)")
-    force = os.environ.get("MKERNEL_AG_GEMM_PATH") or None
-    if force not in (None, "fused", "unfused"):
-        raise ValueError(f"{what}: MKERNEL_AG_GEMM_PATH must be 'fused' or 'unfused', got {force!r}")
+    if path is not None and path not in PATHS:
+        raise ValueError(f"{what}: path must be None or one of {PATHS}, got {path!r}")
+    force = path or os.environ.get("MKERNEL_AG_GEMM_PATH") or None
+    if force not in (None, *PATHS):
+        raise ValueError(f"{what}: MKERNEL_AG_GEMM_PATH must be one of {PATHS}, got {force!r}")
     O_in = None if out is None else as_device_array(out, name="ag_gemm: out", stream=stream)
     GA = None if gathered_a is None else as_device_array(gathered_a, name="ag_gemm: gathered_a", stream=stream)
     out_dtype = O_in.dtype.name if O_in is not None else dt
@@ -581,7 +642,7 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     args.M_total, args.N, args.K = M_total, N, K
     args.chunk_rows, args.nch_stride = p.chunk_rows, L.nch_stride
     args.group_m, args.c_vec_ok = G.GROUP_M, G._vec_ok(O, ldc, M_total)
-    args.P, args.me = P, me
+    args.P, args.me, args.ce_vals_off = P, me, L.vals_off
     for j, o in enumerate(sig.offs):
         args.offs[j] = o
     comm = ctx.comm_args("ag_gemm")
@@ -606,7 +667,7 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         return run_unfused
 
     cfg = G.CONFIGS[p.config]
-    args.n_comm, args.gather_only = p.comm_sms, 0
+    args.n_comm, args.gather_only = p.comm_sms, 0  # fused_ce: comm_sms = 0, every block a GEMM worker
     kern = _kernel(dt, out_dtype, cfg.id, f"mk_ag_gemm_{b_layout}")
     if kern.max_active_blocks_per_sm(cfg.threads, cfg.smem) < 1:
         raise RuntimeError(f"mkernel.ag_gemm: config {cfg.id} cannot be resident on this GPU")
@@ -623,11 +684,90 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     kargs = [tma, tmb, comm, args]
     keep = (opb.staging,)
 
+    if p.path == "fused_ce":
+        return _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm, dt, out_dtype, K * isz)
+
     def run_fused(stream, _keep=keep):
         for k, g, blk, a in pre:
             k.launch(g, blk, a, stream=stream)
         kern.launch(grid, cfg.threads, kargs, stream=stream, smem=cfg.smem, cooperative=True)
     return run_fused
+
+
+class _Events:
+    """Two CUDA events (fork / join), destroyed with the binding that owns them."""
+
+    def __init__(self):
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.fork = check(cu.cuEventCreate(flags))
+        self.join = check(cu.cuEventCreate(flags))
+
+    def __del__(self):
+        try:
+            cu.cuEventDestroy(self.fork)
+            cu.cuEventDestroy(self.join)
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+
+def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int) -> list:
+    """The side stream's copies for this rank, in order: (dst, src, bytes).  Local chunks first (our
+    GEMM starts on them), then every chunk to each peer in rank-rotated order (me+1 first); each data
+    copy is followed by the copy of the flag value into the chunk's ready flag at the destination."""
+    p, L, P = sig.plan, sig.layout, sig.P
+    cr, m = p.chunk_rows, sig.offs[me + 1] - sig.offs[me]
+    base = sig.offs[me] * row_bytes
+    vals = ws.ptr + L.vals_off
+    out = []
+    for j in range(P):
+        dst = (me + j) % P
+        ws_dst = ws.ptr if j == 0 else ws.peer_ptr(dst)
+        for c in range(-(-m // cr)):
+            off, n = c * cr * row_bytes, min(cr, m - c * cr) * row_bytes
+            out.append((ws_dst + L.data_off + base + off, A.ptr + off, n))
+            out.append((ws_dst + L.flags_off + 8 * (me * L.nch_stride + c), vals, 8))
+    return out
+
+
+def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm, dt, out_dtype, row_bytes):
+    """The copy-engine path: GEMM on the caller's stream, copies on ctx.side_stream() (fork/join)."""
+    me = ctx.local_rank
+    begin = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_ce_begin")
+    side = cu.CUstream(ctx.side_stream())
+    ev = _Events()
+    copies = [(cu.CUdeviceptr(d), cu.CUdeviceptr(s_), n) for d, s_, n in _ce_copies(sig, ws, A, me, row_bytes)]
+    bargs = [comm, args]
+    L = sig.layout
+    gathered = None
+    if GA is not None:
+        # The caller's copy of the gathered A is taken from the workspace after the GEMM, so the call
+        # stays open until then (peers may refill the workspace once we signal consumed): the GEMM
+        # leaves the epoch open and the release kernel closes it after the copy.
+        args.gather_only = 1
+        gathered = (GA.ptr, ws.ptr + L.data_off, sig.offs[-1] * row_bytes)
+        release = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_release")
+    memcpy = cu.cuMemcpyDtoDAsync
+
+    def run_fused_ce(stream, _keep=(keep, ev)):
+        s = cu.CUstream(runtime.stream_handle(stream))
+        if copies:
+            check(cu.cuEventRecord(ev.fork, s))
+            check(cu.cuStreamWaitEvent(side, ev.fork, 0))
+            begin.launch(1, 32, bargs, stream=side)
+            for d, src, n in copies:
+                r, = memcpy(d, src, n, side)
+                if r != cu.CUresult.CUDA_SUCCESS:
+                    check((r,))
+        for k, g, blk, a in pre:
+            k.launch(g, blk, a, stream=stream)
+        kern.launch(grid, cfg.threads, kargs, stream=stream, smem=cfg.smem)
+        if copies:
+            check(cu.cuEventRecord(ev.join, side))
+            check(cu.cuStreamWaitEvent(s, ev.join, 0))
+        if gathered is not None:
+            check(cu.cuMemcpyDtoDAsync(gathered[0], gathered[1], gathered[2], s))
+            release.launch(1, RELEASE_THREADS, bargs, stream=stream)
+    return run_fused_ce
 
 
 ag_gemm.last_plan = None

@@ -63,10 +63,13 @@ def plan_chunks(slot_bytes: int, grid_max: int, min_chunk: int | None = None) ->
 
 
 # Blocks per call.  Measured on 2x H200 (docs/collectives.md): with one block per SM, slots of
-# 2-32 MiB ran 3-7x slower than with 32 blocks (e.g. all-gather 8 MiB: 245 us vs 46 us), while
-# slots of 64 MiB and more ran at or above NCCL with one block per SM.
+# 2-32 MiB first ran 3-7x slower than with 32 blocks -- the waiters' polling (a .sys load every spin,
+# the host-mapped error record read over PCIe every 64 spins) starved the copies.  With quiet polling
+# (mk_signal.cuh: back-off, error record read about once a millisecond) one block per SM is as fast
+# at 4-16 MiB and faster from 32 MiB up (all-reduce 64 MiB 249 us vs 321 us, reduce-scatter 150 us
+# vs 235 us); below 8 MiB slots 32 blocks stay (launch-bound, a smaller grid starts sooner).
 SMALL_SLOT_BLOCKS = 32
-LARGE_SLOT_BYTES = 64 << 20
+LARGE_SLOT_BYTES = 8 << 20
 
 
 def grid_for(slot_bytes: int, grid_max: int) -> int:

@@ -58,7 +58,7 @@ def _rel_fro(got, ref):
 
 
 def _run_case(ctx, rng, m_sizes, N, K, *, dtype="bfloat16", b_layout="kn", comm_sms=None, gathered=False,
-              out_dtype=None, config=None, what=""):
+              out_dtype=None, config=None, path=None, what=""):
     P, me = ctx.local_size, ctx.local_rank
     shards, bs = _make(rng, m_sizes, N, K, dtype, b_layout)
     a, _ = upload(shards[me], dtype)
@@ -67,7 +67,8 @@ def _run_case(ctx, rng, m_sizes, N, K, *, dtype="bfloat16", b_layout="kn", comm_
     M = sum(m_sizes)
     out = poisoned((M, N), out_dtype or dtype)
     ga = poisoned((M, K), dtype) if gathered else None
-    res = mkernel_ag_gemm(ctx, a, b, out, gathered_a=ga, b_layout=b_layout, comm_sms=comm_sms, config=config)
+    res = mkernel_ag_gemm(ctx, a, b, out, gathered_a=ga, b_layout=b_layout, comm_sms=comm_sms, config=config,
+                          path=path)
     ctx.synchronize()
     assert res is out
     plan = agm.last_plan
@@ -84,7 +85,8 @@ def mkernel_ag_gemm(ctx, *args, **kw):
     return agm.ag_gemm(ctx, *args, **kw)
 
 
-# (name, m_sizes(r, P), N, K, b_layout, mode, extra); mode: "fused:<comm_sms>", "unfused", "auto"
+# (name, m_sizes(r, P), N, K, b_layout, mode, extra); mode: "fused:<comm_sms>", "ce" (copy engines),
+# "unfused", "auto"
 CASES = [
     ("equal-kn", lambda r, P: 256, 512, 512, "kn", "fused:8", {}),
     ("equal-nk", lambda r, P: 256, 512, 512, "nk", "fused:4", {"gathered": True}),
@@ -102,6 +104,13 @@ CASES = [
     ("fp16-nk", lambda r, P: 200, 300, 256, "nk", "fused:8", {"dtype": "float16"}),
     ("fp32-out", lambda r, P: 256, 256, 256, "kn", "fused:4", {"out_dtype": "float32"}),
     ("fp16-unfused-fp32-out", lambda r, P: 97, 96, 128, "kn", "unfused", {"dtype": "float16", "out_dtype": "float32"}),
+    ("ce-equal-kn", lambda r, P: 256, 512, 512, "kn", "ce", {"gathered": True}),
+    ("ce-odd-M-ragged-K", lambda r, P: 129, 200, 136, "kn", "ce", {"gathered": True}),
+    ("ce-unequal-M-nk", lambda r, P: 100 + 37 * r, 384, 256, "nk", "ce", {}),
+    ("ce-rank0-empty", lambda r, P: 0 if (r == 0 and P > 1) else 300, 256, 128, "kn", "ce", {"gathered": True}),
+    ("ce-one-row-each", lambda r, P: 1, 64, 64, "kn", "ce", {}),
+    ("ce-4-chunks-nk", lambda r, P: 1000 + 24 * r, 264, 512, "nk", "ce", {"gathered": True}),
+    ("ce-fp16-fp32-out", lambda r, P: 200, 300, 256, "nk", "ce", {"dtype": "float16", "out_dtype": "float32"}),
 ]
 
 
@@ -110,10 +119,14 @@ def test_shapes(ctx, shared_rng, case):
     name, spec, N, K, layout, mode, extra = case
     P = ctx.local_size
     m_sizes = _ms(spec, P)
-    comm_sms = None if mode == "auto" else 0 if mode == "unfused" else int(mode.split(":")[1])
-    plan = _run_case(ctx, shared_rng, m_sizes, N, K, b_layout=layout, comm_sms=comm_sms, what=name, **extra)
+    comm_sms = None if mode in ("auto", "ce") else 0 if mode == "unfused" else int(mode.split(":")[1])
+    path = "fused_ce" if mode == "ce" else None
+    plan = _run_case(ctx, shared_rng, m_sizes, N, K, b_layout=layout, comm_sms=comm_sms, path=path, what=name,
+                     **extra)
     if P > 1 and mode.startswith("fused"):
         assert plan.path == "fused" and plan.comm_sms == comm_sms, plan.describe()
+    elif P > 1 and mode == "ce":
+        assert plan.path == "fused_ce" and plan.workers <= ctx.sm_count - 1, plan.describe()
     elif mode == "unfused" or P == 1:
         assert plan.path == "unfused", plan.describe()
     else:  # auto: what the model says for these agreed sizes
@@ -121,15 +134,16 @@ def test_shapes(ctx, shared_rng, case):
         assert plan.path == want, plan.describe()
 
 
+@pytest.mark.parametrize("path", ["fused", "fused_ce"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("config", [0, 1, 2, 3])
-def test_fused_every_config(ctx, shared_rng, layout, config):
+def test_fused_every_config(ctx, shared_rng, layout, config, path):
     """Every tile config of the fused kernel, ragged M (tiles end inside a shard) and N."""
     m_sizes = _ms(lambda r, P: 150 + 50 * r, ctx.local_size)
-    plan = _run_case(ctx, shared_rng, m_sizes, 520, 320, b_layout=layout, comm_sms=5, config=config,
-                     gathered=True, what=f"config {config} {layout}")
+    plan = _run_case(ctx, shared_rng, m_sizes, 520, 320, b_layout=layout, comm_sms=5 if path == "fused" else None,
+                     config=config, gathered=True, path=path, what=f"config {config} {layout} {path}")
     if ctx.local_size > 1:
-        assert plan.path == "fused" and plan.config == config, plan.describe()
+        assert plan.path == path and plan.config == config, plan.describe()
 
 
 def test_m_sizes_argument(ctx, shared_rng):
@@ -146,7 +160,8 @@ def test_m_sizes_argument(ctx, shared_rng):
 
 
 def test_back_to_back_1000_calls(ctx, shared_rng):
-    """1000 calls (fused, unfused, auto with gathered A) with changing data, no host sync in between."""
+    """1000 calls (fused, unfused, auto with gathered A, copy engines with and without gathered A) with
+    changing data, no host sync in between."""
     P, me = ctx.local_size, ctx.local_rank
     calls, Mr, K, N = 1000, 64, 64, 64
     M = Mr * P
@@ -158,25 +173,30 @@ def test_back_to_back_1000_calls(ctx, shared_rng):
     out = poisoned((calls, M, N), "bfloat16")
     ga = poisoned((calls, M, K), "bfloat16")
     for i in range(calls):
-        mode = i % 3
+        mode = i % 5
         if mode == 0:
             agm.ag_gemm(ctx, a[i], b[i], out[i], comm_sms=2)
         elif mode == 1:
             agm.ag_gemm(ctx, a[i], b[i], out[i], comm_sms=0)
-        else:
+        elif mode == 2:
             agm.ag_gemm(ctx, a[i], b[i], out[i], gathered_a=ga[i])
+        elif mode == 3:
+            agm.ag_gemm(ctx, a[i], b[i], out[i], path="fused_ce")
+        else:
+            agm.ag_gemm(ctx, a[i], b[i], out[i], gathered_a=ga[i], path="fused_ce")
     ctx.synchronize()
     h_out, h_ga = download(out), download(ga)
     for i in range(calls):
         A = exact_a[:, i].reshape(M, K)
         err = _rel_fro(h_out[i], A @ eb[i])
-        assert err < REL_TOL, f"call {i} (mode {i % 3}): rel. error {err:.3e}"
-        if i % 3 == 2:
+        assert err < REL_TOL, f"call {i} (mode {i % 5}): rel. error {err:.3e}"
+        if i % 5 in (2, 4):
             np.testing.assert_array_equal(h_ga[i], A, err_msg=f"call {i}: gathered_a")
 
 
 def test_graph_capture_replay(ctx, shared_rng):
-    """Capture a fused and an unfused call in one CUDA graph; replay 100 times with new inputs."""
+    """Capture a fused, an unfused and a copy-engine call in one CUDA graph; replay 100 times with new
+    inputs."""
     P, me = ctx.local_size, ctx.local_rank
     Mr, K, N = 128, 256, 192
     M = Mr * P
@@ -185,13 +205,16 @@ def test_graph_capture_replay(ctx, shared_rng):
     b = DeviceArray.empty((N, K), "bfloat16")
     out1 = DeviceArray.empty((M, N), "bfloat16")
     out2 = DeviceArray.empty((M, N), "float32")
+    out3 = DeviceArray.empty((M, N), "bfloat16")
     ga = DeviceArray.empty((M, K), "bfloat16")
+    ga3 = DeviceArray.empty((M, K), "bfloat16")
     a.copy_from(upload(np.ones((Mr, K)), "bfloat16")[0])
     b.copy_from(upload(np.ones((N, K)), "bfloat16")[0])
 
     def calls(s):
         agm.ag_gemm(ctx, a, b, out1, gathered_a=ga, b_layout="nk", stream=s, comm_sms=4)
         agm.ag_gemm(ctx, a, b, out2, b_layout="nk", stream=s, comm_sms=0)
+        agm.ag_gemm(ctx, a, b, out3, gathered_a=ga3, b_layout="nk", stream=s, path="fused_ce")
 
     calls(stream)  # outside the capture: signature exchange, workspace, plans
     ctx.synchronize(stream)
@@ -210,15 +233,18 @@ def test_graph_capture_replay(ctx, shared_rng):
         check(cu.cuMemcpyHtoDAsync(b.ptr, hb.ctypes.data, hb.nbytes, stream))
         out1.fill_nan(stream=stream)
         out2.fill_nan(stream=stream)
+        out3.fill_nan(stream=stream)
         ga.fill_nan(stream=stream)
+        ga3.fill_nan(stream=stream)
         check(cu.cuGraphLaunch(gexec, stream))
         ctx.synchronize(stream)
         A = bf16_to_f32(f32_to_bf16(As.reshape(M, K))).astype(np.float64)
         ref = A @ bf16_to_f32(hb).astype(np.float64).T
-        for o in (out1, out2):
+        for o in (out1, out2, out3):
             err = _rel_fro(download(o), ref)
             assert err < REL_TOL, f"replay {rep}: rel. error {err:.3e}"
         np.testing.assert_array_equal(download(ga), A, err_msg=f"replay {rep}: gathered_a")
+        np.testing.assert_array_equal(download(ga3), A, err_msg=f"replay {rep}: gathered_a (copy engines)")
     check(cu.cuGraphExecDestroy(gexec))
     check(cu.cuGraphDestroy(graph))
     check(cu.cuStreamDestroy(stream))
@@ -249,6 +275,8 @@ def test_bad_inputs_raise_before_launch(ctx):
         agm.ag_gemm(ctx, a, b, b_layout="km")
     with pytest.raises(ValueError, match="comm_sms"):
         agm.ag_gemm(ctx, a, b, comm_sms=-1)
+    with pytest.raises(ValueError, match="path"):
+        agm.ag_gemm(ctx, a, b, path="fastest")
     with pytest.raises(ValueError, match="m_sizes"):
         agm.ag_gemm(ctx, a, b, m_sizes=[33] * P)
     with pytest.raises(ValueError, match="out has shape"):
@@ -283,7 +311,8 @@ def test_bad_inputs_raise_before_launch(ctx):
     assert np.isnan(download(out)).all(), "a failing call launched something"
 
 
-def test_zzz_missing_peer_times_out(ctx):
+@pytest.mark.parametrize("path", ["fused", "fused_ce"])
+def test_zzz_missing_peer_times_out(ctx, path):
     """A rank that never makes the call: the other raises CommTimeout within the timeout."""
     if ctx.local_size < 2:
         pytest.skip("needs 2 ranks")
@@ -293,12 +322,13 @@ def test_zzz_missing_peer_times_out(ctx):
     a, _ = upload(np.ones((256, 128)), "bfloat16")
     b, _ = upload(np.ones((128, 256)), "bfloat16")
     out = DeviceArray.empty((256 * c2.local_size, 256), "bfloat16")
-    agm.ag_gemm(c2, a, b, out, comm_sms=4)  # both ranks: signature exchange + workspace
+    kw = dict(comm_sms=4) if path == "fused" else dict(path="fused_ce")
+    agm.ag_gemm(c2, a, b, out, **kw)  # both ranks: signature exchange + workspace
     c2.synchronize()
     c2.world.Barrier()
     if c2.rank == 0:
         t0 = time.monotonic()
-        agm.ag_gemm(c2, a, b, out, comm_sms=4)
+        agm.ag_gemm(c2, a, b, out, **kw)
         with pytest.raises(mkernel.CommTimeout) as ei:
             c2.synchronize()
         dt = time.monotonic() - t0
