@@ -75,6 +75,8 @@ struct AgArgs {
   int gather_only;       // 1: leave the epoch open for mk_ag_release (mk_ag_gather: also wait for every peer's rows; copy-engine path: the gathered_a copy follows)
   int P, me;             // local_size, local_rank
   int ce_vals_off;       // copy-engine path: byte offset of u64[nch_stride] flag values in the workspace
+  int local_map;         // 1: the GEMM reads this rank's rows in place through tmA_local (a_shard is
+                         // 16-byte aligned), so they are not copied into the workspace and not waited for
   int offs[MK_AG_MAXP + 1];  // row offsets of local ranks in the gathered A; offs[P] = M_total
 };
 static_assert(sizeof(AgArgs) == 200, "AgArgs layout changed: update mkernel/ag_gemm.py");
@@ -110,13 +112,13 @@ MK_DEVICE bool ag_comm(const MkComm& c, const AgWs& w, mk_u64 epoch, int cb, int
   const int P = w.P, me = w.me;
   const int nch = w.chunks_of(me);
   const mk_u64 base = (mk_u64)a.offs[me] * a.row_bytes;  // my rows in any gathered buffer
-  // (1) local copy: the GEMM starts on these rows
-  for (int ch = cb; ch < nch; ch += ncb) {
+  // (1) local copy: the GEMM starts on these rows (unless it reads them in place: local_map)
+  for (int ch = cb; ch < nch && (!a.local_map || a.gathered_out); ch += ncb) {
     const mk_u64 off = (mk_u64)ch * a.chunk_rows * a.row_bytes, len = w.chunk_len(me, ch);
-    mk_block_copy(w.data() + base + off, a.a_shard + off, len);
+    if (!a.local_map) mk_block_copy(w.data() + base + off, a.a_shard + off, len);
     if (a.gathered_out) mk_block_copy(a.gathered_out + base + off, a.a_shard + off, len);
     __syncthreads();
-    if (threadIdx.x == 0) mk_signal_set(w.ready(me, ch), epoch);
+    if (threadIdx.x == 0 && !a.local_map) mk_signal_set(w.ready(me, ch), epoch);
   }
   // (2) pushes, destination-major, rank-rotated
   for (int j = 1; j < P; ++j) {
@@ -185,15 +187,14 @@ MK_DEVICE void ag_finish(const AgWs& w, mk_u64 epoch, int tid0, int nthreads) {
 // else is re-read from the kernel-parameter struct: the producer warp runs on 40 registers).
 template <int BM, int BN> struct AgScheduler {
   const AgArgs* a;
-  int next_i, step;
-  MK_DEVICE explicit AgScheduler(const AgArgs* a_) : a(a_), next_i(0), step(1) {}
-  MK_DEVICE void init(int worker_id, int num_workers) {
-    next_i = worker_id;
-    step = num_workers;
-  }
+  int next_i;
+  MK_DEVICE explicit AgScheduler(const AgArgs* a_) : a(a_), next_i(0) {}
+  // Workers are the blocks past the communication blocks; the id is re-derived here (blockIdx and the
+  // kernel parameters) rather than carried across the role split, where it would cost a register.
+  MK_DEVICE void init(int, int) { next_i = (int)blockIdx.x - a->n_comm; }
   MK_DEVICE bool next(MkTile& t) {
     int i = next_i;
-    next_i += step;
+    next_i += (int)gridDim.x - a->n_comm;
     const int P = a->P, me = a->me, N = a->N;
     const int num_n = (N + BN - 1) / BN;
     for (int k = 0; k < P; ++k) {
@@ -227,9 +228,21 @@ template <int BM, int BN> struct AgScheduler {
 template <int BM> struct AgWaitRows {
   const MkComm* c;
   const AgArgs* a;
+  const MkTensorMap* tm_local;  // this rank's a_shard (used when a->local_map)
   mk_u64 epoch;
+  // This rank's rows come straight from a_shard when it has a tensor map; the others from the workspace.
+  MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const {
+    const int me = a->me;
+    if (a->local_map && (t.tile_m & 15) == me) {
+      a_row = t.row0 - a->offs[me];
+      return tm_local;
+    }
+    a_row = t.row0;
+    return tmA;
+  }
   MK_DEVICE bool before_load(int, int tile_m, int, int k_block) const {
     if (k_block != 0) return true;
+    if (a->local_map && (tile_m & 15) == a->me) return true;  // read in place: nothing to wait for
 #ifdef MK_AG_TIMING_NO_WAIT
     return true;  // timing experiment only (docs/ag_gemm.md): the GEMM without its waits; wrong output
 #endif
@@ -274,7 +287,8 @@ template <int BM> struct AgWaitRows {
 
 // ---- kernels ------------------------------------------------------------------------------------------
 template <bool KN>
-MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkComm& c, const AgArgs& a) {
+MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmAl, const MkComm& c,
+                            const AgArgs& a) {
   typedef typename MkCfgSel<MK_GEMM_CONFIG, KN>::T Cfg;
   extern __shared__ unsigned char mk_smem[];
   AgWs w;
@@ -291,6 +305,7 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
     AgWaitRows<Cfg::BM> hook;
     hook.c = &c;
     hook.a = &a;
+    hook.tm_local = tmAl;
     hook.epoch = epoch;
     MkEpilogueStore<MkOut> epi;
     epi.c = reinterpret_cast<MkOut*>(a.c);
@@ -308,15 +323,18 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   ag_finish(w, epoch, 0, blockDim.x);
 }
 
+// tmA: the gathered A in the workspace; tmAl: this rank's a_shard (read when a.local_map).
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_ag_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,
-                  const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
-  ag_gemm_body<true>(&tmA, &tmB, c, a);
+                  const __grid_constant__ MkTensorMap tmAl, const __grid_constant__ MkComm c,
+                  const __grid_constant__ AgArgs a) {
+  ag_gemm_body<true>(&tmA, &tmB, &tmAl, c, a);
 }
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_ag_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,
-                  const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
-  ag_gemm_body<false>(&tmA, &tmB, c, a);
+                  const __grid_constant__ MkTensorMap tmAl, const __grid_constant__ MkComm c,
+                  const __grid_constant__ AgArgs a) {
+  ag_gemm_body<false>(&tmA, &tmB, &tmAl, c, a);
 }
 
 // Gather only (unfused path; a.gather_only = 1): every block is a communication block (a.n_comm unused).

@@ -20,6 +20,10 @@
 //              Called by all 32 lanes of the producer warp before a K block's loads are issued; may
 //              wait (mk_warp_wait_geq) and must return a warp-uniform verdict.  false aborts: the
 //              kernel's consumers are released and every role of the block returns (false).
+//              MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const;
+//              Where the tile's A rows are loaded from: a tensor map and the row of t.row0 in it
+//              (MkNoWait: tmA and t.row0).  Lets a fused kernel read some rows in place (e.g. this
+//              rank's own shard) and the others from a communication buffer.
 //   Epilogue   template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN/2]);
 //              Called by every consumer thread once the tile's accumulators are final; `slab` is the
 //              consumer index (rows 64*slab .. 64*slab+63 of the tile); the fragment layout is that
@@ -200,6 +204,10 @@ template <int BM, int BN> struct MkGroupedScheduler {
 // ---- producer hooks -----------------------------------------------------------------------------------
 struct MkNoWait {
   MK_DEVICE bool before_load(int, int, int, int) const { return true; }
+  MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const {
+    a_row = t.row0;
+    return tmA;
+  }
 };
 
 // ---- epilogues -------------------------------------------------------------------------------------------
@@ -268,20 +276,24 @@ template <class Cfg> struct MkGemmSmem {
 };
 
 // ---- pieces shared by the cooperative and ping-pong tile loops ----------------------------------------------
-// Producer (one lane): arm full[stage] with the bytes of K block kb of tile t and issue its TMA loads.
-template <class Cfg>
-MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmA, const MkTensorMap* tmB,
-                                   const MkTile& t, int kb) {
+// Producer (one lane): arm full[stage] with the bytes of K block kb of tile t and issue its TMA loads
+// (A rows from the map and row Hook::a_map gives; asked per K block, so nothing stays live in the
+// 40-register producer across the loop).
+template <class Cfg, class Hook>
+MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const Hook& hook, const MkTensorMap* tmA_default,
+                                   const MkTensorMap* tmB, const MkTile& t, int kb) {
+  int a_row;
+  const MkTensorMap* tmA = hook.a_map(t, tmA_default, a_row);
   const int k0 = kb * Cfg::BK;
   if constexpr (Cfg::B_KN) {
     const int nchunks = (t.cols + 63) / 64;  // skip chunks wholly right of N
     mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + nchunks * Cfg::B_CHUNK_BYTES);
-    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, t.row0);
+    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
     for (int j = 0; j < nchunks; ++j)
       mk_tma_load_3d(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
   } else {
     mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + Cfg::B_NK_TX_BYTES);
-    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, t.row0);
+    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
     mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
   }
 }
@@ -367,7 +379,7 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
         const int stage = (int)(pos % Cfg::STAGES);
         mk_mbar_wait(sm.empty(stage), ((pos / Cfg::STAGES) & 1u) ^ 1u);
         if (lane == 0) {
-          mk_gemm_issue_loads<Cfg>(sm, stage, tmA, tmB, t, kb);
+          mk_gemm_issue_loads<Cfg>(sm, stage, hook, tmA, tmB, t, kb);
           *sm.issued() = pos + 1;
         }
         __syncwarp();
@@ -462,7 +474,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
           return false;
         }
         mk_mbar_wait(sm.empty(stage), phase ^ 1);
-        if (lane == 0) mk_gemm_issue_loads<Cfg>(sm, stage, tmA, tmB, t, kb);
+        if (lane == 0) mk_gemm_issue_loads<Cfg>(sm, stage, hook, tmA, tmB, t, kb);
         __syncwarp();
         if (++stage == Cfg::STAGES) {
           stage = 0;

@@ -99,6 +99,7 @@ class AgArgs(ctypes.Structure):
         ("chunk_rows", ctypes.c_int32), ("nch_stride", ctypes.c_int32), ("n_comm", ctypes.c_int32),
         ("group_m", ctypes.c_int32), ("c_vec_ok", ctypes.c_int32), ("gather_only", ctypes.c_int32),
         ("P", ctypes.c_int32), ("me", ctypes.c_int32), ("ce_vals_off", ctypes.c_int32),
+        ("local_map", ctypes.c_int32),
         ("offs", ctypes.c_int32 * (MAXP + 1)),
     ]
 
@@ -672,6 +673,10 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     if kern.max_active_blocks_per_sm(cfg.threads, cfg.smem) < 1:
         raise RuntimeError(f"mkernel.ag_gemm: config {cfg.id} cannot be resident on this GPU")
     tma = encode_tiled(ws.ptr + L.data_off, dt, (K, M_total), (K * isz,), (64, cfg.bm))
+    # this rank's rows are read in place (no local copy, no wait) when TMA can address a_shard
+    M_me = sig.offs[me + 1] - sig.offs[me]
+    args.local_map = int(M_me > 0 and A.ptr % 16 == 0)
+    tmal = encode_tiled(A.ptr, dt, (K, M_me), (K * isz,), (64, cfg.bm)) if args.local_map else tma
     sb = B.strides
     if b_layout == "kn":
         opb = G._tma_operand(B, 1, K, N, 0, sb[0], sb[1])
@@ -681,7 +686,7 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         tmb = encode_tiled(opb.ptr, dt, opb.dims, opb.strides, (64, cfg.bn, 1))
     pre = [G._pad_launch(opb, dt, out_dtype, dev)] if opb.copy is not None else []
     grid = p.comm_sms + p.workers
-    kargs = [tma, tmb, comm, args]
+    kargs = [tma, tmb, tmal, comm, args]
     keep = (opb.staging,)
 
     if p.path == "fused_ce":
@@ -710,16 +715,17 @@ class _Events:
             pass
 
 
-def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int) -> list:
+def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> list:
     """The side stream's copies for this rank, in order: (dst, src, bytes).  Local chunks first (our
-    GEMM starts on them), then every chunk to each peer in rank-rotated order (me+1 first); each data
-    copy is followed by the copy of the flag value into the chunk's ready flag at the destination."""
+    GEMM starts on them; none when the GEMM reads them in place: local_map), then every chunk to each
+    peer in rank-rotated order (me+1 first); each data copy is followed by the copy of the flag value
+    into the chunk's ready flag at the destination."""
     p, L, P = sig.plan, sig.layout, sig.P
     cr, m = p.chunk_rows, sig.offs[me + 1] - sig.offs[me]
     base = sig.offs[me] * row_bytes
     vals = ws.ptr + L.vals_off
     out = []
-    for j in range(P):
+    for j in range(1 if local_map else 0, P):
         dst = (me + j) % P
         ws_dst = ws.ptr if j == 0 else ws.peer_ptr(dst)
         for c in range(-(-m // cr)):
@@ -735,7 +741,8 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm,
     begin = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_ce_begin")
     side = cu.CUstream(ctx.side_stream())
     ev = _Events()
-    copies = [(cu.CUdeviceptr(d), cu.CUdeviceptr(s_), n) for d, s_, n in _ce_copies(sig, ws, A, me, row_bytes)]
+    copies = [(cu.CUdeviceptr(d), cu.CUdeviceptr(s_), n)
+              for d, s_, n in _ce_copies(sig, ws, A, me, row_bytes, bool(args.local_map))]
     bargs = [comm, args]
     L = sig.layout
     gathered = None
@@ -744,7 +751,12 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm,
         # stays open until then (peers may refill the workspace once we signal consumed): the GEMM
         # leaves the epoch open and the release kernel closes it after the copy.
         args.gather_only = 1
-        gathered = (GA.ptr, ws.ptr + L.data_off, sig.offs[-1] * row_bytes)
+        gathered = [(GA.ptr, ws.ptr + L.data_off, sig.offs[-1] * row_bytes)]
+        if args.local_map:  # our rows are not in the workspace: peers' rows around them, ours from a_shard
+            lo, hi = sig.offs[me] * row_bytes, sig.offs[me + 1] * row_bytes
+            gathered = [(GA.ptr, ws.ptr + L.data_off, lo), (GA.ptr + lo, A.ptr, hi - lo),
+                        (GA.ptr + hi, ws.ptr + L.data_off + hi, sig.offs[-1] * row_bytes - hi)]
+            gathered = [g for g in gathered if g[2] > 0]
         release = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_release")
     memcpy = cu.cuMemcpyDtoDAsync
 
@@ -765,7 +777,8 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm,
             check(cu.cuEventRecord(ev.join, side))
             check(cu.cuStreamWaitEvent(s, ev.join, 0))
         if gathered is not None:
-            check(cu.cuMemcpyDtoDAsync(gathered[0], gathered[1], gathered[2], s))
+            for d, src, n in gathered:
+                check(cu.cuMemcpyDtoDAsync(d, src, n, s))
             release.launch(1, RELEASE_THREADS, bargs, stream=stream)
     return run_fused_ce
 
