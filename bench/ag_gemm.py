@@ -14,7 +14,7 @@ Per shape, in the same run:
   (c) mkernel's GEMM alone on the gathered A, and mkernel's all_gather alone: floor = max of the two
       (perfect overlap, no SMs lost to communication);
   (d) ``mkernel.ag_gemm`` with the automatic plan (fused or unfused: reported);
-  (e) when (d) ran unfused: the fused kernel forced at the model's best split (calibration data).
+  (e) the other side of the planner's decision, forced: "unfused" when (d) fused, else "fused_ce".
 Shapes: Llama-3-70B (hidden 8192; QKV 10240, MLP up/gate 28672) and Llama-3-405B (hidden 16384; QKV
 18432, MLP 53248) with N = out/P per rank and total M in {1024, 4096, 8192, 16384, 32768}; and the
 square sweep M = K in {4096, 8192, 16384, 32768} with N/P = M/16 per rank.  ``--quick``: 5 shapes.
@@ -185,11 +185,11 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
         timed("symm", symm_call, lambda: rel_err(torch, holder["c"], c_ref))
     else:
         rec["symm_ms"], rec["symm_note"] = None, symm.reason
-    if plan.path == "unfused" and plan.fused_comm_sms > 0:
-        n = plan.fused_comm_sms
-        timed("forced", lambda: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, comm_sms=n),
+    if P > 1:  # the other side of the planner's decision: copy-engine fusion vs unfused
+        alt = "unfused" if plan.path != "unfused" else "fused_ce"
+        timed("forced", lambda: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, path=alt),
               lambda: rel_err(torch, c_ours, c_ref))
-        rec["forced_comm_sms"] = n
+        rec["forced_path"] = alt
     # derived numbers
     t = {k: rec.get(k + "_ms") for k in ("nccl", "symm", "gemm", "allgather", "ours", "forced")}
     ok = lambda v: v is not None and v == v and v > 0  # noqa: E731
@@ -217,19 +217,19 @@ def _f(v, fmt):
 def report(results, meta, out_dir: Path) -> str:
     headers = ["shape", "M", "N/P", "K", "(a) NCCL+mm ms", "(b) torch symm ms", "gemm ms", "allgather ms",
                "floor ms", "(d) ours ms", "ours TFLOP/s/GPU", "vs (a)", "vs (b)", "overlap eff", "path (comm SMs)",
-               "pred ms", "(e) forced fused ms"]
+               "pred ms", "(e) other path ms"]
     rows = []
     for r in results:
         p = r.get("plan", {})
         path = f"{p.get('path', '?')} ({p.get('comm_sms', '-')})"
-        pred = p.get("pred_fused_ms") if p.get("path") == "fused" else p.get("pred_unfused_ms")
+        pred = p.get("pred_unfused_ms") if p.get("path") == "unfused" else p.get("pred_fused_ms")
         notes = [r[k] for k in r if k.endswith("_note") and k != "symm_note"]
         rows.append([r["name"] + (" [" + "; ".join(notes) + "]" if notes else ""), r["M"], r["N_per_rank"], r["K"],
                      _f(r.get("nccl_ms"), ".3f"), _f(r.get("symm_ms"), ".3f"), _f(r.get("gemm_ms"), ".3f"),
                      _f(r.get("allgather_ms"), ".3f"), _f(r.get("floor_ms"), ".3f"), _f(r.get("ours_ms"), ".3f"),
                      _f(r.get("ours_tflops"), ".0f"), _f(r.get("speedup_vs_nccl"), ".2f"),
                      _f(r.get("speedup_vs_symm"), ".2f"), _f(r.get("overlap_eff"), ".2f"), path, _f(pred, ".3f"),
-                     _f(r.get("forced_ms"), ".3f") + (f" ({r['forced_comm_sms']})" if "forced_comm_sms" in r else "")])
+                     _f(r.get("forced_ms"), ".3f") + (f" ({r['forced_path']})" if "forced_path" in r else "")])
     symm_notes = sorted({r["symm_note"] for r in results if r.get("symm_note")})
     md = [f"# AllGather + GEMM benchmark ({meta['P']} x {meta['gpu']})", "",
           f"{meta['date']}, torch {meta['torch']}, NCCL {meta['nccl']}, {'--quick, ' if meta['quick'] else ''}"
@@ -237,7 +237,8 @@ def report(results, meta, out_dir: Path) -> str:
           "the median per-call time.  (a) NCCL all_gather_into_tensor + torch.matmul; (b) "
           "torch.ops.symm_mem.fused_all_gather_matmul; floor = max(our GEMM alone, our all_gather alone); "
           "(d) mkernel.ag_gemm (automatic plan); overlap eff = floor / (d); pred = the planner's prediction for "
-          "the path it chose; (e) fused kernel forced at the model's split when (d) ran unfused.", "",
+          "the path it chose (fused_ce: GEMM on all SMs but one, copy engines move the shards; unfused: our "
+          "all-gather then our GEMM); (e) the other side of the planner's decision, forced.", "",
           C.markdown_table(headers, rows)]
     if symm_notes:
         md += ["", "(b) unavailable: " + " / ".join(symm_notes)]
@@ -294,8 +295,21 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="5 shapes, fewer batches (< 2 min)")
     ap.add_argument("--out", default=str(HERE.parent / "docs"), help="output folder (default docs/)")
     ap.add_argument("--max-m", type=int, default=1 << 30, help="skip shapes with a larger total M")
+    ap.add_argument("--min-m", type=int, default=0, help="skip shapes with a smaller total M")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="no GPU: merge the results of earlier runs (their ag_gemm_bench.json) into one report")
     args = ap.parse_args()
     t_start = time.monotonic()
+    if args.merge:
+        import json
+
+        parts = [json.loads(Path(f).read_text()) for f in args.merge]
+        meta = dict(parts[0]["meta"], elapsed_s=sum(p["meta"]["elapsed_s"] for p in parts))
+        results = [r for p in parts for r in p["results"]]
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(report(results, meta, out_dir), flush=True)
+        return 0
 
     ctx = C.bootstrap()
     import torch
@@ -313,7 +327,7 @@ def main() -> int:
         agm.G.precompile([agm.G._defines("bfloat16", "bfloat16", c) for c in (1, 2, 3)])
     comm.Barrier()
     symm = TorchSymmMem(torch, dist)
-    todo = [s for s in shapes(P, args.quick) if s[1] <= args.max_m]
+    todo = [s for s in shapes(P, args.quick) if args.min_m <= s[1] <= args.max_m]
     say(f"{P} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, {len(todo)} shapes; torch symm "
         f"mem: {'available' if symm.fn is not None else symm.reason}")
     results = []

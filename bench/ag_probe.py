@@ -4,6 +4,8 @@ kernel defines through MKERNEL_DEFINES, docs/ag_gemm.md); bench/ag_gemm.py is th
 
     mpirun -np 2 python bench/ag_probe.py
 PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes.
+PROBE_NO_COPIES=1 drops the copy-engine path's copies (timing only: with MKERNEL_DEFINES=
+MK_AG_TIMING_NO_WAIT=1 the fused kernel is then the bare GEMM inside the fused kernel).
 One line per (shape, variant): median us per call (max over ranks) and overlap efficiency
 max(gemm alone, all-gather alone) / time.
 """
@@ -34,6 +36,8 @@ agm = importlib.import_module("mkernel.ag_gemm")  # the module (mkernel.ag_gemm 
 
 
 def main():
+    if os.environ.get("PROBE_NO_COPIES") == "1":
+        agm._ce_copies = lambda *a, **k: []
     ctx = mkernel.init()
     P = ctx.local_size
     stream = check(cu.cuStreamCreate(1))
@@ -68,8 +72,10 @@ def main():
         out = DeviceArray.empty((M, N), "bfloat16")
         full = DeviceArray.empty((M, K), "bfloat16")
         est = 2.0 * M * N * K / 600e12 * 1e6
+        mkernel.all_gather(ctx, a, full, stream=s)  # the GEMM's A holds data (zeros run faster)
         t_gemm = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s), est)
         t_ag = timed(lambda: mkernel.all_gather(ctx, a, full, stream=s), est)
+        t_g3 = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s, config=3), est)
         floor = max(t_gemm, t_ag)
         rows = []
         variants = [None, "ce", -1, *extra]  # automatic plan; copy engines; -1: fused at the model's split
@@ -83,7 +89,8 @@ def main():
             p = agm.last_plan
             rows.append((f"{p.path}/{p.comm_sms}", t))
         if ctx.rank == 0:
-            print(f"[{tag}] {name:8s} M={M} N/P={N} K={K}: gemm {t_gemm:8.1f} us  all_gather {t_ag:7.1f} us  "
+            print(f"[{tag}] {name:8s} M={M} N/P={N} K={K}: gemm {t_gemm:8.1f} us (config 3: {t_g3:8.1f})  "
+                  f"all_gather {t_ag:7.1f} us  "
                   + "  ".join(f"{v} {t:8.1f} us (eff {floor / t:.2f})" for v, t in rows), flush=True)
     ctx.close()
 
