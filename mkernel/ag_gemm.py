@@ -120,7 +120,8 @@ class CostModel:
                                     # docs/validation.md)
     local_block_bw: float = 60e9    # B/s one block copies HBM -> HBM
     hbm_copy_bw: float = 1.6e12     # B/s cap of local copies (read + write share HBM)
-    gemm_rate: float = 650e12       # dense bf16/fp16 FLOP/s of the whole GPU (all SMs busy)
+    gemm_rate: float = 700e12       # dense bf16/fp16 FLOP/s of the whole GPU (all SMs busy; measured 705-712
+                                    # on random data, docs/ag_gemm.md)
     chunk_latency: float = 2e-6     # s per chunk a block moves (flag round trip, barrier)
     launch_latency: float = 6e-6    # s per kernel launch + epoch handshake
     fuse_margin: float = 0.97       # fuse only if predicted fused < margin * predicted unfused
@@ -132,9 +133,9 @@ class CostModel:
     # copy-engine path ("fused_ce")
     ce_link_bw: float = 370e9       # B/s the copy engines push to one peer (copy engine 382.7 GB/s measured)
     ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
-    ce_op_latency: float = 4e-6     # s per copy-engine operation (data or flag copy)
+    ce_op_latency: float = 2e-6     # s per copy-engine operation (data or flag copy)
     ce_chunks: int = 4              # chunks (ready flags) per shard
-    ce_gemm_slowdown: float = 1.05  # the GEMM beside incoming NVLink traffic (L2 / HBM sharing)
+    ce_gemm_slowdown: float = 1.02  # the GEMM beside incoming NVLink traffic (L2 / HBM sharing)
 
 
 def _model_from_env() -> CostModel:
