@@ -408,8 +408,16 @@ def main() -> int:
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays of each batch (both libraries): "
                     "GPU time without host launch overhead")
     ap.add_argument("--max-bytes", type=int, default=GiB, help="largest size (default 1 GiB)")
+    ap.add_argument("--replot", metavar="JSON", help="no GPU: rewrite the report (md, png) from a run's JSON")
     args = ap.parse_args()
     t_start = time.monotonic()
+    if args.replot:
+        import json
+
+        d = json.loads(Path(args.replot).read_text())
+        ce = {int(k): v for k, v in d["copy_engine"].items()}
+        print(report(d["results"], ce, d["meta"], Path(args.out)))
+        return 0
 
     ctx = C.bootstrap()
     import torch

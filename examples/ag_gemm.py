@@ -1,11 +1,12 @@
 """AllGather + GEMM (column-parallel tensor parallelism) in one persistent kernel.
 
-    mpirun -np 2 python examples/ag_gemm.py [--m 4096] [--k 8192] [--n 14336] [--comm-sms C]
+    mpirun -np 2 python examples/ag_gemm.py [--m 4096] [--k 8192] [--n 14336] [--path fused_ce|fused|unfused]
 
 Local rank r holds A_r [M/P, K] (its share of the tokens) and its weight shard W_r [N/P, K]; every
 rank computes C_r = AllGather(A) @ W_r.T [M, N/P].  The example checks C_r (relative Frobenius error
 against a float64 numpy reference of a row sample) and the gathered A (exactly), then times the call
-and prints TFLOP/s per GPU and which path the planner chose (fused or unfused).
+and prints TFLOP/s per GPU and which path the planner chose ("fused_ce": the GEMM on all SMs but one
+while the copy engines move the shards; "fused": SM communication blocks; "unfused").
 """
 import argparse
 import importlib
@@ -24,7 +25,7 @@ def main():
     ap.add_argument("--m", type=int, default=4096, help="total rows (tokens) over all ranks")
     ap.add_argument("--k", type=int, default=8192, help="hidden size")
     ap.add_argument("--n", type=int, default=14336, help="output width over all ranks")
-    ap.add_argument("--comm-sms", type=int, default=None, help="force the fused kernel with C comm SMs (0: unfused)")
+    ap.add_argument("--path", default=None, choices=agm.PATHS, help="force a path (default: the planner's choice)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
 
@@ -42,7 +43,7 @@ def main():
     out = DeviceArray.empty((M, Nr), "bfloat16").fill_nan()
     gathered = DeviceArray.empty((M, K), "bfloat16").fill_nan()
 
-    agm.ag_gemm(ctx, a, w, out, gathered_a=gathered, b_layout="nk", comm_sms=args.comm_sms)
+    agm.ag_gemm(ctx, a, w, out, gathered_a=gathered, b_layout="nk", path=args.path)
     ctx.synchronize()
     plan = agm.last_plan
     A = np.concatenate(shards)
@@ -56,7 +57,7 @@ def main():
     ctx.world.Barrier()
     t0 = time.perf_counter()
     for _ in range(args.iters):
-        agm.ag_gemm(ctx, a, w, out, b_layout="nk", comm_sms=args.comm_sms)
+        agm.ag_gemm(ctx, a, w, out, b_layout="nk", path=args.path)
     ctx.synchronize()
     dt = (time.perf_counter() - t0) / args.iters
     tflops = 2.0 * M * Nr * K / dt / 1e12

@@ -136,6 +136,9 @@ class CostModel:
     ce_op_latency: float = 2e-6     # s per copy-engine operation (data or flag copy)
     ce_chunks: int = 4              # chunks (ready flags) per shard
     ce_gemm_slowdown: float = 1.02  # the GEMM beside incoming NVLink traffic (L2 / HBM sharing)
+    ce_min_bytes: int = 8 << 20     # automatic plan: fused_ce only from this many gathered bytes (below,
+                                    # the call is host-bound: fork/join and copy submissions cost more
+                                    # than the transfer they hide)
 
 
 def _model_from_env() -> CostModel:
@@ -364,7 +367,9 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     elif force_path in ("fused", "fused_ce"):
         path, reason = force_path, f"path forced: {force_path}"
     else:
-        cands = [("fused_ce", t_ce)] + ([("fused", t)] if FUSED_AUTO else [])
+        cands = ([("fused_ce", t_ce)] if M * row_bytes >= model.ce_min_bytes else []) + (
+            [("fused", t)] if FUSED_AUTO else [])
+        cands = cands or [("unfused", t_unfused)]
         path, t_best = min(cands, key=lambda c: c[1])
         if t_best < model.fuse_margin * t_unfused:
             reason = f"model: {path} faster"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import sys
 import threading
 import weakref
@@ -118,6 +119,7 @@ _BY_DLPACK = {d.dlpack: d for d in DTYPES}
 _SUPPORTED = "bfloat16, float16, float32, int32 or int64"
 
 
+@functools.lru_cache(maxsize=256)
 def _dtype_from_str(s: str) -> DType | None:
     key = s.strip().lower()
     if key.startswith("dtype(") and key.endswith(")"):  # repr of a numpy dtype
@@ -985,8 +987,12 @@ def require(arr, name: str, *, dtypes=None, ndim=None, shape=None, contiguous: b
     """
     a = arr if isinstance(arr, DeviceArray) else as_device_array(arr, name=name, stream=stream)
     if dtypes is not None:
-        allowed = [dtype_of(dtypes)] if isinstance(dtypes, (str, DType)) or not isinstance(
-            dtypes, Iterable) else [dtype_of(d) for d in dtypes]
+        if isinstance(dtypes, (str, DType)):
+            allowed = [dtype_of(dtypes)]
+        elif isinstance(dtypes, (tuple, list)):
+            allowed = [d if isinstance(d, DType) else dtype_of(d) for d in dtypes]
+        else:
+            allowed = [dtype_of(d) for d in dtypes] if isinstance(dtypes, Iterable) else [dtype_of(dtypes)]
         if a.dtype not in allowed:
             raise TypeError(f"{name} must be {_names(allowed)}, got {a.dtype.name}")
     if ndim is not None:

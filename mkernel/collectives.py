@@ -18,6 +18,7 @@ rank makes the same call.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 from . import internode, runtime
@@ -26,8 +27,9 @@ from .arrays import DeviceArray, as_device_array, dtype_of, require
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks"]
 
 _SOURCE = "collectives.cu"
-_REDUCE_DTYPES = ("bfloat16", "float16", "float32")
-_GATHER_DTYPES = ("bfloat16", "float16", "float32", "int32", "int64")
+_REDUCE_DTYPES = tuple(dtype_of(d) for d in ("bfloat16", "float16", "float32"))
+_GATHER_DTYPES = tuple(dtype_of(d) for d in ("bfloat16", "float16", "float32", "int32", "int64"))
+_BYTES = dtype_of("bfloat16")  # the all-gather kernel moves bytes: one specialization for every dtype
 _THREADS = 512
 ONE_SHOT_MAX_BYTES = 256 * 1024  # all-reduce below this: one flag hop instead of two
 _HEADER = 4096
@@ -76,6 +78,7 @@ def grid_for(slot_bytes: int, grid_max: int) -> int:
     return grid_max if slot_bytes >= LARGE_SLOT_BYTES else min(grid_max, SMALL_SLOT_BLOCKS)
 
 
+@functools.lru_cache(maxsize=1024)
 def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLayout, int, int]:
     """(layout, workspace bytes, grid) for ``P`` local ranks exchanging slots of ``slot_bytes``."""
     slot_bytes = _round_up(max(slot_bytes, 16), 256)
@@ -154,7 +157,7 @@ def all_gather(ctx, x, out=None, *, stream=None):
         internode.all_gather(ctx, x, o, stream)
         return out
     # byte-oriented: one kernel for every dtype
-    _launch(ctx, "all_gather", dtype_of("bfloat16"), x.nbytes, 1,
+    _launch(ctx, "all_gather", _BYTES, x.nbytes, 1,
             [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes)], stream)
     return out
 

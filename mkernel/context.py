@@ -85,9 +85,17 @@ class Context:
         self._checks: list = []   # check() hooks raising host-side failures (e.g. a proxy's)
         self._closed = False
         self._side = None  # side_stream()
+        self._comm_cache: dict = {}
 
     # ------------------------------------------------------------------ kernel arguments
     def comm_args(self, op: str | int) -> MkComm:
+        """The MkComm a kernel of ``op`` takes by value (cached per op: launches copy it)."""
+        c = self._comm_cache.get(op)
+        if c is None:
+            c = self._comm_cache[op] = self._make_comm_args(op)
+        return c
+
+    def _make_comm_args(self, op: str | int) -> MkComm:
         c = MkComm()
         c.err = self._err_dev
         c.timeout_ns = int(self.timeout * 1e9)

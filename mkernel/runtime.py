@@ -370,6 +370,31 @@ def stream_handle(stream) -> int:
                     "object with __cuda_stream__ or a raw CUstream handle (int)")
 
 
+def _launch_config(grid, block, smem: int, hstream: int, cooperative: bool, cluster) -> "cu.CUlaunchConfig":
+    grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (int(grid), 1, 1)
+    block = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (int(block), 1, 1)
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes = smem
+    cfg.hStream = cu.CUstream(hstream)
+    attrs = []
+    if cooperative:
+        at = cu.CUlaunchAttribute()
+        at.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        at.value.cooperative = 1
+        attrs.append(at)
+    if cluster is not None:
+        at = cu.CUlaunchAttribute()
+        at.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        cx, cy, cz = tuple(cluster) + (1,) * (3 - len(cluster))
+        at.value.clusterDim.x, at.value.clusterDim.y, at.value.clusterDim.z = cx, cy, cz
+        attrs.append(at)
+    cfg.attrs = attrs
+    cfg.numAttrs = len(attrs)
+    return cfg
+
+
 class Kernel:
     """One ``__global__`` function of a :class:`Module`, launched through the driver API."""
 
@@ -378,6 +403,7 @@ class Kernel:
         self.name = name
         self._funcs: dict[int, object] = {}
         self._smem_set: dict[int, int] = {}
+        self._configs: dict[tuple, object] = {}
 
     def _func(self):
         ctx = int(check(cu.cuCtxGetCurrent()))
@@ -406,8 +432,15 @@ class Kernel:
         """Launch on ``stream``.  ``args`` are ctypes scalars/structures or bytes (structs by value)."""
         ctx, f = self._func()
         self._ensure_smem(ctx, f, smem)
-        grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (int(grid), 1, 1)
-        block = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (int(block), 1, 1)
+        hstream = stream_handle(stream)
+        key = (ctx, grid if isinstance(grid, int) else tuple(grid), block if isinstance(block, int) else tuple(block),
+               smem, hstream, cooperative, None if cluster is None else tuple(cluster))
+        cfg = self._configs.get(key)
+        if cfg is None:  # launch configurations are reused: ops launch the same shapes over and over
+            cfg = _launch_config(grid, block, smem, hstream, cooperative, cluster)
+            if len(self._configs) >= 64:
+                self._configs.clear()
+            self._configs[key] = cfg
         holders = []
         for a in args:
             if isinstance(a, (bytes, bytearray)):
@@ -416,24 +449,5 @@ class Kernel:
                 raise TypeError(f"kernel {self.name}: argument {a!r} must be a ctypes value or bytes")
             holders.append(a)
         ptrs = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
-        cfg = cu.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-        cfg.sharedMemBytes = smem
-        cfg.hStream = cu.CUstream(stream_handle(stream))
-        attrs = []
-        if cooperative:
-            at = cu.CUlaunchAttribute()
-            at.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-            at.value.cooperative = 1
-            attrs.append(at)
-        if cluster is not None:
-            at = cu.CUlaunchAttribute()
-            at.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            cx, cy, cz = tuple(cluster) + (1,) * (3 - len(cluster))
-            at.value.clusterDim.x, at.value.clusterDim.y, at.value.clusterDim.z = cx, cy, cz
-            attrs.append(at)
-        cfg.attrs = attrs
-        cfg.numAttrs = len(attrs)
         check(cu.cuLaunchKernelEx(cfg, f, ctypes.addressof(ptrs), 0))
         del holders

@@ -1,0 +1,74 @@
+"""AllGather+GEMM host logic on the CPU: the planner's path choice and its copy-engine chunking, the
+side stream's copy list (order, flag addresses, the local rows read in place), path validation."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from mkernel import runtime
+from mkernel.arrays import DeviceArray
+
+agm = importlib.import_module("mkernel.ag_gemm")
+
+
+def test_plan_prefers_copy_engines_where_communication_matters():
+    p = agm.plan([2048, 2048], 5120, 8192, 2, 132)  # Llama-3-70B qkv, M = 4096 over 2 GPUs
+    assert p.path == "fused_ce" and p.workers == 131 and p.comm_sms == 0, p.describe()
+    assert p.chunk_rows >= 128 and p.chunk_rows & (p.chunk_rows - 1) == 0
+    assert -(-2048 // p.chunk_rows) <= agm.MODEL.ce_chunks
+    tiny = agm.plan([128, 128], 1024, 1024, 2, 132)
+    assert tiny.path == "unfused", tiny.describe()
+    assert agm.plan([64], 256, 256, 2, 132).path == "unfused"  # one rank: nothing to gather
+
+
+def test_plan_overrides():
+    assert agm.plan([128, 128], 1024, 1024, 2, 132, force_path="fused_ce").path == "fused_ce"
+    assert agm.plan([2048, 2048], 5120, 8192, 2, 132, force_path="unfused").path == "unfused"
+    p = agm.plan([2048, 2048], 5120, 8192, 2, 132, comm_sms=6)
+    assert p.path == "fused" and p.comm_sms == 6 and p.workers == 126
+    assert agm.plan([2048, 2048], 5120, 8192, 2, 132, comm_sms=0).path == "unfused"
+    assert agm.ce_chunk_rows([1000, 1100]) == 512 and agm.ce_chunk_rows([3, 5]) == 128
+
+
+class _Ws:
+    ptr = 1 << 40
+
+    @staticmethod
+    def peer_ptr(j, offset=0):
+        return (1 << 44) * (j + 1) + offset
+
+
+@pytest.mark.parametrize("local_map", [True, False])
+def test_ce_copies(local_map):
+    P, me, K = 3, 1, 64
+    m_sizes = (300, 200, 100)
+    p = agm.plan(m_sizes, 512, K, 2, 132, force_path="fused_ce")
+    L = agm._layout(P, m_sizes, p.chunk_rows, K * 2)
+    offs = (0, 300, 500, 600)
+    sig = agm._Sig(p, L, offs, P)
+    A = DeviceArray(1 << 36, (200, K), "bfloat16", None, 0, None)
+    copies = agm._ce_copies(sig, _Ws, A, me, K * 2, local_map)
+    rb, cr = K * 2, p.chunk_rows
+    nch = -(-200 // cr)
+    dests = [2, 0] if local_map else [1, 2, 0]  # rank-rotated, me+1 first
+    assert len(copies) == 2 * nch * len(dests)
+    i = 0
+    for d in dests:
+        base = _Ws.ptr if d == me else _Ws.peer_ptr(d)
+        for c in range(nch):
+            dst, src, n = copies[i]
+            assert dst == base + L.data_off + offs[me] * rb + c * cr * rb and src == A.ptr + c * cr * rb
+            assert n == min(cr, 200 - c * cr) * rb
+            fdst, fsrc, fn = copies[i + 1]
+            assert fdst == base + L.flags_off + 8 * (me * L.nch_stride + c) and fsrc == _Ws.ptr + L.vals_off and fn == 8
+            i += 2
+    assert L.vals_off >= L.flags_off + 8 * P * L.nch_stride and L.data_off >= L.vals_off + 8 * L.nch_stride
+
+
+def test_env_defines(monkeypatch):
+    monkeypatch.setenv("MKERNEL_DEFINES", "MK_A=1, MK_B ,")
+    assert runtime._env_defines() == {"MK_A": "1", "MK_B": True}
+    monkeypatch.setenv("MKERNEL_DEFINES", "1BAD=2")
+    with pytest.raises(ValueError, match="MKERNEL_DEFINES"):
+        runtime._env_defines()
