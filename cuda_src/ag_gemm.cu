@@ -84,6 +84,7 @@ static_assert(sizeof(AgArgs) == 200, "AgArgs layout changed: update mkernel/ag_g
 struct AgWs {
   const AgArgs* a;
   int P, me;
+  MK_DEVICE AgWs(const MkComm& c, const AgArgs& args) : a(&args), P(c.local_size), me(c.local_rank) {}
   MK_DEVICE MkEpochState* epoch_state() const { return (MkEpochState*)a->ws; }
   MK_DEVICE char* data() const { return a->ws + a->data_off; }
   MK_DEVICE char* peer_data(int j) const { return (char*)a->peers[j] + a->data_off; }
@@ -291,10 +292,7 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
                             const AgArgs& a) {
   typedef typename MkCfgSel<MK_GEMM_CONFIG, KN>::T Cfg;
   extern __shared__ unsigned char mk_smem[];
-  AgWs w;
-  w.a = &a;
-  w.P = c.local_size;
-  w.me = c.local_rank;
+  const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
   const int n_comm = a.n_comm;
   bool ok = true;
@@ -340,10 +338,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
 // Gather only (unfused path; a.gather_only = 1): every block is a communication block (a.n_comm unused).
 extern "C" __global__ void __launch_bounds__(512, 1)
     mk_ag_gather(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
-  AgWs w;
-  w.a = &a;
-  w.P = c.local_size;
-  w.me = c.local_rank;
+  const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
   if (!ag_comm(c, w, epoch, blockIdx.x, gridDim.x)) return;
   ag_finish(w, epoch, 0, blockDim.x);
@@ -354,10 +349,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 // that were never sent.
 extern "C" __global__ void __launch_bounds__(32, 1)
     mk_ag_ce_begin(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
-  AgWs w;
-  w.a = &a;
-  w.P = c.local_size;
-  w.me = c.local_rank;
+  const AgWs w(c, a);
   // The call number every kernel of this call uses: the previous call committed its epoch before the
   // fork event this stream waited on, and this call's GEMM cannot commit before our local rows'
   // flags (copied after this kernel) are raised.
@@ -374,10 +366,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
 // One block.
 extern "C" __global__ void __launch_bounds__(128, 1)
     mk_ag_release(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
-  AgWs w;
-  w.a = &a;
-  w.P = c.local_size;
-  w.me = c.local_rank;
+  const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
   for (int j = threadIdx.x; j < w.P; j += blockDim.x)
     if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
