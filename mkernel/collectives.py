@@ -69,9 +69,11 @@ def plan_chunks(slot_bytes: int, grid_max: int, min_chunk: int | None = None) ->
 # the host-mapped error record read over PCIe every 64 spins) starved the copies.  With quiet polling
 # (mk_signal.cuh: back-off, error record read about once a millisecond) one block per SM is as fast
 # at 4-16 MiB and faster from 32 MiB up (all-reduce 64 MiB 249 us vs 321 us, reduce-scatter 150 us
-# vs 235 us); below 8 MiB slots 32 blocks stay (launch-bound, a smaller grid starts sooner).
+# vs 235 us), and from 2 MiB slots too (all-reduce 8 MiB: 43.4 us with 132 blocks, 57.5 with 32;
+# reduce-scatter 8 MiB 28.8 vs 38.4; all-gather equal); below 2 MiB slots 32 blocks stay (launch-
+# bound, a smaller grid starts sooner).
 SMALL_SLOT_BLOCKS = 32
-LARGE_SLOT_BYTES = 8 << 20
+LARGE_SLOT_BYTES = 2 << 20
 
 
 def grid_for(slot_bytes: int, grid_max: int) -> int:
