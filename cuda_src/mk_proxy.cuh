@@ -70,32 +70,11 @@ MK_DEVICE void mk_st_relaxed_u32(unsigned* p, unsigned v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Wait (one thread) until a host-written counter reaches `need` (wrap-safe), polling like mk_wait_geq;
-// on timeout reports MK_ERR_PROXY (peer, flag_index -1, expected/seen = counter values).
-MK_DEVICE bool mk_proxy_wait_counter(const MkComm& c, const mk_u64* counter, mk_u64 need, int peer) {
-  mk_u64 v = mk_ld_acquire(counter);
-  if ((mk_i64)(v - need) >= 0) return true;
-  MkPoll poll;
-  poll.start();
-  while (true) {
-    poll.pause();
-    v = mk_ld_acquire(counter);
-    if ((mk_i64)(v - need) >= 0) return true;
-    mk_u64 dt;
-    const int t = poll.tick(c, &dt);
-    if (t == 1) {
-      mk_report(c, MK_ERR_PROXY, peer, -1, need, v, dt);
-      return false;
-    }
-    if (t == 2 && mk_failed(c)) return false;
-  }
-}
-
 // Wait (one thread) until the host has freed the slot of `ticket`: tail > ticket - capacity.
 // On timeout reports MK_ERR_PROXY (peer = dst_rank, flag_index = -1, expected/seen = tail values).
 MK_DEVICE bool mk_proxy_wait_room(const MkComm& c, const MkProxy& p, mk_u64 ticket, int dst_rank) {
   const mk_u64 need = ticket + 1 - p.capacity;  // wraps for the first `capacity` tickets: fine
-  return mk_proxy_wait_counter(c, p.tail, need, dst_rank);
+  return mk_wait_geq_or(c, p.tail, need, dst_rank, -1, MK_ERR_PROXY);
 }
 
 // Push one command (ONE thread calls it).  Returns the ticket, or MK_PROXY_NO_FLAG when the ring
@@ -126,5 +105,5 @@ MK_DEVICE mk_u64 mk_proxy_push(const MkComm& c, const MkProxy& p, int op, int ds
 // Reports MK_ERR_PROXY (peer = -1) on timeout.
 MK_DEVICE bool mk_proxy_wait_done(const MkComm& c, const MkProxy& p, mk_u64 ticket) {
   const mk_u64 need = ticket + 1;
-  return mk_proxy_wait_counter(c, p.done, need, -1);
+  return mk_wait_geq_or(c, p.done, need, -1, -1, MK_ERR_PROXY);
 }

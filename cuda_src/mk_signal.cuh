@@ -146,10 +146,11 @@ struct MkPoll {
   }
 };
 
-// Spin until *flag >= expected (wrap-safe), with a timeout.  Returns false on timeout, or when
-// another thread of this rank already failed (so every block drains quickly); the caller must then
-// stop and return.  One thread calls this.
-MK_DEVICE bool mk_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expected, int peer, int flag_index) {
+// Spin until *flag >= expected (wrap-safe), with a timeout.  Returns false on timeout (error record
+// with `err_code`), or when another thread of this rank already failed (so every block drains
+// quickly); the caller must then stop and return.  One thread calls this.
+MK_DEVICE bool mk_wait_geq_or(const MkComm& c, const mk_u64* flag, mk_u64 expected, int peer, int flag_index,
+                              int err_code) {
   mk_u64 v = mk_ld_acquire(flag);
   if ((mk_i64)(v - expected) >= 0) return true;
   MkPoll poll;
@@ -161,11 +162,15 @@ MK_DEVICE bool mk_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expected,
     mk_u64 dt;
     const int t = poll.tick(c, &dt);
     if (t == 1) {
-      mk_report(c, MK_ERR_TIMEOUT, peer, flag_index, expected, v, dt);
+      mk_report(c, err_code, peer, flag_index, expected, v, dt);
       return false;
     }
     if (t == 2 && mk_failed(c)) return false;
   }
+}
+// A peer's flag: a timeout is MK_ERR_TIMEOUT.
+MK_DEVICE bool mk_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expected, int peer, int flag_index) {
+  return mk_wait_geq_or(c, flag, expected, peer, flag_index, MK_ERR_TIMEOUT);
 }
 
 // Whole-block wait: thread 0 spins, every thread gets the verdict.  All threads must call it.
