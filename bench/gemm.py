@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """mkernel.gemm against torch.matmul (cuBLAS) on one GPU, in the same run.
 
-    python bench/gemm.py [--quick] [--sweep] [--config ID] [--out DIR] [--reps N] [--eager]
+    python bench/gemm.py [--quick] [--sweep] [--config ID] [--only NAME[@M],...] [--out DIR] [--reps N] [--eager]
 
 Shapes: squares 1024..16384 (B "kn": C = A @ B) and the projection GEMMs of Llama-3-70B and
 DeepSeek-V3 for M (tokens) in {128, 512, 2048, 8192, 16384} with weights stored [N, K] as
@@ -84,6 +84,7 @@ def main():
     ap.add_argument("--config", type=int, default=None, help="force an mkernel tile config")
     ap.add_argument("--sweep", action="store_true",
                     help="also time every (non-debug) config per shape (calibrates the heuristic)")
+    ap.add_argument("--only", default="", help="comma-separated shapes to run: NAME (every M) or NAME@M")
     args = ap.parse_args()
     setup_env()
     import torch
@@ -114,7 +115,9 @@ def main():
 
     rows, results = [], []
     t_start = time.time()
-    for name, M, N, K, layout in shapes(args.quick):
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    todo = [s for s in shapes(args.quick) if not only or s[0] in only or f"{s[0]}@{s[1]}" in only]
+    for name, M, N, K, layout in todo:
         flop = 2.0 * M * N * K
         bytes_per_set = 2 * (M * K + N * K + M * N)
         nsets = max(1, min(8, math.ceil(2 * l2 / bytes_per_set)))
