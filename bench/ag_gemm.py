@@ -296,6 +296,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE.parent / "docs"), help="output folder (default docs/)")
     ap.add_argument("--max-m", type=int, default=1 << 30, help="skip shapes with a larger total M")
     ap.add_argument("--min-m", type=int, default=0, help="skip shapes with a smaller total M")
+    ap.add_argument("--only", default="", help="comma-separated shapes to run: NAME (every M) or NAME@M")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="no GPU: merge the results of earlier runs (their ag_gemm_bench.json) into one report")
     args = ap.parse_args()
@@ -327,7 +328,9 @@ def main() -> int:
         agm.G.precompile([agm.G._defines("bfloat16", "bfloat16", c) for c in (1, 2, 3)])
     comm.Barrier()
     symm = TorchSymmMem(torch, dist)
-    todo = [s for s in shapes(P, args.quick) if args.min_m <= s[1] <= args.max_m]
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    todo = [s for s in shapes(P, args.quick) if args.min_m <= s[1] <= args.max_m
+            and (not only or s[0] in only or f"{s[0]}@{s[1]}" in only)]
     say(f"{P} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, {len(todo)} shapes; torch symm "
         f"mem: {'available' if symm.fn is not None else symm.reason}")
     results = []
