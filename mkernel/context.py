@@ -71,7 +71,7 @@ class Context:
         self.sm_count = int(check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device)))
         # timeout
         t = timeout if timeout is not None else os.environ.get("MKERNEL_TIMEOUT")
-        self.timeout = float(t) if t not in (None, "") else DEFAULT_TIMEOUT_S
+        self._timeout = float(t) if t not in (None, "") else DEFAULT_TIMEOUT_S
         # host-mapped error record
         flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
         self._err_host = int(check(cu.cuMemHostAlloc(4096, flags)))
@@ -88,6 +88,20 @@ class Context:
         self._comm_cache: dict = {}
 
     # ------------------------------------------------------------------ kernel arguments
+    @property
+    def timeout(self) -> float:
+        """Seconds every device-side wait of this context may take (settable; applies to later launches)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        seconds = float(seconds)
+        if not seconds > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {seconds}")
+        self._timeout = seconds
+        for c in self._comm_cache.values():  # ops keep these structs (launches copy them by value)
+            c.timeout_ns = int(seconds * 1e9)
+
     def comm_args(self, op: str | int) -> MkComm:
         """The MkComm a kernel of ``op`` takes by value (cached per op: launches copy it)."""
         c = self._comm_cache.get(op)

@@ -72,3 +72,4 @@ def test_env_defines(monkeypatch):
     monkeypatch.setenv("MKERNEL_DEFINES", "1BAD=2")
     with pytest.raises(ValueError, match="MKERNEL_DEFINES"):
         runtime._env_defines()
+
