@@ -22,18 +22,28 @@ struct MkGemmArgs {
   int group_m;     // rasterization super-row height, in tiles
   int c_vec_ok;    // 1: C base aligned to two elements and ldc even
   int offsets_i32;
-  int pad;
+  int c_tma;       // TMA-store configs: 1 = C is TMA-addressable (16-byte aligned base and row stride)
 };
 
+// tmC: TMA-store configurations only (over C; nullptr otherwise).
 template <bool KN, bool GROUPED>
-MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkGemmArgs& args) {
+MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmC,
+                            const MkGemmArgs& args) {
   typedef typename MkCfgSel<MK_GEMM_CONFIG, KN>::T Cfg;
   extern __shared__ unsigned char mk_smem[];
   MkEpilogueStore<MkOut> epi;
   epi.c = reinterpret_cast<MkOut*>(args.c);
   epi.ldc = args.ldc;
   epi.vec_ok = args.c_vec_ok;
-  if constexpr (GROUPED) {
+  if constexpr (Cfg::TMA_STORE && !GROUPED && sizeof(MkOut) == 2) {
+    MkEpilogueTmaStore<MkOut> tepi;
+    tepi.direct = epi;
+    tepi.tmC = tmC;
+    tepi.staging = MkGemmSmem<Cfg>(mk_smem).staging();
+    tepi.use_tma = args.c_tma;
+    MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
+    mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), tepi, mk_smem, blockIdx.x, gridDim.x);
+  } else if constexpr (GROUPED) {
     MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);
     mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), epi, mk_smem, blockIdx.x, gridDim.x);
   } else {
@@ -42,21 +52,32 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   }
 }
 
+#if MK_GEMM_TMA_STORE
+#define MK_C_MAP_PARAM , const __grid_constant__ MkTensorMap tmC
+#define MK_C_MAP_ARG &tmC
+#else
+#define MK_C_MAP_PARAM
+#define MK_C_MAP_ARG nullptr
+#endif
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB, const MkGemmArgs args) {
-  mk_gemm_body<true, false>(&tmA, &tmB, args);
+    mk_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,
+               const MkGemmArgs args) {
+  mk_gemm_body<true, false>(&tmA, &tmB, MK_C_MAP_ARG, args);
 }
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB, const MkGemmArgs args) {
-  mk_gemm_body<false, false>(&tmA, &tmB, args);
+    mk_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,
+               const MkGemmArgs args) {
+  mk_gemm_body<false, false>(&tmA, &tmB, MK_C_MAP_ARG, args);
 }
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_grouped_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB, const MkGemmArgs args) {
-  mk_gemm_body<true, true>(&tmA, &tmB, args);
+    mk_grouped_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,
+                       const MkGemmArgs args) {
+  mk_gemm_body<true, true>(&tmA, &tmB, MK_C_MAP_ARG, args);
 }
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_grouped_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB, const MkGemmArgs args) {
-  mk_gemm_body<false, true>(&tmA, &tmB, args);
+    mk_grouped_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,
+                       const MkGemmArgs args) {
+  mk_gemm_body<false, true>(&tmA, &tmB, MK_C_MAP_ARG, args);
 }
 
 // dst[(b*rows + r)*dst_ld + c] = c < cols ? src[b*sb + r*sr + c*sc] : 0 for c < cols_p; src == nullptr

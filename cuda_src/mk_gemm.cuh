@@ -52,7 +52,8 @@
 // *different* 64 x BN tiles (BM = 64), alternating along the block's tile sequence, so one's epilogue
 // runs while the other's main loop keeps the tensor cores busy (otherwise BM = 64*NC and every consumer
 // warpgroup owns a 64-row slab of the same tile).
-template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false>
+template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false,
+          bool TMA_STORE_ = false>
 struct MkGemmConfig {
   static constexpr int NC = NC_;
   static constexpr bool PINGPONG = PINGPONG_;
@@ -71,7 +72,13 @@ struct MkGemmConfig {
   static constexpr int B_NK_TX_BYTES = BN_ * BK * 2;       // bytes one "nk" B box delivers
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;
-  static constexpr int SMEM_BYTES = BAR_OFFSET + 256 + 1024;  // barriers + alignment slack
+  // TMA_STORE: the epilogue stages each consumer warpgroup's output in 16 KiB of shared memory (half a
+  // 64 x 256 16-bit slab at a time, 128B-swizzled) and writes it with TMA stores (MkEpilogueTmaStore).
+  static constexpr bool TMA_STORE = TMA_STORE_;
+  static constexpr int STAGING_OFFSET = (BAR_OFFSET + 256 + 1023) / 1024 * 1024;
+  static constexpr int STAGING_BYTES = TMA_STORE_ ? NC_ * 16384 : 0;
+  static constexpr int SMEM_BYTES =
+      (TMA_STORE_ ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + 256) + 1024;  // + alignment slack
   // Consumer arrivals that release a ring slot: lane 0 of every warp of the warpgroup(s) reading it.
   static constexpr int EMPTY_ARRIVALS = PINGPONG_ ? 4 : 4 * NC_;
   // Register reallocation (only with two consumer warpgroups: 128*40 + 256*232 = 64512 <= 65536).
@@ -82,6 +89,7 @@ struct MkGemmConfig {
   static_assert(BN_ == 64 || BN_ == 128 || BN_ == 192 || BN_ == 224 || BN_ == 256, "BN must be 64, 128, 192, 224 or 256");
   static_assert(!B_KN_ || BN_ % 64 == 0, "an MN-major (kn) B tile is made of whole 64-column chunks");
   static_assert(!PINGPONG_ || (NC_ == 2 && PIPELINED_), "ping-pong needs two pipelined consumer warpgroups");
+  static_assert(!TMA_STORE_ || (!PINGPONG_ && BN_ % 128 == 0), "TMA-store epilogue: cooperative, BN a multiple of 128");
   static_assert(2 * STAGES_ * 8 + 16 <= 256, "too many stages for the barrier area");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget exceeded");
 };
@@ -232,6 +240,8 @@ template <typename OutT> struct MkEpilogueStore {
   long long ldc;
   int vec_ok;
   static constexpr bool kTileDone = false;
+  static constexpr bool kDrain = false;  // true: drain() is called by every consumer thread at the end
+  MK_DEVICE void drain() const {}
   template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
     const int rbase = 64 * slab;
     OutT* const cbase = c + (long long)t.row0 * ldc + t.col0;
@@ -255,6 +265,67 @@ template <typename OutT> struct MkEpilogueStore {
   MK_DEVICE void tile_done(const MkTile&) {}
 };
 
+// Store through shared memory and TMA (Cfg::TMA_STORE; 16-bit outputs).  Per tile, each consumer
+// warpgroup writes its 64-row slab half by half (64 x 128 = two 64 x 64 boxes, 16 KiB) into its
+// staging buffer in the 128B-swizzled layout of the C tensor map, then one thread issues the TMA
+// stores and the warpgroup returns to the main loop while they drain; before refilling the buffer
+// that thread waits until the previous stores have read it.  TMA clips the boxes at C's bounds
+// (rows >= M, columns >= N), which is exactly a plain GEMM's masking: not for grouped problems (a
+// tile ending inside a group would overwrite the next group's rows).  use_tma = 0 falls back to
+// `direct` (C not 16-byte aligned).  Named barriers 3 + slab (128 threads each).
+template <typename OutT> struct MkEpilogueTmaStore {
+  MkEpilogueStore<OutT> direct;
+  const MkTensorMap* tmC;   // {N, M} over C, box {64, 64}, 128B swizzle
+  unsigned char* staging;   // 1024-aligned, 16 KiB per consumer warpgroup
+  int use_tma;
+  static constexpr bool kTileDone = false;
+  static constexpr bool kDrain = true;
+  template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
+    static_assert(sizeof(OutT) == 2, "the TMA-store epilogue writes 16-bit outputs");
+    static_assert(BN % 128 == 0, "whole 128-column halves");
+    if (!use_tma) {
+      direct.template store<BN>(t, slab, acc);
+      return;
+    }
+    if (64 * slab >= t.rows) return;  // the slab lies below M: nothing to write (uniform per warpgroup)
+    const int wt = threadIdx.x & 127;
+    unsigned char* const buf = staging + slab * 16384;
+    // this thread's fragment origin (the layout of mk_wgmma_frag_for_each)
+    const int r0 = 16 * (wt >> 5) + ((wt & 31) >> 2);
+    const int c0 = 2 * (wt & 3);
+    const int sw = r0 & 7;  // rows r0 and r0 + 8 share the swizzle phase
+#pragma unroll
+    for (int h = 0; h < BN / 128; ++h) {
+      if (128 * h >= t.cols) break;  // uniform: the rest of the tile lies right of N
+      if (wt == 0) mk_tma_store_wait_read<0>();  // the previous stores have read the buffer
+      mk_named_barrier_sync(3 + slab, 128);
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        const int j = 16 * h + jj;              // fragment column group: tile columns 8j .. 8j+7
+        const int cb = ((8 * jj) & 63) * 2 + 2 * c0;  // byte of column 8j + c0 inside its 128-byte box row
+        unsigned char* const box = buf + (jj >> 3) * 8192;
+        const int off = (((cb >> 4) ^ sw) << 4) + (cb & 15);
+        typedef typename MkPair<OutT>::V V;
+        *reinterpret_cast<V*>(box + r0 * 128 + off) = MkPair<OutT>::make(acc[4 * j], acc[4 * j + 1]);
+        *reinterpret_cast<V*>(box + (r0 + 8) * 128 + off) = MkPair<OutT>::make(acc[4 * j + 2], acc[4 * j + 3]);
+      }
+      mk_fence_proxy_async_smem();  // generic-proxy writes -> visible to the TMA unit
+      mk_named_barrier_sync(3 + slab, 128);
+      if (wt == 0) {
+        const int row = t.row0 + 64 * slab, col = t.col0 + 128 * h;
+        mk_tma_store_2d(tmC, buf, col, row);
+        if (128 * h + 64 < t.cols) mk_tma_store_2d(tmC, buf + 8192, col + 64, row);
+        mk_tma_store_commit();
+      }
+    }
+  }
+  MK_DEVICE void tile_done(const MkTile&) {}
+  // Every consumer thread at the end of the tile loop: the stores are complete before the block exits.
+  MK_DEVICE void drain() const {
+    if (use_tma && (threadIdx.x & 127) == 0) mk_tma_store_wait<0>();
+  }
+};
+
 // ---- shared-memory carve-up ------------------------------------------------------------------------------
 template <class Cfg> struct MkGemmSmem {
   unsigned char* base;  // 1024-byte aligned
@@ -266,6 +337,7 @@ template <class Cfg> struct MkGemmSmem {
   MK_DEVICE unsigned char* b(int s) const { return base + s * Cfg::STAGE_BYTES + Cfg::A_BYTES; }
   MK_DEVICE mk_u64* full(int s) const { return reinterpret_cast<mk_u64*>(base + Cfg::BAR_OFFSET) + s; }
   MK_DEVICE mk_u64* empty(int s) const { return reinterpret_cast<mk_u64*>(base + Cfg::BAR_OFFSET) + Cfg::STAGES + s; }
+  MK_DEVICE unsigned char* staging() const { return base + Cfg::STAGING_OFFSET; }  // Cfg::TMA_STORE
   MK_DEVICE volatile int* abort_flag() const {
     return reinterpret_cast<volatile int*>(base + Cfg::BAR_OFFSET + 2 * Cfg::STAGES * 8);
   }
@@ -532,6 +604,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
       if (tid == 128) epi.tile_done(t);
     }
   }
+  if constexpr (Epi::kDrain) epi.drain();
   return !aborted;
 }
 

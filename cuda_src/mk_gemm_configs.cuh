@@ -14,6 +14,8 @@
 //                        with B "kn" (MN-major tiles need whole 64-column chunks) it is config 3's tile
 //                     6  ping-pong: 2 consumer WGs on alternate 64x256 tiles, 5 stages (small K: the
 //                        epilogue of one WG hides under the other's main loop)
+//                     7  config 3 with the TMA-store epilogue (MkEpilogueTmaStore: shared-memory
+//                        staging, 16-bit outputs of plain GEMMs; experimental: forced only)
 #pragma once
 #include "mk_gemm.cuh"
 
@@ -35,10 +37,14 @@ template <bool KN> struct MkCfgSel<3, KN> { typedef MkGemmConfig<2, 256, 4, true
 template <bool KN> struct MkCfgSel<4, KN> { typedef MkGemmConfig<2, 192, 5, true, MK_GEMM_IN, KN> T; };
 template <bool KN> struct MkCfgSel<5, KN> { typedef MkGemmConfig<2, KN ? 256 : 224, 4, true, MK_GEMM_IN, KN> T; };
 template <bool KN> struct MkCfgSel<6, KN> { typedef MkGemmConfig<2, 256, 5, true, MK_GEMM_IN, KN, true> T; };
+template <bool KN> struct MkCfgSel<7, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, true> T; };
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,
               "one launch geometry per config (mkernel/gemm_engine.py: TileConfig.smem / threads)");
 
 typedef typename mk_type<MK_GEMM_OUT>::T MkOut;
+// The kernels of a TMA-store configuration take a third tensor map (over C).
+#define MK_GEMM_TMA_STORE (MK_GEMM_CONFIG == 7)
+static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::TMA_STORE == (MK_GEMM_TMA_STORE != 0), "MK_GEMM_TMA_STORE");
 #define MK_THREADS (MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS)
 

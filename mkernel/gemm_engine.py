@@ -66,6 +66,7 @@ class TileConfig:
     debug: bool = False
     pingpong: bool = False
     bn_kn: int | None = None
+    tma_store: bool = False  # epilogue through shared memory + TMA stores (plain GEMM, 16-bit output)
 
     @property
     def threads(self) -> int:
@@ -81,7 +82,10 @@ class TileConfig:
     @property
     def smem(self) -> int:  # must match MkGemmConfig::SMEM_BYTES (B reserved in whole 8 KiB chunks)
         bn = max(self.bn, self.bn_kn or 0)
-        return self.stages * (self.bm * 64 * 2 + -(-bn // 64) * 64 * 64 * 2) + 256 + 1024
+        ring = self.stages * (self.bm * 64 * 2 + -(-bn // 64) * 64 * 64 * 2)
+        if self.tma_store:  # 1024-aligned staging, 16 KiB per consumer warpgroup
+            return _round_up(ring + 256, 1024) + self.consumers * 16384 + 1024
+        return ring + 256 + 1024
 
 
 CONFIGS = {
@@ -95,6 +99,9 @@ CONFIGS = {
     # ping-pong 64x256 (docs/gemm.md: it deadlocked on an H200 until the parity-aliasing fix; not among
     # AUTO_CANDIDATES until measured)
     6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True),
+    # config 3 with the TMA-store epilogue (docs/gemm.md): EXPERIMENTAL, compiled and CPU-checked but
+    # not yet run on a GPU (2026-11-30); forced only, never chosen automatically
+    7: TileConfig(7, 128, 256, 4, 2, 1.00, tma_store=True),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
@@ -125,7 +132,7 @@ class _GemmArgs(ctypes.Structure):
         ("group_m", ctypes.c_int32),
         ("c_vec_ok", ctypes.c_int32),
         ("offsets_i32", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
+        ("c_tma", ctypes.c_int32),
     ]
 
 
@@ -433,10 +440,15 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config) -> _Plan:
             pre.append(_pad_launch(op, in_dtype, out_dtype, dev))
             keep.append(op.staging)
     tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
-    args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, 0)
+    maps = [tma, tmb]
+    c_tma = 0
+    if cfg.tma_store:  # the C map; the register epilogue where TMA cannot address C
+        c_tma = int(O.dtype.itemsize == 2 and O.ptr % 16 == 0 and (ldc * 2) % 16 == 0)
+        maps.append(encode_tiled(O.ptr, out_dtype, (N, M), (ldc * 2,), (64, 64)) if c_tma else tma)
+    args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, c_tma)
     tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
-    return _Plan(cfg, kernel, _grid(cfg, tiles, sms), [tma, tmb, args], pre, keep)
+    return _Plan(cfg, kernel, _grid(cfg, tiles, sms), [*maps, args], pre, keep)
 
 
 def _env_key():
@@ -548,9 +560,11 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
             keep.append(op.staging)
     tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
     args = _GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, _vec_ok(O, ldc, T), offs_i32, 0)
+    # grouped problems keep the register epilogue; a TMA-store config's kernel takes an unused C map
+    maps = [tma, tmb, tma] if cfg.tma_store else [tma, tmb]
     grid = _grid(cfg, num_tiles(cfg), sms)
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
-    return _Plan(cfg, kernel, grid, [tma, tmb, args], pre, keep)
+    return _Plan(cfg, kernel, grid, [*maps, args], pre, keep)
 
 
 @dataclass
@@ -574,7 +588,7 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
     usage = mod.resource_usage.get(name, {})
     tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
     return dict(config=cfg.id, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
-                smem=cfg.smem, pingpong=cfg.pingpong, registers=usage.get("registers"),
+                smem=cfg.smem, pingpong=cfg.pingpong, tma_store=cfg.tma_store, registers=usage.get("registers"),
                 spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles, grid=_grid(cfg, tiles, sms))
 

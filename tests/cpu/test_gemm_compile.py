@@ -202,7 +202,7 @@ def test_bad_input_raises_before_launch(fake, bad):
 def test_args_struct_layout():
     offs = {f[0]: getattr(G._GemmArgs, f[0]).offset for f in G._GemmArgs._fields_}
     assert offs == dict(c=0, group_offsets=8, ldc=16, M=24, N=28, K=32, num_groups=36, group_m=40, c_vec_ok=44,
-                        offsets_i32=48, pad=52)
+                        offsets_i32=48, c_tma=52)
     assert ctypes.sizeof(G._GemmArgs) == 56
 
 
@@ -252,3 +252,23 @@ def test_224_plans(fake):
     launches.clear(), maps.clear()
     G.gemm(empty((512, 2048), "bfloat16"), empty((2048, 7168), "bfloat16"), config=5)  # kn: 256-wide tiles
     assert maps[1]["box"] == (64, 64, 1) and launches[0]["grid"] == 4 * 28
+
+
+def test_tma_store_config_plans(fake):
+    """Config 7 (TMA-store epilogue): a third tensor map over C ({N, M}, box 64x64) and c_tma = 1 when
+    C is 16-bit with 16-byte aligned base and row stride; otherwise the register epilogue (c_tma = 0)
+    with a stand-in map; grouped problems always keep the register epilogue."""
+    launches, maps, empty = fake
+    a, b = empty((1000, 512), "bfloat16"), empty((512, 520), "bfloat16")
+    out = G.gemm(a, b, config=7)
+    (l,) = launches
+    assert l["config"] == 7 and len(l["args"]) == 4 and l["smem"] == G.CONFIGS[7].smem <= 227 * 1024
+    assert l["args"][3].c_tma == 1
+    assert maps[2] == dict(ptr=out.ptr, dtype="bfloat16", dims=(520, 1000), strides=(1040,), box=(64, 64))
+    launches.clear(), maps.clear()
+    G.gemm(a, b, empty((1000, 520), "float32"), config=7)
+    assert launches[0]["args"][3].c_tma == 0 and len(launches[0]["args"]) == 4 and len(maps) == 2
+    launches.clear(), maps.clear()
+    G.grouped_gemm(a, empty((2, 512, 520), "bfloat16"), [0, 400, 1000], config=7)
+    assert launches[-1]["kernel"] == "mk_grouped_gemm_kn" and launches[-1]["args"][3].c_tma == 0
+    assert 7 not in G.AUTO_CANDIDATES and 7 not in G.LEGACY_CANDIDATES
