@@ -188,6 +188,12 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def select_shapes(shapes, only: str):
+    """The shapes (tuples starting with name, M) an ``--only NAME,NAME@M,...`` option keeps (all if empty)."""
+    keep = {x.strip() for x in only.split(",") if x.strip()}
+    return [s for s in shapes if not keep or s[0] in keep or f"{s[0]}@{s[1]}" in keep]
+
+
 def markdown_table(headers, rows) -> str:
     """A GitHub markdown table; cells are str()-ed, first column left-aligned, the rest right."""
     rows = [[str(c) for c in r] for r in rows]

@@ -115,7 +115,7 @@ class TorchSymmMem:
 def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
     from mkernel.arrays import as_device_array
 
-    P, me, comm = ctx.local_size, ctx.local_rank, ctx.world
+    P, comm = ctx.local_size, ctx.world
     dev = torch.device("cuda", ctx.device)
     Mr = M // P
     g = torch.Generator(device=dev)
@@ -328,9 +328,7 @@ def main() -> int:
         agm.G.precompile([agm.G._defines("bfloat16", "bfloat16", c) for c in (1, 2, 3)])
     comm.Barrier()
     symm = TorchSymmMem(torch, dist)
-    only = {x.strip() for x in args.only.split(",") if x.strip()}
-    todo = [s for s in shapes(P, args.quick) if args.min_m <= s[1] <= args.max_m
-            and (not only or s[0] in only or f"{s[0]}@{s[1]}" in only)]
+    todo = [s for s in C.select_shapes(shapes(P, args.quick), args.only) if args.min_m <= s[1] <= args.max_m]
     say(f"{P} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, {len(todo)} shapes; torch symm "
         f"mem: {'available' if symm.fn is not None else symm.reason}")
     results = []

@@ -9,7 +9,7 @@
 //                                     reading (written by j into our memory)
 //   [flags_off]     u64[P][nch_stride] ready[src][chunk] = call that delivered rows
 //                                     [chunk*CR, chunk*CR + CR) of rank src into our gathered buffer
-//   [ce_vals_off]   u64[nch_stride]   copy-engine path: the current call number, the source of the
+//   [ce_value_off]  u64               copy-engine path: the current call number, the source of the
 //                                     copy engine's flag writes
 //   [data_off]      gathered A        M_total rows of row_bytes (16-byte multiple)
 //
@@ -35,9 +35,9 @@
 // Copy-engine path (mkernel/ag_gemm.py, path "fused_ce"): mk_ag_gemm_* runs with n_comm = 0 (every
 // block a GEMM worker, grid <= #SMs - 1) while a side stream moves the rows with the copy engines:
 // mk_ag_ce_begin (one warp: reads the call number e, waits until every peer consumed call e-1, writes
-// e into the flag-value array), then cuMemcpyAsync of the local shard into our gathered buffer and of each
+// e into the flag-value slot), then cuMemcpyAsync of the local shard into our gathered buffer and of each
 // chunk into every peer's, each followed by a copy-engine write of e into the chunk's ready flags
-// (copied from the flag-value array).  No SM is spent on communication; the free SM runs the begin
+// (copied from the flag-value slot).  No SM is spent on communication; the free SM runs the begin
 // kernel even while the GEMM occupies the others.
 //
 // Kernel mk_ag_gather (the unfused fallback's gather; cooperative, blockDim 512, no dynamic smem):
@@ -51,10 +51,10 @@
 #include "mk_gemm_configs.cuh"
 #include "mk_signal.cuh"
 
-#define MK_AG_MAXP 16
+#define MK_AG_MAXP 16  // local ranks; tile_m carries the source rank in its low 4 bits
 #ifndef MK_AG_ERR_CHECK_SPINS
 #define MK_AG_ERR_CHECK_SPINS 2048  // a power of two: at MK_POLL_SLEEP_MAX_NS = 512, ~1 ms of polling
-#endif  // local ranks; tile_m carries the source rank in its low 4 bits
+#endif
 
 // Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 200 bytes).
 struct AgArgs {
@@ -74,7 +74,7 @@ struct AgArgs {
   int c_vec_ok;
   int gather_only;       // 1: leave the epoch open for mk_ag_release (mk_ag_gather: also wait for every peer's rows; copy-engine path: the gathered_a copy follows)
   int P, me;             // local_size, local_rank
-  int ce_vals_off;       // copy-engine path: byte offset of u64[nch_stride] flag values in the workspace
+  int ce_value_off;      // copy-engine path: byte offset of the u64 flag value in the workspace
   int local_map;         // 1: the GEMM reads this rank's rows in place through tmA_local (a_shard is
                          // 16-byte aligned), so they are not copied into the workspace and not waited for
   int offs[MK_AG_MAXP + 1];  // row offsets of local ranks in the gathered A; offs[P] = M_total
@@ -345,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 }
 
 // Opens call e of the copy-engine path on the side stream (one warp; see the top of this file).  On a
-// timeout the flag values are left at e-1, so the peers' GEMMs time out too instead of reading rows
+// timeout the flag value is left at e-1, so the peers' GEMMs time out too instead of reading rows
 // that were never sent.
 extern "C" __global__ void __launch_bounds__(32, 1)
     mk_ag_ce_begin(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
@@ -358,8 +358,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
   for (int j = threadIdx.x; j < w.P; j += 32)
     if (j != w.me) ok = ok && mk_wait_geq(c, w.consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
   if (!__all_sync(0xffffffffu, ok)) return;
-  mk_u64* vals = (mk_u64*)(a.ws + a.ce_vals_off);
-  for (int i = threadIdx.x; i < a.nch_stride; i += 32) vals[i] = e;
+  if (threadIdx.x == 0) *(mk_u64*)(a.ws + a.ce_value_off) = e;
 }
 
 // Closes a deferred call (after the GEMM that read the gathered buffer): tell every peer, commit.

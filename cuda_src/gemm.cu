@@ -35,23 +35,25 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   epi.c = reinterpret_cast<MkOut*>(args.c);
   epi.ldc = args.ldc;
   epi.vec_ok = args.c_vec_ok;
-  if constexpr (Cfg::TMA_STORE && !GROUPED && sizeof(MkOut) == 2) {
-    MkEpilogueTmaStore<MkOut> tepi;
-    tepi.direct = epi;
-    tepi.tmC = tmC;
-    tepi.staging = MkGemmSmem<Cfg>(mk_smem).staging();
-    tepi.use_tma = args.c_tma;
-    MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
-    mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), tepi, mk_smem, blockIdx.x, gridDim.x);
-  } else if constexpr (GROUPED) {
+  if constexpr (GROUPED) {
     MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);
     mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), epi, mk_smem, blockIdx.x, gridDim.x);
   } else {
     MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
-    mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), epi, mk_smem, blockIdx.x, gridDim.x);
+    if constexpr (Cfg::TMA_STORE && sizeof(MkOut) == 2) {
+      MkEpilogueTmaStore<MkOut> tepi;
+      tepi.direct = epi;
+      tepi.tmC = tmC;
+      tepi.staging = MkGemmSmem<Cfg>(mk_smem).staging();
+      tepi.use_tma = args.c_tma;
+      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), tepi, mk_smem, blockIdx.x, gridDim.x);
+    } else {
+      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), epi, mk_smem, blockIdx.x, gridDim.x);
+    }
   }
 }
 
+// A TMA-store configuration's kernels take a third tensor map, over C.
 #if MK_GEMM_TMA_STORE
 #define MK_C_MAP_PARAM , const __grid_constant__ MkTensorMap tmC
 #define MK_C_MAP_ARG &tmC
@@ -59,26 +61,16 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
 #define MK_C_MAP_PARAM
 #define MK_C_MAP_ARG nullptr
 #endif
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,
-               const MkGemmArgs args) {
-  mk_gemm_body<true, false>(&tmA, &tmB, MK_C_MAP_ARG, args);
-}
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,
-               const MkGemmArgs args) {
-  mk_gemm_body<false, false>(&tmA, &tmB, MK_C_MAP_ARG, args);
-}
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_grouped_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,
-                       const MkGemmArgs args) {
-  mk_gemm_body<true, true>(&tmA, &tmB, MK_C_MAP_ARG, args);
-}
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
-    mk_grouped_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,
-                       const MkGemmArgs args) {
-  mk_gemm_body<false, true>(&tmA, &tmB, MK_C_MAP_ARG, args);
-}
+#define MK_GEMM_ENTRY(NAME, KN, GROUPED)                                                                         \
+  extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)                                                    \
+      NAME(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,    \
+           const MkGemmArgs args) {                                                                            \
+    mk_gemm_body<KN, GROUPED>(&tmA, &tmB, MK_C_MAP_ARG, args);                                                  \
+  }
+MK_GEMM_ENTRY(mk_gemm_kn, true, false)
+MK_GEMM_ENTRY(mk_gemm_nk, false, false)
+MK_GEMM_ENTRY(mk_grouped_gemm_kn, true, true)
+MK_GEMM_ENTRY(mk_grouped_gemm_nk, false, true)
 
 // dst[(b*rows + r)*dst_ld + c] = c < cols ? src[b*sb + r*sr + c*sc] : 0 for c < cols_p; src == nullptr
 // writes zeros.  Strides in elements.  Used to stage an operand whose row stride or base address is

@@ -290,9 +290,8 @@ template <typename OutT> struct MkEpilogueTmaStore {
     if (64 * slab >= t.rows) return;  // the slab lies below M: nothing to write (uniform per warpgroup)
     const int wt = threadIdx.x & 127;
     unsigned char* const buf = staging + slab * 16384;
-    // this thread's fragment origin (the layout of mk_wgmma_frag_for_each)
-    const int r0 = 16 * (wt >> 5) + ((wt & 31) >> 2);
-    const int c0 = 2 * (wt & 3);
+    int r0, c0;
+    mk_wgmma_frag_origin(r0, c0);
     const int sw = r0 & 7;  // rows r0 and r0 + 8 share the swizzle phase
 #pragma unroll
     for (int h = 0; h < BN / 128; ++h) {

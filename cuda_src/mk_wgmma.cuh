@@ -349,10 +349,16 @@ MK_WGMMA_DISPATCH(224, MK_DTYPE_F16, mk_wgmma_m64n224k16_f16)
 
 // Visit this thread's part of a 64xN fp32 accumulator fragment: f(row, col, v_col, v_col+1) with
 // row in [0, 64), col even in [0, N), relative to the warpgroup's 64-row slab.
-template <int N, class F> MK_DEVICE void mk_wgmma_frag_for_each(const float (&d)[N / 2], F&& f) {
+// This thread's first fragment element (row r0, column c0) in its warpgroup's 64-row slab: element pair
+// j of the fragment sits at (r0, 8j + c0) and (r0 + 8, 8j + c0), columns c and c+1 each.
+MK_DEVICE void mk_wgmma_frag_origin(int& r0, int& c0) {
   const int t = threadIdx.x & 127;
-  const int r0 = 16 * (t >> 5) + ((t & 31) >> 2);
-  const int c0 = 2 * (t & 3);
+  r0 = 16 * (t >> 5) + ((t & 31) >> 2);
+  c0 = 2 * (t & 3);
+}
+template <int N, class F> MK_DEVICE void mk_wgmma_frag_for_each(const float (&d)[N / 2], F&& f) {
+  int r0, c0;
+  mk_wgmma_frag_origin(r0, c0);
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
     f(r0, 8 * j + c0, d[4 * j], d[4 * j + 1]);

@@ -98,7 +98,7 @@ class AgArgs(ctypes.Structure):
         ("M_total", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
         ("chunk_rows", ctypes.c_int32), ("nch_stride", ctypes.c_int32), ("n_comm", ctypes.c_int32),
         ("group_m", ctypes.c_int32), ("c_vec_ok", ctypes.c_int32), ("gather_only", ctypes.c_int32),
-        ("P", ctypes.c_int32), ("me", ctypes.c_int32), ("ce_vals_off", ctypes.c_int32),
+        ("P", ctypes.c_int32), ("me", ctypes.c_int32), ("ce_value_off", ctypes.c_int32),
         ("local_map", ctypes.c_int32),
         ("offs", ctypes.c_int32 * (MAXP + 1)),
     ]
@@ -375,9 +375,10 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
             reason = f"model: {path} faster"
         else:
             path, reason = "unfused", "model: fusion does not pay (small M, tiny K or N)"
-    if path == "unfused":
-        return AgPlan(path="unfused", comm_sms=0, workers=0, config=cfg_u.id, predicted_fused=min(t, t_ce),
-                      predicted_comm=tc, predicted_gemm=tg, reason=reason, fused_comm_sms=n, chunk_rows=cr, **base)
+    if path == "unfused":  # the predictions of the fusion the model would have taken
+        tf, tcf, tgf = (t, tc, tg) if FUSED_AUTO and t < t_ce else (t_ce, tc_ce, tg_ce)
+        return AgPlan(path="unfused", comm_sms=0, workers=0, config=cfg_u.id, predicted_fused=tf,
+                      predicted_comm=tcf, predicted_gemm=tgf, reason=reason, fused_comm_sms=n, chunk_rows=cr, **base)
     if path == "fused_ce":
         return AgPlan(path="fused_ce", comm_sms=0, workers=w_ce, config=cfg_ce.id, predicted_fused=t_ce,
                       predicted_comm=tc_ce, predicted_gemm=tg_ce, reason=reason, fused_comm_sms=n,
@@ -392,11 +393,10 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
 _FORCE = {None: 0, "fused": 1, "unfused": 2, "fused_ce": 3}
 PATHS = ("fused", "fused_ce", "unfused")
 
-# The automatic plan may pick the fused kernel only when this is set.  The first H200 measurement
-# (docs/ag_gemm.md, 2026-11-30) had the fused kernel 3-10x slower than the unfused path at every
-# benchmark shape (a bug, not a model error: it is correct but its producers/comm blocks stall), so
-# until that is fixed the automatic plan falls back to the unfused path.  Forcing still works
-# (comm_sms=N or MKERNEL_AG_GEMM_PATH=fused); MKERNEL_AG_GEMM_FUSED_AUTO=1 re-enables the model.
+# The automatic plan considers the SM-communication path ("fused") only when this is set: on 2x H200
+# (bench/ag_probe.py, docs/validation.md) it lost to "fused_ce" on three of five probe shapes, tied on
+# one, and won only on the communication-bound M=K=8192 sweep point (251 vs 292 us); its cost model is
+# not calibrated.  Forcing still works (comm_sms=N, path="fused").
 FUSED_AUTO = os.environ.get("MKERNEL_AG_GEMM_FUSED_AUTO", "0") == "1"
 
 
@@ -447,7 +447,7 @@ def _round_up(x: int, m: int) -> int:
 class _Layout:
     consumed_off: int
     flags_off: int
-    vals_off: int   # copy-engine path: flag values (u64[nch_stride])
+    value_off: int  # copy-engine path: the u64 the copy engines copy into ready flags
     data_off: int
     nch_stride: int
     total: int
@@ -458,9 +458,9 @@ def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
     nch = max([-(-m // chunk_rows) for m in m_sizes] + [1])
     consumed_off = 64
     flags_off = 256
-    vals_off = flags_off + 8 * P * nch
-    data_off = _round_up(vals_off + 8 * nch, 4096)
-    return _Layout(consumed_off, flags_off, vals_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)
+    value_off = flags_off + 8 * P * nch
+    data_off = _round_up(value_off + 8, 4096)
+    return _Layout(consumed_off, flags_off, value_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -649,7 +649,7 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     args.M_total, args.N, args.K = M_total, N, K
     args.chunk_rows, args.nch_stride = p.chunk_rows, L.nch_stride
     args.group_m, args.c_vec_ok = G.GROUP_M, G._vec_ok(O, ldc, M_total)
-    args.P, args.me, args.ce_vals_off = P, me, L.vals_off
+    args.P, args.me, args.ce_value_off = P, me, L.value_off
     for j, o in enumerate(sig.offs):
         args.offs[j] = o
     comm = ctx.comm_args("ag_gemm")
@@ -729,7 +729,7 @@ def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> li
     p, L, P = sig.plan, sig.layout, sig.P
     cr, m = p.chunk_rows, sig.offs[me + 1] - sig.offs[me]
     base = sig.offs[me] * row_bytes
-    vals = ws.ptr + L.vals_off
+    value = ws.ptr + L.value_off
     out = []
     for j in range(1 if local_map else 0, P):
         dst = (me + j) % P
@@ -737,7 +737,7 @@ def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> li
         for c in range(-(-m // cr)):
             off, n = c * cr * row_bytes, min(cr, m - c * cr) * row_bytes
             out.append((ws_dst + L.data_off + base + off, A.ptr + off, n))
-            out.append((ws_dst + L.flags_off + 8 * (me * L.nch_stride + c), vals, 8))
+            out.append((ws_dst + L.flags_off + 8 * (me * L.nch_stride + c), value, 8))
     return out
 
 

@@ -987,12 +987,9 @@ def require(arr, name: str, *, dtypes=None, ndim=None, shape=None, contiguous: b
     """
     a = arr if isinstance(arr, DeviceArray) else as_device_array(arr, name=name, stream=stream)
     if dtypes is not None:
-        if isinstance(dtypes, (str, DType)):
-            allowed = [dtype_of(dtypes)]
-        elif isinstance(dtypes, (tuple, list)):
-            allowed = [d if isinstance(d, DType) else dtype_of(d) for d in dtypes]
-        else:
-            allowed = [dtype_of(d) for d in dtypes] if isinstance(dtypes, Iterable) else [dtype_of(dtypes)]
+        # tuples/lists first: the typing.Iterable check is slow on the per-call hot path
+        many = isinstance(dtypes, (tuple, list)) or (not isinstance(dtypes, (str, DType)) and isinstance(dtypes, Iterable))
+        allowed = [dtype_of(d) for d in dtypes] if many else [dtype_of(dtypes)]
         if a.dtype not in allowed:
             raise TypeError(f"{name} must be {_names(allowed)}, got {a.dtype.name}")
     if ndim is not None:

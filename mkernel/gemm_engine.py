@@ -443,8 +443,9 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config) -> _Plan:
     maps = [tma, tmb]
     c_tma = 0
     if cfg.tma_store:  # the C map; the register epilogue where TMA cannot address C
-        c_tma = int(O.dtype.itemsize == 2 and O.ptr % 16 == 0 and (ldc * 2) % 16 == 0)
-        maps.append(encode_tiled(O.ptr, out_dtype, (N, M), (ldc * 2,), (64, 64)) if c_tma else tma)
+        isz = O.dtype.itemsize
+        c_tma = int(isz == 2 and O.ptr % 16 == 0 and (ldc * isz) % 16 == 0)
+        maps.append(encode_tiled(O.ptr, out_dtype, (N, M), (ldc * isz,), (64, 64)) if c_tma else tma)
     args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, c_tma)
     tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")

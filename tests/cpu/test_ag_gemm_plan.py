@@ -61,9 +61,9 @@ def test_ce_copies(local_map):
             assert dst == base + L.data_off + offs[me] * rb + c * cr * rb and src == A.ptr + c * cr * rb
             assert n == min(cr, 200 - c * cr) * rb
             fdst, fsrc, fn = copies[i + 1]
-            assert fdst == base + L.flags_off + 8 * (me * L.nch_stride + c) and fsrc == _Ws.ptr + L.vals_off and fn == 8
+            assert fdst == base + L.flags_off + 8 * (me * L.nch_stride + c) and fsrc == _Ws.ptr + L.value_off and fn == 8
             i += 2
-    assert L.vals_off >= L.flags_off + 8 * P * L.nch_stride and L.data_off >= L.vals_off + 8 * L.nch_stride
+    assert L.value_off >= L.flags_off + 8 * P * L.nch_stride and L.data_off >= L.value_off + 8
 
 
 def test_env_defines(monkeypatch):
