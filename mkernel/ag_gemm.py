@@ -83,8 +83,7 @@ _FUSED_CONFIGS = (1, 2, 3)  # 0 is the debug config (config=0 forces it)
 for _i in IN_DTYPES:
     for _o in (_i, "float32"):
         for _c in (0,) + _FUSED_CONFIGS:
-            runtime.register_specialization(SOURCE, dict(MK_GEMM_IN=G._CODE[_i], MK_GEMM_OUT=G._CODE[_o],
-                                                         MK_GEMM_CONFIG=_c))
+            runtime.register_specialization(SOURCE, G._defines(_i, _o, _c))
 
 
 class AgArgs(ctypes.Structure):
@@ -425,18 +424,8 @@ def _agree(ctx, dtype: str, M: int, K: int, N: int, comm_sms, gathered: bool, fo
 # --------------------------------------------------------------------------------------------
 # kernels, workspace layout
 # --------------------------------------------------------------------------------------------
-_kernels: dict = {}
-
-
 def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
-    key = (in_dtype, out_dtype, config, name)
-    k = _kernels.get(key)
-    if k is None:
-        mod = runtime.compile_module(SOURCE, dict(MK_GEMM_IN=G._CODE[in_dtype], MK_GEMM_OUT=G._CODE[out_dtype],
-                                                  MK_GEMM_CONFIG=config))
-        k = mod.function(name)
-        _kernels[key] = k
-    return k
+    return runtime.kernel(SOURCE, G._defines(in_dtype, out_dtype, config), name)
 
 
 def _round_up(x: int, m: int) -> int:

@@ -101,7 +101,7 @@ def _kernel(ctx, op: str, dtype):
     kernels = ctx.__dict__.setdefault("_collective_kernels", {})
     k = kernels.get((op, dtype.code))
     if k is None:
-        k = runtime.compile_module(_SOURCE, {"MK_DTYPE": dtype.code}).function("mk_" + op)
+        k = runtime.kernel(_SOURCE, {"MK_DTYPE": dtype.code}, "mk_" + op)
         if k.max_active_blocks_per_sm(_THREADS) < 1:  # the launch is cooperative: one block per SM
             raise RuntimeError(f"mkernel: the {op} kernel cannot be resident")
         kernels[(op, dtype.code)] = k

@@ -112,11 +112,6 @@ AUTO_CANDIDATES = (1, 2, 3, 4, 5)
 EPILOGUE_K = 256
 GROUP_M = 8  # rasterization super-row height (tiles)
 
-for _i in IN_DTYPES:
-    for _o in OUT_DTYPES:
-        for _c in CONFIGS:
-            runtime.register_specialization(SOURCE, dict(MK_GEMM_IN=_CODE[_i], MK_GEMM_OUT=_CODE[_o], MK_GEMM_CONFIG=_c))
-
 
 class _GemmArgs(ctypes.Structure):
     """Mirror of MkGemmArgs in cuda_src/gemm.cu (56 bytes)."""
@@ -142,7 +137,6 @@ assert ctypes.sizeof(_GemmArgs) == 56
 # --------------------------------------------------------------------------------------------
 # compiled kernels, device facts
 # --------------------------------------------------------------------------------------------
-_kernels: dict = {}
 _sm_count: dict = {}
 
 
@@ -150,14 +144,14 @@ def _defines(in_dtype: str, out_dtype: str, config: int) -> dict:
     return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMM_CONFIG=config)
 
 
+for _i in IN_DTYPES:
+    for _o in OUT_DTYPES:
+        for _c in CONFIGS:
+            runtime.register_specialization(SOURCE, _defines(_i, _o, _c))
+
+
 def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
-    key = (in_dtype, out_dtype, config, name)
-    k = _kernels.get(key)
-    if k is None:
-        mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, config))
-        k = mod.function(name)
-        _kernels[key] = k
-    return k
+    return runtime.kernel(SOURCE, _defines(in_dtype, out_dtype, config), name)
 
 
 def _num_sms(device: int) -> int:

@@ -101,7 +101,7 @@ def _state(ctx, op: str, nbytes: int) -> _State:
 
 
 def _kernel(op: str, dtype_code: int):
-    return runtime.compile_module(_SOURCE, {"MK_DTYPE": dtype_code}).function(op)
+    return runtime.kernel(_SOURCE, {"MK_DTYPE": dtype_code}, op)
 
 
 def _grid(ctx) -> int:

@@ -311,6 +311,21 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     return mod
 
 
+_kernels: dict[tuple, "Kernel"] = {}
+
+
+def kernel(source: str, defines: Mapping[str, object], name: str) -> "Kernel":
+    """The ``__global__`` function ``name`` of ``cuda_src/<source>`` compiled with ``defines``,
+    memoized per process (ops call this on every launch: the first call compiles or loads the cubin,
+    later ones are a dict lookup; the architecture and ``MKERNEL_DEFINES`` are those of that first
+    call)."""
+    key = (source, tuple(sorted(defines.items())), name)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels.setdefault(key, compile_module(source, defines).function(name))
+    return k
+
+
 # Every op module registers the specializations it can launch, so CI compiles all of them.
 _specializations: list[tuple[str, dict]] = []
 

@@ -94,3 +94,15 @@ ptxas info    : Function properties for k
 ptxas         .     0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 232 registers, used 1 barriers"""
     assert runtime.parse_ptxas_log(log) == {"k": {"stack": 0, "spill_stores": 8, "spill_loads": 4, "registers": 232}}
+
+
+def test_kernel_lookup_is_memoized(monkeypatch):
+    """Ops look their kernel up on every launch: only the first lookup compiles (or loads) the module."""
+    monkeypatch.setattr(runtime, "_kernels", {})
+    calls = []
+    real = runtime.compile_module
+    monkeypatch.setattr(runtime, "compile_module", lambda *a, **k: calls.append(a) or real(*a, arch="sm_90a", **k))
+    k1 = runtime.kernel("collectives.cu", {"MK_DTYPE": 0}, "mk_all_gather")
+    k2 = runtime.kernel("collectives.cu", {"MK_DTYPE": 0}, "mk_all_gather")
+    k3 = runtime.kernel("collectives.cu", {"MK_DTYPE": 2}, "mk_all_gather")
+    assert k1 is k2 and k3 is not k1 and k1.name == "mk_all_gather" and len(calls) == 2
