@@ -57,11 +57,21 @@ def _rel_fro(got, ref):
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def _force(path):
+    """ag_gemm keywords that force a fused path: "fused" with 4 communication SMs, or "fused_ce"."""
+    return dict(comm_sms=4) if path == "fused" else dict(path=path)
+
+
 def _run_case(ctx, rng, m_sizes, N, K, *, dtype="bfloat16", b_layout="kn", comm_sms=None, gathered=False,
-              out_dtype=None, config=None, path=None, what=""):
-    P, me = ctx.local_size, ctx.local_rank
+              out_dtype=None, config=None, path=None, misaligned=False, what=""):
+    """misaligned: pass a_shard 8 bytes past a 16-byte boundary (TMA cannot read it in place)."""
+    me = ctx.local_rank
     shards, bs = _make(rng, m_sizes, N, K, dtype, b_layout)
     a, _ = upload(shards[me], dtype)
+    if misaligned:
+        z = DeviceArray.empty((a.size + 4,), dtype)
+        check(cu.cuMemcpyDtoD(z.ptr + 8, a.ptr, a.nbytes))
+        a = DeviceArray(z.ptr + 8, tuple(a.shape), dtype, None, z.device, owner=z)
     exact_a = [upload(s, dtype)[1] for s in shards]
     b, exact_b = upload(bs[me], dtype)
     M = sum(m_sizes)
@@ -150,26 +160,11 @@ def test_fused_every_config(ctx, shared_rng, layout, config, path):
 def test_unaligned_shard(ctx, shared_rng, path):
     """a_shard 8 bytes past a 16-byte boundary: TMA cannot read it in place, so its rows go through the
     workspace like a peer's (local_map off) -- same results."""
-    P, me = ctx.local_size, ctx.local_rank
-    m_sizes = [300 + 20 * r for r in range(P)]
-    K, N = 256, 200
-    shards, bs = _make(shared_rng, m_sizes, N, K, "bfloat16", "kn")
-    a0, _ = upload(shards[me], "bfloat16")
-    z = DeviceArray.empty((a0.size + 4,), "bfloat16")
-    check(cu.cuMemcpyDtoD(z.ptr + 8, a0.ptr, a0.nbytes))
-    a = DeviceArray(z.ptr + 8, (m_sizes[me], K), "bfloat16", None, z.device, owner=z)
-    b, eb = upload(bs[me], "bfloat16")
-    M = sum(m_sizes)
-    out = poisoned((M, N), "bfloat16")
-    ga = poisoned((M, K), "bfloat16")
-    kw = dict(comm_sms=4) if path == "fused" else dict(path="fused_ce")
-    agm.ag_gemm(ctx, a, b, out, gathered_a=ga, **kw)
-    ctx.synchronize()
-    A = np.concatenate([upload(x, "bfloat16")[1] for x in shards])
-    assert _rel_fro(download(out), A @ eb) < REL_TOL
-    np.testing.assert_array_equal(download(ga), A)
-    if P > 1:
-        assert agm.last_plan.path == path
+    m_sizes = _ms(lambda r, P: 300 + 20 * r, ctx.local_size)
+    plan = _run_case(ctx, shared_rng, m_sizes, 200, 256, gathered=True, misaligned=True, what=f"unaligned {path}",
+                     **_force(path))
+    if ctx.local_size > 1:
+        assert plan.path == path, plan.describe()
 
 
 def test_m_sizes_argument(ctx, shared_rng):
@@ -348,7 +343,7 @@ def test_zzz_missing_peer_times_out(ctx, path):
     a, _ = upload(np.ones((256, 128)), "bfloat16")
     b, _ = upload(np.ones((128, 256)), "bfloat16")
     out = DeviceArray.empty((256 * c2.local_size, 256), "bfloat16")
-    kw = dict(comm_sms=4) if path == "fused" else dict(path="fused_ce")
+    kw = _force(path)
     agm.ag_gemm(c2, a, b, out, **kw)  # both ranks: signature exchange + workspace
     c2.synchronize()
     c2.world.Barrier()
