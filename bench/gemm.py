@@ -170,10 +170,32 @@ def main():
                 sweep[cid] = dict(tflops=flop / t / 1e12, err=e, ok=e < 1e-2)
             print("    sweep: " + "  ".join(f"cfg {c} {v['tflops']:.0f}{'' if v['ok'] else ' ERR'}"
                                             for c, v in sweep.items()), flush=True)
+            # split-K factors of the chosen config, where its tiles leave SMs idle
+            cfg0 = G.CONFIGS[info["config"]]
+            if info["tiles"] < props.multi_processor_count and G.max_splits(cfg0, M, N, K, layout) > 1:
+                ssweep = {}
+                for sp in (1, 2, 3, 4, 6, 8, 12, 16):
+                    if sp > G.max_splits(cfg0, M, N, K, layout):
+                        break
+
+                    def split(i, sp=sp):
+                        G.gemm(dA[i], dB[i], dC[i], b_layout=layout, stream=torch.cuda.current_stream(),
+                               config=cfg0.id, splits=sp)
+
+                    split(0)
+                    torch.cuda.synchronize()
+                    e = ((C[0].float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                    t = _time(split, nsets, batch, reps, args.eager)
+                    ssweep[sp] = dict(tflops=flop / t / 1e12, err=e, ok=e < 1e-2)
+                sweep["splits"] = ssweep
+                print(f"    splits (cfg {cfg0.id}): " + "  ".join(
+                    f"{sp}: {v['tflops']:.0f}{'' if v['ok'] else ' ERR'}" for sp, v in ssweep.items()), flush=True)
         tf_o, tf_t = flop / t_ours / 1e12, flop / t_theirs / 1e12  # _time returns seconds
         r = dict(name=name, M=M, N=N, K=K, layout=layout, ms=t_ours, cublas_ms=t_theirs, tflops=tf_o,
                  cublas_tflops=tf_t, ratio=tf_o / tf_t, err=err, ok=ok, config=info["config"],
-                 tile=f"{info['bm']}x{info['bn']}x64/{info['stages']}st{' pp' if info['pingpong'] else ''}",
+                 tile=(f"{info['bm']}x{info['bn']}x64/{info['stages']}st{' pp' if info['pingpong'] else ''}"
+                       + (f" split {info['splits']}" if info["splits"] > 1 else "")),
+                 splits=info["splits"],
                  registers=info["registers"],
                  smem=info["smem"], grid=info["grid"], tiles=info["tiles"], nsets=nsets, batch=batch,
                  sweep=sweep)
@@ -203,13 +225,22 @@ def main():
           "232 (consumers) with setmaxnreg.", "",
           markdown_table(headers, rows), ""]
     if any(r["sweep"] for r in results):
-        cids = sorted({c for r in results for c in r["sweep"]})
+        cids = sorted({c for r in results for c in r["sweep"] if c != "splits"})
         md += ["Config sweep (`--sweep`; TFLOP/s of each forced config, * = the heuristic's pick):", "",
                markdown_table(["shape", "M", "N", "K"] + [f"cfg {c}" for c in cids],
                               [[r["name"], r["M"], r["N"], r["K"]]
                                + [(f"{r['sweep'][c]['tflops']:.0f}" + ("*" if c == r["config"] else "")
                                    + ("" if r["sweep"][c]["ok"] else " ERR")) if c in r["sweep"] else "-"
                                   for c in cids] for r in results]), ""]
+    split_rows = [r for r in results if r["sweep"].get("splits")]
+    if split_rows:
+        sps = sorted({sp for r in split_rows for sp in r["sweep"]["splits"]})
+        md += ["Split-K sweep of the chosen config (TFLOP/s per forced split factor, * = the heuristic's):", "",
+               markdown_table(["shape", "M", "N", "K", "cfg"] + [f"{sp}" for sp in sps],
+                              [[r["name"], r["M"], r["N"], r["K"], r["config"]]
+                               + [(f"{r['sweep']['splits'][sp]['tflops']:.0f}" + ("*" if sp == r["splits"] else "")
+                                   + ("" if r["sweep"]["splits"][sp]["ok"] else " ERR"))
+                                  if sp in r["sweep"]["splits"] else "-" for sp in sps] for r in split_rows]), ""]
     (out / "gemm_bench.md").write_text("\n".join(md))
     write_json(out / "gemm_bench.json", dict(device=props.name, compile_seconds=compile_s, results=results))
     _plot(out / "gemm_bench.png", results, props.name)

@@ -56,7 +56,7 @@
 #define MK_AG_ERR_CHECK_SPINS 2048  // a power of two: at MK_POLL_SLEEP_MAX_NS = 512, ~1 ms of polling
 #endif
 
-// Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 200 bytes).
+// Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 208 bytes).
 struct AgArgs {
   const char* a_shard;   // this rank's rows, dense [M_me, K]
   char* ws;              // this rank's workspace
@@ -78,8 +78,9 @@ struct AgArgs {
   int local_map;         // 1: the GEMM reads this rank's rows in place through tmA_local (a_shard is
                          // 16-byte aligned), so they are not copied into the workspace and not waited for
   int offs[MK_AG_MAXP + 1];  // row offsets of local ranks in the gathered A; offs[P] = M_total
+  int c_tma;             // 1: tmC is a map over C (see mk_gemm_run_store)
 };
-static_assert(sizeof(AgArgs) == 200, "AgArgs layout changed: update mkernel/ag_gemm.py");
+static_assert(sizeof(AgArgs) == 208, "AgArgs layout changed: update mkernel/ag_gemm.py");
 
 struct AgWs {
   const AgArgs* a;
@@ -288,8 +289,8 @@ template <int BM> struct AgWaitRows {
 
 // ---- kernels ------------------------------------------------------------------------------------------
 template <bool KN>
-MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmAl, const MkComm& c,
-                            const AgArgs& a) {
+MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmAl,
+                            const MkTensorMap* tmC, const MkComm& c, const AgArgs& a) {
   typedef typename MkCfgSel<MK_GEMM_CONFIG, KN>::T Cfg;
   extern __shared__ unsigned char mk_smem[];
   const AgWs w(c, a);
@@ -309,8 +310,9 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
     epi.c = reinterpret_cast<MkOut*>(a.c);
     epi.ldc = a.ldc;
     epi.vec_ok = a.c_vec_ok;
-    const bool r = mk_gemm_run<Cfg>(tmA, tmB, a.K, sched, hook, epi, mk_smem, (int)blockIdx.x - n_comm,
-                                    (int)gridDim.x - n_comm);
+    // a shard's last tile may end inside C (the next shard's rows follow): clip_rows = 0
+    const bool r = mk_gemm_run_store<Cfg>(tmA, tmB, tmC, a.K, sched, hook, epi, a.c_tma, 0, mk_smem,
+                                          (int)blockIdx.x - n_comm, (int)gridDim.x - n_comm);
     // The producer warpgroup is done (every load it issued was consumed); the consumers finish the
     // call.  Their verdict is uniform: all of them see the abort flag at the same K block.
     if (threadIdx.x < 128 || !r) return;
@@ -321,18 +323,19 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   ag_finish(w, epoch, 0, blockDim.x);
 }
 
-// tmA: the gathered A in the workspace; tmAl: this rank's a_shard (read when a.local_map).
+// tmA: the gathered A in the workspace; tmAl: this rank's a_shard (read when a.local_map); tmC: C (stored
+// through when a.c_tma and the config has TMA-store staging).
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_ag_gemm_kn(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,
-                  const __grid_constant__ MkTensorMap tmAl, const __grid_constant__ MkComm c,
-                  const __grid_constant__ AgArgs a) {
-  ag_gemm_body<true>(&tmA, &tmB, &tmAl, c, a);
+                  const __grid_constant__ MkTensorMap tmAl, const __grid_constant__ MkTensorMap tmC,
+                  const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
+  ag_gemm_body<true>(&tmA, &tmB, &tmAl, &tmC, c, a);
 }
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_ag_gemm_nk(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,
-                  const __grid_constant__ MkTensorMap tmAl, const __grid_constant__ MkComm c,
-                  const __grid_constant__ AgArgs a) {
-  ag_gemm_body<false>(&tmA, &tmB, &tmAl, c, a);
+                  const __grid_constant__ MkTensorMap tmAl, const __grid_constant__ MkTensorMap tmC,
+                  const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
+  ag_gemm_body<false>(&tmA, &tmB, &tmAl, &tmC, c, a);
 }
 
 // Gather only (unfused path; a.gather_only = 1): every block is a communication block (a.n_comm unused).

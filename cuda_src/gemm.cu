@@ -10,7 +10,7 @@
 //   mk_pad_copy_u16 / mk_pad_copy_u32        dense zero-padded staging copy (see below)
 #include "mk_gemm_configs.cuh"
 
-// Passed by value; mirrored by mkernel/gemm.py:_GemmArgs (same order, natural alignment, 56 bytes).
+// Passed by value; mirrored by mkernel/gemm_engine.py:_GemmArgs (same order, natural alignment, 80 bytes).
 struct MkGemmArgs {
   void* c;                    // output, row-major, row stride ldc elements
   const void* group_offsets;  // grouped: G+1 row offsets (int64, or int32 if offsets_i32)
@@ -22,10 +22,13 @@ struct MkGemmArgs {
   int group_m;     // rasterization super-row height, in tiles
   int c_vec_ok;    // 1: C base aligned to two elements and ldc even
   int offsets_i32;
-  int c_tma;       // TMA-store configs: 1 = C is TMA-addressable (16-byte aligned base and row stride)
+  int c_tma;       // 1: tmC is a map over C (16-byte aligned base and row stride); configs with staging store through it
+  float* partials;  // split-K (plain GEMM, splits > 1): fp32 partial slots [tiles][splits][BM * BN]
+  int* counters;    // split-K: [tiles], zero before the first call (the kernel leaves them zero)
+  int splits;       // plain GEMM: K splits per tile (1: none; cooperative configs only)
 };
 
-// tmC: TMA-store configurations only (over C; nullptr otherwise).
+// tmC: {N, M} over C (used by configurations with TMA-store staging when args.c_tma).
 template <bool KN, bool GROUPED>
 MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmC,
                             const MkGemmArgs& args) {
@@ -36,36 +39,28 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   epi.ldc = args.ldc;
   epi.vec_ok = args.c_vec_ok;
   if constexpr (GROUPED) {
+    // a tile ending inside a group must not write the next group's rows: clip_rows = 0
     MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);
-    mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), epi, mk_smem, blockIdx.x, gridDim.x);
+    mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 0, mk_smem, blockIdx.x, gridDim.x);
   } else {
-    MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
-    if constexpr (Cfg::TMA_STORE && sizeof(MkOut) == 2) {
-      MkEpilogueTmaStore<MkOut> tepi;
-      tepi.direct = epi;
-      tepi.tmC = tmC;
-      tepi.staging = MkGemmSmem<Cfg>(mk_smem).staging();
-      tepi.use_tma = args.c_tma;
-      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), tepi, mk_smem, blockIdx.x, gridDim.x);
+    if constexpr (Cfg::PINGPONG) {  // (no split-K: the ping-pong loop's ring positions assume whole tiles)
+      MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
+      mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 1, mk_smem, blockIdx.x, gridDim.x);
     } else {
-      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), epi, mk_smem, blockIdx.x, gridDim.x);
+      MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m, args.splits);
+      mk_with_store_epilogue<Cfg>(epi, tmC, args.c_tma, 1, mk_smem, [&](auto& inner) {
+        auto sk = mk_split_k_epilogue<Cfg::NC>(inner, args.partials, args.counters, sched.num_n);
+        return mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), sk, mk_smem, blockIdx.x, gridDim.x);
+      });
     }
   }
 }
 
-// A TMA-store configuration's kernels take a third tensor map, over C.
-#if MK_GEMM_TMA_STORE
-#define MK_C_MAP_PARAM , const __grid_constant__ MkTensorMap tmC
-#define MK_C_MAP_ARG &tmC
-#else
-#define MK_C_MAP_PARAM
-#define MK_C_MAP_ARG nullptr
-#endif
-#define MK_GEMM_ENTRY(NAME, KN, GROUPED)                                                                         \
-  extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)                                                    \
-      NAME(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB MK_C_MAP_PARAM,    \
-           const MkGemmArgs args) {                                                                            \
-    mk_gemm_body<KN, GROUPED>(&tmA, &tmB, MK_C_MAP_ARG, args);                                                  \
+#define MK_GEMM_ENTRY(NAME, KN, GROUPED)                                                                           \
+  extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)                                                      \
+      NAME(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,                     \
+           const __grid_constant__ MkTensorMap tmC, const MkGemmArgs args) {                                     \
+    mk_gemm_body<KN, GROUPED>(&tmA, &tmB, &tmC, args);                                                          \
   }
 MK_GEMM_ENTRY(mk_gemm_kn, true, false)
 MK_GEMM_ENTRY(mk_gemm_nk, false, false)

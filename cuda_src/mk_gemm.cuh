@@ -51,9 +51,11 @@
 // every batch; the debug configuration), PINGPONG (needs NC = 2): the two consumer warpgroups work on
 // *different* 64 x BN tiles (BM = 64), alternating along the block's tile sequence, so one's epilogue
 // runs while the other's main loop keeps the tensor cores busy (otherwise BM = 64*NC and every consumer
-// warpgroup owns a 64-row slab of the same tile).
+// warpgroup owns a 64-row slab of the same tile).  STAGING_BOXES_ > 0 (cooperative configs): each
+// consumer warpgroup gets that many 8 KiB boxes (64 rows x 128 bytes) of shared memory through which
+// MkEpilogueTmaStore writes its slab with TMA stores (0: no staging, register epilogues only).
 template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false,
-          bool TMA_STORE_ = false>
+          int STAGING_BOXES_ = 0>
 struct MkGemmConfig {
   static constexpr int NC = NC_;
   static constexpr bool PINGPONG = PINGPONG_;
@@ -72,13 +74,14 @@ struct MkGemmConfig {
   static constexpr int B_NK_TX_BYTES = BN_ * BK * 2;       // bytes one "nk" B box delivers
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;
-  // TMA_STORE: the epilogue stages each consumer warpgroup's output in 16 KiB of shared memory (half a
-  // 64 x 256 16-bit slab at a time, 128B-swizzled) and writes it with TMA stores (MkEpilogueTmaStore).
-  static constexpr bool TMA_STORE = TMA_STORE_;
+  // TMA_STORE: the epilogue stages each consumer warpgroup's output in STAGING_BOXES 128B-swizzled
+  // boxes of 64 rows x 128 bytes (a round of boxes at a time) and writes it with TMA stores.
+  static constexpr int STAGING_BOXES = STAGING_BOXES_;
+  static constexpr bool TMA_STORE = STAGING_BOXES_ > 0;
   static constexpr int STAGING_OFFSET = (BAR_OFFSET + 256 + 1023) / 1024 * 1024;
-  static constexpr int STAGING_BYTES = TMA_STORE_ ? NC_ * 16384 : 0;
+  static constexpr int STAGING_BYTES = NC_ * STAGING_BOXES_ * 8192;
   static constexpr int SMEM_BYTES =
-      (TMA_STORE_ ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + 256) + 1024;  // + alignment slack
+      (TMA_STORE ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + 256) + 1024;  // + alignment slack
   // Consumer arrivals that release a ring slot: lane 0 of every warp of the warpgroup(s) reading it.
   static constexpr int EMPTY_ARRIVALS = PINGPONG_ ? 4 : 4 * NC_;
   // Register reallocation (only with two consumer warpgroups: 128*40 + 256*232 = 64512 <= 65536).
@@ -89,12 +92,12 @@ struct MkGemmConfig {
   static_assert(BN_ == 64 || BN_ == 128 || BN_ == 192 || BN_ == 224 || BN_ == 256, "BN must be 64, 128, 192, 224 or 256");
   static_assert(!B_KN_ || BN_ % 64 == 0, "an MN-major (kn) B tile is made of whole 64-column chunks");
   static_assert(!PINGPONG_ || (NC_ == 2 && PIPELINED_), "ping-pong needs two pipelined consumer warpgroups");
-  static_assert(!TMA_STORE_ || (!PINGPONG_ && BN_ % 128 == 0), "TMA-store epilogue: cooperative, BN a multiple of 128");
+  static_assert(!TMA_STORE || !PINGPONG_, "TMA-store epilogue: cooperative configs only");
   static_assert(2 * STAGES_ * 8 + 16 <= 256, "too many stages for the barrier area");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget exceeded");
 };
 
-// One output tile of one problem.
+// One output tile of one problem (or one split of its K range: split-K).
 struct MkTile {
   int group;   // problem index (0 for a plain GEMM)
   int tile_m;  // tile coordinates inside the problem
@@ -103,7 +106,15 @@ struct MkTile {
   int rows;    // valid rows in this tile (1..BM)
   int col0;    // first column of B / C
   int cols;    // valid columns in this tile (1..BN)
+  int split = 0;   // split-K: this unit reduces K blocks [split*nkb/splits, (split+1)*nkb/splits)
+  int splits = 1;  // (cooperative tile loop only; schedulers that never split leave the defaults)
 };
+
+// The K blocks [lo, hi) of tile t's unit, of nkb in all.
+MK_DEVICE void mk_tile_kblocks(const MkTile& t, int nkb, int& lo, int& hi) {
+  lo = t.splits > 1 ? t.split * nkb / t.splits : 0;
+  hi = t.splits > 1 ? (t.split + 1) * nkb / t.splits : nkb;
+}
 
 // Super-row rasterization: tiles are handed out GROUP_M tile-rows at a time, column by column inside
 // a super-row, so concurrently running tiles share A rows and B columns in L2.
@@ -118,14 +129,17 @@ MK_DEVICE void mk_raster(int i, int num_m, int num_n, int group_m, int& tm, int&
 }
 
 // ---- schedulers -------------------------------------------------------------------------------------
-// One problem of M x N, tiles i = worker_id, worker_id + num_workers, ... in rasterized order.
+// One problem of M x N, units u = worker_id, worker_id + num_workers, ...: tile u / splits in rasterized
+// order, K split u % splits (splits = 1: whole tiles; > 1: split-K, the splits of a tile run side by
+// side on consecutive workers; needs an epilogue that combines them, MkSplitKEpilogue).
 template <int BM, int BN> struct MkLinearScheduler {
-  int M, N, num_m, num_n, group_m, total;
+  int M, N, num_m, num_n, group_m, total, splits;
   int next_i, step;
-  MK_DEVICE MkLinearScheduler(int M_, int N_, int group_m_) : M(M_), N(N_), group_m(group_m_ > 0 ? group_m_ : 1) {
+  MK_DEVICE MkLinearScheduler(int M_, int N_, int group_m_, int splits_ = 1)
+      : M(M_), N(N_), group_m(group_m_ > 0 ? group_m_ : 1), splits(splits_ > 1 ? splits_ : 1) {
     num_m = (M + BM - 1) / BM;
     num_n = (N + BN - 1) / BN;
-    total = num_m * num_n;
+    total = num_m * num_n * splits;
     next_i = 0;
     step = 1;
   }
@@ -135,8 +149,11 @@ template <int BM, int BN> struct MkLinearScheduler {
   }
   MK_DEVICE bool next(MkTile& t) {
     if (next_i >= total) return false;
+    const int i = next_i / splits;
     int tm, tn;
-    mk_raster(next_i, num_m, num_n, group_m, tm, tn);
+    mk_raster(i, num_m, num_n, group_m, tm, tn);
+    t.split = next_i - i * splits;
+    t.splits = splits;
     next_i += step;
     t.group = 0;
     t.tile_m = tm;
@@ -265,56 +282,98 @@ template <typename OutT> struct MkEpilogueStore {
   MK_DEVICE void tile_done(const MkTile&) {}
 };
 
-// Store through shared memory and TMA (Cfg::TMA_STORE; 16-bit outputs).  Per tile, each consumer
-// warpgroup writes its 64-row slab half by half (64 x 128 = two 64 x 64 boxes, 16 KiB) into its
-// staging buffer in the 128B-swizzled layout of the C tensor map, then one thread issues the TMA
-// stores and the warpgroup returns to the main loop while they drain; before refilling the buffer
-// that thread waits until the previous stores have read it.  TMA clips the boxes at C's bounds
-// (rows >= M, columns >= N), which is exactly a plain GEMM's masking: not for grouped problems (a
-// tile ending inside a group would overwrite the next group's rows).  use_tma = 0 falls back to
-// `direct` (C not 16-byte aligned).  Named barriers 3 + slab (128 threads each).
-template <typename OutT> struct MkEpilogueTmaStore {
+// Store through shared memory and TMA (Cfg::TMA_STORE).  A box is 64 rows x 128 bytes of C (64 16-bit
+// or 32 fp32 columns: BOXC), 128B-swizzled exactly as the C tensor map ({N, M}, box {BOXC, 64}) lays
+// it out.  Per tile, each consumer warpgroup writes its 64-row slab in rounds of SB boxes: the thread
+// that issued the previous round's stores waits until they have read the staging buffer, the
+// warpgroup writes the round's fragment columns into it, fences (generic -> async proxy), and one
+// thread issues a TMA store per box and commits; the warpgroup returns to the main loop while the
+// stores drain (drain() waits for them before the block exits).  Columns past the last whole box
+// (BN % BOXC, i.e. the 224-wide tile's last 32) are stored from registers (MkEpilogueStore).
+//
+// Masking: TMA clips a box only at C's bounds (rows >= M, columns >= N).  Columns: a tile's columns
+// end at N or at the next tile, so clipping is exact.  Rows: a slab with fewer than 64 valid rows is
+// written through TMA only if `clip_rows` (its rows end at M: a plain GEMM); otherwise (a group of a
+// grouped GEMM, a shard of AllGather+GEMM ending inside C) the register epilogue writes it, so the
+// next group's rows are never touched.  use_tma = 0: every tile through `direct` (C not 16-byte
+// aligned).  Named barriers 3 + slab (128 threads each).
+template <typename OutT, int SB> struct MkEpilogueTmaStore {
   MkEpilogueStore<OutT> direct;
-  const MkTensorMap* tmC;   // {N, M} over C, box {64, 64}, 128B swizzle
-  unsigned char* staging;   // 1024-aligned, 16 KiB per consumer warpgroup
+  const MkTensorMap* tmC;   // {N, M} over C, box {BOXC, 64}, 128B swizzle
+  unsigned char* staging;   // 1024-aligned, SB * 8 KiB per consumer warpgroup
   int use_tma;
+  int clip_rows;            // 1: C's row bound is every tile's row bound (plain GEMM)
   static constexpr bool kTileDone = false;
   static constexpr bool kDrain = true;
+  static constexpr int ESZ = (int)sizeof(OutT);
+  static constexpr int BOXC = 128 / ESZ;  // columns per box
   template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
-    static_assert(sizeof(OutT) == 2, "the TMA-store epilogue writes 16-bit outputs");
-    static_assert(BN % 128 == 0, "whole 128-column halves");
-    if (!use_tma) {
+    static_assert(SB > 0, "staging boxes");
+    constexpr int FULL = BN / BOXC;                   // whole boxes in a tile row
+    constexpr int ROUNDS = (FULL + SB - 1) / SB;
+    constexpr int JB = BOXC / 8;                      // fragment column groups (8 columns) per box
+    const int valid = t.rows - 64 * slab;
+    if (valid <= 0) return;  // the slab lies below the tile's rows (uniform per warpgroup)
+    if (!use_tma || (valid < 64 && !clip_rows)) {
       direct.template store<BN>(t, slab, acc);
       return;
     }
-    if (64 * slab >= t.rows) return;  // the slab lies below M: nothing to write (uniform per warpgroup)
     const int wt = threadIdx.x & 127;
-    unsigned char* const buf = staging + slab * 16384;
+    unsigned char* const buf = staging + slab * (SB * 8192);
     int r0, c0;
     mk_wgmma_frag_origin(r0, c0);
     const int sw = r0 & 7;  // rows r0 and r0 + 8 share the swizzle phase
+    typedef typename MkPair<OutT>::V V;
 #pragma unroll
-    for (int h = 0; h < BN / 128; ++h) {
-      if (128 * h >= t.cols) break;  // uniform: the rest of the tile lies right of N
-      if (wt == 0) mk_tma_store_wait_read<0>();  // the previous stores have read the buffer
+    for (int h = 0; h < ROUNDS; ++h) {
+      if (h * SB * BOXC >= t.cols) break;  // uniform: the rest of the tile lies right of N
+      if (wt == 0) mk_tma_store_wait_read<0>();  // the previous round's stores have read the buffer
       mk_named_barrier_sync(3 + slab, 128);
 #pragma unroll
-      for (int jj = 0; jj < 16; ++jj) {
-        const int j = 16 * h + jj;              // fragment column group: tile columns 8j .. 8j+7
-        const int cb = ((8 * jj) & 63) * 2 + 2 * c0;  // byte of column 8j + c0 inside its 128-byte box row
-        unsigned char* const box = buf + (jj >> 3) * 8192;
-        const int off = (((cb >> 4) ^ sw) << 4) + (cb & 15);
-        typedef typename MkPair<OutT>::V V;
-        *reinterpret_cast<V*>(box + r0 * 128 + off) = MkPair<OutT>::make(acc[4 * j], acc[4 * j + 1]);
-        *reinterpret_cast<V*>(box + (r0 + 8) * 128 + off) = MkPair<OutT>::make(acc[4 * j + 2], acc[4 * j + 3]);
+      for (int bi = 0; bi < SB; ++bi) {
+        const int b = h * SB + bi;
+        if (b >= FULL) break;  // compile-time after unrolling
+        unsigned char* const box = buf + bi * 8192;
+#pragma unroll
+        for (int jj = 0; jj < JB; ++jj) {
+          const int j = b * JB + jj;
+          const int cb = (8 * jj + c0) * ESZ;  // byte of the pair inside its 128-byte box row
+          const int off = (((cb >> 4) ^ sw) << 4) + (cb & 15);
+          *reinterpret_cast<V*>(box + r0 * 128 + off) = MkPair<OutT>::make(acc[4 * j], acc[4 * j + 1]);
+          *reinterpret_cast<V*>(box + (r0 + 8) * 128 + off) = MkPair<OutT>::make(acc[4 * j + 2], acc[4 * j + 3]);
+        }
       }
       mk_fence_proxy_async_smem();  // generic-proxy writes -> visible to the TMA unit
       mk_named_barrier_sync(3 + slab, 128);
       if (wt == 0) {
-        const int row = t.row0 + 64 * slab, col = t.col0 + 128 * h;
-        mk_tma_store_2d(tmC, buf, col, row);
-        if (128 * h + 64 < t.cols) mk_tma_store_2d(tmC, buf + 8192, col + 64, row);
+        const int row = t.row0 + 64 * slab;
+#pragma unroll
+        for (int bi = 0; bi < SB; ++bi) {
+          const int b = h * SB + bi;
+          if (b < FULL && b * BOXC < t.cols) mk_tma_store_2d(tmC, buf + bi * 8192, t.col0 + b * BOXC, row);
+        }
         mk_tma_store_commit();
+      }
+    }
+    if constexpr (BN % BOXC != 0) {  // the columns past the last whole box, from registers
+      OutT* const cbase = direct.c + (long long)(t.row0 + 64 * slab) * direct.ldc + t.col0;
+#pragma unroll
+      for (int j = FULL * JB; j < BN / 8; ++j) {
+        const int col = 8 * j + c0;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int rr = r0 + 8 * half;
+          if (rr < valid && col < t.cols) {
+            OutT* p = cbase + (long long)rr * direct.ldc + col;
+            const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+            if (col + 1 < t.cols && direct.vec_ok) {
+              *reinterpret_cast<V*>(p) = MkPair<OutT>::make(v0, v1);
+            } else {
+              p[0] = mk_from_f32<OutT>(v0);
+              if (col + 1 < t.cols) p[1] = mk_from_f32<OutT>(v1);
+            }
+          }
+        }
       }
     }
   }
@@ -535,7 +594,9 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     mk_u32 phase = 0;
     MkTile t;
     while (sched.next(t)) {
-      for (int kb = 0; kb < nkb; ++kb) {
+      int kb_lo, kb_hi;
+      mk_tile_kblocks(t, nkb, kb_lo, kb_hi);
+      for (int kb = kb_lo; kb < kb_hi; ++kb) {
         if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb)) {
           // Abort: flag it, then complete the phase the consumers will wait on next without data.
           if (lane == 0) *sm.abort_flag() = 1;
@@ -569,13 +630,15 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   MkTile t;
   while (sched.next(t)) {
     int prev = -1;
-    for (int kb = 0; kb < nkb; ++kb) {
+    int kb_lo, kb_hi;
+    mk_tile_kblocks(t, nkb, kb_lo, kb_hi);
+    for (int kb = kb_lo; kb < kb_hi; ++kb) {
       mk_mbar_wait(sm.full(stage), phase);
       if (*sm.abort_flag()) {
         aborted = true;
         break;
       }
-      mk_gemm_mma_kblock<Cfg>(acc, mk_smem_addr(sm.a(stage)) + slab * 64 * 128, mk_smem_addr(sm.b(stage)), kb > 0);
+      mk_gemm_mma_kblock<Cfg>(acc, mk_smem_addr(sm.a(stage)) + slab * 64 * 128, mk_smem_addr(sm.b(stage)), kb > kb_lo);
       if constexpr (Cfg::PIPELINED) {
         mk_wgmma_wait<1>();  // the previous batch is done: its stage can be refilled
         mk_wgmma_fence_regs(acc);
@@ -616,4 +679,90 @@ MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K
   } else {
     return mk_gemm_run_cooperative<Cfg>(tmA, tmB, K, sched, hook, epi, smem_raw, worker_id, num_workers);
   }
+}
+
+// Split-K (tiles from MkLinearScheduler with splits > 1): every unit but the last of its tile to finish
+// writes its fp32 partial accumulators to its slot of `partials` and counts itself in counters[tile];
+// the last one adds the other partials to its accumulators, resets the counter (so the next call finds
+// it at 0: nothing to clean up between calls, CUDA-graph safe) and runs the inner epilogue.  Nothing
+// waits.  Slots are fragment-ordered (value i of consumer thread ct at i * NT + ct: coalesced) and
+// written/read through L2 (st.cg / ld.cg: another SM wrote them).  Units of unsplit tiles go straight
+// to the inner epilogue.  Uses named barrier 1 (all consumer threads).
+template <class Inner, int NC> struct MkSplitKEpilogue {
+  Inner inner;
+  float* partials;     // [tiles][splits][BN / 2][NT] fp32
+  int* counters;       // [tiles], 0 between calls
+  int num_n;           // tile id = tile_m * num_n + tile_n
+  static constexpr int NT = 128 * NC;  // consumer threads
+  static constexpr bool kTileDone = false;
+  static constexpr bool kDrain = Inner::kDrain;
+  MK_DEVICE void drain() const { inner.drain(); }
+  MK_DEVICE void tile_done(const MkTile&) {}
+  template <int BN> MK_DEVICE void store(const MkTile& t, int slab, float (&acc)[BN / 2]) {
+    if (t.splits <= 1) {
+      inner.template store<BN>(t, slab, acc);
+      return;
+    }
+    __shared__ int last;
+    const int ct = (int)threadIdx.x - 128;  // consumer thread (the producer warpgroup is threads 0..127)
+    const int tile = t.tile_m * num_n + t.tile_n;
+    float* const slots = partials + (long long)tile * t.splits * (BN / 2) * NT;
+    float* const mine = slots + (long long)t.split * (BN / 2) * NT;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) __stcg(mine + i * NT + ct, acc[i]);
+    __threadfence();  // this thread's partial is visible device-wide before the tile's count
+    mk_named_barrier_sync(1, NT);
+    if (ct == 0) last = atomicAdd(counters + tile, 1) == t.splits - 1;
+    mk_named_barrier_sync(1, NT);
+    if (!last) return;
+    __threadfence();  // acquire: the other units' partials (counted before us) are visible
+    for (int s = 0; s < t.splits; ++s) {
+      if (s == t.split) continue;
+      const float* const p = slots + (long long)s * (BN / 2) * NT;
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] += __ldcg(p + i * NT + ct);
+    }
+    if (ct == 0) counters[tile] = 0;  // every unit of this tile has counted: ready for the next call
+    inner.template store<BN>(t, slab, acc);
+  }
+};
+template <int NC, class Inner>
+MK_DEVICE MkSplitKEpilogue<Inner, NC> mk_split_k_epilogue(const Inner& inner, float* partials, int* counters, int num_n) {
+  MkSplitKEpilogue<Inner, NC> e;
+  e.inner = inner;
+  e.partials = partials;
+  e.counters = counters;
+  e.num_n = num_n;
+  return e;
+}
+
+// Calls f(epi) with the plain store epilogue this config has: through shared memory and TMA stores
+// when the config has staging (Cfg::TMA_STORE) and C is TMA-addressable (c_tma), else from registers.
+// tmC: {N, M} over C, box {128 / sizeof(OutT), 64}, 128B swizzle (unused otherwise).  clip_rows: see
+// MkEpilogueTmaStore.
+template <class Cfg, typename OutT, class F>
+MK_DEVICE bool mk_with_store_epilogue(const MkEpilogueStore<OutT>& direct, const MkTensorMap* tmC, int c_tma,
+                                      int clip_rows, unsigned char* smem_raw, F&& f) {
+  if constexpr (Cfg::TMA_STORE) {
+    MkEpilogueTmaStore<OutT, Cfg::STAGING_BOXES> epi;
+    epi.direct = direct;
+    epi.tmC = tmC;
+    epi.staging = MkGemmSmem<Cfg>(smem_raw).staging();
+    epi.use_tma = c_tma;
+    epi.clip_rows = clip_rows;
+    return f(epi);
+  } else {
+    MkEpilogueStore<OutT> epi = direct;
+    return f(epi);
+  }
+}
+
+// mk_gemm_run with that store epilogue.
+template <class Cfg, class Sched, class Hook, typename OutT>
+MK_DEVICE bool mk_gemm_run_store(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmC, int K,
+                                 Sched sched, const Hook& hook, const MkEpilogueStore<OutT>& direct, int c_tma,
+                                 int clip_rows, unsigned char* smem_raw, int worker_id, int num_workers) {
+  return mk_with_store_epilogue<Cfg>(direct, tmC, c_tma, clip_rows, smem_raw, [&](auto& epi) {
+    return mk_gemm_run<Cfg>(tmA, tmB, K, sched, hook, epi, smem_raw, worker_id, num_workers);
+  });
 }

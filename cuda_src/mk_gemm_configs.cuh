@@ -4,18 +4,18 @@
 // Specialization (preprocessor defines, set by mkernel/gemm.py):
 //   MK_GEMM_IN      input dtype code (MK_DTYPE_BF16 | MK_DTYPE_F16) of A and B
 //   MK_GEMM_OUT     output dtype code (MK_DTYPE_BF16 | MK_DTYPE_F16 | MK_DTYPE_F32)
-//   MK_GEMM_CONFIG  tile configuration:
+//   MK_GEMM_CONFIG  tile configuration (S = TMA-store staging boxes per consumer warpgroup, see below):
 //                     0  debug: BM=64  (1 consumer WG), BN=128, 2 stages, every wgmma batch waited on
-//                     1  BM=64  (1 consumer WG), BN=128, 8 stages   (small M / few tiles)
-//                     2  BM=128 (2 consumer WGs), BN=128, 6 stages
-//                     3  BM=128 (2 consumer WGs), BN=256, 4 stages  (large problems)
-//                     4  BM=128 (2 consumer WGs), BN=192, 5 stages  (wave quantization: N = 1536, ...)
-//                     5  BM=128 (2 consumer WGs), BN=224, 4 stages with B "nk" (N = 7168, 57344, ...);
-//                        with B "kn" (MN-major tiles need whole 64-column chunks) it is config 3's tile
+//                     1  BM=64  (1 consumer WG), BN=128, 8 stages, S=2   (small M / few tiles)
+//                     2  BM=128 (2 consumer WGs), BN=128, 6 stages, S=2
+//                     3  BM=128 (2 consumer WGs), BN=256, 4 stages, S=2  (large problems)
+//                     4  BM=128 (2 consumer WGs), BN=192, 4 stages, S=2  (wave quantization: N = 1536, ...)
+//                     5  BM=128 (2 consumer WGs), BN=224, 4 stages, S=2 with B "nk" (N = 7168, 57344,
+//                        ...); with B "kn" (MN-major tiles need whole 64-column chunks) config 3's tile
 //                     6  ping-pong: 2 consumer WGs on alternate 64x256 tiles, 5 stages (small K: the
-//                        epilogue of one WG hides under the other's main loop)
-//                     7  config 3 with the TMA-store epilogue (MkEpilogueTmaStore: shared-memory
-//                        staging, 16-bit outputs of plain GEMMs; experimental: forced only)
+//                        epilogue of one WG hides under the other's main loop); register epilogue
+//   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
+//   kernel's C map is usable (c_tma); every kernel takes that map (unused by configs 0 and 6).
 #pragma once
 #include "mk_gemm.cuh"
 
@@ -31,20 +31,16 @@
 
 template <int CONFIG, bool KN> struct MkCfgSel;
 template <bool KN> struct MkCfgSel<0, KN> { typedef MkGemmConfig<1, 128, 2, false, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<1, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<2, KN> { typedef MkGemmConfig<2, 128, 6, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<3, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<4, KN> { typedef MkGemmConfig<2, 192, 5, true, MK_GEMM_IN, KN> T; };
-template <bool KN> struct MkCfgSel<5, KN> { typedef MkGemmConfig<2, KN ? 256 : 224, 4, true, MK_GEMM_IN, KN> T; };
+template <bool KN> struct MkCfgSel<1, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2> T; };
+template <bool KN> struct MkCfgSel<2, KN> { typedef MkGemmConfig<2, 128, 6, true, MK_GEMM_IN, KN, false, 2> T; };
+template <bool KN> struct MkCfgSel<3, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2> T; };
+template <bool KN> struct MkCfgSel<4, KN> { typedef MkGemmConfig<2, 192, 4, true, MK_GEMM_IN, KN, false, 2> T; };
+template <bool KN> struct MkCfgSel<5, KN> { typedef MkGemmConfig<2, KN ? 256 : 224, 4, true, MK_GEMM_IN, KN, false, 2> T; };
 template <bool KN> struct MkCfgSel<6, KN> { typedef MkGemmConfig<2, 256, 5, true, MK_GEMM_IN, KN, true> T; };
-template <bool KN> struct MkCfgSel<7, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, true> T; };
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,
               "one launch geometry per config (mkernel/gemm_engine.py: TileConfig.smem / threads)");
 
 typedef typename mk_type<MK_GEMM_OUT>::T MkOut;
-// The kernels of a TMA-store configuration take a third tensor map (over C).
-#define MK_GEMM_TMA_STORE (MK_GEMM_CONFIG == 7)
-static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::TMA_STORE == (MK_GEMM_TMA_STORE != 0), "MK_GEMM_TMA_STORE");
 #define MK_THREADS (MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS)
 

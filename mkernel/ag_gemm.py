@@ -87,7 +87,7 @@ for _i in IN_DTYPES:
 
 
 class AgArgs(ctypes.Structure):
-    """Mirror of ``struct AgArgs`` in cuda_src/ag_gemm.cu (200 bytes)."""
+    """Mirror of ``struct AgArgs`` in cuda_src/ag_gemm.cu (208 bytes)."""
 
     _fields_ = [
         ("a_shard", ctypes.c_void_p), ("ws", ctypes.c_void_p), ("peers", ctypes.c_void_p),
@@ -100,10 +100,11 @@ class AgArgs(ctypes.Structure):
         ("P", ctypes.c_int32), ("me", ctypes.c_int32), ("ce_value_off", ctypes.c_int32),
         ("local_map", ctypes.c_int32),
         ("offs", ctypes.c_int32 * (MAXP + 1)),
+        ("c_tma", ctypes.c_int32),
     ]
 
 
-assert ctypes.sizeof(AgArgs) == 200
+assert ctypes.sizeof(AgArgs) == 208
 
 
 # --------------------------------------------------------------------------------------------
@@ -680,8 +681,9 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         opb = G._tma_operand(B, 1, N, K, 0, sb[0], sb[1])
         tmb = encode_tiled(opb.ptr, dt, opb.dims, opb.strides, (64, cfg.bn, 1))
     pre = [G._pad_launch(opb, dt, out_dtype, dev)] if opb.copy is not None else []
+    tmc, args.c_tma = G.c_map(O, M_total, N, ldc, cfg, tma)
     grid = p.comm_sms + p.workers
-    kargs = [tma, tmb, tmal, comm, args]
+    kargs = [tma, tmb, tmal, tmc, comm, args]
     keep = (opb.staging,)
 
     if p.path == "fused_ce":

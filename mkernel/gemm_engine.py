@@ -39,7 +39,7 @@ from .arrays import DeviceArray, _on_device, as_device_array
 from .tensormap import encode_tiled
 
 __all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "config_cost", "describe",
-           "AUTO_CANDIDATES", "LEGACY_CANDIDATES", "check_operands"]
+           "AUTO_CANDIDATES", "LEGACY_CANDIDATES", "check_operands", "c_map"]
 
 SOURCE = "gemm.cu"
 _CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -66,7 +66,11 @@ class TileConfig:
     debug: bool = False
     pingpong: bool = False
     bn_kn: int | None = None
-    tma_store: bool = False  # epilogue through shared memory + TMA stores (plain GEMM, 16-bit output)
+    staging_boxes: int = 0  # TMA-store epilogue: 8 KiB shared-memory boxes per consumer warpgroup
+
+    @property
+    def tma_store(self) -> bool:
+        return self.staging_boxes > 0
 
     @property
     def threads(self) -> int:
@@ -80,41 +84,49 @@ class TileConfig:
         return self.bn_kn if (layout == "kn" and self.bn_kn is not None) else self.bn
 
     @property
+    def epilogue_k(self) -> int:
+        """The epilogue's exposed cost in K-equivalents (see EPILOGUE_K)."""
+        return EPILOGUE_K_TMA if self.tma_store else EPILOGUE_K
+
+    @property
     def smem(self) -> int:  # must match MkGemmConfig::SMEM_BYTES (B reserved in whole 8 KiB chunks)
         bn = max(self.bn, self.bn_kn or 0)
         ring = self.stages * (self.bm * 64 * 2 + -(-bn // 64) * 64 * 64 * 2)
-        if self.tma_store:  # 1024-aligned staging, 16 KiB per consumer warpgroup
-            return _round_up(ring + 256, 1024) + self.consumers * 16384 + 1024
+        if self.tma_store:  # 1024-aligned staging after the barriers
+            return _round_up(ring + 256, 1024) + self.consumers * self.staging_boxes * 8192 + 1024
         return ring + 256 + 1024
 
 
 CONFIGS = {
     0: TileConfig(0, 64, 128, 2, 1, 0.5, debug=True),  # simple: every wgmma batch waited on
-    1: TileConfig(1, 64, 128, 8, 1, 0.70),  # was 0.80: the --sweep of 2026-11-30 measured it 3-30 % slower
-                                            # than that predicted on 9 shapes (docs/gemm.md, entry 6)
-    2: TileConfig(2, 128, 128, 6, 2, 0.92),
-    3: TileConfig(3, 128, 256, 4, 2, 1.00),
-    4: TileConfig(4, 128, 192, 5, 2, 0.94),  # fills 132 SMs where 256-wide tiles leave many idle
-    5: TileConfig(5, 128, 224, 4, 2, 0.96, bn_kn=256),  # idem, "nk" only (kn: config 3's tile)
-    # ping-pong 64x256 (docs/gemm.md: it deadlocked on an H200 until the parity-aliasing fix; not among
-    # AUTO_CANDIDATES until measured)
+    1: TileConfig(1, 64, 128, 8, 1, 0.70, staging_boxes=2),  # 0.70: fitted on the --sweep of 2026-11-30
+    2: TileConfig(2, 128, 128, 6, 2, 0.92, staging_boxes=2),
+    3: TileConfig(3, 128, 256, 4, 2, 1.00, staging_boxes=2),
+    4: TileConfig(4, 128, 192, 4, 2, 0.94, staging_boxes=2),  # fills 132 SMs where 256-wide tiles leave many idle
+    5: TileConfig(5, 128, 224, 4, 2, 0.96, bn_kn=256, staging_boxes=2),  # idem, "nk" only (kn: config 3's tile)
+    # ping-pong 64x256, register epilogue: measured never the fastest (docs/gemm.md), forced only
     6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True),
-    # config 3 with the TMA-store epilogue (docs/gemm.md): EXPERIMENTAL, compiled and CPU-checked but
-    # not yet run on a GPU (2026-11-30); forced only, never chosen automatically
-    7: TileConfig(7, 128, 256, 4, 2, 1.00, tma_store=True),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
 AUTO_CANDIDATES = (1, 2, 3, 4, 5)
-# Epilogue cost in K-equivalents (a 128 x 256 bf16 tile's register-to-global stores take about as long
-# as 256 more K of main loop; from the K = 512 kv_b measurement).  Ping-pong hides it except at the end.
+# Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
+# as 256 more K of main loop (from the K = 512 kv_b measurement); ping-pong hides it except at the end.
+# TMA-store epilogue: the consumers only write shared memory, the stores drain under the next tile.
 EPILOGUE_K = 256
+EPILOGUE_K_TMA = 32
+# Split-K (plain GEMM): at most MAX_SPLITS splits, each of at least MIN_SPLIT_KBLOCKS K blocks, fp32
+# partials at most MAX_PARTIAL_BYTES per plan; SPLIT_PARTIAL_COST weighs a partial tile's traffic.
+MAX_SPLITS = 16
+MIN_SPLIT_KBLOCKS = 4
+MAX_PARTIAL_BYTES = 64 << 20
+SPLIT_PARTIAL_COST = 1.0
 GROUP_M = 8  # rasterization super-row height (tiles)
 
 
 class _GemmArgs(ctypes.Structure):
-    """Mirror of MkGemmArgs in cuda_src/gemm.cu (56 bytes)."""
+    """Mirror of MkGemmArgs in cuda_src/gemm.cu (80 bytes)."""
 
     _fields_ = [
         ("c", ctypes.c_void_p),
@@ -128,10 +140,13 @@ class _GemmArgs(ctypes.Structure):
         ("c_vec_ok", ctypes.c_int32),
         ("offsets_i32", ctypes.c_int32),
         ("c_tma", ctypes.c_int32),
+        ("partials", ctypes.c_void_p),
+        ("counters", ctypes.c_void_p),
+        ("splits", ctypes.c_int32),
     ]
 
 
-assert ctypes.sizeof(_GemmArgs) == 56
+assert ctypes.sizeof(_GemmArgs) == 80
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,13 +216,25 @@ def choose_config(num_tiles, num_sms: int, *, k: int | None = None, layout: str 
     return best
 
 
-def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout: str = "nk") -> float:
-    """Predicted per-SM time of ``tiles`` tiles under ``cfg`` (arbitrary units; see choose_config)."""
+def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout: str = "nk",
+                splits: int = 1) -> float:
+    """Predicted per-SM time of ``tiles`` tiles under ``cfg`` (arbitrary units; see choose_config).
+
+    ``splits`` > 1 (split-K, cooperative configs): ``tiles * splits`` units of ``ceil(K/64/splits)``
+    K blocks each, plus, per unit, the fp32 partial tile written and (by the tile's last unit) the
+    others read back: ``SPLIT_PARTIAL_COST * splits`` partial tiles of ``bm*bn*4`` bytes, counted in
+    K-equivalents of operand loads (``bm*bn*4 / ((bm+bn)*2)``)."""
     area = cfg.bm * cfg.tile_n(layout)
     if k is None:
         return math.ceil(tiles / (num_sms * cfg.tiles_per_block)) * cfg.tiles_per_block * area / cfg.efficiency
     if not cfg.pingpong:
-        return math.ceil(tiles / num_sms) * area * (k + EPILOGUE_K) / cfg.efficiency
+        if splits > 1:
+            bn = cfg.tile_n(layout)
+            unit_k = math.ceil(math.ceil(k / 64) / splits) * 64
+            partial_k = cfg.bm * bn * 4 / ((cfg.bm + bn) * 2)
+            unit_k += SPLIT_PARTIAL_COST * splits * partial_k
+            return math.ceil(tiles * splits / num_sms) * area * (unit_k + cfg.epilogue_k) / cfg.efficiency
+        return math.ceil(tiles / num_sms) * area * (k + cfg.epilogue_k) / cfg.efficiency
     w = math.ceil(tiles / (2 * num_sms))
     exposed = (2 if w == 1 else 1) * area * EPILOGUE_K
     return 2 * w * area * k / cfg.efficiency + exposed
@@ -344,6 +371,7 @@ class _Plan:
     args: list
     pre: list  # staging launches: (kernel, grid, block, args)
     keep: list  # device buffers the launches use
+    splits: int = 1  # split-K factor (plain GEMM)
 
     def run(self, stream):
         for k, g, b, a in self.pre:
@@ -388,14 +416,17 @@ def _tensor_maps(A: _Operand, B: _Operand, in_dtype: str, cfg: TileConfig, b_lay
 # public ops
 # --------------------------------------------------------------------------------------------
 def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, stream=None,
-         config: int | None = None):
+         config: int | None = None, splits: int | None = None):
     """``out[M, N] = a[M, K] @ b`` (``b`` is ``[K, N]`` for ``b_layout="kn"``, ``[N, K]`` for "nk").
 
     a, b: bf16 or fp16 (same dtype), 2-D, on the current device, any strides (staged if TMA cannot
     read them in place, see module doc).  out: ``[M, N]`` bf16/fp16/fp32 with unit column stride, or
     None to allocate one of ``out_dtype`` (default a's dtype).  stream: any stream-like object (None:
     the legacy default stream).  config: force a tile config id (``CONFIGS``; debugging and
-    benchmarks).  Returns ``out``.  Asynchronous with respect to the host.
+    benchmarks).  splits: force the split-K factor (1 = none; clamped to what the config allows,
+    ``max_splits``); by default the heuristic splits K when the output tiles cannot fill the SMs (the
+    last split of each tile to finish adds the others' fp32 partials in the same kernel).  Returns
+    ``out``.  Asynchronous with respect to the host.
     """
     A, B, M, K, N, _ = check_operands(a, b, b_layout, what="mkernel.gemm", stream=stream)
     in_dtype = A.dtype.name
@@ -407,20 +438,22 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
         O = _prepare_out(O_in, out_dtype, in_dtype, (M, N), dev)
         if M == 0 or N == 0:
             return out if out is not None else O
-        key = ("gemm", dev, b_layout, config, _env_key(), _akey(A), _akey(B), _akey(O))
-        plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config))
+        key = ("gemm", dev, b_layout, config, splits, _env_key(), _akey(A), _akey(B), _akey(O))
+        plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits))
         plan.run(stream)
     return out if out is not None else O
 
 
-def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config) -> _Plan:
+def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -> _Plan:
     out_dtype = O.dtype.name
     ldc = O.strides[0] if M > 1 else N
     sms = _num_sms(dev)
     if K == 0:
         pre = [_zero_fill_launch(O, M, N, ldc, in_dtype, dev)]
         return _Plan(CONFIGS[1], None, 0, [], pre, [])
-    cfg = CONFIGS[config] if config is not None else _auto_config(M, N, K, b_layout, sms)
+    cfg, sp = _auto_plan(M, N, K, b_layout, sms, config)
+    if splits is not None:
+        sp = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout)))
     sa = A.strides
     opa = _tma_operand(A, 1, M, K, 0, sa[0], sa[1])
     sb = B.strides
@@ -434,25 +467,92 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config) -> _Plan:
             pre.append(_pad_launch(op, in_dtype, out_dtype, dev))
             keep.append(op.staging)
     tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
-    maps = [tma, tmb]
-    c_tma = 0
-    if cfg.tma_store:  # the C map; the register epilogue where TMA cannot address C
-        isz = O.dtype.itemsize
-        c_tma = int(isz == 2 and O.ptr % 16 == 0 and (ldc * isz) % 16 == 0)
-        maps.append(encode_tiled(O.ptr, out_dtype, (N, M), (ldc * isz,), (64, 64)) if c_tma else tma)
+    tmc, c_tma = c_map(O, M, N, ldc, cfg, tma)
     args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, c_tma)
-    tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
+    tiles = _tiles(cfg, M, N, b_layout)
+    if sp > 1:  # split-K workspace: fp32 partial slots, per-tile counters (zero; the kernel keeps them so)
+        partials = DeviceArray.empty((tiles * sp * cfg.bm * cfg.tile_n(b_layout),), "float32", device=dev)
+        counters = DeviceArray.from_numpy(np.zeros(tiles, np.int32), device=dev)
+        keep += [partials, counters]
+        args.partials, args.counters, args.splits = partials.ptr, counters.ptr, sp
+    else:
+        args.splits = 1
+    maps = [tma, tmb, tmc]
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
-    return _Plan(cfg, kernel, _grid(cfg, tiles, sms), [*maps, args], pre, keep)
+    return _Plan(cfg, kernel, _grid(cfg, tiles * sp, sms), [*maps, args], pre, keep, sp)
 
 
 def _env_key():
-    return (os.environ.get("MKERNEL_GEMM_CONFIG"), os.environ.get("MKERNEL_GEMM_CANDIDATES"))
+    return (os.environ.get("MKERNEL_GEMM_CONFIG"), os.environ.get("MKERNEL_GEMM_CANDIDATES"),
+            os.environ.get("MKERNEL_GEMM_EPILOGUE"))
+
+
+def c_map(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, fallback: bytes):
+    """The C tensor map every GEMM kernel takes, and c_tma (1: the epilogue stores through it).
+
+    A config with TMA-store staging uses it when C's base and row stride are 16-byte multiples
+    (``MKERNEL_GEMM_EPILOGUE=registers`` turns it off: benchmarks compare both epilogues); otherwise
+    the kernel gets ``fallback`` (any valid map) and stores from registers."""
+    isz = O.dtype.itemsize
+    ok = (cfg.tma_store and O.ptr % 16 == 0 and (ldc * isz) % 16 == 0
+          and os.environ.get("MKERNEL_GEMM_EPILOGUE", "tma") != "registers")
+    if not ok:
+        return fallback, 0
+    return encode_tiled(O.ptr, O.dtype.name, (N, M), (ldc * isz,), (128 // isz, 64)), 1
+
 
 
 def _auto_config(M: int, N: int, K: int, b_layout: str, sms: int) -> TileConfig:
-    return choose_config(lambda c: math.ceil(M / c.bm) * math.ceil(N / c.tile_n(b_layout)), sms, k=K,
-                         layout=b_layout, candidates=AUTO_CANDIDATES)
+    return _auto_plan(M, N, K, b_layout, sms)[0]
+
+
+def _tiles(cfg: TileConfig, M: int, N: int, b_layout: str) -> int:
+    return math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
+
+
+def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str) -> int:
+    """The most K splits a plain GEMM may use with ``cfg`` (1: none; ping-pong configs never split)."""
+    if cfg.pingpong or cfg.debug:
+        return 1
+    tiles = _tiles(cfg, M, N, b_layout)
+    by_bytes = MAX_PARTIAL_BYTES // max(1, tiles * cfg.bm * cfg.tile_n(b_layout) * 4)
+    return max(1, min(MAX_SPLITS, math.ceil(K / 64) // MIN_SPLIT_KBLOCKS, by_bytes))
+
+
+def choose_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, sms: int) -> int:
+    """Split-K factor of least predicted time for ``cfg`` (config_cost); 1 when the tiles fill the SMs."""
+    tiles = _tiles(cfg, M, N, b_layout)
+    best, best_cost = 1, config_cost(cfg, tiles, sms, K, b_layout)
+    if tiles >= sms:
+        return 1
+    for sp in range(2, max_splits(cfg, M, N, K, b_layout) + 1):
+        c = config_cost(cfg, tiles, sms, K, b_layout, sp)
+        if c < best_cost:
+            best, best_cost = sp, c
+    return best
+
+
+def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | None = None):
+    """(config, splits) for a plain GEMM: the heuristic's config and split-K factor (a forced config
+    still gets its best split factor)."""
+    if config is not None:
+        cfg = CONFIGS[config]
+        return cfg, choose_splits(cfg, M, N, K, b_layout, sms)
+    cands = _env_candidates(AUTO_CANDIDATES)
+    env = os.environ.get("MKERNEL_GEMM_CONFIG")
+    if env and (int(env) == 0 or int(env) in cands):
+        cfg = CONFIGS[int(env)]
+        return cfg, choose_splits(cfg, M, N, K, b_layout, sms)
+    best = None
+    for cid in cands:
+        cfg = CONFIGS[cid]
+        if cfg.debug or (b_layout == "kn" and cfg.bn_kn is not None):
+            continue
+        sp = choose_splits(cfg, M, N, K, b_layout, sms)
+        cost = config_cost(cfg, max(1, _tiles(cfg, M, N, b_layout)), sms, K, b_layout, sp)
+        if best is None or cost < best[0]:
+            best = (cost, cfg, sp)
+    return best[1], best[2]
 
 
 def _vec_ok(O: DeviceArray, ldc: int, M: int) -> int:
@@ -554,9 +654,9 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
             pre.append(_pad_launch(op, in_dtype, out_dtype, dev))
             keep.append(op.staging)
     tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
-    args = _GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, _vec_ok(O, ldc, T), offs_i32, 0)
-    # grouped problems keep the register epilogue; a TMA-store config's kernel takes an unused C map
-    maps = [tma, tmb, tma] if cfg.tma_store else [tma, tmb]
+    tmc, c_tma = c_map(O, T, N, ldc, cfg, tma)
+    args = _GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, _vec_ok(O, ldc, T), offs_i32, c_tma, None, None, 1)
+    maps = [tma, tmb, tmc]
     grid = _grid(cfg, num_tiles(cfg), sms)
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
     return _Plan(cfg, kernel, grid, [*maps, args], pre, keep)
@@ -572,20 +672,21 @@ class _Sub:
 
 def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: str | None = None,
              b_layout: str = "kn", config: int | None = None, device: int | None = None) -> dict:
-    """What ``gemm`` would launch for this shape: config, tile, grid, threads, shared memory,
-    registers per thread (ptxas) and the NVRTC compile time of the module (0 if it came from cache)."""
+    """What ``gemm`` would launch for this shape: config, tile, split-K factor, grid, threads, shared
+    memory, registers per thread (ptxas) and the NVRTC compile time of the module (0 if it came from
+    cache)."""
     out_dtype = out_dtype or in_dtype
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
-        cfg = CONFIGS[config] if config is not None else _auto_config(M, N, K, b_layout, sms)
+        cfg, sp = _auto_plan(M, N, K, b_layout, sms, config)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
     name = f"mk_gemm_{b_layout}"
     usage = mod.resource_usage.get(name, {})
-    tiles = math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
+    tiles = _tiles(cfg, M, N, b_layout)
     return dict(config=cfg.id, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
-                smem=cfg.smem, pingpong=cfg.pingpong, tma_store=cfg.tma_store, registers=usage.get("registers"),
-                spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
-                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles, grid=_grid(cfg, tiles, sms))
+                smem=cfg.smem, pingpong=cfg.pingpong, tma_store=cfg.tma_store, splits=sp,
+                registers=usage.get("registers"), spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
+                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles, grid=_grid(cfg, tiles * sp, sms))
 
 
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:

@@ -89,8 +89,8 @@ def fake(monkeypatch):
 
 
 def _args(launch) -> G._GemmArgs:
-    a = launch["args"][2]
-    assert isinstance(a, G._GemmArgs) and len(launch["args"][0]) == 128 == len(launch["args"][1])
+    a = launch["args"][3]
+    assert isinstance(a, G._GemmArgs) and all(len(m) == 128 for m in launch["args"][:3])
     return a
 
 
@@ -102,14 +102,15 @@ def test_big_square_kn(fake):
     (l,) = launches
     assert l["kernel"] == "mk_gemm_kn" and l["config"] == 3 and l["grid"] == 132 and l["block"] == 384
     assert l["smem"] == G.CONFIGS[3].smem
-    ma, mb = maps
+    ma, mb, mc = maps
     assert ma == dict(ptr=a.ptr, dtype="bfloat16", dims=(4096, 4096), strides=(8192,), box=(64, 128))
     assert mb == dict(ptr=b.ptr, dtype="bfloat16", dims=(4096, 4096, 1), strides=(8192, 8192 * 4096), box=(64, 64, 1))
+    assert mc == dict(ptr=out.ptr, dtype="bfloat16", dims=(4096, 4096), strides=(8192,), box=(64, 64))
     x = _args(l)
-    assert (x.M, x.N, x.K, x.ldc, x.num_groups, x.c_vec_ok, x.c) == (4096, 4096, 4096, 4096, 1, 1, out.ptr)
+    assert (x.M, x.N, x.K, x.ldc, x.num_groups, x.c_vec_ok, x.c, x.c_tma) == (4096, 4096, 4096, 4096, 1, 1, out.ptr, 1)
     # same call again: the plan is reused, nothing re-encoded
     G.gemm(a, b, out)
-    assert len(maps) == 2 and len(launches) == 2
+    assert len(maps) == 3 and len(launches) == 2
 
 
 def test_nk_small_m_picks_small_tiles(fake):
@@ -202,8 +203,32 @@ def test_bad_input_raises_before_launch(fake, bad):
 def test_args_struct_layout():
     offs = {f[0]: getattr(G._GemmArgs, f[0]).offset for f in G._GemmArgs._fields_}
     assert offs == dict(c=0, group_offsets=8, ldc=16, M=24, N=28, K=32, num_groups=36, group_m=40, c_vec_ok=44,
-                        offsets_i32=48, c_tma=52)
-    assert ctypes.sizeof(G._GemmArgs) == 56
+                        offsets_i32=48, c_tma=52, partials=56, counters=64, splits=72)
+    assert ctypes.sizeof(G._GemmArgs) == 80
+
+
+def test_split_k_plans(fake):
+    """Few tiles and a long K: split-K with an fp32 partial workspace and zeroed counters; enough
+    tiles: no split; forced splits are clamped to what the config allows."""
+    launches, maps, empty = fake
+    a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
+    G.gemm(a, b, b_layout="nk")
+    l = launches[-1]
+    x = _args(l)
+    plan = next(reversed(G._plans.values()))
+    cfg = plan.cfg
+    tiles = -(-128 // cfg.bm) * -(-1536 // cfg.tile_n("nk"))
+    assert x.splits == plan.splits > 1 and x.partials and x.counters
+    assert l["grid"] == min(132, tiles * x.splits)
+    assert x.splits * tiles <= 132 * 2 and 7168 // 64 // x.splits >= G.MIN_SPLIT_KBLOCKS
+    big = G.gemm(empty((4096, 4096), "bfloat16"), empty((4096, 4096), "bfloat16"))
+    assert _args(launches[-1]).splits == 1 and big.shape == (4096, 4096)
+    G.gemm(a, b, b_layout="nk", config=3, splits=1000)
+    assert _args(launches[-1]).splits == G.max_splits(G.CONFIGS[3], 128, 1536, 7168, "nk") == 16
+    G.gemm(empty((128, 256), "bfloat16"), empty((256, 512), "bfloat16"), splits=8)  # 4 K blocks: cannot split
+    assert _args(launches[-1]).splits == 1
+    G.gemm(a, b, b_layout="nk", config=6, splits=4)  # ping-pong never splits
+    assert _args(launches[-1]).splits == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,21 +279,34 @@ def test_224_plans(fake):
     assert maps[1]["box"] == (64, 64, 1) and launches[0]["grid"] == 4 * 28
 
 
-def test_tma_store_config_plans(fake):
-    """Config 7 (TMA-store epilogue): a third tensor map over C ({N, M}, box 64x64) and c_tma = 1 when
-    C is 16-bit with 16-byte aligned base and row stride; otherwise the register epilogue (c_tma = 0)
-    with a stand-in map; grouped problems always keep the register epilogue."""
+def test_tma_store_epilogue_plans(fake, monkeypatch):
+    """Every config with staging boxes gets a tensor map over C ({N, M}, box of 128 bytes x 64 rows)
+    and c_tma = 1 when C's base and row stride are 16-byte multiples (any output dtype, grouped too);
+    otherwise, for configs without staging, or with MKERNEL_GEMM_EPILOGUE=registers, c_tma = 0 and a
+    stand-in map (the register epilogue)."""
     launches, maps, empty = fake
     a, b = empty((1000, 512), "bfloat16"), empty((512, 520), "bfloat16")
-    out = G.gemm(a, b, config=7)
+    for cid in (1, 2, 3, 4, 5):
+        assert G.CONFIGS[cid].tma_store and G.CONFIGS[cid].smem <= 227 * 1024
+    out = G.gemm(a, b, config=3)
     (l,) = launches
-    assert l["config"] == 7 and len(l["args"]) == 4 and l["smem"] == G.CONFIGS[7].smem <= 227 * 1024
-    assert l["args"][3].c_tma == 1
+    assert l["config"] == 3 and len(l["args"]) == 4 and l["args"][3].c_tma == 1
     assert maps[2] == dict(ptr=out.ptr, dtype="bfloat16", dims=(520, 1000), strides=(1040,), box=(64, 64))
     launches.clear(), maps.clear()
-    G.gemm(a, b, empty((1000, 520), "float32"), config=7)
-    assert launches[0]["args"][3].c_tma == 0 and len(launches[0]["args"]) == 4 and len(maps) == 2
+    o32 = empty((1000, 520), "float32")
+    G.gemm(a, b, o32, config=1)
+    assert launches[0]["args"][3].c_tma == 1
+    assert maps[2] == dict(ptr=o32.ptr, dtype="float32", dims=(520, 1000), strides=(2080,), box=(32, 64))
     launches.clear(), maps.clear()
-    G.grouped_gemm(a, empty((2, 512, 520), "bfloat16"), [0, 400, 1000], config=7)
-    assert launches[-1]["kernel"] == "mk_grouped_gemm_kn" and launches[-1]["args"][3].c_tma == 0
-    assert 7 not in G.AUTO_CANDIDATES and 7 not in G.LEGACY_CANDIDATES
+    G.grouped_gemm(a, empty((2, 512, 520), "bfloat16"), [0, 400, 1000], config=4)
+    assert launches[-1]["kernel"] == "mk_grouped_gemm_kn" and launches[-1]["args"][3].c_tma == 1
+    launches.clear(), maps.clear()
+    for cfg in (0, 6):  # no staging: register epilogue, stand-in map
+        G.gemm(a, b, config=cfg)
+        assert launches[-1]["args"][3].c_tma == 0 and len(launches[-1]["args"]) == 4
+    odd = DeviceArray(empty((1, 1), "bfloat16").ptr + 2, (1000, 520), "bfloat16", None, 0)  # misaligned base
+    G.gemm(a, b, odd, config=3)
+    assert launches[-1]["args"][3].c_tma == 0
+    monkeypatch.setenv("MKERNEL_GEMM_EPILOGUE", "registers")
+    G.gemm(a, b, config=3)
+    assert launches[-1]["args"][3].c_tma == 0

@@ -66,11 +66,11 @@ def check(got, ref, what):
     assert e < TOL, f"{what}: relative Frobenius error {e:.3e}"
 
 
-def run_gemm(rng, M, N, K, layout, in_dt="bfloat16", out_dt="bfloat16", config=None, sample=None):
+def run_gemm(rng, M, N, K, layout, in_dt="bfloat16", out_dt="bfloat16", config=None, sample=None, splits=None):
     a, av = rand(rng, (M, K), in_dt)
     b, bv = rand(rng, (K, N) if layout == "kn" else (N, K), in_dt)
     out = poisoned((M, N), out_dt)
-    G.gemm(a, b, out, b_layout=layout, config=config)
+    G.gemm(a, b, out, b_layout=layout, config=config, splits=splits)
     got = values(out)
     bmat = bv if layout == "kn" else bv.T
     if sample is None:
@@ -155,17 +155,74 @@ def test_big_auto(rng):
     run_gemm(rng, 4096, 8192, 1000, "kn", in_dt="float16", out_dt="float32", sample=192)
 
 
+# ---- split-K ---------------------------------------------------------------------------------
+SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K splits, every cooperative config
+    (129, 1000, 4097, "kn", 3, 4), (7, 7, 1000, "nk", 1, 15), (300, 520, 2048, "kn", 2, 3),
+    (64, 576, 7168, "nk", 4, 7), (1000, 224, 640, "nk", 5, 2), (200, 264, 1300, "kn", 1, 5),
+]
+
+
+@pytest.mark.parametrize("out_dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("M,N,K,layout,config,splits", SPLIT_CASES,
+                         ids=[f"{m}x{n}x{k}-{l}-c{c}-s{s}" for m, n, k, l, c, s in SPLIT_CASES])
+def test_split_k(rng, M, N, K, layout, config, splits, out_dt):
+    run_gemm(rng, M, N, K, layout, out_dt=out_dt, config=config, splits=splits)
+    plan = next(reversed(G._plans.values()))
+    assert plan.splits == splits, f"planned {plan.splits} splits"
+
+
+def test_split_k_auto_and_repeated(rng):
+    """Few output tiles (M = 128 projections): the heuristic splits K; the per-tile counters return to
+    zero after every call, so repeated calls with new data stay right."""
+    M, N, K = 128, 1536, 7168
+    a, _ = rand(rng, (M, K), "bfloat16")
+    b, _ = rand(rng, (N, K), "bfloat16")
+    out = poisoned((M, N), "bfloat16")
+    for it in range(4):
+        a2, av = rand(rng, (M, K), "bfloat16")
+        b2, bv = rand(rng, (N, K), "bfloat16")
+        a.copy_from(a2), b.copy_from(b2), out.fill_nan()
+        G.gemm(a, b, out, b_layout="nk")
+        check(values(out), av @ bv.T, f"split-K auto, call {it}")
+    plan = next(reversed(G._plans.values()))
+    assert plan.splits > 1, "the heuristic did not split K for a 24-tile problem"
+
+
 # ---- views: strided output (masking), offset / strided / transposed inputs (staging) ---------
-def test_output_view_is_masked(rng):
-    M, N, K, pad = 300, 200, 136, 24
+@pytest.mark.parametrize("out_dt,pad,layout,config", [
+    ("float32", 24, "kn", None),   # TMA-store epilogue, fp32 boxes of 32 columns
+    ("bfloat16", 8, "nk", 5),      # TMA stores + the 224-wide tile's last 32 columns from registers
+    ("bfloat16", 3, "kn", 3),      # row stride not a 16-byte multiple: register epilogue
+    ("float16", 40, "nk", 1),
+])
+def test_output_view_is_masked(rng, out_dt, pad, layout, config):
+    M, N, K = 300, 200, 136
     a, av = rand(rng, (M, K), "bfloat16")
-    b, bv = rand(rng, (K, N), "bfloat16")
-    buf = poisoned((M + 1, N + pad), "float32")
-    out = DeviceArray(buf.ptr, (M, N), "float32", (N + pad, 1), buf.device, buf)
-    G.gemm(a, b, out)
-    h = buf.to_numpy().astype(np.float64)
-    check(h[:M, :N], av @ bv, "strided out")
+    b, bv = rand(rng, (K, N) if layout == "kn" else (N, K), "bfloat16")
+    buf = poisoned((M + 1, N + pad), out_dt)
+    out = DeviceArray(buf.ptr, (M, N), out_dt, (N + pad, 1), buf.device, buf)
+    G.gemm(a, b, out, b_layout=layout, config=config)
+    h = values(buf)
+    check(h[:M, :N], av @ (bv if layout == "kn" else bv.T), f"strided out {out_dt} pad={pad} cfg={config}")
     assert np.isnan(h[:, N:]).all() and np.isnan(h[M]).all(), "gemm wrote outside the output view"
+
+
+def test_grouped_output_rows_outside_groups_untouched(rng):
+    """Groups that end inside a tile (TMA stores must not spill into the next group's rows, nor
+    outside [o[0], o[G])), with a padded output row stride."""
+    offs = [3, 70, 70, 200, 333]
+    T, N, K = 340, 264, 200
+    a, av = rand(rng, (T, K), "bfloat16")
+    b, bv = rand(rng, (4, N, K), "bfloat16")
+    buf = poisoned((T, N + 8), "bfloat16")
+    out = DeviceArray(buf.ptr, (T, N), "bfloat16", (N + 8, 1), buf.device, buf)
+    G.grouped_gemm(a, b, offs, out, b_layout="nk")
+    h = values(buf)
+    for g in range(4):
+        r0, r1 = offs[g], offs[g + 1]
+        if r1 > r0:
+            check(h[r0:r1, :N], av[r0:r1] @ bv[g].T, f"group {g}")
+    assert np.isnan(h[:offs[0]]).all() and np.isnan(h[offs[-1]:]).all() and np.isnan(h[:, N:]).all()
 
 
 def test_input_views_staged(rng):
