@@ -78,7 +78,7 @@ IN_DTYPES = ("bfloat16", "float16")
 MAXP = 16  # local ranks (the kernel keeps the source rank in 4 bits of the tile id)
 GATHER_THREADS = 512
 RELEASE_THREADS = 128
-_FUSED_CONFIGS = (1, 2, 3)  # 0 is the debug config (config=0 forces it)
+_FUSED_CONFIGS = (1, 2, 3, 4)  # 0 is the debug config (config=0 forces it); 5's tile depends on the B layout
 
 for _i in IN_DTYPES:
     for _o in (_i, "float32"):
@@ -302,14 +302,16 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     g_blocks = max(1, min(sms, nch_max, model.max_comm_sms))  # many spinning blocks hurt (docs/collectives.md)
     t_ag = (_comm_time(m_sizes, row_bytes, g_blocks, cr, gathered, model) + 2 * model.launch_latency
             if P > 1 else (M * row_bytes / model.hbm_copy_bw if gathered else 0.0))
-    cfg_u = G.choose_config(lambda c: -(-M // c.bm) * -(-N // c.bn), sms)
-    t_gu = _gemm_time(-(-M // cfg_u.bm) * -(-N // cfg_u.bn), sms, cfg_u, K, sms, model) + model.launch_latency
+    # mkernel.gemm's own plan for the gathered problem (any config, split-K; "kn" leaves out config 5,
+    # whose "nk" tile is only a little better)
+    cfg_u, sp_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), "kn", sms)
+    t_gu = _gemm_time(G._tiles(cfg_u, M, N, "kn") * sp_u, sms, cfg_u, -(-K // sp_u), sms, model) + model.launch_latency
     t_unfused = t_ag + t_gu
 
     def fused_at(n: int):
         w = sms - n
         cfg = G.CONFIGS[config] if config is not None else G.choose_config(
-            lambda c: _fused_tiles(m_sizes, N, c), w)
+            lambda c: _fused_tiles(m_sizes, N, c), w, candidates=_FUSED_CONFIGS)
         tiles = _fused_tiles(m_sizes, N, cfg)
         tt = _tile_time(cfg, K, sms, model)
         t_comm = _comm_time(m_sizes, row_bytes, n, cr, gathered, model)
@@ -322,7 +324,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     def fused_ce():
         w = sms - 1  # one SM stays free for the side stream's begin kernel
         cfg = G.CONFIGS[config] if config is not None else G.choose_config(
-            lambda c: _fused_tiles(m_sizes, N, c), w)
+            lambda c: _fused_tiles(m_sizes, N, c), w, candidates=_FUSED_CONFIGS)
         cr_ce = ce_chunk_rows(m_sizes, model)
         tiles = _fused_tiles(m_sizes, N, cfg)
         tt = _tile_time(cfg, K, sms, model) * model.ce_gemm_slowdown

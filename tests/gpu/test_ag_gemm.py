@@ -146,7 +146,7 @@ def test_shapes(ctx, shared_rng, case):
 
 @pytest.mark.parametrize("path", ["fused", "fused_ce"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("config", [0, 1, 2, 3])
+@pytest.mark.parametrize("config", [0, 1, 2, 3, 4])
 def test_fused_every_config(ctx, shared_rng, layout, config, path):
     """Every tile config of the fused kernel, ragged M (tiles end inside a shard) and N."""
     m_sizes = _ms(lambda r, P: 150 + 50 * r, ctx.local_size)
