@@ -23,9 +23,10 @@ struct MkGemmArgs {
   int c_vec_ok;    // 1: C base aligned to two elements and ldc even
   int offsets_i32;
   int c_tma;       // 1: tmC is a map over C (16-byte aligned base and row stride); configs with staging store through it
-  float* partials;  // split-K (plain GEMM, splits > 1): fp32 partial slots [tiles][splits][BM * BN]
-  int* counters;    // split-K: [tiles], zero before the first call (the kernel leaves them zero)
-  int splits;       // plain GEMM: K splits per tile (1: none; cooperative configs only)
+  float* partials;  // split-K (plain GEMM, splits > 1): fp32 partial slots [split tiles][splits][BM * BN]
+  int* counters;    // split-K: [split tiles], zero before the first call (the kernel leaves them zero)
+  int splits;       // plain GEMM: K splits per split tile (1: none; cooperative configs only)
+  int split_from;   // split-K: tiles (rasterized order) before this one are not split
 };
 
 // tmC: {N, M} over C (used by configurations with TMA-store staging when args.c_tma).
@@ -47,9 +48,9 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
       MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
       mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 1, mk_smem, blockIdx.x, gridDim.x);
     } else {
-      MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m, args.splits);
+      MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m, args.splits, args.split_from);
       mk_with_store_epilogue<Cfg>(epi, tmC, args.c_tma, 1, mk_smem, [&](auto& inner) {
-        auto sk = mk_split_k_epilogue<Cfg::NC>(inner, args.partials, args.counters, sched.num_n);
+        auto sk = mk_split_k_epilogue<Cfg::NC>(inner, args.partials, args.counters);
         return mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), sk, mk_smem, blockIdx.x, gridDim.x);
       });
     }

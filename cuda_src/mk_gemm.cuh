@@ -108,6 +108,7 @@ struct MkTile {
   int cols;    // valid columns in this tile (1..BN)
   int split = 0;   // split-K: this unit reduces K blocks [split*nkb/splits, (split+1)*nkb/splits)
   int splits = 1;  // (cooperative tile loop only; schedulers that never split leave the defaults)
+  int slot = 0;    // split-K: the tile's index among the split tiles (its partial slots and counter)
 };
 
 // The K blocks [lo, hi) of tile t's unit, of nkb in all.
@@ -129,17 +130,22 @@ MK_DEVICE void mk_raster(int i, int num_m, int num_n, int group_m, int& tm, int&
 }
 
 // ---- schedulers -------------------------------------------------------------------------------------
-// One problem of M x N, units u = worker_id, worker_id + num_workers, ...: tile u / splits in rasterized
-// order, K split u % splits (splits = 1: whole tiles; > 1: split-K, the splits of a tile run side by
-// side on consecutive workers; needs an epilogue that combines them, MkSplitKEpilogue).
+// One problem of M x N, units u = worker_id, worker_id + num_workers, ...  Tiles (rasterized order)
+// before `split_from` are one unit each; every later tile is `splits` units, one per K split, side by
+// side on consecutive workers (splits = 1: no split-K; split_from = 0: every tile split, for problems
+// with fewer tiles than SMs; split_from = a multiple of the worker count: whole waves of whole tiles,
+// then the last, partial wave's tiles split so that it takes a fraction of a tile's time).  Split tiles
+// need an epilogue that combines their units (MkSplitKEpilogue).
 template <int BM, int BN> struct MkLinearScheduler {
-  int M, N, num_m, num_n, group_m, total, splits;
+  int M, N, num_m, num_n, group_m, total, splits, split_from;
   int next_i, step;
-  MK_DEVICE MkLinearScheduler(int M_, int N_, int group_m_, int splits_ = 1)
+  MK_DEVICE MkLinearScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
       : M(M_), N(N_), group_m(group_m_ > 0 ? group_m_ : 1), splits(splits_ > 1 ? splits_ : 1) {
     num_m = (M + BM - 1) / BM;
     num_n = (N + BN - 1) / BN;
-    total = num_m * num_n * splits;
+    const int tiles = num_m * num_n;
+    split_from = splits > 1 ? min(max(split_from_, 0), tiles) : tiles;
+    total = split_from + (tiles - split_from) * splits;
     next_i = 0;
     step = 1;
   }
@@ -149,11 +155,19 @@ template <int BM, int BN> struct MkLinearScheduler {
   }
   MK_DEVICE bool next(MkTile& t) {
     if (next_i >= total) return false;
-    const int i = next_i / splits;
+    int i = next_i;
+    if (i >= split_from) {
+      const int u = i - split_from;
+      t.slot = u / splits;
+      t.split = u - t.slot * splits;
+      t.splits = splits;
+      i = split_from + t.slot;
+    } else {
+      t.split = 0;
+      t.splits = 1;
+    }
     int tm, tn;
     mk_raster(i, num_m, num_n, group_m, tm, tn);
-    t.split = next_i - i * splits;
-    t.splits = splits;
     next_i += step;
     t.group = 0;
     t.tile_m = tm;
@@ -681,7 +695,7 @@ MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K
   }
 }
 
-// Split-K (tiles from MkLinearScheduler with splits > 1): every unit but the last of its tile to finish
+// Split-K (split tiles from MkLinearScheduler): every unit but the last of its tile to finish
 // writes its fp32 partial accumulators to its slot of `partials` and counts itself in counters[tile];
 // the last one adds the other partials to its accumulators, resets the counter (so the next call finds
 // it at 0: nothing to clean up between calls, CUDA-graph safe) and runs the inner epilogue.  Nothing
@@ -690,9 +704,8 @@ MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K
 // to the inner epilogue.  Uses named barrier 1 (all consumer threads).
 template <class Inner, int NC> struct MkSplitKEpilogue {
   Inner inner;
-  float* partials;     // [tiles][splits][BN / 2][NT] fp32
-  int* counters;       // [tiles], 0 between calls
-  int num_n;           // tile id = tile_m * num_n + tile_n
+  float* partials;     // [split tiles][splits][BN / 2][NT] fp32, indexed by MkTile::slot
+  int* counters;       // [split tiles], 0 between calls
   static constexpr int NT = 128 * NC;  // consumer threads
   static constexpr bool kTileDone = false;
   static constexpr bool kDrain = Inner::kDrain;
@@ -705,7 +718,7 @@ template <class Inner, int NC> struct MkSplitKEpilogue {
     }
     __shared__ int last;
     const int ct = (int)threadIdx.x - 128;  // consumer thread (the producer warpgroup is threads 0..127)
-    const int tile = t.tile_m * num_n + t.tile_n;
+    const int tile = t.slot;
     float* const slots = partials + (long long)tile * t.splits * (BN / 2) * NT;
     float* const mine = slots + (long long)t.split * (BN / 2) * NT;
 #pragma unroll
@@ -727,12 +740,11 @@ template <class Inner, int NC> struct MkSplitKEpilogue {
   }
 };
 template <int NC, class Inner>
-MK_DEVICE MkSplitKEpilogue<Inner, NC> mk_split_k_epilogue(const Inner& inner, float* partials, int* counters, int num_n) {
+MK_DEVICE MkSplitKEpilogue<Inner, NC> mk_split_k_epilogue(const Inner& inner, float* partials, int* counters) {
   MkSplitKEpilogue<Inner, NC> e;
   e.inner = inner;
   e.partials = partials;
   e.counters = counters;
-  e.num_n = num_n;
   return e;
 }
 

@@ -304,8 +304,10 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
             if P > 1 else (M * row_bytes / model.hbm_copy_bw if gathered else 0.0))
     # mkernel.gemm's own plan for the gathered problem (any config, split-K; "kn" leaves out config 5,
     # whose "nk" tile is only a little better)
-    cfg_u, sp_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), "kn", sms)
-    t_gu = _gemm_time(G._tiles(cfg_u, M, N, "kn") * sp_u, sms, cfg_u, -(-K // sp_u), sms, model) + model.launch_latency
+    cfg_u, sp_u, sf_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), "kn", sms)
+    n_split = G._tiles(cfg_u, M, N, "kn") - sf_u if sp_u > 1 else 0
+    t_gu = (_gemm_time(G._tiles(cfg_u, M, N, "kn") - n_split, sms, cfg_u, K, sms, model)
+            + _gemm_time(n_split * sp_u, sms, cfg_u, -(-K // sp_u), sms, model) + model.launch_latency)
     t_unfused = t_ag + t_gu
 
     def fused_at(n: int):

@@ -102,8 +102,8 @@ class TileConfig:
 # config): the heuristic's pick is the measured best or within 5 % of it on every shape (docs/gemm.md).
 CONFIGS = {
     0: TileConfig(0, 64, 128, 2, 1, 0.5, debug=True),  # simple: every wgmma batch waited on
-    1: TileConfig(1, 64, 128, 8, 1, 0.70, staging_boxes=2),
-    2: TileConfig(2, 128, 128, 6, 2, 0.92, staging_boxes=2),
+    1: TileConfig(1, 64, 128, 8, 1, 0.65, staging_boxes=2),
+    2: TileConfig(2, 128, 128, 6, 2, 0.85, staging_boxes=2),
     3: TileConfig(3, 128, 256, 4, 2, 1.00, staging_boxes=2),
     4: TileConfig(4, 128, 192, 4, 2, 0.94, staging_boxes=2),  # fills 132 SMs where 256-wide tiles leave many idle
     5: TileConfig(5, 128, 224, 4, 2, 0.96, bn_kn=256, staging_boxes=2),  # idem, "nk" only (kn: config 3's tile)
@@ -146,6 +146,7 @@ class _GemmArgs(ctypes.Structure):
         ("partials", ctypes.c_void_p),
         ("counters", ctypes.c_void_p),
         ("splits", ctypes.c_int32),
+        ("split_from", ctypes.c_int32),
     ]
 
 
@@ -374,7 +375,8 @@ class _Plan:
     args: list
     pre: list  # staging launches: (kernel, grid, block, args)
     keep: list  # device buffers the launches use
-    splits: int = 1  # split-K factor (plain GEMM)
+    splits: int = 1  # split-K factor of the split tiles (plain GEMM)
+    split_from: int = 0  # tiles before this one (rasterized order) are not split
 
     def run(self, stream):
         for k, g, b, a in self.pre:
@@ -454,9 +456,9 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if K == 0:
         pre = [_zero_fill_launch(O, M, N, ldc, in_dtype, dev)]
         return _Plan(CONFIGS[1], None, 0, [], pre, [])
-    cfg, sp = _auto_plan(M, N, K, b_layout, sms, config)
-    if splits is not None:
-        sp = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout)))
+    cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config)
+    if splits is not None:  # forced: every tile split
+        sp, split_from = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout))), 0
     sa = A.strides
     opa = _tma_operand(A, 1, M, K, 0, sa[0], sa[1])
     sb = B.strides
@@ -473,16 +475,18 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     tmc, c_tma = c_map(O, M, N, ldc, cfg, tma)
     args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, c_tma)
     tiles = _tiles(cfg, M, N, b_layout)
-    if sp > 1:  # split-K workspace: fp32 partial slots, per-tile counters (zero; the kernel keeps them so)
-        partials = DeviceArray.empty((tiles * sp * cfg.bm * cfg.tile_n(b_layout),), "float32", device=dev)
-        counters = DeviceArray.from_numpy(np.zeros(tiles, np.int32), device=dev)
+    if sp > 1:  # split-K workspace: fp32 partial slots and counters (zero; the kernel keeps them so) per split tile
+        n_split = tiles - split_from
+        partials = DeviceArray.empty((n_split * sp * cfg.bm * cfg.tile_n(b_layout),), "float32", device=dev)
+        counters = DeviceArray.from_numpy(np.zeros(n_split, np.int32), device=dev)
         keep += [partials, counters]
-        args.partials, args.counters, args.splits = partials.ptr, counters.ptr, sp
+        args.partials, args.counters, args.splits, args.split_from = partials.ptr, counters.ptr, sp, split_from
+        units = split_from + n_split * sp
     else:
-        args.splits = 1
+        args.splits, args.split_from, split_from, units = 1, tiles, tiles, tiles
     maps = [tma, tmb, tmc]
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
-    return _Plan(cfg, kernel, _grid(cfg, tiles * sp, sms), [*maps, args], pre, keep, sp)
+    return _Plan(cfg, kernel, _grid(cfg, units, sms), [*maps, args], pre, keep, sp, split_from)
 
 
 def _env_key():
@@ -513,49 +517,66 @@ def _tiles(cfg: TileConfig, M: int, N: int, b_layout: str) -> int:
     return math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
 
 
-def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str) -> int:
-    """The most K splits a plain GEMM may use with ``cfg`` (1: none; ping-pong configs never split)."""
+def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, split_tiles: int | None = None) -> int:
+    """The most K splits a plain GEMM may use with ``cfg`` for ``split_tiles`` split tiles (default:
+    every tile); 1: none (ping-pong and debug configs never split)."""
     if cfg.pingpong or cfg.debug:
         return 1
-    tiles = _tiles(cfg, M, N, b_layout)
+    tiles = _tiles(cfg, M, N, b_layout) if split_tiles is None else split_tiles
     by_bytes = MAX_PARTIAL_BYTES // max(1, tiles * cfg.bm * cfg.tile_n(b_layout) * 4)
     return max(1, min(MAX_SPLITS, math.ceil(K / 64) // MIN_SPLIT_KBLOCKS, by_bytes))
 
 
-def choose_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, sms: int) -> int:
-    """Split-K factor of least predicted time for ``cfg`` (config_cost); 1 when the tiles fill the SMs."""
+def choose_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, sms: int) -> tuple[int, int]:
+    """``(splits, split_from)`` of least predicted time for ``cfg`` (config_cost): fewer tiles than SMs
+    -> every tile split (``split_from = 0``); otherwise whole waves of whole tiles and, when the last
+    wave is partial, its ``r`` tiles split up to ``sms // r`` ways (``split_from = tiles - r``), so it
+    takes a fraction of a tile's time instead of a whole one.  ``(1, tiles)``: no split."""
     tiles = _tiles(cfg, M, N, b_layout)
-    best, best_cost = 1, config_cost(cfg, tiles, sms, K, b_layout)
-    if tiles >= sms:
-        return 1
-    for sp in range(2, max_splits(cfg, M, N, K, b_layout) + 1):
-        c = config_cost(cfg, tiles, sms, K, b_layout, sp)
+    best, best_cost = (1, tiles), config_cost(cfg, tiles, sms, K, b_layout)
+    if tiles < sms:
+        for sp in range(2, max_splits(cfg, M, N, K, b_layout) + 1):
+            c = config_cost(cfg, tiles, sms, K, b_layout, sp)
+            if c < best_cost:
+                best, best_cost = (sp, 0), c
+        return best
+    q, r = divmod(tiles, sms)
+    if r == 0:
+        return best
+    whole = q * config_cost(cfg, sms, sms, K, b_layout)
+    for sp in range(2, min(max_splits(cfg, M, N, K, b_layout, r), sms // r) + 1):
+        c = whole + config_cost(cfg, r, sms, K, b_layout, sp)
         if c < best_cost:
-            best, best_cost = sp, c
+            best, best_cost = (sp, tiles - r), c
     return best
 
 
 def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | None = None):
-    """(config, splits) for a plain GEMM: the heuristic's config and split-K factor (a forced config
-    still gets its best split factor)."""
+    """(config, splits, split_from) for a plain GEMM: the heuristic's config and split-K plan (a
+    forced config still gets its best split plan)."""
     if config is not None:
         cfg = CONFIGS[config]
-        return cfg, choose_splits(cfg, M, N, K, b_layout, sms)
+        return (cfg, *choose_splits(cfg, M, N, K, b_layout, sms))
     cands = _env_candidates(AUTO_CANDIDATES)
     env = os.environ.get("MKERNEL_GEMM_CONFIG")
     if env and (int(env) == 0 or int(env) in cands):
         cfg = CONFIGS[int(env)]
-        return cfg, choose_splits(cfg, M, N, K, b_layout, sms)
+        return (cfg, *choose_splits(cfg, M, N, K, b_layout, sms))
     best = None
     for cid in cands:
         cfg = CONFIGS[cid]
         if cfg.debug or (b_layout == "kn" and cfg.bn_kn is not None):
             continue
-        sp = choose_splits(cfg, M, N, K, b_layout, sms)
-        cost = config_cost(cfg, max(1, _tiles(cfg, M, N, b_layout)), sms, K, b_layout, sp)
+        sp, sf = choose_splits(cfg, M, N, K, b_layout, sms)
+        tiles = max(1, _tiles(cfg, M, N, b_layout))
+        if sp > 1 and sf > 0:
+            q = sf // sms
+            cost = q * config_cost(cfg, sms, sms, K, b_layout) + config_cost(cfg, tiles - sf, sms, K, b_layout, sp)
+        else:
+            cost = config_cost(cfg, tiles, sms, K, b_layout, sp)
         if best is None or cost < best[0]:
-            best = (cost, cfg, sp)
-    return best[1], best[2]
+            best = (cost, cfg, sp, sf)
+    return best[1], best[2], best[3]
 
 
 def _vec_ok(O: DeviceArray, ldc: int, M: int) -> int:
@@ -658,7 +679,7 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
             keep.append(op.staging)
     tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
     tmc, c_tma = c_map(O, T, N, ldc, cfg, tma)
-    args = _GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, _vec_ok(O, ldc, T), offs_i32, c_tma, None, None, 1)
+    args = _GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, _vec_ok(O, ldc, T), offs_i32, c_tma, None, None, 1, 0)
     maps = [tma, tmb, tmc]
     grid = _grid(cfg, num_tiles(cfg), sms)
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
@@ -681,15 +702,17 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
     out_dtype = out_dtype or in_dtype
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
-        cfg, sp = _auto_plan(M, N, K, b_layout, sms, config)
+        cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
     name = f"mk_gemm_{b_layout}"
     usage = mod.resource_usage.get(name, {})
     tiles = _tiles(cfg, M, N, b_layout)
     return dict(config=cfg.id, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
                 smem=cfg.smem, pingpong=cfg.pingpong, tma_store=cfg.tma_store, splits=sp,
+                split_tiles=(tiles - sf) if sp > 1 else 0,
                 registers=usage.get("registers"), spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
-                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles, grid=_grid(cfg, tiles * sp, sms))
+                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles,
+                grid=_grid(cfg, (sf + (tiles - sf) * sp) if sp > 1 else tiles, sms))
 
 
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:

@@ -203,7 +203,7 @@ def test_bad_input_raises_before_launch(fake, bad):
 def test_args_struct_layout():
     offs = {f[0]: getattr(G._GemmArgs, f[0]).offset for f in G._GemmArgs._fields_}
     assert offs == dict(c=0, group_offsets=8, ldc=16, M=24, N=28, K=32, num_groups=36, group_m=40, c_vec_ok=44,
-                        offsets_i32=48, c_tma=52, partials=56, counters=64, splits=72)
+                        offsets_i32=48, c_tma=52, partials=56, counters=64, splits=72, split_from=76)
     assert ctypes.sizeof(G._GemmArgs) == 80
 
 
@@ -218,7 +218,7 @@ def test_split_k_plans(fake):
     plan = next(reversed(G._plans.values()))
     cfg = plan.cfg
     tiles = -(-128 // cfg.bm) * -(-1536 // cfg.tile_n("nk"))
-    assert x.splits == plan.splits > 1 and x.partials and x.counters
+    assert x.splits == plan.splits > 1 and x.partials and x.counters and x.split_from == 0
     assert l["grid"] == min(132, tiles * x.splits)
     assert x.splits * tiles <= 132 * 2 and 7168 // 64 // x.splits >= G.MIN_SPLIT_KBLOCKS
     big = G.gemm(empty((4096, 4096), "bfloat16"), empty((4096, 4096), "bfloat16"))
@@ -229,6 +229,12 @@ def test_split_k_plans(fake):
     assert _args(launches[-1]).splits == 1
     G.gemm(a, b, b_layout="nk", config=6, splits=4)  # ping-pong never splits
     assert _args(launches[-1]).splits == 1
+    # a partial last wave: 192 tiles of 128x192 on 132 SMs -> one wave of whole tiles, 60 tiles split
+    G.gemm(empty((8192, 7168), "bfloat16"), empty((576, 7168), "bfloat16"), b_layout="nk")
+    x = _args(launches[-1])
+    assert (x.splits, x.split_from) == (2, 132) and launches[-1]["grid"] == 132
+    plan = next(reversed(G._plans.values()))
+    assert plan.cfg.id == 4 and plan.keep[-2].shape == (60 * 2 * 128 * 192,) and plan.keep[-1].shape == (60,)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -171,6 +171,14 @@ def test_split_k(rng, M, N, K, layout, config, splits, out_dt):
     assert plan.splits == splits, f"planned {plan.splits} splits"
 
 
+@pytest.mark.parametrize("M,N,K,layout", [(1500, 2900, 4097, "nk"), (4097, 1100, 4097, "kn"), (8192, 576, 7168, "nk")])
+def test_split_k_last_wave(rng, M, N, K, layout):
+    """More tiles than SMs with a partial last wave: whole tiles first, the last wave's tiles split."""
+    run_gemm(rng, M, N, K, layout)
+    plan = next(reversed(G._plans.values()))
+    assert plan.splits > 1 and plan.split_from > 0, (plan.splits, plan.split_from)
+
+
 def test_split_k_auto_and_repeated(rng):
     """Few output tiles (M = 128 projections): the heuristic splits K; the per-tile counters return to
     zero after every call, so repeated calls with new data stay right."""
