@@ -15,12 +15,16 @@ TMA needs 16-byte-aligned base addresses and row strides.  An operand that viola
 for row-major A, N odd for a "kn" B, a misaligned view, a non-unit inner stride) is first staged on
 the device into a dense zero-padded copy (``mk_pad_copy_u16``, one extra pass over that operand),
 so every shape works; aligned operands are read in place.  The output needs a unit column stride
-(any row stride); it is written with masked stores, no alignment needed.
+(any row stride): with a 16-byte aligned base and row stride it is written through shared memory
+and TMA stores (clipped at M and N), otherwise with masked stores from registers.
 
-Launch cost: a per-shape plan (compiled kernel, grid, tensor maps, packed arguments, staging
-buffers) is cached in a bounded LRU keyed by pointers, shapes, strides and dtypes, so a repeated call
-re-encodes nothing.  Staging buffers live in the plan: two calls that share a plan must not run
-concurrently on different streams while an operand needs staging.
+Few output tiles (small M or N): K is split (``splits``), each tile's last split to finish adds the
+others' fp32 partials in the same kernel; with a partial last wave only its tiles may be split.
+
+Launch cost: a per-shape plan (compiled kernel, grid, tensor maps, packed arguments, staging and
+split-K buffers) is cached in a bounded LRU keyed by pointers, shapes, strides and dtypes, so a
+repeated call re-encodes nothing.  Those buffers live in the plan: two calls that share a plan must
+not run concurrently on different streams when an operand needs staging or K is split.
 """
 from __future__ import annotations
 
@@ -99,7 +103,7 @@ class TileConfig:
 
 # Efficiencies (second session) and SPLIT_PARTIAL_COST / EPILOGUE_K_TMA (third session): checked against
 # the `bench/gemm.py --sweep` run of 2026-11-30 (60 shapes x every config, split factors of the chosen
-# config): the heuristic's pick is the measured best or within 5 % of it on every shape (docs/gemm.md).
+# config): the heuristic's pick is the measured best or within 4 % of it on every shape but one (docs/gemm.md).
 CONFIGS = {
     0: TileConfig(0, 64, 128, 2, 1, 0.5, debug=True),  # simple: every wgmma batch waited on
     1: TileConfig(1, 64, 128, 8, 1, 0.65, staging_boxes=2),
