@@ -26,7 +26,7 @@
 //   blocks [n_comm, grid) GEMM workers (mk_gemm.cuh): tiles of rank me's rows first, then me-1,
 //                        me-2, ... (tiles never straddle two shards: a shard's last tile is
 //                        partial); before the first K block of a tile the producer waits for the
-//                        ready flags of every chunk its rows overlap.  Epilogue: plain store to C.
+//                        ready flags of every chunk its rows overlap.  Epilogue: store to C (mk_gemm_run_store).
 //   The last block to finish tells every peer it consumed its data, then commits the epoch.
 // Deadlock freedom: comm blocks wait only for peers' consumed flags of the previous call (or for
 // peers' pushes in step 3, which depend on nothing of ours); workers wait only for pushes; every block
@@ -45,7 +45,7 @@
 // (gather_only = 1) because the gathered buffer is read afterwards by a separate GEMM launch.  mk_ag_release (1 block) then tells
 // the peers and commits the epoch.
 //
-// Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (output dtype), MK_GEMM_CONFIG (1..3, 0 =
+// Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (output dtype), MK_GEMM_CONFIG (1..4, 0 =
 // debug), exactly as gemm.cu.
 #include "mk_copy.cuh"
 #include "mk_gemm_configs.cuh"

@@ -34,10 +34,16 @@
 //              Ping-pong configs (Cfg::PINGPONG): a tile is 64 x BN, owned by one consumer warpgroup w;
 //              store() is called with slab = 0 by that warpgroup's 128 threads only, and tile_done(t)
 //              by its first thread after named barrier 1 + w (128 threads).
+//              static constexpr bool kDrain; MK_DEVICE void drain() const;  if kDrain, every consumer
+//              thread calls drain() after its last tile (MkEpilogueTmaStore: wait for the TMA stores).
+//              Provided: MkEpilogueStore (registers), MkEpilogueTmaStore (shared memory + TMA stores;
+//              configs with staging boxes), MkSplitKEpilogue (wraps one of them for split-K tiles),
+//              mk_with_store_epilogue / mk_gemm_run_store (the plain store the config supports).
 //
 // Block shape: Cfg::THREADS threads (128 * (NC + 1)); every thread of the block calls mk_gemm_run
 // (it initialises barriers and runs __syncthreads once, before the role split).  Dynamic shared
-// memory: Cfg::SMEM_BYTES.  Named barriers 1 and 2 are used among consumer threads; a fused kernel
+// memory: Cfg::SMEM_BYTES.  Named barriers 1 and 2 are used among consumer threads (3 and 4 by
+// MkEpilogueTmaStore); a fused kernel
 // must not use them concurrently.
 #pragma once
 #include "mk_common.cuh"

@@ -516,7 +516,6 @@ def c_map(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, fallback: b
     return encode_tiled(O.ptr, O.dtype.name, (N, M), (ldc * isz,), (128 // isz, 64)), 1
 
 
-
 def _auto_config(M: int, N: int, K: int, b_layout: str, sms: int) -> TileConfig:
     return _auto_plan(M, N, K, b_layout, sms)[0]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mkernel import arrays as A
-from mkernel.arrays import (DeviceArray, DType, as_device_array, bf16_to_f32, bfloat16, dtype_of, f32_to_bf16,
+from mkernel.arrays import (DeviceArray, as_device_array, bf16_to_f32, bfloat16, dtype_of, f32_to_bf16,
                             float16, float32, from_dlpack_capsule, int32, int64, require)
 
 ROOT = Path(__file__).resolve().parents[2]

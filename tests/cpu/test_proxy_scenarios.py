@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from mkernel.errors import CommError  # noqa: E402
-from mkernel.proxy import NO_FLAG, OP_BARRIER, OP_FLAG, OP_WRITE, Proxy  # noqa: E402
+from mkernel.proxy import OP_BARRIER, OP_FLAG, OP_WRITE, Proxy  # noqa: E402
 from mkernel.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
 
 SMALL = os.environ.get("MK_TEST_SMALL") == "1"  # soft-RoCE VM under emulation: smaller runs

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mkernel.errors import CommError
-from mkernel.proxy import (CMD_DTYPE, NO_FLAG, OP_BARRIER, OP_FLAG, OP_NOP, OP_WRITE, HostProducer, Proxy, Ring,
+from mkernel.proxy import (CMD_DTYPE, OP_BARRIER, OP_FLAG, OP_NOP, OP_WRITE, Proxy, Ring,
                            _coalesce)
 from mkernel.transport import Exchanger, Transport
 

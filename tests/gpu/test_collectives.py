@@ -5,7 +5,6 @@ own, and checks the result against the reference computed from all of them.
 """
 from __future__ import annotations
 
-import ctypes
 import time
 
 import numpy as np
