@@ -24,7 +24,9 @@ others' fp32 partials in the same kernel; with a partial last wave only its tile
 Launch cost: a per-shape plan (compiled kernel, grid, tensor maps, packed arguments, staging and
 split-K buffers) is cached in a bounded LRU keyed by pointers, shapes, strides and dtypes, so a
 repeated call re-encodes nothing.  Those buffers live in the plan: two calls that share a plan must
-not run concurrently on different streams when an operand needs staging or K is split.
+not run concurrently on different streams when an operand needs staging or K is split.  A plan with
+buffers that runs while its stream is being captured into a CUDA graph is kept for the life of the
+process (the graph replays its buffers even after the LRU evicts the plan).
 """
 from __future__ import annotations
 
@@ -385,8 +387,15 @@ class _Plan:
     keep: list  # device buffers the launches use
     splits: int = 1  # split-K factor of the split tiles (plain GEMM)
     split_from: int = 0  # tiles before this one (rasterized order) are not split
+    pinned: bool = False  # captured into a CUDA graph: never freed (see run)
 
     def run(self, stream):
+        if self.keep and not self.pinned and _capturing(stream):
+            # A graph replays this plan's buffers (staging copies, split-K partials and counters, group
+            # offsets) long after the LRU may have evicted the plan: keep it, and them, for good.
+            self.pinned = True
+            with _plans_lock:
+                _pinned.append(self)
         for k, g, b, a in self.pre:
             k.launch(g, b, a, stream=stream)
         if self.kernel is not None:
@@ -396,6 +405,14 @@ class _Plan:
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _plans_lock = threading.Lock()
 _PLANS_MAX = 64
+_pinned: list = []  # plans with buffers that were captured into a CUDA graph (kept for the process's life)
+
+
+def _capturing(stream) -> bool:
+    """True while ``stream`` is being captured into a CUDA graph (an error, e.g. no context: False)."""
+    err, status = cu.cuStreamIsCapturing(cu.CUstream(runtime.stream_handle(stream)))
+    return (err == cu.CUresult.CUDA_SUCCESS
+            and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
 
 def _cached_plan(key, build):

@@ -84,6 +84,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(G.DeviceArray, "empty", staticmethod(empty))
     monkeypatch.setattr(G.DeviceArray, "from_numpy", staticmethod(from_numpy))
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    monkeypatch.setattr(G, "_capturing", lambda stream: False)
     G._plans.clear()
     return launches, maps, empty
 
@@ -316,3 +317,27 @@ def test_tma_store_epilogue_plans(fake, monkeypatch):
     monkeypatch.setenv("MKERNEL_GEMM_EPILOGUE", "registers")
     G.gemm(a, b, config=3)
     assert launches[-1]["args"][3].c_tma == 0
+
+
+def test_captured_plans_outlive_the_lru(fake, monkeypatch):
+    """A plan whose buffers (split-K partials here) were captured into a CUDA graph must survive LRU
+    eviction: the graph replays them.  Plans run outside a capture are evicted as usual."""
+    launches, maps, empty = fake
+    monkeypatch.setattr(G, "_pinned", [])
+    a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
+    G.gemm(a, b, b_layout="nk")  # not captured
+    free = next(reversed(G._plans.values()))
+    monkeypatch.setattr(G, "_capturing", lambda stream: True)
+    a2 = empty((128, 7168), "bfloat16")
+    G.gemm(a2, b, b_layout="nk")  # captured
+    kept = next(reversed(G._plans.values()))
+    assert kept.splits > 1 and kept.pinned and G._pinned == [kept] and not free.pinned
+    monkeypatch.setattr(G, "_capturing", lambda stream: False)
+    for _ in range(G._PLANS_MAX + 1):  # evict both from the LRU
+        G.gemm(empty((256, 256), "bfloat16"), empty((256, 256), "bfloat16"))
+    assert kept not in G._plans.values() and free not in G._plans.values()
+    assert G._pinned == [kept] and kept.keep  # its partials and counters are still referenced
+    monkeypatch.setattr(G, "_capturing", lambda stream: True)
+    G.gemm(empty((8, 8), "bfloat16"), empty((8, 8), "bfloat16"))  # captured, but no buffers: not pinned
+    assert G._pinned == [kept] and not next(reversed(G._plans.values())).pinned
+

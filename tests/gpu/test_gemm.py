@@ -196,6 +196,47 @@ def test_split_k_auto_and_repeated(rng):
     assert plan.splits > 1, "the heuristic did not split K for a 24-tile problem"
 
 
+def test_graph_replay_after_plan_eviction(rng):
+    """A split-K GEMM captured in a CUDA graph replays correctly (new data each time) after its plan
+    was evicted from the plan cache: the plan and its workspace are kept once captured."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check as ok
+
+    M, N, K = 128, 1536, 7168
+    a, _ = rand(rng, (M, K), "bfloat16")
+    b, _ = rand(rng, (N, K), "bfloat16")
+    out = poisoned((M, N), "bfloat16")
+    stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    G.gemm(a, b, out, b_layout="nk", stream=int(stream))  # the plan, outside the capture
+    ok(cu.cuStreamSynchronize(stream))
+    ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    G.gemm(a, b, out, b_layout="nk", stream=int(stream))
+    graph = ok(cu.cuStreamEndCapture(stream))
+    gexec = ok(cu.cuGraphInstantiate(graph, 0))
+    plan = next(p for p in G._plans.values() if p.pinned)
+    assert plan.splits > 1
+    x, y = rand(rng, (64, 64), "bfloat16")[0], rand(rng, (64, 64), "bfloat16")[0]
+    for _ in range(G._PLANS_MAX + 2):  # evict it: distinct outputs make distinct plans
+        G.gemm(x, y, poisoned((64, 64), "bfloat16"))
+    assert all(p is not plan for p in G._plans.values())
+    del plan
+    import gc
+
+    gc.collect()
+    for rep in range(3):
+        a2, av = rand(rng, (M, K), "bfloat16")
+        b2, bv = rand(rng, (N, K), "bfloat16")
+        a.copy_from(a2, stream=int(stream)), b.copy_from(b2, stream=int(stream))
+        out.fill_nan(stream=int(stream))
+        ok(cu.cuGraphLaunch(gexec, stream))
+        ok(cu.cuStreamSynchronize(stream))
+        check(values(out), av @ bv.T, f"graph replay {rep} after plan eviction")
+    ok(cu.cuGraphExecDestroy(gexec))
+    ok(cu.cuGraphDestroy(graph))
+    ok(cu.cuStreamDestroy(stream))
+
+
 # ---- views: strided output (masking), offset / strided / transposed inputs (staging) ---------
 @pytest.mark.parametrize("out_dt,pad,layout,config", [
     ("float32", 24, "kn", None),   # TMA-store epilogue, fp32 boxes of 32 columns
