@@ -475,6 +475,7 @@ _bindings: "OrderedDict[tuple, tuple]" = OrderedDict()
 _lock = threading.Lock()
 _SIGS_MAX = 256
 _BINDINGS_MAX = 64
+_pinned_bindings: list = []  # bindings that ran inside a CUDA-graph capture: kept for the process's life
 
 
 def _lru_put(d: OrderedDict, key, value, cap: int) -> None:
@@ -626,6 +627,11 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
         bound = _bind(ctx, sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K)
         _lru_put(_bindings, bkey, bound, _BINDINGS_MAX)
     bound(stream)
+    if not getattr(bound, "pinned", False) and G._capturing(stream):
+        # a graph replays the binding's buffers (B staging) after the LRU may have evicted it
+        bound.pinned = True
+        with _lock:
+            _pinned_bindings.append(bound)
     return result
 
 
