@@ -683,18 +683,11 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     M_me = sig.offs[me + 1] - sig.offs[me]
     args.local_map = int(M_me > 0 and A.ptr % 16 == 0)
     tmal = encode_tiled(A.ptr, dt, (K, M_me), (K * isz,), (64, cfg.bm)) if args.local_map else tma
-    sb = B.strides
-    if b_layout == "kn":
-        opb = G._tma_operand(B, 1, K, N, 0, sb[0], sb[1])
-        tmb = encode_tiled(opb.ptr, dt, opb.dims, opb.strides, (64, 64, 1))
-    else:
-        opb = G._tma_operand(B, 1, N, K, 0, sb[0], sb[1])
-        tmb = encode_tiled(opb.ptr, dt, opb.dims, opb.strides, (64, cfg.bn, 1))
-    pre = [G._pad_launch(opb, dt, out_dtype, dev)] if opb.copy is not None else []
+    tmb, pre, keep = G.b_operand(B, K, N, b_layout, cfg, dt, out_dtype, dev)
     tmc, args.c_tma = G.c_map(O, M_total, N, ldc, cfg, tma)
     grid = p.comm_sms + p.workers
     kargs = [tma, tmb, tmal, tmc, comm, args]
-    keep = (opb.staging,)
+    keep = tuple(keep)
 
     if p.path == "fused_ce":
         return _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm, dt, out_dtype, K * isz)

@@ -45,7 +45,7 @@ from .arrays import DeviceArray, _on_device, as_device_array
 from .tensormap import encode_tiled
 
 __all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "config_cost", "describe",
-           "AUTO_CANDIDATES", "LEGACY_CANDIDATES", "check_operands", "c_map"]
+           "AUTO_CANDIDATES", "LEGACY_CANDIDATES", "check_operands", "c_map", "b_operand"]
 
 SOURCE = "gemm.cu"
 _CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -433,13 +433,34 @@ def _akey(x: DeviceArray):
     return (x.ptr, tuple(x.shape), tuple(x.strides), x.dtype.name)
 
 
-def _tensor_maps(A: _Operand, B: _Operand, in_dtype: str, cfg: TileConfig, b_layout: str):
-    tma = encode_tiled(A.ptr, in_dtype, A.dims[:2], A.strides[:1], (64, cfg.bm))
-    if b_layout == "kn":
-        tmb = encode_tiled(B.ptr, in_dtype, B.dims, B.strides, (64, 64, 1))
-    else:
-        tmb = encode_tiled(B.ptr, in_dtype, B.dims, B.strides, (64, cfg.tile_n("nk"), 1))
-    return tma, tmb
+def b_operand(B: DeviceArray, K: int, N: int, b_layout: str, cfg: TileConfig, in_dtype: str, out_dtype: str,
+              device: int):
+    """B (``[K, N]`` / ``[N, K]``, or ``[G, ...]`` for grouped problems) as every GEMM kernel reads it:
+    ``(tensor map, staging launches, buffers to keep)`` (staged when TMA cannot read it in place)."""
+    sb = tuple(B.strides) if B.ndim == 3 else (0,) + tuple(B.strides)
+    G = B.shape[0] if B.ndim == 3 else 1
+    if b_layout == "kn":  # [G, K, N]: N contiguous, 64 x 64 boxes
+        op = _tma_operand(B, G, K, N, *sb)
+        box = (64, 64, 1)
+    else:  # [G, N, K]: K contiguous, 64 x BN boxes
+        op = _tma_operand(B, G, N, K, *sb)
+        box = (64, cfg.tile_n("nk"), 1)
+    tmb = encode_tiled(op.ptr, in_dtype, op.dims, op.strides, box)
+    return tmb, *_staging(op, in_dtype, out_dtype, device)
+
+
+def _a_operand(A: DeviceArray, rows: int, K: int, cfg: TileConfig, in_dtype: str, out_dtype: str, device: int):
+    """A ``[rows, K]``: ``(tensor map, staging launches, buffers to keep)``."""
+    sa = A.strides
+    op = _tma_operand(A, 1, rows, K, 0, sa[0], sa[1])
+    tma = encode_tiled(op.ptr, in_dtype, op.dims[:2], op.strides[:1], (64, cfg.bm))
+    return tma, *_staging(op, in_dtype, out_dtype, device)
+
+
+def _staging(op: _Operand, in_dtype: str, out_dtype: str, device: int):
+    if op.copy is None:
+        return [], []
+    return [_pad_launch(op, in_dtype, out_dtype, device)], [op.staging]
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,19 +505,9 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config)
     if splits is not None:  # forced: every tile split
         sp, split_from = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout))), 0
-    sa = A.strides
-    opa = _tma_operand(A, 1, M, K, 0, sa[0], sa[1])
-    sb = B.strides
-    if b_layout == "kn":  # B[K, N]: N contiguous
-        opb = _tma_operand(B, 1, K, N, 0, sb[0], sb[1])
-    else:  # B[N, K]: K contiguous
-        opb = _tma_operand(B, 1, N, K, 0, sb[0], sb[1])
-    pre, keep = [], []
-    for op in (opa, opb):
-        if op.copy is not None:
-            pre.append(_pad_launch(op, in_dtype, out_dtype, dev))
-            keep.append(op.staging)
-    tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
+    tma, pre, keep = _a_operand(A, M, K, cfg, in_dtype, out_dtype, dev)
+    tmb, pre_b, keep_b = b_operand(B, K, N, b_layout, cfg, in_dtype, out_dtype, dev)
+    pre, keep = pre + pre_b, keep + keep_b
     tmc, c_tma = c_map(O, M, N, ldc, cfg, tma)
     args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, c_tma)
     tiles = _tiles(cfg, M, N, b_layout)
@@ -695,19 +706,9 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
         return _Plan(CONFIGS[1], None, 0, [], pre, keep)
     cfg = CONFIGS[config] if config is not None else choose_config(
         num_tiles, sms, k=K, layout=b_layout, candidates=AUTO_CANDIDATES)
-    sa = A.strides
-    opa = _tma_operand(A, 1, T, K, 0, sa[0], sa[1])
-    sb = B.strides
-    if b_layout == "kn":  # B[G, K, N]
-        opb = _tma_operand(B, G, K, N, sb[0], sb[1], sb[2])
-    else:  # B[G, N, K]
-        opb = _tma_operand(B, G, N, K, sb[0], sb[1], sb[2])
-    pre = []
-    for op in (opa, opb):
-        if op.copy is not None:
-            pre.append(_pad_launch(op, in_dtype, out_dtype, dev))
-            keep.append(op.staging)
-    tma, tmb = _tensor_maps(opa, opb, in_dtype, cfg, b_layout)
+    tma, pre, keep_a = _a_operand(A, T, K, cfg, in_dtype, out_dtype, dev)
+    tmb, pre_b, keep_b = b_operand(B, K, N, b_layout, cfg, in_dtype, out_dtype, dev)
+    pre, keep = pre + pre_b, keep + keep_a + keep_b
     tmc, c_tma = c_map(O, T, N, ldc, cfg, tma)
     args = _GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, _vec_ok(O, ldc, T), offs_i32, c_tma, None, None, 1, 0)
     maps = [tma, tmb, tmc]
