@@ -280,9 +280,14 @@ template <typename OutT> struct MkEpilogueStore {
   static constexpr bool kDrain = false;  // true: drain() is called by every consumer thread at the end
   MK_DEVICE void drain() const {}
   template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
+    store_from<BN, 0>(t, slab, acc);
+  }
+  // Only the fragment's column groups J0.. (tile columns 8*J0 and up): the TMA-store epilogue's
+  // columns past its last whole box.
+  template <int BN, int J0> MK_DEVICE void store_from(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
     const int rbase = 64 * slab;
     OutT* const cbase = c + (long long)t.row0 * ldc + t.col0;
-    mk_wgmma_frag_for_each<BN>(acc, [&](int r, int col, float v0, float v1) {
+    mk_wgmma_frag_for_each<BN, J0>(acc, [&](int r, int col, float v0, float v1) {
       const int rr = rbase + r;
       if (rr < t.rows) {
         OutT* p = cbase + (long long)rr * ldc + col;
@@ -375,27 +380,8 @@ template <typename OutT, int SB> struct MkEpilogueTmaStore {
         mk_tma_store_commit();
       }
     }
-    if constexpr (BN % BOXC != 0) {  // the columns past the last whole box, from registers
-      OutT* const cbase = direct.c + (long long)(t.row0 + 64 * slab) * direct.ldc + t.col0;
-#pragma unroll
-      for (int j = FULL * JB; j < BN / 8; ++j) {
-        const int col = 8 * j + c0;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int rr = r0 + 8 * half;
-          if (rr < valid && col < t.cols) {
-            OutT* p = cbase + (long long)rr * direct.ldc + col;
-            const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-            if (col + 1 < t.cols && direct.vec_ok) {
-              *reinterpret_cast<V*>(p) = MkPair<OutT>::make(v0, v1);
-            } else {
-              p[0] = mk_from_f32<OutT>(v0);
-              if (col + 1 < t.cols) p[1] = mk_from_f32<OutT>(v1);
-            }
-          }
-        }
-      }
-    }
+    // the columns past the last whole box (BN % BOXC), from registers
+    if constexpr (BN % BOXC != 0) direct.template store_from<BN, FULL * JB>(t, slab, acc);
   }
   MK_DEVICE void tile_done(const MkTile&) {}
   // Every consumer thread at the end of the tile loop: the stores are complete before the block exits.

@@ -356,11 +356,12 @@ MK_DEVICE void mk_wgmma_frag_origin(int& r0, int& c0) {
   r0 = 16 * (t >> 5) + ((t & 31) >> 2);
   c0 = 2 * (t & 3);
 }
-template <int N, class F> MK_DEVICE void mk_wgmma_frag_for_each(const float (&d)[N / 2], F&& f) {
+// J0 > 0: only column groups J0 .. N/8 - 1 (tile columns 8*J0 and up).
+template <int N, int J0 = 0, class F> MK_DEVICE void mk_wgmma_frag_for_each(const float (&d)[N / 2], F&& f) {
   int r0, c0;
   mk_wgmma_frag_origin(r0, c0);
 #pragma unroll
-  for (int j = 0; j < N / 8; ++j) {
+  for (int j = J0; j < N / 8; ++j) {
     f(r0, 8 * j + c0, d[4 * j], d[4 * j + 1]);
     f(r0 + 8, 8 * j + c0, d[4 * j + 2], d[4 * j + 3]);
   }
