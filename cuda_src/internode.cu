@@ -95,8 +95,8 @@ MK_DEVICE mk_u64 net_put(const MkComm& c, const IWs& w, const MkProxy& p, mk_u64
   return mk_proxy_push(c, p, MK_PROXY_OP_WRITE, dst, 0, src_off, dst_off, bytes, 0, w.ready_off(flag_idx), epoch);
 }
 
-// End of call.  `last_ticket_sum`: every block adds its last ticket+1 (0 if none) into a shared max
-// through atomicMax on the barrier-adjacent word, so the last block can wait for the proxy.
+// End of call.  The last block to arrive waits until the proxy has read every command pushed this
+// call (the ring's head), tells the peers their data was consumed, and commits the epoch.
 MK_DEVICE void inter_finish(const MkComm& c, const IWs& w, const MkProxy& p, mk_u64 epoch) {
   if (mk_epoch_arrive(w.st(), gridDim.x)) {
     if (threadIdx.x == 0) {

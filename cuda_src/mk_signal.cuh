@@ -51,11 +51,6 @@ MK_DEVICE mk_u64 mk_ld_acquire(const mk_u64* p) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-MK_DEVICE mk_u64 mk_ld_relaxed(const mk_u64* p) {
-  mk_u64 v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 MK_DEVICE void mk_st_release(mk_u64* p, mk_u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
@@ -190,7 +185,7 @@ MK_DEVICE bool mk_warp_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expe
 // ---- per-call epochs -------------------------------------------------------------------------
 // Each op workspace holds a `MkEpochState` in this GPU's own memory.  Every block of a launch
 // calls mk_epoch_begin first (all read the same value: the counter only moves once every block has
-// arrived at mk_epoch_end), and mk_epoch_end last.  Launches on one stream are ordered, so the
+// arrived), and mk_epoch_arrive last; the last block to arrive then calls mk_epoch_commit.  Launches on one stream are ordered, so the
 // next call sees the bumped counter.
 struct MkEpochState {
   mk_u64 epoch;     // number of completed calls
@@ -221,7 +216,4 @@ MK_DEVICE void mk_epoch_commit(MkEpochState* s, mk_u64 epoch) {
     __threadfence();
     *((volatile mk_u64*)&s->epoch) = epoch;
   }
-}
-MK_DEVICE void mk_epoch_end(MkEpochState* s, mk_u64 epoch, unsigned num_blocks) {
-  if (mk_epoch_arrive(s, num_blocks)) mk_epoch_commit(s, epoch);
 }

@@ -42,14 +42,6 @@ class Window:
         """Bytes [offset, offset+n) as a uint8 array (a view for host windows unless ``out`` given)."""
         raise NotImplementedError
 
-    def read_many(self, ranges, out: np.ndarray) -> list[np.ndarray]:
-        """Copy several (offset, n) ranges into consecutive parts of ``out``; returns the parts."""
-        parts, pos = [], 0
-        for off, n in ranges:
-            parts.append(self.read(off, n, out[pos:pos + n]))
-            pos += n
-        return parts
-
     def write(self, offset: int, data) -> None:
         raise NotImplementedError
 
