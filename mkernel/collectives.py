@@ -118,16 +118,17 @@ def _launch(ctx, op: str, dtype, slot_bytes: int, phases: int, head_args: list, 
     k.launch(grid, _THREADS, args, stream=stream, cooperative=True)
 
 
-def _arg(ctx, arr, what: str, name: str, dtypes) -> DeviceArray:
-    a = as_device_array(arr, name=f"{what}: {name}")
+def _arg(ctx, arr, what: str, name: str, dtypes, stream) -> DeviceArray:
+    """``arr`` imported for use on ``stream`` (the producer's pending work is ordered before it), checked."""
+    a = as_device_array(arr, name=f"{what}: {name}", stream=stream)
     return require(a, f"{what}: {name}", dtypes=dtypes, device=ctx.device, align=a.dtype.itemsize)
 
 
-def _out(ctx, out, what: str, shape: tuple, x: DeviceArray, dtypes):
+def _out(ctx, out, what: str, shape: tuple, x: DeviceArray, dtypes, stream):
     """(the object to return, its DeviceArray view): ``out`` checked, or a new array when None."""
     if out is None:
         out = DeviceArray.empty(shape, x.dtype, device=ctx.device)
-    o = _arg(ctx, out, what, "out", dtypes)
+    o = _arg(ctx, out, what, "out", dtypes, stream)
     if o.dtype != x.dtype or tuple(o.shape) != tuple(shape):
         raise ValueError(f"{what}: out must be {x.dtype.name} {tuple(shape)}, got {o.dtype.name} {tuple(o.shape)}")
     return out, o
@@ -147,9 +148,9 @@ def all_gather(ctx, x, out=None, *, stream=None):
     """
     what = "mkernel.all_gather"
     ctx.check()
-    x = _arg(ctx, x, what, "x", _GATHER_DTYPES)
+    x = _arg(ctx, x, what, "x", _GATHER_DTYPES, stream)
     out, o = _out(ctx, out, what, (ctx.size * (x.shape[0] if x.ndim else 1),) + tuple(x.shape[1:]), x,
-                  _GATHER_DTYPES)
+                  _GATHER_DTYPES, stream)
     if _overlaps(x, o) and x.ptr != o.ptr + ctx.rank * x.nbytes:
         raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
     ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
@@ -172,12 +173,12 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
     """
     what = "mkernel.reduce_scatter"
     ctx.check()
-    x = _arg(ctx, x, what, "x", _REDUCE_DTYPES)
+    x = _arg(ctx, x, what, "x", _REDUCE_DTYPES, stream)
     P = ctx.size
     if x.ndim == 0 or x.shape[0] % P:
         raise ValueError(f"{what}: x's first dimension ({x.shape[0] if x.ndim else 'scalar'}) must be a multiple "
                          f"of the number of ranks ({P})")
-    out, o = _out(ctx, out, what, (x.shape[0] // P,) + tuple(x.shape[1:]), x, _REDUCE_DTYPES)
+    out, o = _out(ctx, out, what, (x.shape[0] // P,) + tuple(x.shape[1:]), x, _REDUCE_DTYPES, stream)
     if _overlaps(x, o):
         raise ValueError(f"{what}: out must not overlap x")
     ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
@@ -200,8 +201,8 @@ def all_reduce(ctx, x, out=None, *, stream=None):
     """
     what = "mkernel.all_reduce"
     ctx.check()
-    x = _arg(ctx, x, what, "x", _REDUCE_DTYPES)
-    out, o = _out(ctx, out, what, tuple(x.shape), x, _REDUCE_DTYPES)
+    x = _arg(ctx, x, what, "x", _REDUCE_DTYPES, stream)
+    out, o = _out(ctx, out, what, tuple(x.shape), x, _REDUCE_DTYPES, stream)
     if _overlaps(x, o) and x.ptr != o.ptr:
         raise ValueError(f"{what}: out overlaps x without being x")
     ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
