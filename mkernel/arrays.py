@@ -325,18 +325,27 @@ def _stream(stream):
     return cu.CUstream(stream_handle(stream))
 
 
+_wait_events = threading.local()  # per thread: current context handle -> a reusable event
+
+
 def _stream_wait(producer: int, consumer) -> None:
-    """Make stream ``consumer`` wait for the work queued so far on CAI stream ``producer``."""
+    """Make stream ``consumer`` wait for the work queued so far on CAI stream ``producer``.
+
+    One event per thread and context, re-recorded every time (``cuStreamWaitEvent`` takes the event's
+    state at the call), instead of creating and destroying one per imported array."""
     c = stream_handle(consumer) or cu.CU_STREAM_LEGACY
     p = int(producer) or cu.CU_STREAM_LEGACY
     if p == c:
         return
-    ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-    try:
-        check(cu.cuEventRecord(ev, cu.CUstream(p)))
-        check(cu.cuStreamWaitEvent(cu.CUstream(c), ev, 0))
-    finally:
-        check(cu.cuEventDestroy(ev))
+    events = getattr(_wait_events, "by_ctx", None)
+    if events is None:
+        events = _wait_events.by_ctx = {}
+    key = int(check(cu.cuCtxGetCurrent()))
+    ev = events.get(key)
+    if ev is None:
+        ev = events[key] = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+    check(cu.cuEventRecord(ev, cu.CUstream(p)))
+    check(cu.cuStreamWaitEvent(cu.CUstream(c), ev, 0))
 
 
 def _pointer_device(ptr: int) -> int | None:
