@@ -25,7 +25,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from .errors import CommError, CommTimeout
-from .runtime import check, stream_handle
+from .runtime import check, device_attribute, stream_handle
 from .signals import OPS, ErrorRecordView, MkComm
 from .topology import Topology
 
@@ -68,7 +68,7 @@ class Context:
         self._cu_device.set_current()
         self.cu_context = check(cu.cuCtxGetCurrent())
         A = cu.CUdevice_attribute
-        self.sm_count = int(check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device)))
+        self.sm_count = device_attribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device)
         # timeout
         t = timeout if timeout is not None else os.environ.get("MKERNEL_TIMEOUT")
         self._timeout = float(t) if t not in (None, "") else DEFAULT_TIMEOUT_S

@@ -166,9 +166,6 @@ assert ctypes.sizeof(_GemmArgs) == 80
 # --------------------------------------------------------------------------------------------
 # compiled kernels, device facts
 # --------------------------------------------------------------------------------------------
-_sm_count: dict = {}
-
-
 def _defines(in_dtype: str, out_dtype: str, config: int) -> dict:
     return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMM_CONFIG=config)
 
@@ -184,11 +181,7 @@ def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
 
 
 def _num_sms(device: int) -> int:
-    n = _sm_count.get(device)
-    if n is None:
-        n = runtime.device_attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
-        _sm_count[device] = n
-    return n
+    return runtime.device_attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
 
 
 def _env_candidates(candidates):

@@ -13,6 +13,7 @@ Launches go through the driver API on the caller's stream (any object with ``__c
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -124,8 +125,15 @@ def current_device() -> int:
 
 
 def device_attribute(attr: cu.CUdevice_attribute, device: int | None = None) -> int:
+    """A device attribute (None: the current context's device), queried once per (attribute, device):
+    they never change while the process runs."""
     dev = current_device() if device is None else device
-    return int(check(cu.cuDeviceGetAttribute(attr, dev)))
+    return _device_attribute(attr, dev)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_attribute(attr: cu.CUdevice_attribute, device: int) -> int:
+    return int(check(cu.cuDeviceGetAttribute(attr, device)))
 
 
 def current_arch() -> str:
