@@ -67,7 +67,7 @@ from cuda.bindings import driver as cu
 from . import gemm_engine as G
 from . import runtime
 from .arrays import DeviceArray, as_device_array
-from .runtime import check
+from .runtime import check, round_up
 from .tensormap import encode_tiled
 
 
@@ -433,10 +433,6 @@ def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
     return runtime.kernel(SOURCE, G._defines(in_dtype, out_dtype, config), name)
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 @dataclass(frozen=True)
 class _Layout:
     consumed_off: int
@@ -453,7 +449,7 @@ def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
     consumed_off = 64
     flags_off = 256
     value_off = flags_off + 8 * P * nch
-    data_off = _round_up(value_off + 8, 4096)
+    data_off = round_up(value_off + 8, 4096)
     return _Layout(consumed_off, flags_off, value_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)
 
 

@@ -23,6 +23,7 @@ import os
 
 from . import internode, runtime
 from .arrays import DeviceArray, as_device_array, dtype_of, require
+from .runtime import round_up
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks"]
 
@@ -47,10 +48,6 @@ class CollLayout(ctypes.Structure):
                 ("nchunks", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 MIN_CHUNK = int(os.environ.get("MKERNEL_COLL_MIN_CHUNK", 32 * 1024))
 MAX_BLOCKS = int(os.environ.get("MKERNEL_COLL_MAX_BLOCKS", 0))  # 0: one block per SM
 
@@ -60,7 +57,7 @@ def plan_chunks(slot_bytes: int, grid_max: int, min_chunk: int | None = None) ->
     min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
     slot_bytes = max(slot_bytes, 16)
     chunk = max(min_chunk, -(-slot_bytes // (2 * grid_max)))
-    chunk = _round_up(min(chunk, _round_up(slot_bytes, 16)), 16)
+    chunk = round_up(min(chunk, round_up(slot_bytes, 16)), 16)
     return chunk, -(-slot_bytes // chunk)
 
 
@@ -83,13 +80,13 @@ def grid_for(slot_bytes: int, grid_max: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLayout, int, int]:
     """(layout, workspace bytes, grid) for ``P`` local ranks exchanging slots of ``slot_bytes``."""
-    slot_bytes = _round_up(max(slot_bytes, 16), 256)
+    slot_bytes = round_up(max(slot_bytes, 16), 256)
     grid_max = grid_for(slot_bytes, grid_max)
     chunk, nchunks = plan_chunks(slot_bytes, grid_max)
     L = CollLayout()
     L.consumed_off = 64
-    L.flags_off = _round_up(L.consumed_off + 8 * P, 256)
-    L.data0_off = _round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
+    L.flags_off = round_up(L.consumed_off + 8 * P, 256)
+    L.data0_off = round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
     L.data1_off = L.data0_off + P * slot_bytes
     L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks
     total = L.data0_off + phases * P * slot_bytes
@@ -214,7 +211,7 @@ def all_reduce(ctx, x, out=None, *, stream=None):
         return out
     P = ctx.local_size
     one_shot = x.nbytes <= ONE_SHOT_MAX_BYTES or P == 1
-    shard = n if one_shot else _round_up(-(-n // P), 16 // x.dtype.itemsize)
+    shard = n if one_shot else round_up(-(-n // P), 16 // x.dtype.itemsize)
     _launch(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 1 if one_shot else 2,
             [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(shard),
              ctypes.c_int32(1 if one_shot else 0)], stream)

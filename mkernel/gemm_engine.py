@@ -42,6 +42,7 @@ from cuda.bindings import driver as cu
 
 from . import runtime
 from .arrays import DeviceArray, _on_device, as_device_array
+from .runtime import round_up
 from .tensormap import encode_tiled
 
 __all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "config_cost", "describe",
@@ -99,7 +100,7 @@ class TileConfig:
         bn = max(self.bn, self.bn_kn or 0)
         ring = self.stages * (self.bm * 64 * 2 + -(-bn // 64) * 64 * 64 * 2)
         if self.tma_store:  # 1024-aligned staging after the barriers
-            return _round_up(ring + 256, 1024) + self.consumers * self.staging_boxes * 8192 + 1024
+            return round_up(ring + 256, 1024) + self.consumers * self.staging_boxes * 8192 + 1024
         return ring + 256 + 1024
 
 
@@ -254,10 +255,6 @@ def _grid(cfg: TileConfig, tiles: int, sms: int) -> int:
 # --------------------------------------------------------------------------------------------
 # operands
 # --------------------------------------------------------------------------------------------
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 @dataclass
 class _Operand:
     """A TMA-ready view: ptr, dims (innermost first) and byte strides of dims[1:]."""
@@ -277,13 +274,13 @@ def _tma_operand(x: DeviceArray, batch: int, rows: int, cols: int, sb: int, sr: 
     """
     isz = x.dtype.itemsize
     unit = sc == 1 or cols == 1
-    row_b = sr * isz if rows > 1 else _round_up(cols * isz, 16)
+    row_b = sr * isz if rows > 1 else round_up(cols * isz, 16)
     bat_b = sb * isz if batch > 1 else row_b * rows
     ok = (unit and x.ptr % 16 == 0 and row_b > 0 and bat_b > 0 and row_b % 16 == 0 and bat_b % 16 == 0
           and (rows == 1 or sr >= cols) and (batch == 1 or sb >= rows * sr))
     if ok:
         return _Operand(x.ptr, (cols, rows, batch), (row_b, bat_b))
-    cols_p = _round_up(cols, 8)
+    cols_p = round_up(cols, 8)
     buf = DeviceArray.empty((batch, rows, cols_p), x.dtype.name, device=x.device)
     row_b = cols_p * isz
     return _Operand(buf.ptr, (cols, rows, batch), (row_b, row_b * rows), buf,

@@ -19,7 +19,7 @@ from cuda.bindings import driver as cu
 
 from . import runtime
 from .arrays import DeviceArray
-from .runtime import check
+from .runtime import check, round_up
 from .signals import MK_ERR_PROXY
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "InterLayout", "check_layout"]
@@ -37,10 +37,6 @@ class InterLayout(ctypes.Structure):
                 ("slot_bytes", ctypes.c_uint64), ("L", ctypes.c_int32), ("N", ctypes.c_int32)]
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 def check_layout(ctx) -> None:
     """Node-major ranks, the same count on every node (what the kernels assume)."""
     L, N = ctx.local_size, ctx.num_nodes
@@ -54,9 +50,9 @@ def _layout(ctx, nslots: int, nflags: int, slot_bytes: int) -> tuple[InterLayout
     P = ctx.size
     Lo = InterLayout()
     Lo.consumed_off = 128
-    Lo.ready_off = _round_up(Lo.consumed_off + 8 * P, 256)
-    Lo.data_off = _round_up(Lo.ready_off + 8 * nflags, 4096)
-    Lo.slot_bytes = _round_up(max(slot_bytes, 16), 256)
+    Lo.ready_off = round_up(Lo.consumed_off + 8 * P, 256)
+    Lo.data_off = round_up(Lo.ready_off + 8 * nflags, 4096)
+    Lo.slot_bytes = round_up(max(slot_bytes, 16), 256)
     Lo.L, Lo.N = ctx.local_size, ctx.num_nodes
     return Lo, Lo.data_off + nslots * Lo.slot_bytes
 
@@ -150,7 +146,7 @@ def all_reduce(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
     P = ctx.size
     n = x.size
     isz = x.dtype.itemsize
-    chunk = _round_up(-(-n // P), max(1, 16 // isz))
+    chunk = round_up(-(-n // P), max(1, 16 // isz))
     n_pad = chunk * P
     s = cu.CUstream(runtime.stream_handle(stream))
     bufs = ctx.__dict__.setdefault("_internode_ar", {})

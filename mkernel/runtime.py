@@ -31,7 +31,7 @@ from .errors import CompileError, CudaError
 __all__ = [
     "check", "cuda_src_dir", "include_dirs", "nvrtc_version", "compile_module", "Module", "Kernel",
     "stream_handle", "current_arch", "register_specialization", "registered_specializations",
-    "device_attribute", "precompile",
+    "device_attribute", "precompile", "round_up",
 ]
 
 
@@ -115,6 +115,11 @@ def cache_dir() -> Path:
     d = Path(os.environ.get("MKERNEL_CACHE_DIR", Path.home() / ".cache" / "mkernel"))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def round_up(x: int, m: int) -> int:
+    """``x`` rounded up to a multiple of ``m`` (workspace layouts, strides, paddings)."""
+    return (x + m - 1) // m * m
 
 
 # --------------------------------------------------------------------------------------------
