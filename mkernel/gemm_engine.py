@@ -42,7 +42,7 @@ from cuda.bindings import driver as cu
 
 from . import runtime
 from .arrays import DeviceArray, _on_device, as_device_array
-from .runtime import round_up
+from .runtime import check, round_up
 from .tensormap import encode_tiled
 
 __all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "config_cost", "describe",
@@ -378,14 +378,23 @@ class _Plan:
     splits: int = 1  # split-K factor of the split tiles (plain GEMM)
     split_from: int = 0  # tiles before this one (rasterized order) are not split
     pinned: bool = False  # captured into a CUDA graph: never freed (see run)
+    zero: tuple | None = None  # (ptr, int32 count): split-K counters to clear before their first use
 
     def run(self, stream):
-        if self.keep and not self.pinned and _capturing(stream):
-            # A graph replays this plan's buffers (staging copies, split-K partials and counters, group
-            # offsets) long after the LRU may have evicted the plan: keep it, and them, for good.
-            self.pinned = True
-            with _plans_lock:
-                _pinned.append(self)
+        if self.keep and (not self.pinned or self.zero is not None):
+            capturing = _capturing(stream)
+            if capturing and not self.pinned:
+                # A graph replays this plan's buffers (staging copies, split-K partials and counters,
+                # group offsets) long after the LRU may have evicted the plan: keep it, and them, for good.
+                self.pinned = True
+                with _plans_lock:
+                    _pinned.append(self)
+            if self.zero is not None:
+                # stream-ordered, no host sync; repeated until a call outside a capture did it (a
+                # captured clear only happens when the graph is launched)
+                _clear_i32(*self.zero, stream)
+                if not capturing:
+                    self.zero = None
         for k, g, b, a in self.pre:
             k.launch(g, b, a, stream=stream)
         if self.kernel is not None:
@@ -396,6 +405,10 @@ _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _plans_lock = threading.Lock()
 _PLANS_MAX = 64
 _pinned: list = []  # plans with buffers that were captured into a CUDA graph (kept for the process's life)
+
+
+def _clear_i32(ptr: int, n: int, stream) -> None:
+    check(cu.cuMemsetD32Async(ptr, 0, n, cu.CUstream(runtime.stream_handle(stream))))
 
 
 def _capturing(stream) -> bool:
@@ -504,7 +517,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if sp > 1:  # split-K workspace: fp32 partial slots and counters (zero; the kernel keeps them so) per split tile
         n_split = tiles - split_from
         partials = DeviceArray.empty((n_split * sp * cfg.bm * cfg.tile_n(b_layout),), "float32", device=dev)
-        counters = DeviceArray.from_numpy(np.zeros(n_split, np.int32), device=dev)
+        counters = DeviceArray.empty((n_split,), "int32", device=dev)  # cleared by the first run
         keep += [partials, counters]
         args.partials, args.counters, args.splits, args.split_from = partials.ptr, counters.ptr, sp, split_from
         units = split_from + n_split * sp
@@ -512,7 +525,10 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
         args.splits, args.split_from, split_from, units = 1, tiles, tiles, tiles
     maps = [tma, tmb, tmc]
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
-    return _Plan(cfg, kernel, _grid(cfg, units, sms), [*maps, args], pre, keep, sp, split_from)
+    plan = _Plan(cfg, kernel, _grid(cfg, units, sms), [*maps, args], pre, keep, sp, split_from)
+    if sp > 1:
+        plan.zero = (counters.ptr, n_split)
+    return plan
 
 
 def _env_key():

@@ -62,6 +62,9 @@ class FakeKernel:
         self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=grid, block=block, args=args, smem=smem))
 
 
+CLEARS: list = []  # (ptr, count) of every split-K counter clear the fake plans ran
+
+
 @pytest.fixture
 def fake(monkeypatch):
     launches, maps = [], []
@@ -85,6 +88,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(G.DeviceArray, "from_numpy", staticmethod(from_numpy))
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
     monkeypatch.setattr(G, "_capturing", lambda stream: False)
+    CLEARS.clear()
+    monkeypatch.setattr(G, "_clear_i32", lambda ptr, n, stream: CLEARS.append((ptr, n)))
     G._plans.clear()
     return launches, maps, empty
 
@@ -230,6 +235,13 @@ def test_split_k_plans(fake):
     assert _args(launches[-1]).splits == 1
     G.gemm(a, b, b_layout="nk", config=6, splits=4)  # ping-pong never splits
     assert _args(launches[-1]).splits == 1
+    # the counters are cleared (stream-ordered, no host sync) by the plan's first call only
+    CLEARS.clear()
+    o = empty((128, 1536), "bfloat16")
+    G.gemm(a, b, o, b_layout="nk", config=3, splits=16)
+    G.gemm(a, b, o, b_layout="nk", config=3, splits=16)
+    assert CLEARS == [(_args(launches[-1]).counters, 6)]
+    assert next(reversed(G._plans.values())).zero is None
     # a partial last wave: 192 tiles of 128x192 on 132 SMs -> one wave of whole tiles, 60 tiles split
     G.gemm(empty((8192, 7168), "bfloat16"), empty((576, 7168), "bfloat16"), b_layout="nk")
     x = _args(launches[-1])
@@ -332,6 +344,8 @@ def test_captured_plans_outlive_the_lru(fake, monkeypatch):
     G.gemm(a2, b, b_layout="nk")  # captured
     kept = next(reversed(G._plans.values()))
     assert kept.splits > 1 and kept.pinned and G._pinned == [kept] and not free.pinned
+    # its counter clear was captured (it happens when the graph runs): the next eager call clears again
+    assert kept.zero is not None and free.zero is None
     monkeypatch.setattr(G, "_capturing", lambda stream: False)
     for _ in range(G._PLANS_MAX + 1):  # evict both from the LRU
         G.gemm(empty((256, 256), "bfloat16"), empty((256, 256), "bfloat16"))
