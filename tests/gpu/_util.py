@@ -34,6 +34,12 @@ def download(a: DeviceArray) -> np.ndarray:
     return h.astype(np.float64)
 
 
+def rel_fro(got: np.ndarray, ref: np.ndarray) -> float:
+    """Relative Frobenius error ||got - ref|| / ||ref||; NaN (an unwritten element) fails at once."""
+    assert not np.isnan(got).any(), f"NaN in output at {np.argwhere(np.isnan(got))[:5].tolist()}"
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
 def poisoned(shape, dtype: str) -> DeviceArray:
     a = DeviceArray.empty(tuple(shape), dtype)
     a.fill_nan()
@@ -50,3 +56,32 @@ def assert_close(got: np.ndarray, ref: np.ndarray, dtype: str, scale: np.ndarray
         i = np.argwhere(bad)[:5]
         raise AssertionError(f"{what}: {bad.sum()} of {bad.size} elements off; first at {i.tolist()}: "
                              f"got {got[tuple(i[0])]}, want {ref[tuple(i[0])]}")
+
+
+def assert_missing_peer_times_out(call, op: str) -> None:
+    """``call(c2)`` on a fresh context with a 1 s timeout: once on every rank (agreement, workspace),
+    then on rank 0 alone.  Rank 0 must raise ``CommTimeout`` for ``op`` naming rank 0 and peer 1,
+    after waiting about the timeout (not less, and within 5 s)."""
+    import time
+
+    import pytest
+    from mpi4py import MPI
+
+    import mkernel
+
+    c2 = mkernel.init(MPI.COMM_WORLD.Dup(), timeout=1.0)
+    call(c2)
+    c2.synchronize()
+    c2.world.Barrier()
+    if c2.rank == 0:
+        t0 = time.monotonic()
+        call(c2)
+        with pytest.raises(mkernel.CommTimeout) as ei:
+            c2.synchronize()
+        dt = time.monotonic() - t0
+        rec = ei.value.record
+        assert rec["op"] == op and rec["rank"] == 0 and rec["peer"] == 1, rec
+        assert 0.9 < dt < 5.0, dt
+        assert rec["waited_ns"] >= 1e9
+    c2.world.Barrier()
+

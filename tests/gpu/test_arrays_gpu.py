@@ -37,6 +37,8 @@ from cuda.bindings import driver as cu  # noqa: E402
 
 from mkernel.runtime import check  # noqa: E402
 
+from _util import poisoned  # noqa: E402
+
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
 
 
@@ -69,10 +71,6 @@ def assert_bits_equal(got: np.ndarray, want: np.ndarray):
 
 def sync():
     check(cu.cuCtxSynchronize())
-
-
-def poisoned(shape, dtype) -> DeviceArray:
-    return DeviceArray.empty(shape, dtype).fill_nan()
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,17 +187,7 @@ def test_dlpack_self_round_trip(rng):
     h = host_data("bf16", (12, 8), rng)
     a = DeviceArray.from_numpy(h, dtype="bf16")
 
-    class Wrap:
-        def __init__(self, x):
-            self.x = x
-
-        def __dlpack__(self, **kw):
-            return self.x.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.x.__dlpack_device__()
-
-    b = as_device_array(Wrap(a[::2]))
+    b = as_device_array(DLPackOnly(a[::2]))
     del a
     gc.collect()
     assert_bits_equal(b.to_numpy(), h[::2])

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from mkernel import gemm_engine as G
-from mkernel.arrays import DeviceArray, bf16_to_f32, f32_to_bf16
+from mkernel.arrays import DeviceArray
+
+from _util import download, poisoned, rel_fro, upload
 
 pytestmark = pytest.mark.gpu  # skipped by tests/conftest.py without a Hopper GPU
 
@@ -38,31 +40,11 @@ def rng(request):
 # ---- helpers ---------------------------------------------------------------------------------
 def rand(rng, shape, dtype):
     """(DeviceArray, float64 values) of N(0,1) data rounded to dtype."""
-    x = rng.standard_normal(shape, dtype=np.float32)
-    if dtype == "bfloat16":
-        bits = f32_to_bf16(x)
-        return DeviceArray.from_numpy(bits, dtype="bfloat16"), bf16_to_f32(bits).astype(np.float64)
-    h = x.astype(dtype)
-    return DeviceArray.from_numpy(h), h.astype(np.float64)
-
-
-def values(arr: DeviceArray) -> np.ndarray:
-    h = arr.to_numpy()
-    return (bf16_to_f32(h) if arr.dtype.name == "bfloat16" else h).astype(np.float64)
-
-
-def poisoned(shape, dtype):
-    return DeviceArray.empty(shape, dtype).fill_nan()
-
-
-def rel_err(got, ref):
-    assert not np.isnan(got).any(), f"NaN in output at {np.argwhere(np.isnan(got))[:4].tolist()}"
-    den = np.linalg.norm(ref)
-    return np.linalg.norm(got - ref) / (den if den > 0 else 1.0)
+    return upload(rng.standard_normal(shape, dtype=np.float32), dtype)
 
 
 def check(got, ref, what):
-    e = rel_err(got, ref)
+    e = rel_fro(got, ref)
     assert e < TOL, f"{what}: relative Frobenius error {e:.3e}"
 
 
@@ -71,7 +53,7 @@ def run_gemm(rng, M, N, K, layout, in_dt="bfloat16", out_dt="bfloat16", config=N
     b, bv = rand(rng, (K, N) if layout == "kn" else (N, K), in_dt)
     out = poisoned((M, N), out_dt)
     G.gemm(a, b, out, b_layout=layout, config=config, splits=splits)
-    got = values(out)
+    got = download(out)
     bmat = bv if layout == "kn" else bv.T
     if sample is None:
         ref = av @ bmat
@@ -191,7 +173,7 @@ def test_split_k_auto_and_repeated(rng):
         b2, bv = rand(rng, (N, K), "bfloat16")
         a.copy_from(a2), b.copy_from(b2), out.fill_nan()
         G.gemm(a, b, out, b_layout="nk")
-        check(values(out), av @ bv.T, f"split-K auto, call {it}")
+        check(download(out), av @ bv.T, f"split-K auto, call {it}")
     plan = next(reversed(G._plans.values()))
     assert plan.splits > 1, "the heuristic did not split K for a 24-tile problem"
 
@@ -231,7 +213,7 @@ def test_graph_replay_after_plan_eviction(rng):
         out.fill_nan(stream=int(stream))
         ok(cu.cuGraphLaunch(gexec, stream))
         ok(cu.cuStreamSynchronize(stream))
-        check(values(out), av @ bv.T, f"graph replay {rep} after plan eviction")
+        check(download(out), av @ bv.T, f"graph replay {rep} after plan eviction")
     ok(cu.cuGraphExecDestroy(gexec))
     ok(cu.cuGraphDestroy(graph))
     ok(cu.cuStreamDestroy(stream))
@@ -251,7 +233,7 @@ def test_output_view_is_masked(rng, out_dt, pad, layout, config):
     buf = poisoned((M + 1, N + pad), out_dt)
     out = DeviceArray(buf.ptr, (M, N), out_dt, (N + pad, 1), buf.device, buf)
     G.gemm(a, b, out, b_layout=layout, config=config)
-    h = values(buf)
+    h = download(buf)
     check(h[:M, :N], av @ (bv if layout == "kn" else bv.T), f"strided out {out_dt} pad={pad} cfg={config}")
     assert np.isnan(h[:, N:]).all() and np.isnan(h[M]).all(), "gemm wrote outside the output view"
 
@@ -266,7 +248,7 @@ def test_grouped_output_rows_outside_groups_untouched(rng):
     buf = poisoned((T, N + 8), "bfloat16")
     out = DeviceArray(buf.ptr, (T, N), "bfloat16", (N + 8, 1), buf.device, buf)
     G.grouped_gemm(a, b, offs, out, b_layout="nk")
-    h = values(buf)
+    h = download(buf)
     for g in range(4):
         r0, r1 = offs[g], offs[g + 1]
         if r1 > r0:
@@ -285,7 +267,7 @@ def test_input_views_staged(rng):
     b = DeviceArray(bt.ptr, (K, N), "bfloat16", (1, K), bt.device, bt)
     out = poisoned((M, N), "bfloat16")
     G.gemm(a, b, out, b_layout="kn")
-    check(values(out), av @ btv.T, "strided views")
+    check(download(out), av @ btv.T, "strided views")
 
 
 def test_k_zero_and_empty(rng):
@@ -310,7 +292,7 @@ def test_repeat_uses_plan(rng):
     out.fill_nan()
     G.gemm(a, b, out)
     assert len(G._plans) == n
-    check(values(out), av @ bv2, "repeat")
+    check(download(out), av @ bv2, "repeat")
 
 
 # ---- grouped ---------------------------------------------------------------------------------
@@ -323,7 +305,7 @@ def run_grouped(rng, sizes, N, K, layout, in_dt="bfloat16", out_dt="bfloat16", d
     out = poisoned((T, N), out_dt)
     o = DeviceArray.from_numpy(offs) if device_offsets else offs.tolist()
     G.grouped_gemm(a, b, o, out, b_layout=layout, config=config)
-    got = values(out)
+    got = download(out)
     ref = np.empty((T, N))
     for g in range(Gn):
         bg = bv[g] if layout == "kn" else bv[g].T
