@@ -2,7 +2,6 @@
 MPI tests (``mpi``) run on every rank of ``mpirun -np N python -m pytest ...``."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -57,10 +56,3 @@ def shared_rng(ctx):
     """A generator seeded identically on every rank, freshly per test (seed from rank 0's entropy)."""
     seed = ctx.world.bcast(int(np.random.SeedSequence().entropy % (1 << 63)) if ctx.rank == 0 else None, root=0)
     return np.random.default_rng(seed)
-
-
-def world_size() -> int:
-    for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        if k in os.environ:
-            return int(os.environ[k])
-    return 1

@@ -26,6 +26,8 @@ def _import_all_ops():
 
 _import_all_ops()
 SPECS = runtime.registered_specializations()
+# gemm.cu is compiled (with stricter checks: no stack at all, no ptxas warnings) by test_gemm_compile.py
+COMPILE_SPECS = [(s, d) for s, d in SPECS if s != "gemm.cu"]
 
 
 def test_every_kernel_source_is_registered():
@@ -35,7 +37,7 @@ def test_every_kernel_source_is_registered():
     assert not missing, f"kernel sources with no registered specialization: {missing}"
 
 
-@pytest.mark.parametrize("source,defines", SPECS, ids=[f"{s}:{d}" for s, d in SPECS])
+@pytest.mark.parametrize("source,defines", COMPILE_SPECS, ids=[f"{s}:{d}" for s, d in COMPILE_SPECS])
 def test_compiles_without_spills(source, defines, tmp_path, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
     mod = runtime.compile_module(source, defines, arch=ARCH, use_disk_cache=False)

@@ -179,7 +179,7 @@ def test_bad_inputs_raise_before_launch(ctx):
     nc = DeviceArray(z.ptr, (8, 4), z.dtype, (8, 2), z.device, owner=z)
     with pytest.raises(ValueError, match="contiguous"):
         mkernel.all_reduce(ctx, nc)
-    out = DeviceArray.empty((3,), "float32")
+    out = poisoned((3,), "float32")
     with pytest.raises(ValueError, match="out must be"):
         mkernel.all_reduce(ctx, DeviceArray.empty((4,), "float32"), out)
     ndev = check(cu.cuDeviceGetCount())
@@ -194,11 +194,15 @@ def test_bad_inputs_raise_before_launch(ctx):
         with pytest.raises(ValueError, match=f"x is on cuda:{other}, expected cuda:{ctx.device}"):
             mkernel.all_reduce(ctx, w)
     # sizes that differ across ranks: every rank gets a clear error
+    bad_out = None
     if ctx.size > 1:
         bad = DeviceArray.empty((100 + ctx.local_rank,), "float32")
+        bad_out = poisoned(bad.shape, "float32")
         with pytest.raises(ValueError, match="disagree"):
-            mkernel.all_reduce(ctx, bad)
+            mkernel.all_reduce(ctx, bad, bad_out)
     ctx.synchronize()
+    for o in (out, bad_out):  # nothing was launched
+        assert o is None or np.isnan(download(o)).all(), "a failing call launched something"
 
 
 def test_zzz_missing_peer_times_out(ctx):
