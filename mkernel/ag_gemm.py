@@ -785,8 +785,4 @@ ag_gemm.last_plan = None
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:
     """Compile ag_gemm.cu specializations (default: every registered one) into the disk cache in
     parallel worker processes; returns the summed NVRTC seconds (0 for cubins already cached)."""
-    if arch is None:
-        arch = runtime.current_arch()
-    if specs is None:
-        specs = [d for src, d in runtime.registered_specializations() if src == SOURCE]
-    return runtime.precompile([(SOURCE, d) for d in specs], arch=arch, workers=workers)
+    return runtime.precompile_source(SOURCE, specs, arch=arch, workers=workers)

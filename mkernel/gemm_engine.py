@@ -758,9 +758,4 @@ def precompile(specs=None, *, arch: str | None = None, workers: int | None = Non
     specs: iterable of define dicts (default: every registered gemm.cu specialization).  Returns the
     summed NVRTC seconds.  Later ``compile_module`` calls of this process load the cubins from disk.
     """
-    if arch is None:
-        with _on_device(None):
-            arch = runtime.current_arch()
-    if specs is None:
-        specs = [d for src, d in runtime.registered_specializations() if src == SOURCE]
-    return runtime.precompile([(SOURCE, d) for d in specs], arch=arch, workers=workers)
+    return runtime.precompile_source(SOURCE, specs, arch=arch, workers=workers)

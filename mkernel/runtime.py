@@ -31,7 +31,7 @@ from .errors import CompileError, CudaError
 __all__ = [
     "check", "cuda_src_dir", "include_dirs", "nvrtc_version", "compile_module", "Module", "Kernel",
     "stream_handle", "current_arch", "register_specialization", "registered_specializations",
-    "device_attribute", "precompile", "round_up",
+    "device_attribute", "precompile", "precompile_source", "round_up",
 ]
 
 
@@ -356,6 +356,20 @@ def registered_specializations() -> list[tuple[str, dict]]:
 def _compile_one(item) -> float:
     source, defines, arch = item
     return compile_module(source, defines, arch=arch).compile_seconds
+
+
+def precompile_source(source: str, specs=None, *, arch: str | None = None, workers: int | None = None) -> float:
+    """:func:`precompile` for one source: ``specs`` are define dicts (default: every registered
+    specialization of ``source``), ``arch`` defaults to the current device's (the first device's
+    primary context when none is current)."""
+    if arch is None:
+        from .arrays import _on_device
+
+        with _on_device(None):
+            arch = current_arch()
+    if specs is None:
+        specs = [d for src, d in registered_specializations() if src == source]
+    return precompile([(source, d) for d in specs], arch=arch, workers=workers)
 
 
 def precompile(specs, *, arch: str, workers: int | None = None) -> float:
