@@ -145,8 +145,6 @@ class Context:
     def _report_host_failure(self, code: int, peer: int = -1) -> None:
         """A host-side failure (e.g. the proxy's transport died): write the error record so every
         device-side wait of this rank stops; the failing component's check hook raises the cause."""
-        from .signals import OPS
-
         rec = self.error_record._rec
         if rec.code == 0:
             rec.rank, rec.op, rec.peer, rec.flag_index = self.rank, OPS["proxy"], peer, -1

@@ -526,8 +526,6 @@ class VerbsTransport(Transport):
         for wc in wcs[:n]:
             peer = self.qp_peer.get(wc.qp_num, -1)
             if wc.status != 0:
-                from pyverbs.cq import WC
-
                 self.error = CommError(f"verbs rank {self.rank}: work completion error to rank {peer}: "
                                        f"{_wc_status(wc.status)} (vendor err {wc.vendor_err}); peer dead or "
                                        "remote access error", {"peer": peer})
@@ -614,8 +612,6 @@ class VerbsTransport(Transport):
 
 def _wc_status(status: int) -> str:
     try:
-        from pyverbs.cq import WC
-
         import pyverbs.enums as e
 
         for k in dir(e):

@@ -70,8 +70,7 @@ def _run_case(ctx, rng, m_sizes, N, K, *, dtype="bfloat16", b_layout="kn", comm_
     M = sum(m_sizes)
     out = poisoned((M, N), out_dtype or dtype)
     ga = poisoned((M, K), dtype) if gathered else None
-    res = mkernel_ag_gemm(ctx, a, b, out, gathered_a=ga, b_layout=b_layout, comm_sms=comm_sms, config=config,
-                          path=path)
+    res = agm.ag_gemm(ctx, a, b, out, gathered_a=ga, b_layout=b_layout, comm_sms=comm_sms, config=config, path=path)
     ctx.synchronize()
     assert res is out
     plan = agm.last_plan
@@ -82,10 +81,6 @@ def _run_case(ctx, rng, m_sizes, N, K, *, dtype="bfloat16", b_layout="kn", comm_
     if gathered:
         np.testing.assert_array_equal(download(ga), A, err_msg=f"{what}: gathered_a")
     return plan
-
-
-def mkernel_ag_gemm(ctx, *args, **kw):
-    return agm.ag_gemm(ctx, *args, **kw)
 
 
 # (name, m_sizes(r, P), N, K, b_layout, mode, extra); mode: "fused:<comm_sms>", "ce" (copy engines),

@@ -67,7 +67,6 @@ def run_gemm(rng, M, N, K, layout, in_dt="bfloat16", out_dt="bfloat16", config=N
 
 
 # ---- shapes ----------------------------------------------------------------------------------
-EDGE = [1, 7, 64, 129, 1000, 4097]
 SHAPES = [  # (M, N, K)
     (1, 1, 1), (1, 7, 64), (7, 1, 129), (7, 7, 7), (64, 64, 64), (129, 129, 129), (64, 129, 7),
     (1000, 7, 1000), (7, 1000, 7), (129, 4097, 64), (4097, 129, 7), (1000, 1000, 1000), (64, 4097, 1000),
@@ -318,7 +317,6 @@ GROUPS = [
     ([64, 64, 64, 64], 128, 64),
     ([1, 0, 0, 7], 7, 7),
     ([1000, 0, 2, 129, 4097 - 1131], 264, 136),
-    ([0, 0, 0], 64, 64),
 ]
 
 
@@ -326,8 +324,6 @@ GROUPS = [
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("sizes,N,K", GROUPS, ids=[f"g{i}" for i in range(len(GROUPS))])
 def test_grouped(rng, sizes, N, K, layout, device_offsets):
-    if sum(sizes) == 0:
-        pytest.skip("all groups empty: nothing to compute (covered by test_grouped_all_empty)")
     run_grouped(rng, sizes, N, K, layout, device_offsets=device_offsets)
 
 
