@@ -3,10 +3,10 @@
 * :func:`setup_env`: NCCL / torch environment (no NVLink multicast); call before importing torch.
 * :func:`bootstrap`: ``mkernel.init()`` + ``torch.cuda.set_device(ctx.device)`` + ``torch.distributed``
   (NCCL) with rank / world size from MPI, ``MASTER_ADDR=127.0.0.1`` and a free port picked by rank 0.
-* :func:`time_fn` / :func:`time_stats`: CUDA-event timing of back-to-back calls on torch's current
+* :func:`time_stats`: CUDA-event timing of back-to-back calls on torch's current
   stream, median over batches, with an MPI barrier before every batch.
 * :func:`max_over_ranks`, :func:`all_ranks_ok`: cross-rank reductions over an mpi4py communicator.
-* :func:`markdown_table`, :func:`write_json`, :func:`plot_panels`, :func:`fmt_bytes`: output.
+* :func:`markdown_table`, :func:`write_json`, :func:`plot_panels`, :func:`fmt_bytes`, :func:`fmt_or_na`: output.
 
 torch, mpi4py and matplotlib are imported inside the functions that need them, so this module
 imports with the standard library alone.
@@ -67,10 +67,7 @@ def bootstrap(nccl: bool = True):
     setup_env()
     import mkernel
 
-    init = getattr(mkernel, "init", None)
-    if init is None:  # package __init__ not exporting it (yet)
-        from mkernel.context import init
-    ctx = init()
+    ctx = mkernel.init()
     import torch
 
     torch.cuda.set_device(ctx.device)
@@ -149,11 +146,6 @@ def time_stats(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None
     del g
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples),
             "samples": samples, "host_ms": statistics.median(host), "reps": reps, "batch": batch, "graph": graph}
-
-
-def time_fn(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None, graph: bool = False) -> float:
-    """Median milliseconds per call of ``fn`` (see :func:`time_stats`)."""
-    return time_stats(fn, warmup, reps, batch, barrier, graph)["median_ms"]
 
 
 # ------------------------------------------------------------------------------------ cross-rank
@@ -266,3 +258,9 @@ def plot_panels(path, panels, hlines=(), title: str = "", xlabel: str = "size",
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def fmt_or_na(v, fmt: str) -> str:
+    """``format(v, fmt)``, or "n/a" for None / NaN (a baseline that did not run)."""
+    return "n/a" if v is None or v != v else format(v, fmt)
+

@@ -43,6 +43,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import _common as C  # noqa: E402
 
+_f = C.fmt_or_na  # a number, or "n/a" for a baseline that did not run
+
 C.setup_env()  # before torch is imported anywhere
 
 MS = (1024, 4096, 8192, 16384, 32768)
@@ -208,10 +210,6 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
     del a, w, a_full, c_ref, c_ours, a_full_ours, c_gemm, A, W, CO, AF, CG
     torch.cuda.empty_cache()
     return rec
-
-
-def _f(v, fmt):
-    return "n/a" if v is None or v != v else format(v, fmt)
 
 
 def report(results, meta, out_dir: Path) -> str:

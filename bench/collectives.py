@@ -44,6 +44,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import _common as C  # noqa: E402
 
+_f = C.fmt_or_na  # a number, or "n/a" for a baseline that did not run
+
 C.setup_env()  # before torch is imported anywhere
 
 KiB, MiB, GiB = C.KiB, C.MiB, C.GiB
@@ -77,11 +79,7 @@ def plan(nbytes: int, quick: bool) -> dict:
 def _mk_ops():
     import mkernel
 
-    try:
-        from mkernel import collectives as coll
-    except ImportError:
-        coll = None
-    return {op: getattr(mkernel, op, None) or getattr(coll, op) for op in OPS}
+    return {op: getattr(mkernel, op) for op in OPS}
 
 
 class Case:
@@ -317,10 +315,6 @@ def _label(r) -> str:
 
 def _pct(v) -> str:
     return "n/a" if v != v else f"{v:.0f}%"
-
-
-def _f(v, fmt):
-    return "n/a" if v is None or v != v else format(v, fmt)
 
 
 def report(results, ce, meta, out_dir: Path) -> str:
