@@ -40,6 +40,24 @@ def rel_fro(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def on_other_device(device: int, shape, dtype: str):
+    """``(array, its device)`` allocated on the GPU after ``device`` (round robin), or ``(None, None)``
+    with a single GPU (bad-input tests: an operand on the wrong device)."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check
+
+    ndev = check(cu.cuDeviceGetCount())
+    if ndev < 2:
+        return None, None
+    other = (device + 1) % ndev
+    check(cu.cuCtxPushCurrent(check(cu.cuDevicePrimaryCtxRetain(other))))
+    try:
+        return DeviceArray.empty(tuple(shape), dtype), other
+    finally:
+        check(cu.cuCtxPopCurrent())
+
+
 def poisoned(shape, dtype: str) -> DeviceArray:
     a = DeviceArray.empty(tuple(shape), dtype)
     a.fill_nan()

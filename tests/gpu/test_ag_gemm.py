@@ -16,7 +16,7 @@ from cuda.bindings import driver as cu
 from mkernel.arrays import DeviceArray
 from mkernel.runtime import check
 
-from _util import assert_missing_peer_times_out, download, poisoned, rel_fro, upload
+from _util import assert_missing_peer_times_out, download, on_other_device, poisoned, rel_fro, upload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -305,15 +305,8 @@ def test_bad_inputs_raise_before_launch(ctx):
             agm.ag_gemm(ctx, DeviceArray.empty((37, K), "bfloat16"), DeviceArray.empty((K, 40), "bfloat16"))
         with pytest.raises(ValueError, match="disagree"):
             agm.ag_gemm(ctx, a, b, comm_sms=2 + ctx.local_rank)
-    ndev = check(cu.cuDeviceGetCount())
-    if ndev > 1:
-        other = (ctx.device + 1) % ndev
-        pctx = check(cu.cuDevicePrimaryCtxRetain(other))
-        check(cu.cuCtxPushCurrent(pctx))
-        try:
-            w = DeviceArray.empty((32, 64), "bfloat16")
-        finally:
-            check(cu.cuCtxPopCurrent())
+    w, _ = on_other_device(ctx.device, (32, 64), "bfloat16")
+    if w is not None:
         with pytest.raises(ValueError, match="cuda:"):
             agm.ag_gemm(ctx, w, b)
     ctx.synchronize()

@@ -14,7 +14,7 @@ import mkernel
 from mkernel.arrays import DeviceArray
 from mkernel.runtime import check
 
-from _util import assert_close, assert_missing_peer_times_out, download, poisoned, upload
+from _util import assert_close, assert_missing_peer_times_out, download, on_other_device, poisoned, upload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -182,15 +182,8 @@ def test_bad_inputs_raise_before_launch(ctx):
     out = poisoned((3,), "float32")
     with pytest.raises(ValueError, match="out must be"):
         mkernel.all_reduce(ctx, DeviceArray.empty((4,), "float32"), out)
-    ndev = check(cu.cuDeviceGetCount())
-    if ndev > 1:
-        other = (ctx.device + 1) % ndev
-        ctx_dev = check(cu.cuDevicePrimaryCtxRetain(other))
-        check(cu.cuCtxPushCurrent(ctx_dev))
-        try:
-            w = DeviceArray.empty((16,), "float32")
-        finally:
-            check(cu.cuCtxPopCurrent())
+    w, other = on_other_device(ctx.device, (16,), "float32")
+    if w is not None:
         with pytest.raises(ValueError, match=f"x is on cuda:{other}, expected cuda:{ctx.device}"):
             mkernel.all_reduce(ctx, w)
     # sizes that differ across ranks: every rank gets a clear error
