@@ -198,8 +198,9 @@ def test_graph_replay_after_plan_eviction(rng):
     plan = next(p for p in G._plans.values() if p.pinned)
     assert plan.splits > 1
     x, y = rand(rng, (64, 64), "bfloat16")[0], rand(rng, (64, 64), "bfloat16")[0]
-    for _ in range(G._PLANS_MAX + 2):  # evict it: distinct outputs make distinct plans
-        G.gemm(x, y, poisoned((64, 64), "bfloat16"))
+    outs = [poisoned((64, 64), "bfloat16") for _ in range(G._PLANS_MAX + 2)]  # alive: distinct addresses
+    for o in outs:  # evict it: distinct outputs make distinct plans
+        G.gemm(x, y, o)
     assert all(p is not plan for p in G._plans.values())
     del plan
     import gc
