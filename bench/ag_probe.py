@@ -3,7 +3,9 @@ on the quick shapes of bench/ag_gemm.py, timed with CUDA events (no torch).  For
 kernel defines through MKERNEL_DEFINES, docs/ag_gemm.md); bench/ag_gemm.py is the benchmark.
 
     mpirun -np 2 python bench/ag_probe.py
-PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes.
+PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes
+(or "M:N_all:K" for any); PROBE_CE="3:0,3:1,4:auto" adds copy-engine variants, each CONFIG:TAIL_SPLIT
+(TAIL_SPLIT as MKERNEL_AG_GEMM_TAIL_SPLIT: 0, 1 or auto).
 PROBE_NO_COPIES=1 drops the copy-engine path's copies (timing only: with MKERNEL_DEFINES=
 MK_AG_TIMING_NO_WAIT=1 the fused kernel is then the bare GEMM inside the fused kernel).
 One line per (shape, variant): median us per call (max over ranks) and overlap efficiency
@@ -29,6 +31,10 @@ SHAPES = {  # name: (M_total, N over all ranks, K)
     "qkv405": (16384, 18432, 16384),
     "mlp405": (1024, 53248, 16384),
     "sweep8k": (8192, 1024, 8192),  # N/P = M/16 with P = 2
+    "qkv70_1k": (1024, 10240, 8192),
+    "mlp70_1k": (1024, 28672, 8192),
+    "qkv70_16k": (16384, 10240, 8192),
+    "sweep32k": (32768, 4096, 32768),
 }
 
 
@@ -63,8 +69,9 @@ def main():
             times.append(check(cu.cuEventElapsedTime(e0, e1)) / batch * 1e3)
         return ctx.world.allreduce(float(np.median(times)), op=MPI.MAX)
 
+    ce_variants = [v.split(":") for v in os.environ.get("PROBE_CE", "").split(",") if v.strip()]
     for name in names:
-        M, N_all, K = SHAPES[name]
+        M, N_all, K = SHAPES[name] if name in SHAPES else (int(x) for x in name.split(":"))
         Mr, N = M // P, N_all // P
         a = DeviceArray.from_numpy(f32_to_bf16(rng.standard_normal((Mr, K), dtype=np.float32)), dtype="bfloat16")
         w = DeviceArray.from_numpy(f32_to_bf16(rng.standard_normal((N, K), dtype=np.float32) / np.sqrt(K)),
@@ -78,16 +85,22 @@ def main():
         t_g3 = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s, config=3), est)
         floor = max(t_gemm, t_ag)
         rows = []
-        variants = [None, "ce", -1, *extra]  # automatic plan; copy engines; -1: fused at the model's split
+        # automatic plan; copy engines; -1: fused at the model's split; forced splits; CE config variants
+        variants = [None, "ce", -1, *extra, *ce_variants]
         for cs in variants:
-            kw = dict(comm_sms=cs)
-            if cs == -1:
+            kw, env = dict(comm_sms=cs), "auto"
+            if isinstance(cs, list):
+                kw, env = dict(path="fused_ce", config=int(cs[0])), cs[1]
+            elif cs == -1:
                 kw = dict(comm_sms=agm.last_plan.fused_comm_sms)
             elif cs == "ce":
                 kw = dict(path="fused_ce")
+            os.environ["MKERNEL_AG_GEMM_TAIL_SPLIT"] = env
             t = timed(lambda kw=kw: agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, **kw), est)
             p = agm.last_plan
-            rows.append((f"{p.path}/{p.comm_sms}", t))
+            split = f"/c{p.config}" + (f"/split{p.splits}@{p.split_from}" if p.splits > 1 else "")
+            rows.append((f"{p.path}/{p.comm_sms}{split}", t))
+        os.environ["MKERNEL_AG_GEMM_TAIL_SPLIT"] = "auto"
         if ctx.rank == 0:
             print(f"[{tag}] {name:8s} M={M} N/P={N} K={K}: gemm {t_gemm:8.1f} us (config 3: {t_g3:8.1f})  "
                   f"all_gather {t_ag:7.1f} us  "

@@ -25,8 +25,9 @@
 //                        out of the workspace as they arrive.  Never waits on compute.
 //   blocks [n_comm, grid) GEMM workers (mk_gemm.cuh): tiles of rank me's rows first, then me-1,
 //                        me-2, ... (tiles never straddle two shards: a shard's last tile is
-//                        partial); before the first K block of a tile the producer waits for the
-//                        ready flags of every chunk its rows overlap.  Epilogue: store to C (mk_gemm_run_store).
+//                        partial); before the first K block of a tile (or of a split-K unit: the
+//                        last, partial wave's tiles may be split along K) the producer waits for the
+//                        ready flags of every chunk its rows overlap.  Epilogue: store to C (split-K aware).
 //   The last block to finish tells every peer it consumed its data, then commits the epoch.
 // Deadlock freedom: comm blocks wait only for peers' consumed flags of the previous call (or for
 // peers' pushes in step 3, which depend on nothing of ours); workers wait only for pushes; every block
@@ -56,7 +57,7 @@
 #define MK_AG_ERR_CHECK_SPINS 2048  // a power of two: at MK_POLL_SLEEP_MAX_NS = 512, ~1 ms of polling
 #endif
 
-// Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 208 bytes).
+// Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 232 bytes).
 struct AgArgs {
   const char* a_shard;   // this rank's rows, dense [M_me, K]
   char* ws;              // this rank's workspace
@@ -79,8 +80,12 @@ struct AgArgs {
                          // 16-byte aligned), so they are not copied into the workspace and not waited for
   int offs[MK_AG_MAXP + 1];  // row offsets of local ranks in the gathered A; offs[P] = M_total
   int c_tma;             // 1: tmC is a map over C (see mk_gemm_run_store)
+  float* partials;       // split-K of the last wave (splits > 1): fp32 partial slots [split tiles][splits][BM*BN]
+  int* counters;         // split-K: [split tiles], zero between calls
+  int splits;            // K splits of the tiles from split_from on (1: none)
+  int split_from;        // tiles (in the workers' order) before this one are whole
 };
-static_assert(sizeof(AgArgs) == 208, "AgArgs layout changed: update mkernel/ag_gemm.py");
+static_assert(sizeof(AgArgs) == 232, "AgArgs layout changed: update mkernel/ag_gemm.py");
 
 struct AgWs {
   const AgArgs* a;
@@ -185,8 +190,10 @@ MK_DEVICE void ag_finish(const AgWs& w, mk_u64 epoch, int tid0, int nthreads) {
 // Tiles of the gathered problem in arrival order: shard me, me-1, ..., each rasterized like a plain
 // GEMM (super-rows of group_m tile-rows).  A shard's tiles start at its own first row, so no tile
 // straddles two shards.  t.tile_m = (tile row within the shard << 4) | source rank (read by the hook);
-// t.group = 0 (B has one group).  Deterministic; stateless apart from the next linear id (everything
-// else is re-read from the kernel-parameter struct: the producer warp runs on 40 registers).
+// t.group = 0 (B has one group).  With a->splits > 1 the tiles from a->split_from on (the last,
+// partial wave) are a->splits units each, one per K range (MkLinearScheduler's scheme).
+// Deterministic; stateless apart from the next unit id (everything else is re-read from the
+// kernel-parameter struct: the producer warp runs on 40 registers).
 template <int BM, int BN> struct AgScheduler {
   const AgArgs* a;
   int next_i;
@@ -197,6 +204,16 @@ template <int BM, int BN> struct AgScheduler {
   MK_DEVICE bool next(MkTile& t) {
     int i = next_i;
     next_i += (int)gridDim.x - a->n_comm;
+    if (a->splits > 1 && i >= a->split_from) {
+      const int u = i - a->split_from;
+      t.slot = u / a->splits;
+      t.split = u - t.slot * a->splits;
+      t.splits = a->splits;
+      i = a->split_from + t.slot;
+    } else {
+      t.split = 0;
+      t.splits = 1;
+    }
     const int P = a->P, me = a->me, N = a->N;
     const int num_n = (N + BN - 1) / BN;
     for (int k = 0; k < P; ++k) {
@@ -242,8 +259,8 @@ template <int BM> struct AgWaitRows {
     a_row = t.row0;
     return tmA;
   }
-  MK_DEVICE bool before_load(int, int tile_m, int, int k_block) const {
-    if (k_block != 0) return true;
+  MK_DEVICE bool before_load(int, int tile_m, int, int, bool unit_start) const {
+    if (!unit_start) return true;  // the unit's first K block waits for the rows; its later ones find them
     if (a->local_map && (tile_m & 15) == a->me) return true;  // read in place: nothing to wait for
 #ifdef MK_AG_TIMING_NO_WAIT
     return true;  // timing experiment only (docs/ag_gemm.md): the GEMM without its waits; wrong output
@@ -291,7 +308,8 @@ template <int BM> struct AgWaitRows {
 template <bool KN>
 MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmAl,
                             const MkTensorMap* tmC, const MkComm& c, const AgArgs& a) {
-  typedef typename MkCfgSel<MK_GEMM_CONFIG, KN>::T Cfg;
+  // the producer runs AgScheduler (split-K units) and the row waits: 48 registers, not 40
+  typedef MkWithRegs<typename MkCfgSel<MK_GEMM_CONFIG, KN>::T, 48, 224> Cfg;
   extern __shared__ unsigned char mk_smem[];
   const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
@@ -311,8 +329,11 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
     epi.ldc = a.ldc;
     epi.vec_ok = a.c_vec_ok;
     // a shard's last tile may end inside C (the next shard's rows follow): clip_rows = 0
-    const bool r = mk_gemm_run_store<Cfg>(tmA, tmB, tmC, a.K, sched, hook, epi, a.c_tma, 0, mk_smem,
-                                          (int)blockIdx.x - n_comm, (int)gridDim.x - n_comm);
+    const bool r = mk_with_store_epilogue<Cfg>(epi, tmC, a.c_tma, 0, mk_smem, [&](auto& inner) {
+      auto sk = mk_split_k_epilogue<Cfg::NC>(inner, a.partials, a.counters);
+      return mk_gemm_run<Cfg>(tmA, tmB, a.K, sched, hook, sk, mk_smem, (int)blockIdx.x - n_comm,
+                              (int)gridDim.x - n_comm);
+    });
     // The producer warpgroup is done (every load it issued was consumed); the consumers finish the
     // call.  Their verdict is uniform: all of them see the abort flag at the same K block.
     if (threadIdx.x < 128 || !r) return;

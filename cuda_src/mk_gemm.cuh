@@ -16,8 +16,9 @@
 //              MK_DEVICE bool next(MkTile& t);   // false when this worker has no more tiles
 //              Must be deterministic and free of side effects visible to other threads: every role
 //              of the block runs its own copy and must see the same sequence.
-//   Hook       MK_DEVICE bool before_load(int group, int tile_m, int tile_n, int k_block) const;
-//              Called by all 32 lanes of the producer warp before a K block's loads are issued; may
+//   Hook       MK_DEVICE bool before_load(int group, int tile_m, int tile_n, int k_block, bool first) const;
+//              Called by all 32 lanes of the producer warp before a K block's loads are issued (first:
+//              the unit's first K block -- k_block 0, or the start of a split-K unit's range); may
 //              wait (mk_warp_wait_geq) and must return a warp-uniform verdict.  false aborts: the
 //              kernel's consumers are released and every role of the block returns (false).
 //              MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const;
@@ -101,6 +102,15 @@ struct MkGemmConfig {
   static_assert(!TMA_STORE || !PINGPONG_, "TMA-store epilogue: cooperative configs only");
   static_assert(2 * STAGES_ * 8 + 16 <= 256, "too many stages for the barrier area");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget exceeded");
+};
+
+// A config whose producer warpgroup keeps more registers (fused kernels: their schedulers and hooks run
+// on the producer).  PRODUCER_REGS * 128 + CONSUMER_REGS * 256 must stay <= 65536.
+template <class Base, int PRODUCER_REGS_, int CONSUMER_REGS_> struct MkWithRegs : Base {
+  static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
+  static constexpr int CONSUMER_REGS = CONSUMER_REGS_;
+  static_assert(!Base::SETMAXNREG || 128 * PRODUCER_REGS_ + 256 * CONSUMER_REGS_ <= 65536, "register file exceeded");
+  static_assert(PRODUCER_REGS_ % 8 == 0 && CONSUMER_REGS_ % 8 == 0, "setmaxnreg counts are multiples of 8");
 };
 
 // One output tile of one problem (or one split of its K range: split-K).
@@ -248,7 +258,7 @@ template <int BM, int BN> struct MkGroupedScheduler {
 
 // ---- producer hooks -----------------------------------------------------------------------------------
 struct MkNoWait {
-  MK_DEVICE bool before_load(int, int, int, int) const { return true; }
+  MK_DEVICE bool before_load(int, int, int, int, bool) const { return true; }
   MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const {
     a_row = t.row0;
     return tmA;
@@ -505,7 +515,7 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
     MkTile t;
     while (sched.next(t)) {
       for (int kb = 0; kb < nkb; ++kb) {
-        if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb)) {
+        if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb, kb == 0)) {
           if (lane == 0) *sm.abort_flag() = 1;
           const unsigned first = pos > (unsigned)Cfg::STAGES ? pos - Cfg::STAGES : 0u;
           for (unsigned q = first; q < pos; ++q) mk_mbar_wait(sm.full(q % Cfg::STAGES), (q / Cfg::STAGES) & 1u);
@@ -603,7 +613,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
       int kb_lo, kb_hi;
       mk_tile_kblocks(t, nkb, kb_lo, kb_hi);
       for (int kb = kb_lo; kb < kb_hi; ++kb) {
-        if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb)) {
+        if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb, kb == kb_lo)) {
           // Abort: flag it, then complete the phase the consumers will wait on next without data.
           if (lane == 0) *sm.abort_flag() = 1;
           mk_mbar_wait(sm.empty(stage), phase ^ 1);

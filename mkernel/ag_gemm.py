@@ -21,7 +21,9 @@ Three paths, one kernel source (``cuda_src/ag_gemm.cu``), one workspace protocol
 
 A small cost model (:data:`MODEL`, :func:`plan`) picks the path (and the SM split of "fused");
 ``path=`` or env ``MKERNEL_AG_GEMM_PATH`` force one, ``comm_sms=N`` forces "fused" with N
-communication blocks, ``comm_sms=0`` forces "unfused".  The plan that ran is in ``ag_gemm.last_plan`` (also the module attribute
+communication blocks, ``comm_sms=0`` forces "unfused".  The fused kernel may split the tiles of its
+partial last wave along K (split-K, as :func:`mkernel.gemm` does; env ``MKERNEL_AG_GEMM_TAIL_SPLIT``
+= ``0``/``1`` overrides the model).  The plan that ran is in ``ag_gemm.last_plan`` (also the module attribute
 ``mkernel.ag_gemm.last_plan``; ``.path``, ``.comm_sms``, predicted times); ``MKERNEL_LOG=1`` prints
 one line per new plan.
 
@@ -87,7 +89,7 @@ for _i in IN_DTYPES:
 
 
 class AgArgs(ctypes.Structure):
-    """Mirror of ``struct AgArgs`` in cuda_src/ag_gemm.cu (208 bytes)."""
+    """Mirror of ``struct AgArgs`` in cuda_src/ag_gemm.cu (232 bytes)."""
 
     _fields_ = [
         ("a_shard", ctypes.c_void_p), ("ws", ctypes.c_void_p), ("peers", ctypes.c_void_p),
@@ -101,10 +103,12 @@ class AgArgs(ctypes.Structure):
         ("local_map", ctypes.c_int32),
         ("offs", ctypes.c_int32 * (MAXP + 1)),
         ("c_tma", ctypes.c_int32),
+        ("partials", ctypes.c_void_p), ("counters", ctypes.c_void_p),
+        ("splits", ctypes.c_int32), ("split_from", ctypes.c_int32),
     ]
 
 
-assert ctypes.sizeof(AgArgs) == 208
+assert ctypes.sizeof(AgArgs) == 232
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,10 +183,13 @@ class AgPlan:
     reason: str = ""
     gather_blocks: int = 0          # unfused: blocks of the gather kernel
     fused_comm_sms: int = 0         # the model's best split, also when the unfused path was chosen
+    splits: int = 1                 # fused paths: K splits of the tiles from split_from on (the last,
+    split_from: int = 0             # partial wave of the workers' tile order; 1 = none)
 
     def describe(self) -> str:
         us = lambda t: f"{t * 1e6:.1f}us" if math.isfinite(t) else "n/a"  # noqa: E731
-        return (f"path={self.path} comm_sms={self.comm_sms} workers={self.workers} config={self.config} "
+        split = f" splits={self.splits} from tile {self.split_from}" if self.splits > 1 else ""
+        return (f"path={self.path} comm_sms={self.comm_sms} workers={self.workers} config={self.config}{split} "
                 f"chunk_rows={self.chunk_rows} P={self.P} M={list(self.m_sizes)} N={self.n_max} K={self.K} "
                 f"predicted fused={us(self.predicted_fused)} (comm {us(self.predicted_comm)}, gemm "
                 f"{us(self.predicted_gemm)}) unfused={us(self.predicted_unfused)} (allgather "
@@ -286,9 +293,29 @@ def _fused_tiles(m_sizes, N: int, cfg) -> int:
     return sum(-(-m // cfg.bm) for m in m_sizes) * -(-N // cfg.bn)
 
 
+# A last-wave split of the fused kernel must be predicted to save this much of its GEMM time (the plain
+# GEMM asks for G.TAIL_SPLIT_MIN_GAIN = 10 %; here the tiles are long -- large N and K -- so the split-K
+# reduction is a small part of a unit and the model's prediction holds better).
+AG_TAIL_SPLIT_MIN_GAIN = 0.04
+
+
+def _split_gain(cfg, tiles: int, K: int, workers: int, tail_split: bool | None = None) -> tuple[int, int, float]:
+    """(splits, split_from, predicted GEMM time factor) of the fused kernel: the tiles of a partial last
+    wave split along K where mkernel.gemm's model predicts it saves AG_TAIL_SPLIT_MIN_GAIN (whole waves
+    only: with fewer tiles than workers the fusion's own timeline dominates).  tail_split: None lets the
+    model decide, False never splits, True splits wherever the model predicts any gain."""
+    if tiles < workers or K <= 0 or tail_split is False or cfg.id not in _FUSED_CONFIGS:
+        return 1, tiles, 1.0
+    margin = 0.0 if tail_split else AG_TAIL_SPLIT_MIN_GAIN
+    sp, sf = G.split_plan(cfg, tiles, K, "nk", workers, tail_margin=margin)
+    if sp <= 1:
+        return 1, tiles, 1.0
+    return sp, sf, G.split_cost(cfg, tiles, K, "nk", workers, sp, sf) / G.config_cost(cfg, tiles, workers, K, "nk")
+
+
 def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | None = None,
          gathered: bool = False, force_path: str | None = None, config: int | None = None,
-         model: CostModel = MODEL) -> AgPlan:
+         tail_split: bool | None = None, model: CostModel = MODEL) -> AgPlan:
     """The plan for gathering shards of ``m_sizes`` rows (one per local rank) of K columns and
     multiplying by an [K, N] operand on a GPU of ``sms`` SMs.  Pure function of its arguments (every
     rank computes the same plan from the values they exchanged)."""
@@ -317,11 +344,12 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         tiles = _fused_tiles(m_sizes, N, cfg)
         tt = _tile_time(cfg, K, sms, model)
         t_comm = _comm_time(m_sizes, row_bytes, n, cr, gathered, model)
-        t_gemm = _gemm_time(tiles, w, cfg, K, sms, model)
+        split = _split_gain(cfg, tiles, K, w, tail_split)
+        t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * split[2]
         per_shard = lambda m: -(-m // cfg.bm) * -(-N // cfg.bn)  # noqa: E731
         t_stream = _fused_finish(m_sizes, row_bytes, n, cr, per_shard, w, tt, model)
         t = max(t_stream, t_gemm, t_comm + tt) + model.launch_latency
-        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1))
+        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), split[:2]
 
     def fused_ce():
         w = sms - 1  # one SM stays free for the side stream's begin kernel
@@ -330,7 +358,8 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         cr_ce = ce_chunk_rows(m_sizes, model)
         tiles = _fused_tiles(m_sizes, N, cfg)
         tt = _tile_time(cfg, K, sms, model) * model.ce_gemm_slowdown
-        t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown
+        sp, sf, gain = _split_gain(cfg, tiles, K, w, tail_split)
+        t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown * gain
         arrive = []
         for m in m_sizes:
             ops = 2 * (-(-m // cr_ce)) * model.ce_op_latency
@@ -339,7 +368,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         t_comm = max(tl + (P - 1) * tp for tl, tp in arrive)
         per_shard = lambda m: -(-m // cfg.bm) * -(-N // cfg.bn)  # noqa: E731
         t = max(_stream_finish(m_sizes, arrive, per_shard, w, tt), t_gemm) + model.launch_latency
-        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), cr_ce
+        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), cr_ce, (sp, sf)
 
     base = dict(m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
                 predicted_allgather=t_ag, predicted_gemm_alone=t_gu, gather_blocks=g_blocks)
@@ -355,17 +384,17 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         if not 1 <= comm_sms < sms:
             raise ValueError(f"mkernel.ag_gemm: comm_sms={comm_sms} must be in [1, {sms - 1}] on this "
                              f"{sms}-SM GPU (0 forces the unfused path)")
-        t, tc, tg, cfg, w = fused_at(comm_sms)
+        t, tc, tg, cfg, w, (sp, sf) = fused_at(comm_sms)
         return AgPlan(path="fused", comm_sms=comm_sms, workers=w, config=cfg.id, predicted_fused=t,
                       predicted_comm=tc, predicted_gemm=tg, reason="comm_sms given", fused_comm_sms=comm_sms,
-                      chunk_rows=cr, **base)
+                      chunk_rows=cr, splits=sp, split_from=sf, **base)
     best = None
     for n in range(min(model.min_comm_sms, sms // 2), min(model.max_comm_sms, sms // 2) + 1):
         cand = fused_at(n)
         if best is None or cand[0] < best[1][0] * 0.999:
             best = (n, cand)
-    n, (t, tc, tg, cfg, w) = best
-    t_ce, tc_ce, tg_ce, cfg_ce, w_ce, cr_ce = fused_ce()
+    n, (t, tc, tg, cfg, w, split_sm) = best
+    t_ce, tc_ce, tg_ce, cfg_ce, w_ce, cr_ce, split_ce = fused_ce()
     if comm_sms == 0 or force_path == "unfused":
         path, reason = "unfused", ("comm_sms=0" if comm_sms == 0 else "path forced: unfused")
     elif force_path in ("fused", "fused_ce"):
@@ -386,9 +415,10 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     if path == "fused_ce":
         return AgPlan(path="fused_ce", comm_sms=0, workers=w_ce, config=cfg_ce.id, predicted_fused=t_ce,
                       predicted_comm=tc_ce, predicted_gemm=tg_ce, reason=reason, fused_comm_sms=n,
-                      chunk_rows=cr_ce, **base)
+                      chunk_rows=cr_ce, splits=split_ce[0], split_from=split_ce[1], **base)
     return AgPlan(path="fused", comm_sms=n, workers=w, config=cfg.id, predicted_fused=t, predicted_comm=tc,
-                  predicted_gemm=tg, reason=reason, fused_comm_sms=n, chunk_rows=cr, **base)
+                  predicted_gemm=tg, reason=reason, fused_comm_sms=n, chunk_rows=cr, splits=split_sm[0],
+                  split_from=split_sm[1], **base)
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,6 +537,18 @@ def _check_same_device(ctx, arr: DeviceArray, name: str) -> None:
                          f"cuda:{ctx.device}")
 
 
+def _tail_split_env() -> bool | None:
+    """MKERNEL_AG_GEMM_TAIL_SPLIT: unset/"auto" lets the model decide, "0" never splits the fused kernel's
+    last wave along K, "1" splits it wherever the model predicts any gain (a rank-local choice: peers
+    need not agree)."""
+    v = os.environ.get("MKERNEL_AG_GEMM_TAIL_SPLIT", "auto").strip().lower()
+    if v in ("", "auto"):
+        return None
+    if v in ("0", "1"):
+        return v == "1"
+    raise ValueError(f"mkernel.ag_gemm: MKERNEL_AG_GEMM_TAIL_SPLIT must be auto, 0 or 1, got {v!r}")
+
+
 def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn", stream=None,
             comm_sms: int | None = None, m_sizes=None, config: int | None = None, path: str | None = None):
     """``out = AllGather(a_shard over local ranks) @ b`` (see the module doc for shapes and rules).
@@ -553,6 +595,7 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     force = path or os.environ.get("MKERNEL_AG_GEMM_PATH") or None
     if force not in (None, *PATHS):
         raise ValueError(f"{what}: MKERNEL_AG_GEMM_PATH must be one of {PATHS}, got {force!r}")
+    tail_split = _tail_split_env()
     O_in = None if out is None else as_device_array(out, name="ag_gemm: out", stream=stream)
     GA = None if gathered_a is None else as_device_array(gathered_a, name="ag_gemm: gathered_a", stream=stream)
     out_dtype = O_in.dtype.name if O_in is not None else dt
@@ -562,13 +605,13 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     # ---- the agreed signature (exchanged on first use) -----------------------------------------
     dev = ctx.device
     sms = ctx.sm_count
-    skey = (ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config, m_sizes)
+    skey = (ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config, m_sizes, tail_split)
     sig = _lru_get(_sigs, skey)
     if sig is None:
         ms, n_max, any_gathered, _ = _agree(ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config,
                                             m_sizes) if P > 1 else ((M_r,), N, GA is not None, 1)
         p = plan(ms, n_max, K, isz, sms, comm_sms=comm_sms, gathered=any_gathered, force_path=force,
-                 config=config)
+                 config=config, tail_split=tail_split)
         layout = _layout(P, ms, p.chunk_rows, K * isz) if P > 1 and sum(ms) > 0 and K > 0 else None
         offs = tuple(int(x) for x in np.concatenate([[0], np.cumsum(ms)]))
         sig = _Sig(p, layout, offs, P)
@@ -684,15 +727,36 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     grid = p.comm_sms + p.workers
     kargs = [tma, tmb, tmal, tmc, comm, args]
     keep = tuple(keep)
+    args.splits, args.split_from = 1, 0
+    if p.splits > 1:  # split-K of the last wave: fp32 partial slots, counters (zero; the kernel keeps them so)
+        n_split = _fused_tiles([sig.offs[j + 1] - sig.offs[j] for j in range(P)], N, cfg) - p.split_from
+        partials = DeviceArray.empty((n_split * p.splits * cfg.bm * cfg.bn,), "float32", device=dev)
+        counters = DeviceArray.empty((n_split,), "int32", device=dev)
+        args.partials, args.counters, args.splits, args.split_from = partials.ptr, counters.ptr, p.splits, p.split_from
+        keep += (partials, counters)
 
     if p.path == "fused_ce":
-        return _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm, dt, out_dtype, K * isz)
+        run = _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm, dt, out_dtype, K * isz)
+    else:
+        def run(stream, _keep=keep):
+            for k, g, blk, a in pre:
+                k.launch(g, blk, a, stream=stream)
+            kern.launch(grid, cfg.threads, kargs, stream=stream, smem=cfg.smem, cooperative=True)
+    return _counters_zeroed_first(run, args.counters, n_split) if p.splits > 1 else run
 
-    def run_fused(stream, _keep=keep):
-        for k, g, blk, a in pre:
-            k.launch(g, blk, a, stream=stream)
-        kern.launch(grid, cfg.threads, kargs, stream=stream, smem=cfg.smem, cooperative=True)
-    return run_fused
+
+def _counters_zeroed_first(run, ptr: int, n: int):
+    """``run`` preceded by a stream-ordered clear of the split-K counters until a call outside a CUDA-graph
+    capture has done it (the kernel returns them to zero after every call; a captured clear only runs
+    when the graph is launched)."""
+    pending = [True]
+
+    def run_zeroed(stream):
+        if pending[0]:
+            G._clear_i32(ptr, n, stream)
+            pending[0] = G._capturing(stream)
+        run(stream)
+    return run_zeroed
 
 
 class _Events:

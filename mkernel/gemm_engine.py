@@ -561,10 +561,14 @@ def _tiles(cfg: TileConfig, M: int, N: int, b_layout: str) -> int:
 def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, split_tiles: int | None = None) -> int:
     """The most K splits a plain GEMM may use with ``cfg`` for ``split_tiles`` split tiles (default:
     every tile); 1: none (ping-pong and debug configs never split)."""
+    tiles = _tiles(cfg, M, N, b_layout) if split_tiles is None else split_tiles
+    return _max_splits(cfg, tiles, K, b_layout)
+
+
+def _max_splits(cfg: TileConfig, split_tiles: int, K: int, b_layout: str) -> int:
     if cfg.pingpong or cfg.debug:
         return 1
-    tiles = _tiles(cfg, M, N, b_layout) if split_tiles is None else split_tiles
-    by_bytes = MAX_PARTIAL_BYTES // max(1, tiles * cfg.bm * cfg.tile_n(b_layout) * 4)
+    by_bytes = MAX_PARTIAL_BYTES // max(1, split_tiles * cfg.bm * cfg.tile_n(b_layout) * 4)
     return max(1, min(MAX_SPLITS, math.ceil(K / 64) // MIN_SPLIT_KBLOCKS, by_bytes))
 
 
@@ -573,24 +577,40 @@ def choose_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, sms: i
     -> every tile split (``split_from = 0``); otherwise whole waves of whole tiles and, when the last
     wave is partial, its ``r`` tiles split up to ``sms // r`` ways (``split_from = tiles - r``), so it
     takes a fraction of a tile's time instead of a whole one.  ``(1, tiles)``: no split."""
-    tiles = _tiles(cfg, M, N, b_layout)
-    best, best_cost = (1, tiles), config_cost(cfg, tiles, sms, K, b_layout)
-    if tiles < sms:
-        for sp in range(2, max_splits(cfg, M, N, K, b_layout) + 1):
-            c = config_cost(cfg, tiles, sms, K, b_layout, sp)
+    return split_plan(cfg, _tiles(cfg, M, N, b_layout), K, b_layout, sms)
+
+
+def split_plan(cfg: TileConfig, tiles: int, K: int, b_layout: str, workers: int,
+               tail_margin: float = 0.0) -> tuple[int, int]:
+    """choose_splits for ``tiles`` tiles on ``workers`` blocks (fused kernels pass their own tile
+    count and worker count).  A last-wave split must save ``tail_margin`` of the unsplit cost."""
+    best, best_cost = (1, tiles), config_cost(cfg, tiles, workers, K, b_layout)
+    if tiles < workers:
+        for sp in range(2, _max_splits(cfg, tiles, K, b_layout) + 1):
+            c = config_cost(cfg, tiles, workers, K, b_layout, sp)
             if c < best_cost:
                 best, best_cost = (sp, 0), c
         return best
-    q, r = divmod(tiles, sms)
+    q, r = divmod(tiles, workers)
     if r == 0:
         return best
-    whole = q * config_cost(cfg, sms, sms, K, b_layout)
+    whole = q * config_cost(cfg, workers, workers, K, b_layout)
     unsplit = best_cost
-    for sp in range(2, min(max_splits(cfg, M, N, K, b_layout, r), sms // r) + 1):
-        c = whole + config_cost(cfg, r, sms, K, b_layout, sp)
-        if c < best_cost and c < (1 - TAIL_SPLIT_MIN_GAIN) * unsplit:
+    for sp in range(2, min(_max_splits(cfg, r, K, b_layout), workers // r) + 1):
+        c = whole + config_cost(cfg, r, workers, K, b_layout, sp)
+        if c < best_cost and c < (1 - tail_margin) * unsplit:
             best, best_cost = (sp, tiles - r), c
     return best
+
+
+def split_cost(cfg: TileConfig, tiles: int, K: int, b_layout: str, workers: int, splits: int, split_from: int) -> float:
+    """config_cost of a split plan (``splits`` = 1: the unsplit cost)."""
+    if splits <= 1:
+        return config_cost(cfg, tiles, workers, K, b_layout)
+    if split_from == 0:
+        return config_cost(cfg, tiles, workers, K, b_layout, splits)
+    return (split_from // workers) * config_cost(cfg, workers, workers, K, b_layout) + config_cost(
+        cfg, tiles - split_from, workers, K, b_layout, splits)
 
 
 def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | None = None):
@@ -611,13 +631,9 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
             continue
         tiles = max(1, _tiles(cfg, M, N, b_layout))
         sp, sf = choose_splits(cfg, M, N, K, b_layout, sms)
+        plans.append((split_cost(cfg, tiles, K, b_layout, sms, sp, sf), cid, sp, sf))
         if sp > 1 and sf > 0:  # last-wave split: also keep this config's unsplit plan as a candidate
-            q = sf // sms
-            cost = q * config_cost(cfg, sms, sms, K, b_layout) + config_cost(cfg, tiles - sf, sms, K, b_layout, sp)
-            plans.append((cost, cid, sp, sf))
             plans.append((config_cost(cfg, tiles, sms, K, b_layout), cid, 1, tiles))
-        else:
-            plans.append((config_cost(cfg, tiles, sms, K, b_layout, sp), cid, sp, sf))
     best = min(plans, key=lambda p: p[0])
     if best[2] > 1 and best[3] > 0:  # a last-wave split must beat every other plan by the margin
         rest = [p for p in plans if not (p[2] > 1 and p[3] > 0)]

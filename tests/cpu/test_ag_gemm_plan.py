@@ -31,6 +31,24 @@ def test_plan_overrides():
     assert agm.ce_chunk_rows([1000, 1100]) == 512 and agm.ce_chunk_rows([3, 5]) == 128
 
 
+def test_plan_last_wave_split(monkeypatch):
+    """Llama-3-405B mlp_up at M = 1024 over 2 GPUs: 832 tiles of 128 x 256 on 131 workers leave a last
+    wave of 46 tiles, split in 2 along K; never with tail_split=False; K too short to pay for it: none."""
+    p = agm.plan([512, 512], 26624, 16384, 2, 132)
+    assert p.path == "fused_ce" and p.config == 3 and (p.splits, p.split_from) == (2, 786), p.describe()
+    assert "splits=2" in p.describe()
+    off = agm.plan([512, 512], 26624, 16384, 2, 132, tail_split=False)
+    assert off.splits == 1 and off.predicted_gemm > p.predicted_gemm
+    assert agm.plan([512, 512], 26624, 256, 2, 132, tail_split=True, force_path="fused_ce").splits == 1
+    assert agm.plan([64, 64], 512, 16384, 2, 132, force_path="fused_ce").splits == 1  # fewer tiles than SMs
+    for v, want in (("", None), ("auto", None), ("0", False), ("1", True)):
+        monkeypatch.setenv("MKERNEL_AG_GEMM_TAIL_SPLIT", v)
+        assert agm._tail_split_env() is want
+    monkeypatch.setenv("MKERNEL_AG_GEMM_TAIL_SPLIT", "yes")
+    with pytest.raises(ValueError, match="MKERNEL_AG_GEMM_TAIL_SPLIT"):
+        agm._tail_split_env()
+
+
 class _Ws:
     ptr = 1 << 40
 

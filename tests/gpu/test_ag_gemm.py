@@ -145,6 +145,27 @@ def test_fused_every_config(ctx, shared_rng, layout, config, path):
 
 
 @pytest.mark.parametrize("path", ["fused", "fused_ce"])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("config", [2, 3, 4])
+def test_last_wave_split(ctx, shared_rng, monkeypatch, layout, config, path):
+    """The fused kernel's partial last wave split along K (MKERNEL_AG_GEMM_TAIL_SPLIT=1): odd shards,
+    ragged N; three calls with new data (the split-K counters return to zero after each)."""
+    monkeypatch.setenv("MKERNEL_AG_GEMM_TAIL_SPLIT", "1")
+    m_sizes = _ms(lambda r, P: 700 + 17 * r, ctx.local_size)
+    N, K = 3000, 4096
+    kw = dict(comm_sms=4) if path == "fused" else dict(path=path)
+    for it in range(3):
+        plan = _run_case(ctx, shared_rng, m_sizes, N, K, b_layout=layout, config=config,
+                         what=f"tail split config {config} {layout} {path} call {it}", **kw)
+    if ctx.local_size > 1:
+        want = agm.plan(m_sizes, N, K, 2, ctx.sm_count, config=config, tail_split=True,
+                        **({"comm_sms": 4} if path == "fused" else {"force_path": path}))
+        assert (plan.path, plan.splits, plan.split_from) == (path, want.splits, want.split_from), plan.describe()
+        if ctx.sm_count >= 120:  # H100/H200: 144-288 tiles on ~130 workers leave a partial last wave
+            assert plan.splits > 1, plan.describe()
+
+
+@pytest.mark.parametrize("path", ["fused", "fused_ce"])
 def test_unaligned_shard(ctx, shared_rng, path):
     """a_shard 8 bytes past a 16-byte boundary: TMA cannot read it in place, so its rows go through the
     workspace like a peer's (local_map off) -- same results."""
