@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import traceback
@@ -43,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import _common as C  # noqa: E402
+from mkernel import collectives as MC  # noqa: E402  (no GPU work at import)
 
 _f = C.fmt_or_na  # a number, or "n/a" for a baseline that did not run
 
@@ -210,7 +212,9 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
     rec = {"op": op, "dtype": dtype, "size": size, "bytes": size, "plan": p, "match": None, "match_msg": "",
            "ours_ms": float("nan"), "nccl_ms": float("nan"), "ours_ms_per_rank": [], "nccl_ms_per_rank": [],
            "ours_host_ms": float("nan"), "nccl_host_ms": float("nan"), "ours_busbw": float("nan"),
-           "nccl_busbw": float("nan"), "ratio": float("nan"), "errors": []}
+           "nccl_busbw": float("nan"), "ratio": float("nan"), "errors": [],
+           # mkernel's path: copy engines + SM receivers ("ce") or SM pushes over NVLink ("sm")
+           "path": "ce" if MC.use_copy_engines(size // P, P) else "sm"}
     case = None
     try:
         case = Case(ctx, mk, op, dtype, size, args.torch_args)
@@ -326,10 +330,10 @@ def report(results, ce, meta, out_dir: Path) -> str:
         host_bound = r["ours_host_ms"] == r["ours_host_ms"] and r["ours_host_ms"] >= 0.9 * r["ours_ms"]
         mark = "" if r["match"] in (True, None) else " ✗"
         rows.append([_label(r) + mark,
-                     C.fmt_bytes(r["size"]),
+                     C.fmt_bytes(r["size"]), r.get("path", "sm"),
                      _f(r["ours_ms"] * 1e3, ".1f") + (" †" if host_bound else ""), _f(r["ours_busbw"], ".1f"),
                      _f(r["nccl_ms"] * 1e3, ".1f"), _f(r["nccl_busbw"], ".1f"), _f(r["ratio"], ".2f")])
-    table = C.markdown_table(["op", "size", "ours (us)", "ours busbw (GB/s)", "NCCL (us)", "NCCL busbw (GB/s)",
+    table = C.markdown_table(["op", "size", "path", "ours (us)", "ours busbw (GB/s)", "NCCL (us)", "NCCL busbw (GB/s)",
                               "busbw ours/NCCL"], rows)
     ce_line = ", ".join(f"{C.fmt_bytes(n)}: {_f(v['min_GBps'], '.1f')} GB/s (per rank "
                         f"{', '.join(_f(x, '.1f') for x in v['per_rank_GBps'])})" for n, v in ce.items()) or "n/a"
@@ -362,7 +366,10 @@ def report(results, ce, meta, out_dir: Path) -> str:
         "(AG, RS) or x 2(P-1)/P (AR), GB = 1e9 B. Time = max over ranks of each rank's median per-call time "
         "(CUDA events around batches of back-to-back calls on torch's current stream); busbw uses the exact bytes "
         "(sizes rounded down to whole elements per rank). Ratio > 1: ours faster. "
-        "† = host-bound (submitting a call took >= 90% of its GPU time). ✗ = ours did not match NCCL.", "",
+        "† = host-bound (submitting a call took >= 90% of its GPU time). ✗ = ours did not match NCCL. "
+        "path: how mkernel moved the data -- `sm`: one persistent kernel pushing over NVLink, `ce`: copy "
+        f"engines + SM receivers (from {C.fmt_bytes(meta.get('ce_min_bytes', 0))} per peer; "
+        f"MKERNEL_COLL_CE={meta.get('coll_ce_env', 'auto')}).", "",
         f"Copy-engine peer bandwidth (torch `copy_` to the next rank's GPU, all ranks at once, per direction): "
         f"{ce_line}.", "",
         table, "",
@@ -402,6 +409,7 @@ def main() -> int:
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays of each batch (both libraries): "
                     "GPU time without host launch overhead")
     ap.add_argument("--max-bytes", type=int, default=GiB, help="largest size (default 1 GiB)")
+    ap.add_argument("--min-bytes", type=int, default=0, help="smallest size (default: all)")
     ap.add_argument("--replot", metavar="JSON", help="no GPU: rewrite the report (md, png) from a run's JSON")
     args = ap.parse_args()
     t_start = time.monotonic()
@@ -424,7 +432,7 @@ def main() -> int:
     mk = _mk_ops()
     sizes = ([64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB, 1 * GiB] if args.quick
              else [1 << k for k in range(16, 31)])
-    sizes = [s for s in sizes if s <= args.max_bytes]
+    sizes = [s for s in sizes if args.min_bytes <= s <= args.max_bytes]
     ops = [o for o in args.ops.split(",") if o]
     cases = [(op, "bfloat16", s) for s in sizes for op in OPS if op in ops]
     cases += [("all_reduce", "float32", s) for s in sizes if s in FP32_AR_SIZES and "all_reduce" in ops]
@@ -457,6 +465,8 @@ def main() -> int:
                 "quick": args.quick, "graph": args.graph, "ours_args": "torch tensors every call" if args.torch_args
                 else "zero-copy DeviceArray views of the torch tensors (made once)",
                 "elapsed_s": time.monotonic() - t_start,
+                "ce_min_bytes": MC.CE_MIN_BYTES,
+                "coll_ce_env": os.environ.get("MKERNEL_COLL_CE", "auto"),
                 "stem": "collectives_bench_graph" if args.graph else "collectives_bench"}
         try:
             text = report(results, ce, meta, out_dir)

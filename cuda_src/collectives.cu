@@ -236,3 +236,131 @@ mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_sho
   }
   finish_call(w, epoch);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Copy-engine path (large messages; mkernel/collectives.py decides).  The copy engines move the
+// data between GPUs -- at the link's copy-engine rate, with no SM spent on NVLink traffic -- and
+// SM kernels only wait, reduce and copy locally.  Same workspace layout and protocol as above (a
+// separate workspace per op and path), plus one u64 at MK_COLL_CE_VALUE_OFF: this call's number,
+// the source of the copy engine's flag writes.  Per call, on the caller's stream S and the
+// context's side stream X (forked from S, joined back at the end):
+//   X: mk_coll_ce_begin (one warp: call number e; waits until every peer consumed call e-1; writes
+//      e into the value slot), then for each peer p (rank-rotated, me+1 first) and chunk c: copy
+//      chunk c of the data p needs into p's slot[phase 0][me], then copy the value slot into p's
+//      ready[0][me][c] (a stream's copies run in order: the flag lands after the data).
+//   S: mk_all_gather_ce / mk_reduce_scatter_ce: grid-wide, chunk by chunk in arrival order, every
+//      block waits for the chunk's flag(s) and copies / reduces its share; the last block tells the
+//      peers it consumed their data and commits the epoch.
+//   all-reduce: S runs mk_all_reduce_ce phase 0 (reduce my shard into out), then X (after an event
+//   on S) copies my reduced shard into every peer's slot[1][me] + ready[1] flags, and S runs phase 1
+//   (copy the peers' shards out, finish).  Each element is summed by one rank: bit-identical results.
+// Launch: grid <= #SMs - 1 (a free SM for the begin kernel), blockDim 512; not cooperative (blocks
+// wait only on flags the copy engines write).  A timeout anywhere leaves the flag values stale, so
+// every peer's waits time out too.
+#define MK_COLL_CE_VALUE_OFF 32  // inside the first 64 bytes (after MkEpochState); mirrored in collectives.py
+
+extern "C" __global__ void __launch_bounds__(32, 1)
+mk_coll_ce_begin(MkComm c, char* ws, CollLayout L) {
+  const Ws w = make_ws(c, ws, nullptr, L);
+  // The previous call committed its epoch before the fork event this stream waited on.
+  const mk_u64 e = mk_epoch_begin(w.epoch_state());
+  bool ok = true;
+  for (int j = threadIdx.x; j < w.P; j += 32)
+    if (j != w.me) ok = ok && mk_wait_geq(c, w.consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
+  if (!__all_sync(0xffffffffu, ok)) return;
+  if (threadIdx.x == 0) *(mk_u64*)(ws + MK_COLL_CE_VALUE_OFF) = e;
+}
+
+// This block's share [lo, hi) of a chunk of `len` bytes (16-byte multiples, so vector copies stay
+// aligned when the chunk is).
+MK_DEVICE void block_share(mk_u64 len, mk_u64& lo, mk_u64& hi) {
+  const mk_u64 part = ((len + gridDim.x - 1) / gridDim.x + 15) & ~(mk_u64)15;
+  lo = mk_min(len, (mk_u64)blockIdx.x * part);
+  hi = mk_min(len, lo + part);
+}
+
+// Every peer's chunk ci of `phase` has landed (rank-rotated: the order the peers send in).
+MK_DEVICE bool wait_peers_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int phase, int ci) {
+  for (int j = 1; j < w.P; ++j)
+    if (!wait_chunk(c, w, epoch, (w.me + w.P - j) % w.P, phase, ci)) return false;
+  return true;
+}
+
+// out[j*shard_bytes ...] = slot[phase][j] for every peer j (and `own` for this rank when given).
+MK_DEVICE bool gather_slots_ce(const MkComm& c, const Ws& w, mk_u64 epoch, int phase, char* out,
+                               mk_u64 (*bytes_of)(mk_u64, mk_u64, int), mk_u64 a0, mk_u64 a1, mk_u64 stride) {
+  for (int j = 1; j < w.P; ++j) {
+    const int src = (w.me + w.P - j) % w.P;
+    const mk_u64 sb = bytes_of(a0, a1, src);
+    for (int ci = 0; ci < w.L.nchunks; ++ci) {
+      if (!wait_chunk(c, w, epoch, src, phase, ci)) return false;
+      const mk_u64 off = (mk_u64)ci * w.L.chunk_bytes;
+      mk_u64 lo, hi;
+      block_share(chunk_len(sb, w.L.chunk_bytes, ci), lo, hi);
+      mk_block_copy(out + (mk_u64)src * stride + off + lo, w.slot(phase, src) + off + lo, hi - lo);
+    }
+  }
+  return true;
+}
+
+MK_DEVICE mk_u64 same_bytes(mk_u64 bytes, mk_u64, int) { return bytes; }
+
+extern "C" __global__ void __launch_bounds__(512, 1)
+mk_all_gather_ce(MkComm c, const char* in, char* out, mk_u64 shard_bytes, char* ws,
+                 const mk_u64* __restrict__ peers, CollLayout L) {
+  const Ws w = make_ws(c, ws, peers, L);
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  char* my_out = out + (mk_u64)w.me * shard_bytes;
+  if (my_out != in) {  // our own rows first: they need no wait
+    mk_u64 lo, hi;
+    block_share(shard_bytes, lo, hi);
+    mk_block_copy(my_out + lo, in + lo, hi - lo);
+  }
+  if (!gather_slots_ce(c, w, epoch, 0, out, same_bytes, shard_bytes, 0, shard_bytes)) return;
+  finish_call(w, epoch);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1)
+mk_reduce_scatter_ce(MkComm c, const T* in, T* out, mk_u64 n, char* ws, const mk_u64* __restrict__ peers,
+                     CollLayout L) {
+  const Ws w = make_ws(c, ws, peers, L);
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  const mk_u64 bytes = n * sizeof(T);
+  const char* own = (const char*)(in + (mk_u64)w.me * n);
+  for (int ci = 0; ci < L.nchunks; ++ci) {
+    if (!wait_peers_chunk(c, w, epoch, 0, ci)) return;
+    const mk_u64 off = (mk_u64)ci * L.chunk_bytes;
+    mk_u64 lo, hi;
+    block_share(chunk_len(bytes, L.chunk_bytes, ci), lo, hi);
+    reduce_slots((T*)((char*)out + off + lo), (const T*)(own + off + lo), w, 0, off + lo, (hi - lo) / sizeof(T));
+  }
+  finish_call(w, epoch);
+}
+
+// Bytes of local rank r's shard of an all-reduce over n elements in shards of `shard`.
+MK_DEVICE mk_u64 shard_bytes_of(mk_u64 n, mk_u64 shard, int r) {
+  const mk_u64 s = (mk_u64)r * shard;
+  return s >= n ? 0 : mk_min(shard, n - s) * sizeof(T);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1)
+mk_all_reduce_ce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int phase, char* ws,
+                 const mk_u64* __restrict__ peers, CollLayout L) {
+  const Ws w = make_ws(c, ws, peers, L);
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  if (phase == 0) {  // reduce my shard into out; the call stays open for phase 1
+    const mk_u64 mine = shard_bytes_of(n, shard, w.me);
+    const char* my_in = (const char*)(in + (mk_u64)w.me * shard);
+    char* my_out = (char*)(out + (mk_u64)w.me * shard);
+    for (int ci = 0; ci < L.nchunks; ++ci) {
+      if (!wait_peers_chunk(c, w, epoch, 0, ci)) return;
+      const mk_u64 off = (mk_u64)ci * L.chunk_bytes;
+      mk_u64 lo, hi;
+      block_share(chunk_len(mine, L.chunk_bytes, ci), lo, hi);
+      reduce_slots((T*)(my_out + off + lo), (const T*)(my_in + off + lo), w, 0, off + lo, (hi - lo) / sizeof(T));
+    }
+    return;
+  }
+  if (!gather_slots_ce(c, w, epoch, 1, (char*)out, shard_bytes_of, n, shard, shard * sizeof(T))) return;
+  finish_call(w, epoch);
+}

@@ -759,22 +759,6 @@ def _counters_zeroed_first(run, ptr: int, n: int):
     return run_zeroed
 
 
-class _Events:
-    """Two CUDA events (fork / join), destroyed with the binding that owns them."""
-
-    def __init__(self):
-        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self.fork = check(cu.cuEventCreate(flags))
-        self.join = check(cu.cuEventCreate(flags))
-
-    def __del__(self):
-        try:
-            cu.cuEventDestroy(self.fork)
-            cu.cuEventDestroy(self.join)
-        except Exception:  # noqa: BLE001 (interpreter shutdown)
-            pass
-
-
 def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> list:
     """The side stream's copies for this rank, in order: (dst, src, bytes).  Local chunks first (our
     GEMM starts on them; none when the GEMM reads them in place: local_map), then every chunk to each
@@ -800,7 +784,7 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm,
     me = ctx.local_rank
     begin = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_ce_begin")
     side = cu.CUstream(ctx.side_stream())
-    ev = _Events()
+    ev = runtime.Events("fork", "join")
     copies = [(cu.CUdeviceptr(d), cu.CUdeviceptr(s_), n)
               for d, s_, n in _ce_copies(sig, ws, A, me, row_bytes, bool(args.local_map))]
     bargs = [comm, args]

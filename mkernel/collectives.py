@@ -21,11 +21,13 @@ import ctypes
 import functools
 import os
 
+from cuda.bindings import driver as cu
+
 from . import internode, runtime
 from .arrays import DeviceArray, as_device_array, dtype_of, require
-from .runtime import round_up
+from .runtime import check, round_up
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks", "use_copy_engines"]
 
 _SOURCE = "collectives.cu"
 _REDUCE_DTYPES = tuple(dtype_of(d) for d in ("bfloat16", "float16", "float32"))
@@ -93,13 +95,13 @@ def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLa
     return L, total, min(grid_max, nchunks)
 
 
-def _kernel(ctx, op: str, dtype):
+def _kernel(ctx, op: str, dtype, threads: int = _THREADS):
     """The compiled kernel of ``op`` for ``dtype`` on this context (checked once for residency)."""
     kernels = ctx.__dict__.setdefault("_collective_kernels", {})
     k = kernels.get((op, dtype.code))
     if k is None:
         k = runtime.kernel(_SOURCE, {"MK_DTYPE": dtype.code}, "mk_" + op)
-        if k.max_active_blocks_per_sm(_THREADS) < 1:  # the launch is cooperative: one block per SM
+        if k.max_active_blocks_per_sm(threads) < 1:  # cooperative launches: one block per SM
             raise RuntimeError(f"mkernel: the {op} kernel cannot be resident")
         kernels[(op, dtype.code)] = k
     return k
@@ -113,6 +115,140 @@ def _launch(ctx, op: str, dtype, slot_bytes: int, phases: int, head_args: list, 
     ws = ctx.workspace(("collective", op), total)
     args = [ctx.comm_args(op), *head_args, ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
     k.launch(grid, _THREADS, args, stream=stream, cooperative=True)
+
+
+# --------------------------------------------------------------------------------------------
+# copy-engine path (large messages): cuda_src/collectives.cu, "Copy-engine path"
+# --------------------------------------------------------------------------------------------
+CE_VALUE_OFF = 32  # collectives.cu MK_COLL_CE_VALUE_OFF: the call number the copy engines copy into flags
+CE_MIN_CHUNK = 2 << 20  # bytes per copy (and flag): fewer, larger copies keep the host's share small
+CE_MAX_CHUNKS = 16  # per peer slot: the receivers' work is pipelined over this many chunks
+# Per-peer message bytes from which the copy engines carry the data (AG: x, RS: out, AR: a shard).
+CE_MIN_BYTES = int(os.environ.get("MKERNEL_COLL_CE_MIN_BYTES", 8 << 20))
+CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks; 0: all SMs but one
+
+
+def use_copy_engines(message_bytes: int, local_size: int) -> bool:
+    """Whether a collective moving ``message_bytes`` per peer goes through the copy engines.
+    ``MKERNEL_COLL_CE``: ``1`` always (two or more local ranks), ``0`` never, unset/``auto``: from
+    CE_MIN_BYTES up.  Every rank must decide alike (the choice is part of the agreed signature)."""
+    if local_size < 2:
+        return False
+    v = os.environ.get("MKERNEL_COLL_CE", "auto").strip().lower()
+    if v in ("", "auto"):
+        return message_bytes >= CE_MIN_BYTES
+    if v in ("0", "1"):
+        return v == "1"
+    raise ValueError(f"mkernel: MKERNEL_COLL_CE must be auto, 0 or 1, got {v!r}")
+
+
+def plan_ce_chunks(slot_bytes: int) -> tuple[int, int]:
+    """(chunk_bytes, nchunks) of a copy-engine slot: at most CE_MAX_CHUNKS chunks of at least
+    CE_MIN_CHUNK bytes (4 KiB multiples)."""
+    slot_bytes = max(slot_bytes, 16)
+    chunk = round_up(max(CE_MIN_CHUNK, -(-slot_bytes // CE_MAX_CHUNKS)), 4096)
+    return chunk, -(-slot_bytes // chunk)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ce_layout(P: int, slot_bytes: int, phases: int) -> tuple[CollLayout, int]:
+    """(layout, workspace bytes) of the copy-engine path (the kernel path's layout, CE chunks)."""
+    slot_bytes = round_up(max(slot_bytes, 16), 4096)
+    chunk, nchunks = plan_ce_chunks(slot_bytes)
+    L = CollLayout()
+    L.consumed_off = 64
+    L.flags_off = round_up(L.consumed_off + 8 * P, 256)
+    L.data0_off = round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
+    L.data1_off = L.data0_off + P * slot_bytes
+    L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks
+    return L, L.data0_off + phases * P * slot_bytes
+
+
+def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of) -> list:
+    """The side stream's copies of one phase: for each peer (rank-rotated, me+1 first) and chunk, the
+    data into the peer's slot[phase][me], then the call number into its ready[phase][me][chunk]."""
+    value = cu.CUdeviceptr(ws.ptr + CE_VALUE_OFF)
+    base = L.data1_off if phase else L.data0_off
+    out = []
+    for j in range(1, P):
+        dst = (me + j) % P
+        nbytes = bytes_of(dst)
+        for c in range(L.nchunks):
+            off = c * L.chunk_bytes
+            n = max(0, min(L.chunk_bytes, nbytes - off))
+            if n:
+                out.append((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
+                            cu.CUdeviceptr(src_of(dst) + off), n))
+            flag = ws.peer_ptr(dst, L.flags_off + 8 * ((phase * P + me) * L.nchunks + c))
+            out.append((cu.CUdeviceptr(flag), value, 8))
+    return out
+
+
+def _ce_run(ctx, op: str, dtype, message_bytes: int, phases: int, x: DeviceArray, o: DeviceArray,
+            count: int, shard: int, stream) -> None:
+    """One copy-engine collective call (bound once per buffers and sizes, then replayed)."""
+    P = ctx.local_size
+    L, total = _ce_layout(P, message_bytes, phases)
+    ws = ctx.workspace(("collective_ce", op), total)
+    bindings = ctx.__dict__.setdefault("_ce_bindings", {})
+    key = (op, dtype.code, x.ptr, o.ptr, count, shard, ws.ptr, ws.nbytes)
+    run = bindings.get(key)
+    if run is None:
+        if len(bindings) >= 256:
+            bindings.clear()
+        run = bindings[key] = _ce_bind(ctx, op, dtype, L, ws, x, o, count, shard)
+    run(stream)
+
+
+def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceArray, count: int, shard: int):
+    P, me = ctx.local_size, ctx.local_rank
+    isz = dtype.itemsize
+    comm = ctx.comm_args(op)
+    begin = _kernel(ctx, "coll_ce_begin", dtype, threads=32)
+    kern = _kernel(ctx, op + "_ce", dtype)
+    grid = max(1, min(ctx.sm_count - 1, CE_BLOCKS or ctx.sm_count))
+    head = [comm, ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr)]
+    tail = [ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
+    later = None  # all-reduce: (copies, args) of phase 1
+    if op == "all_gather":
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes)
+        args = head + [ctypes.c_uint64(x.nbytes)] + tail
+    elif op == "reduce_scatter":
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz)
+        args = head + [ctypes.c_uint64(count)] + tail
+    else:  # all_reduce: reduce-scatter of shards, then the owners' shards to every peer
+        def shard_bytes(r):
+            return max(0, min(shard, count - r * shard)) * isz
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes)
+        args = head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(0)] + tail
+        later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me)),
+                 head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(1)] + tail)
+    bargs = [comm, ctypes.c_uint64(ws.ptr), L]
+    side = cu.CUstream(ctx.side_stream())
+    ev = runtime.Events("fork", "mid", "join")
+    memcpy = cu.cuMemcpyDtoDAsync
+
+    def copies(lst):
+        for d, src, n in lst:
+            r, = memcpy(d, src, n, side)
+            if r != cu.CUresult.CUDA_SUCCESS:
+                check((r,))
+
+    def run(stream, _keep=(ev, ws)):
+        s = cu.CUstream(runtime.stream_handle(stream))
+        check(cu.cuEventRecord(ev.fork, s))
+        check(cu.cuStreamWaitEvent(side, ev.fork, 0))
+        begin.launch(1, 32, bargs, stream=side)
+        copies(pushes)
+        kern.launch(grid, _THREADS, args, stream=stream)
+        if later is not None:
+            check(cu.cuEventRecord(ev.mid, s))
+            check(cu.cuStreamWaitEvent(side, ev.mid, 0))
+            copies(later[0])
+            kern.launch(grid, _THREADS, later[1], stream=stream)
+        check(cu.cuEventRecord(ev.join, side))
+        check(cu.cuStreamWaitEvent(s, ev.join, 0))
+    return run
 
 
 def _arg(ctx, arr, what: str, name: str, dtypes, stream) -> DeviceArray:
@@ -150,11 +286,15 @@ def all_gather(ctx, x, out=None, *, stream=None):
                   _GATHER_DTYPES, stream)
     if _overlaps(x, o) and x.ptr != o.ptr + ctx.rank * x.nbytes:
         raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
-    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
+    ce = ctx.num_nodes == 1 and use_copy_engines(x.nbytes, ctx.local_size)
+    ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if x.nbytes == 0:
         return out
     if ctx.num_nodes > 1:
         internode.all_gather(ctx, x, o, stream)
+        return out
+    if ce:
+        _ce_run(ctx, "all_gather", _BYTES, x.nbytes, 1, x, o, x.nbytes, 0, stream)
         return out
     # byte-oriented: one kernel for every dtype
     _launch(ctx, "all_gather", _BYTES, x.nbytes, 1,
@@ -178,11 +318,15 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
     out, o = _out(ctx, out, what, (x.shape[0] // P,) + tuple(x.shape[1:]), x, _REDUCE_DTYPES, stream)
     if _overlaps(x, o):
         raise ValueError(f"{what}: out must not overlap x")
-    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
+    ce = ctx.num_nodes == 1 and use_copy_engines(o.nbytes, ctx.local_size)
+    ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if o.size == 0:
         return out
     if ctx.num_nodes > 1:
         internode.reduce_scatter(ctx, x, o, stream)
+        return out
+    if ce:
+        _ce_run(ctx, "reduce_scatter", x.dtype, o.nbytes, 1, x, o, o.size, 0, stream)
         return out
     _launch(ctx, "reduce_scatter", x.dtype, o.nbytes, 1,
             [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(o.size)], stream)
@@ -202,16 +346,20 @@ def all_reduce(ctx, x, out=None, *, stream=None):
     out, o = _out(ctx, out, what, tuple(x.shape), x, _REDUCE_DTYPES, stream)
     if _overlaps(x, o) and x.ptr != o.ptr:
         raise ValueError(f"{what}: out overlaps x without being x")
-    ctx.agree(what, (x.dtype.name, tuple(x.shape)), ctx.world)
     n = x.size
+    P = ctx.local_size
+    one_shot = x.nbytes <= ONE_SHOT_MAX_BYTES or P == 1
+    shard = n if one_shot else round_up(-(-n // P), 16 // x.dtype.itemsize)
+    ce = ctx.num_nodes == 1 and not one_shot and use_copy_engines(shard * x.dtype.itemsize, P)
+    ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if n == 0:
         return out
     if ctx.num_nodes > 1:
         internode.all_reduce(ctx, x, o, stream)
         return out
-    P = ctx.local_size
-    one_shot = x.nbytes <= ONE_SHOT_MAX_BYTES or P == 1
-    shard = n if one_shot else round_up(-(-n // P), 16 // x.dtype.itemsize)
+    if ce:
+        _ce_run(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 2, x, o, n, shard, stream)
+        return out
     _launch(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 1 if one_shot else 2,
             [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(shard),
              ctypes.c_int32(1 if one_shot else 0)], stream)

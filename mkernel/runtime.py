@@ -412,6 +412,25 @@ def stream_handle(stream) -> int:
                     "object with __cuda_stream__ or a raw CUstream handle (int)")
 
 
+class Events:
+    """Named CUDA events without timing (``Events("fork", "join").fork``), for fork/join between a
+    caller's stream and a side stream; destroyed with the object (captured graphs keep no reference
+    to them: inside a capture a record/wait pair becomes a graph dependency)."""
+
+    def __init__(self, *names: str):
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._names = names
+        for n in names:
+            setattr(self, n, check(cu.cuEventCreate(flags)))
+
+    def __del__(self):
+        try:
+            for n in self._names:
+                cu.cuEventDestroy(getattr(self, n))
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+
 def _launch_config(grid, block, smem: int, hstream: int, cooperative: bool, cluster) -> "cu.CUlaunchConfig":
     grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (int(grid), 1, 1)
     block = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (int(block), 1, 1)

@@ -26,6 +26,7 @@ class FakeCtx:
 
 @pytest.fixture
 def env(monkeypatch):
+    monkeypatch.delenv("MKERNEL_COLL_CE", raising=False)
     launches = []
     monkeypatch.setattr(C, "_launch", lambda ctx, op, dtype, slot, phases, head, stream:
                         launches.append(dict(op=op, dtype=dtype.name, slot=slot, phases=phases, head=head)))
@@ -96,7 +97,7 @@ def test_plans(env):
     shard = ar2["head"][3].value
     assert ar2["phases"] == 2 and ar2["head"][4].value == 0 and shard % 8 == 0 and 2 * shard >= n + 1
     assert ar2["slot"] == shard * 2
-    assert [a[1] for a in ctx.agreed][0] == ("bfloat16", (5, 3))
+    assert [a[1] for a in ctx.agreed][0] == ("bfloat16", (5, 3), False)  # (dtype, shape, copy engines)
 
 
 @pytest.mark.parametrize("slot", [16, 1000, 4 << 20, 32 << 20, 64 << 20, (1 << 30) + 12345])
@@ -107,3 +108,73 @@ def test_layout(slot):
     assert 1 <= grid <= min(L.nchunks, 132 if L.slot_bytes >= C.LARGE_SLOT_BYTES else C.SMALL_SLOT_BLOCKS)
     assert L.data0_off % 4096 == 0 and L.flags_off + 8 * 2 * 2 * L.nchunks <= L.data0_off
     assert total == L.data0_off + 2 * 2 * L.slot_bytes
+
+
+def test_copy_engine_choice(env, monkeypatch):
+    """Large messages go through the copy engines (the choice is part of the agreed signature); the
+    one-shot all-reduce and a single local rank never do; MKERNEL_COLL_CE forces either way."""
+    ctx, launches = env
+    assert not C.use_copy_engines(C.CE_MIN_BYTES - 1, 2) and C.use_copy_engines(C.CE_MIN_BYTES, 2)
+    assert not C.use_copy_engines(1 << 40, 1)
+    ce_calls = []
+    monkeypatch.setattr(C, "_ce_run", lambda ctx, op, dtype, msg, phases, x, o, count, shard, stream:
+                        ce_calls.append((op, dtype.name, msg, phases, count, shard)))
+    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    C.all_gather(ctx, arr((5, 3), "bfloat16"), arr((10, 3), "bfloat16"))
+    C.reduce_scatter(ctx, arr((6, 2), "float16"), arr((3, 2), "float16"))
+    C.all_reduce(ctx, arr((1000,), "bfloat16"), arr((1000,), "bfloat16"))  # one-shot: kernel path
+    n = C.ONE_SHOT_MAX_BYTES + 1
+    C.all_reduce(ctx, arr((n,), "float32"), arr((n,), "float32"))
+    assert ce_calls[0] == ("all_gather", "bfloat16", 30, 1, 30, 0)
+    assert ce_calls[1] == ("reduce_scatter", "float16", 12, 1, 6, 0)
+    op, dt, msg, phases, count, sh = ce_calls[2]
+    assert (op, dt, phases, count) == ("all_reduce", "float32", 2, n) and sh % 4 == 0 and 2 * sh >= n
+    assert msg == sh * 4 and sh == C.round_up(-(-n // 2), 4)  # 16-byte shards
+    assert [launch["op"] for launch in launches] == ["all_reduce"]  # the one-shot one
+    assert [a[1][2] for a in ctx.agreed] == [True, True, False, True]
+    monkeypatch.setenv("MKERNEL_COLL_CE", "0")
+    assert not C.use_copy_engines(1 << 40, 2)
+    monkeypatch.setenv("MKERNEL_COLL_CE", "sometimes")
+    with pytest.raises(ValueError, match="MKERNEL_COLL_CE"):
+        C.use_copy_engines(1, 2)
+
+
+@pytest.mark.parametrize("slot", [16, 1000, 3 << 20, 8 << 20, 512 << 20, (1 << 30) + 12345])
+def test_ce_layout(slot):
+    L, total = C._ce_layout(3, slot, 2)
+    assert L.chunk_bytes % 4096 == 0 and L.chunk_bytes >= C.CE_MIN_CHUNK
+    assert 1 <= L.nchunks <= C.CE_MAX_CHUNKS and L.nchunks * L.chunk_bytes >= L.slot_bytes >= slot
+    assert (L.nchunks - 1) * L.chunk_bytes < L.slot_bytes
+    assert C.CE_VALUE_OFF + 8 <= L.consumed_off and L.consumed_off + 8 * 3 <= L.flags_off
+    assert L.flags_off + 8 * 2 * 3 * L.nchunks <= L.data0_off and L.data0_off % 4096 == 0
+    assert total == L.data0_off + 2 * 3 * L.slot_bytes
+
+
+class _Ws:
+    ptr = 1 << 40
+
+    @staticmethod
+    def peer_ptr(j, offset=0):
+        return (1 << 44) * (j + 1) + offset
+
+
+def test_ce_pushes():
+    """Rank-rotated destinations, each chunk's data then its flag (copied from the value slot); a
+    destination that gets fewer bytes still gets every chunk's flag."""
+    P, me = 3, 1
+    L, _ = C._ce_layout(P, 5 << 20, 2)  # 3 chunks of 2 MiB
+    assert L.nchunks == 3
+    sizes = {2: 5 << 20, 0: 1 << 20}
+    pushes = C._ce_pushes(_Ws, L, P, me, 1, lambda d: 1000 * (d + 1) << 20, lambda d: sizes[d])
+    got = [(int(d), int(s), n) for d, s, n in pushes]
+    value = _Ws.ptr + C.CE_VALUE_OFF
+    want = []
+    for dst in (2, 0):
+        for c in range(3):
+            off = c * L.chunk_bytes
+            n = max(0, min(L.chunk_bytes, sizes[dst] - off))
+            if n:
+                want.append((_Ws.peer_ptr(dst, L.data1_off + me * L.slot_bytes + off), (1000 * (dst + 1) << 20) + off, n))
+            want.append((_Ws.peer_ptr(dst, L.flags_off + 8 * ((1 * P + me) * L.nchunks + c)), value, 8))
+    assert got == want
+    assert sum(n for _, _, n in got if n != 8) == sum(sizes.values())

@@ -164,6 +164,104 @@ def test_graph_capture_replay(ctx, shared_rng):
     check(cu.cuStreamDestroy(stream))
 
 
+def _ce_sizes(rng):
+    """Odd and round sizes, tiny to several copy-engine chunks (2 MiB+) per peer."""
+    return [1, 7, 33, 4097, 65536 + 3, 1 << 20, 3_000_001] + rng.integers(1, 2_500_000, size=3).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_engine_path(ctx, shared_rng, monkeypatch, dtype):
+    """The copy-engine path (MKERNEL_COLL_CE=1 forces it at every size): all-gather, reduce-scatter,
+    all-reduce (out of place and in place) against float64 references; all-reduce bit-identical on
+    every rank."""
+    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    P, me = ctx.local_size, ctx.local_rank
+    for n in _ce_sizes(shared_rng):
+        xs = [shared_rng.standard_normal(n) for _ in range(P)]
+        exacts = [upload(v, dtype)[1] for v in xs]
+        x, _ = upload(xs[me], dtype)
+        ag = poisoned((P * n,), dtype)
+        mkernel.all_gather(ctx, x, ag)
+        ar = poisoned((n,), dtype)
+        mkernel.all_reduce(ctx, x, ar)
+        m = max(1, n // P)
+        rs = poisoned((m,), dtype)
+        ys = [shared_rng.standard_normal(P * m) for _ in range(P)]
+        yex = [upload(v, dtype)[1] for v in ys]
+        y, _ = upload(ys[me], dtype)
+        mkernel.reduce_scatter(ctx, y, rs)
+        ctx.synchronize()
+        np.testing.assert_array_equal(download(ag), np.concatenate(exacts), err_msg=f"CE all_gather n={n} {dtype}")
+        got = download(ar)
+        assert_close(got, sum(exacts), dtype, sum(np.abs(e) for e in exacts) * 1e-3, f"CE all_reduce n={n} {dtype}")
+        for g in ctx.node_comm.allgather(got):
+            np.testing.assert_array_equal(g, got)
+        sl = slice(me * m, (me + 1) * m)
+        assert_close(download(rs), sum(yex)[sl], dtype, sum(np.abs(e) for e in yex)[sl] * 1e-3,
+                     f"CE reduce_scatter n={m} {dtype}")
+        mkernel.all_reduce(ctx, x, x)  # in place
+        ctx.synchronize()
+        assert_close(download(x), sum(exacts), dtype, sum(np.abs(e) for e in exacts) * 1e-3, f"CE in place n={n}")
+
+
+def test_copy_engine_back_to_back_and_graph(ctx, shared_rng, monkeypatch):
+    """Copy-engine path: 300 mixed calls with changing data and no host sync, then a CUDA graph of an
+    all-reduce + all-gather replayed 20 times with new inputs."""
+    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    P, me = ctx.local_size, ctx.local_rank
+    calls, n = 300, 40_000
+    xs = shared_rng.standard_normal((P, calls, n))
+    exacts = np.stack([upload(xs[r], "bfloat16")[1] for r in range(P)])
+    x, _ = upload(xs[me], "bfloat16")
+    ar = poisoned((calls, n), "bfloat16")
+    ag = poisoned((calls, P * n), "bfloat16")
+    rs_n = n // P
+    rs = poisoned((calls, rs_n), "bfloat16")
+    for i in range(calls):
+        (mkernel.all_reduce(ctx, x[i], ar[i]) if i % 3 == 0 else mkernel.all_gather(ctx, x[i], ag[i]) if i % 3 == 1
+         else mkernel.reduce_scatter(ctx, x[i][: rs_n * P], rs[i]))
+    ctx.synchronize()
+    h_ar, h_ag, h_rs = download(ar), download(ag), download(rs)
+    total, scale = exacts.sum(axis=0), np.abs(exacts).sum(axis=0) * 1e-2
+    sl = slice(me * rs_n, (me + 1) * rs_n)
+    for i in range(calls):
+        if i % 3 == 0:
+            assert_close(h_ar[i], total[i], "bfloat16", scale[i], f"CE call {i}")
+        elif i % 3 == 1:
+            np.testing.assert_array_equal(h_ag[i], exacts[:, i, :].reshape(-1), err_msg=f"CE call {i}")
+        else:
+            assert_close(h_rs[i], total[i][sl], "bfloat16", scale[i][sl], f"CE call {i}")
+
+    m = 300_001
+    stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    y = DeviceArray.empty((m,), "float32")
+    yr = DeviceArray.empty((m,), "float32")
+    yg = DeviceArray.empty((P * m,), "float32")
+    mkernel.all_reduce(ctx, y, yr, stream=stream)  # bind outside the capture
+    mkernel.all_gather(ctx, y, yg, stream=stream)
+    ctx.synchronize(stream)
+    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    mkernel.all_reduce(ctx, y, yr, stream=int(stream))
+    mkernel.all_gather(ctx, y, yg, stream=int(stream))
+    graph = check(cu.cuStreamEndCapture(stream))
+    gexec = check(cu.cuGraphInstantiate(graph, 0))
+    host = np.empty(m, dtype=np.float32)
+    for rep in range(20):
+        ys = shared_rng.standard_normal((P, m)).astype(np.float32)
+        host[:] = ys[me]
+        check(cu.cuMemcpyHtoDAsync(y.ptr, host.ctypes.data, host.nbytes, stream))
+        yr.fill_nan(stream=stream)
+        yg.fill_nan(stream=stream)
+        check(cu.cuGraphLaunch(gexec, stream))
+        ctx.synchronize(stream)
+        ref = ys.astype(np.float64)
+        assert_close(download(yr), ref.sum(0), "float32", np.abs(ref).sum(0) * 1e-3, f"CE replay {rep}")
+        np.testing.assert_array_equal(download(yg), ref.reshape(-1), err_msg=f"CE replay {rep}")
+    check(cu.cuGraphExecDestroy(gexec))
+    check(cu.cuGraphDestroy(graph))
+    check(cu.cuStreamDestroy(stream))
+
+
 def test_bad_inputs_raise_before_launch(ctx):
     P = ctx.local_size
     x = DeviceArray.empty((64,), "int32")
@@ -204,4 +302,14 @@ def test_zzz_missing_peer_times_out(ctx):
         pytest.skip("needs 2 ranks")
     x = DeviceArray.empty((1 << 16,), "float32")
     x.copy_from(upload(np.ones(1 << 16), "float32")[0])
+    assert_missing_peer_times_out(lambda c2: mkernel.all_reduce(c2, x), "all_reduce")
+
+
+def test_zzz_missing_peer_times_out_copy_engines(ctx, monkeypatch):
+    """Copy-engine path: a rank that never makes the call -> CommTimeout on the other."""
+    if ctx.local_size < 2:
+        pytest.skip("needs 2 ranks")
+    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    x = DeviceArray.empty((1 << 20,), "float32")
+    x.copy_from(upload(np.ones(1 << 20), "float32")[0])
     assert_missing_peer_times_out(lambda c2: mkernel.all_reduce(c2, x), "all_reduce")
