@@ -214,7 +214,7 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
            "ours_host_ms": float("nan"), "nccl_host_ms": float("nan"), "ours_busbw": float("nan"),
            "nccl_busbw": float("nan"), "ratio": float("nan"), "errors": [],
            # mkernel's path: copy engines + SM receivers ("ce") or SM pushes over NVLink ("sm")
-           "path": "ce" if MC.use_copy_engines(size // P, P) else "sm"}
+           "path": "ce" if MC.use_copy_engines(op, size // P, P) else "sm"}
     case = None
     try:
         case = Case(ctx, mk, op, dtype, size, args.torch_args)
@@ -368,7 +368,8 @@ def report(results, ce, meta, out_dir: Path) -> str:
         "(sizes rounded down to whole elements per rank). Ratio > 1: ours faster. "
         "† = host-bound (submitting a call took >= 90% of its GPU time). ✗ = ours did not match NCCL. "
         "path: how mkernel moved the data -- `sm`: one persistent kernel pushing over NVLink, `ce`: copy "
-        f"engines + SM receivers (from {C.fmt_bytes(meta.get('ce_min_bytes', 0))} per peer; "
+        "engines + SM receivers (per-peer message from "
+        + ", ".join(f"{SHORT[k]} {C.fmt_bytes(v)}" for k, v in meta.get("ce_min_bytes", {}).items()) + "; "
         f"MKERNEL_COLL_CE={meta.get('coll_ce_env', 'auto')}).", "",
         f"Copy-engine peer bandwidth (torch `copy_` to the next rank's GPU, all ranks at once, per direction): "
         f"{ce_line}.", "",

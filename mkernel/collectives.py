@@ -123,20 +123,28 @@ def _launch(ctx, op: str, dtype, slot_bytes: int, phases: int, head_args: list, 
 CE_VALUE_OFF = 32  # collectives.cu MK_COLL_CE_VALUE_OFF: the call number the copy engines copy into flags
 CE_MIN_CHUNK = 2 << 20  # bytes per copy (and flag): fewer, larger copies keep the host's share small
 CE_MAX_CHUNKS = 16  # per peer slot: the receivers' work is pipelined over this many chunks
-# Per-peer message bytes from which the copy engines carry the data (AG: x, RS: out, AR: a shard).
-CE_MIN_BYTES = int(os.environ.get("MKERNEL_COLL_CE_MIN_BYTES", 8 << 20))
+# Per-peer message bytes (AG: x, RS: out, AR: one shard) from which the copy engines carry the data.
+# Measured on 2x H200 (docs/collectives.md, same run, per-call us, copy engines vs SM pushes): the
+# copy-engine path costs ~50 us more per call (begin kernel, copy-engine and flag-copy latency, one
+# more cross-GPU round trip; two of them for the all-reduce) and moves data at ~86-90 % of the copy
+# engine's peer bandwidth instead of 66-77 %.  It wins from a 256 MiB all-gather message (AG 512 MiB:
+# 894 vs 932), a 64 MiB reduce-scatter one (RS 128 MiB: 281 vs 286; 1 GiB: 1607 vs 2102) and a
+# 128 MiB all-reduce shard (AR 256 MiB: 909 vs 927; 1 GiB: 3108 vs 3629).
+_CE_ENV = os.environ.get("MKERNEL_COLL_CE_MIN_BYTES")
+CE_MIN_BYTES = ({op: int(_CE_ENV) for op in ("all_gather", "reduce_scatter", "all_reduce")} if _CE_ENV else
+                {"all_gather": 256 << 20, "reduce_scatter": 64 << 20, "all_reduce": 128 << 20})
 CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks; 0: all SMs but one
 
 
-def use_copy_engines(message_bytes: int, local_size: int) -> bool:
-    """Whether a collective moving ``message_bytes`` per peer goes through the copy engines.
+def use_copy_engines(op: str, message_bytes: int, local_size: int) -> bool:
+    """Whether collective ``op`` moving ``message_bytes`` per peer goes through the copy engines.
     ``MKERNEL_COLL_CE``: ``1`` always (two or more local ranks), ``0`` never, unset/``auto``: from
-    CE_MIN_BYTES up.  Every rank must decide alike (the choice is part of the agreed signature)."""
+    CE_MIN_BYTES[op] up.  Every rank must decide alike (the choice is part of the agreed signature)."""
     if local_size < 2:
         return False
     v = os.environ.get("MKERNEL_COLL_CE", "auto").strip().lower()
     if v in ("", "auto"):
-        return message_bytes >= CE_MIN_BYTES
+        return message_bytes >= CE_MIN_BYTES[op]
     if v in ("0", "1"):
         return v == "1"
     raise ValueError(f"mkernel: MKERNEL_COLL_CE must be auto, 0 or 1, got {v!r}")
@@ -286,7 +294,7 @@ def all_gather(ctx, x, out=None, *, stream=None):
                   _GATHER_DTYPES, stream)
     if _overlaps(x, o) and x.ptr != o.ptr + ctx.rank * x.nbytes:
         raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
-    ce = ctx.num_nodes == 1 and use_copy_engines(x.nbytes, ctx.local_size)
+    ce = ctx.num_nodes == 1 and use_copy_engines("all_gather", x.nbytes, ctx.local_size)
     ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if x.nbytes == 0:
         return out
@@ -318,7 +326,7 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
     out, o = _out(ctx, out, what, (x.shape[0] // P,) + tuple(x.shape[1:]), x, _REDUCE_DTYPES, stream)
     if _overlaps(x, o):
         raise ValueError(f"{what}: out must not overlap x")
-    ce = ctx.num_nodes == 1 and use_copy_engines(o.nbytes, ctx.local_size)
+    ce = ctx.num_nodes == 1 and use_copy_engines("reduce_scatter", o.nbytes, ctx.local_size)
     ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if o.size == 0:
         return out
@@ -350,7 +358,7 @@ def all_reduce(ctx, x, out=None, *, stream=None):
     P = ctx.local_size
     one_shot = x.nbytes <= ONE_SHOT_MAX_BYTES or P == 1
     shard = n if one_shot else round_up(-(-n // P), 16 // x.dtype.itemsize)
-    ce = ctx.num_nodes == 1 and not one_shot and use_copy_engines(shard * x.dtype.itemsize, P)
+    ce = ctx.num_nodes == 1 and not one_shot and use_copy_engines("all_reduce", shard * x.dtype.itemsize, P)
     ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if n == 0:
         return out

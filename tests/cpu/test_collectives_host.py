@@ -114,8 +114,10 @@ def test_copy_engine_choice(env, monkeypatch):
     """Large messages go through the copy engines (the choice is part of the agreed signature); the
     one-shot all-reduce and a single local rank never do; MKERNEL_COLL_CE forces either way."""
     ctx, launches = env
-    assert not C.use_copy_engines(C.CE_MIN_BYTES - 1, 2) and C.use_copy_engines(C.CE_MIN_BYTES, 2)
-    assert not C.use_copy_engines(1 << 40, 1)
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        lim = C.CE_MIN_BYTES[op]
+        assert not C.use_copy_engines(op, lim - 1, 2) and C.use_copy_engines(op, lim, 2)
+        assert not C.use_copy_engines(op, 1 << 40, 1)
     ce_calls = []
     monkeypatch.setattr(C, "_ce_run", lambda ctx, op, dtype, msg, phases, x, o, count, shard, stream:
                         ce_calls.append((op, dtype.name, msg, phases, count, shard)))
@@ -133,10 +135,10 @@ def test_copy_engine_choice(env, monkeypatch):
     assert [launch["op"] for launch in launches] == ["all_reduce"]  # the one-shot one
     assert [a[1][2] for a in ctx.agreed] == [True, True, False, True]
     monkeypatch.setenv("MKERNEL_COLL_CE", "0")
-    assert not C.use_copy_engines(1 << 40, 2)
+    assert not C.use_copy_engines("all_reduce", 1 << 40, 2)
     monkeypatch.setenv("MKERNEL_COLL_CE", "sometimes")
     with pytest.raises(ValueError, match="MKERNEL_COLL_CE"):
-        C.use_copy_engines(1, 2)
+        C.use_copy_engines("all_gather", 1, 2)
 
 
 @pytest.mark.parametrize("slot", [16, 1000, 3 << 20, 8 << 20, 512 << 20, (1 << 30) + 12345])
