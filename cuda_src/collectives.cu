@@ -254,6 +254,8 @@ mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_sho
 //   all-reduce: S runs mk_all_reduce_ce phase 0 (reduce my shard into out), then X (after an event
 //   on S) copies my reduced shard into every peer's slot[1][me] + ready[1] flags, and S runs phase 1
 //   (copy the peers' shards out, finish).  Each element is summed by one rank: bit-identical results.
+//   With 2 ranks, one-shot instead (phase 2): X pushes the whole buffer, S reduces all of it (every
+//   rank sums in rank order: bit-identical too).
 // Launch: grid <= #SMs - 1 (a free SM for the begin kernel), blockDim 512; not cooperative (blocks
 // wait only on flags the copy engines write).  A timeout anywhere leaves the flag values stale, so
 // every peer's waits time out too.
@@ -343,11 +345,32 @@ MK_DEVICE mk_u64 shard_bytes_of(mk_u64 n, mk_u64 shard, int r) {
   return s >= n ? 0 : mk_min(shard, n - s) * sizeof(T);
 }
 
+// phase 0: reduce my shard into out (the call stays open for phase 1); phase 1: gather the peers'
+// reduced shards, finish.  phase 2 (one-shot: every peer pushed its whole buffer; shard = n): reduce
+// everything, finish -- one copy-engine round instead of two, the same bytes per link direction
+// when P = 2.
 extern "C" __global__ void __launch_bounds__(512, 1)
 mk_all_reduce_ce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int phase, char* ws,
                  const mk_u64* __restrict__ peers, CollLayout L) {
   const Ws w = make_ws(c, ws, peers, L);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  if (phase == 2) {
+    const mk_u64 bytes = n * sizeof(T);
+    // in place: chunk ci of `in` is overwritten only once our own copy engine pushed it to every peer
+    // (it then copies the call number into our own ready[0][me][ci])
+    const bool in_place = (const void*)in == (const void*)out;
+    for (int ci = 0; ci < L.nchunks; ++ci) {
+      if (!wait_peers_chunk(c, w, epoch, 0, ci)) return;
+      if (in_place && !wait_chunk(c, w, epoch, w.me, 0, ci)) return;
+      const mk_u64 off = (mk_u64)ci * L.chunk_bytes;
+      mk_u64 lo, hi;
+      block_share(chunk_len(bytes, L.chunk_bytes, ci), lo, hi);
+      reduce_slots((T*)((char*)out + off + lo), (const T*)((const char*)in + off + lo), w, 0, off + lo,
+                   (hi - lo) / sizeof(T));
+    }
+    finish_call(w, epoch);
+    return;
+  }
   if (phase == 0) {  // reduce my shard into out; the call stays open for phase 1
     const mk_u64 mine = shard_bytes_of(n, shard, w.me);
     const char* my_in = (const char*)(in + (mk_u64)w.me * shard);

@@ -34,7 +34,8 @@ _REDUCE_DTYPES = tuple(dtype_of(d) for d in ("bfloat16", "float16", "float32"))
 _GATHER_DTYPES = tuple(dtype_of(d) for d in ("bfloat16", "float16", "float32", "int32", "int64"))
 _BYTES = dtype_of("bfloat16")  # the all-gather kernel moves bytes: one specialization for every dtype
 _THREADS = 512
-ONE_SHOT_MAX_BYTES = 256 * 1024  # all-reduce below this: one flag hop instead of two
+ONE_SHOT_MAX_BYTES = int(os.environ.get("MKERNEL_COLL_ONE_SHOT_MAX_BYTES", 256 * 1024))  # all-reduce up to
+# this: one flag hop instead of two (the environment variable is for experiments)
 _HEADER = 4096
 
 for _code in (0, 1, 2):
@@ -134,6 +135,10 @@ _CE_ENV = os.environ.get("MKERNEL_COLL_CE_MIN_BYTES")
 CE_MIN_BYTES = ({op: int(_CE_ENV) for op in ("all_gather", "reduce_scatter", "all_reduce")} if _CE_ENV else
                 {"all_gather": 256 << 20, "reduce_scatter": 64 << 20, "all_reduce": 128 << 20})
 CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks; 0: all SMs but one
+# All-reduce on the copy engines with at most this many local ranks: one-shot (every rank pushes its
+# whole buffer, every rank reduces it all: one copy-engine round; the same bytes per link direction
+# as reduce-scatter + all-gather when P = 2, more above).
+CE_ONE_SHOT_MAX_RANKS = int(os.environ.get("MKERNEL_COLL_CE_ONE_SHOT_MAX_RANKS", 2))
 
 
 def use_copy_engines(op: str, message_bytes: int, local_size: int) -> bool:
@@ -172,11 +177,16 @@ def _ce_layout(P: int, slot_bytes: int, phases: int) -> tuple[CollLayout, int]:
     return L, L.data0_off + phases * P * slot_bytes
 
 
-def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of) -> list:
+def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False) -> list:
     """The side stream's copies of one phase: for each peer (rank-rotated, me+1 first) and chunk, the
-    data into the peer's slot[phase][me], then the call number into its ready[phase][me][chunk]."""
+    data into the peer's slot[phase][me], then the call number into its ready[phase][me][chunk].
+    sent_flags: then also the call number into our own ready[phase][me][chunk] once every peer got
+    the chunk (an in-place one-shot all-reduce waits for it before overwriting its input)."""
     value = cu.CUdeviceptr(ws.ptr + CE_VALUE_OFF)
     base = L.data1_off if phase else L.data0_off
+
+    def flag(owner, c):
+        return cu.CUdeviceptr(ws.peer_ptr(owner, L.flags_off + 8 * ((phase * P + me) * L.nchunks + c)))
     out = []
     for j in range(1, P):
         dst = (me + j) % P
@@ -187,8 +197,9 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of)
             if n:
                 out.append((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
                             cu.CUdeviceptr(src_of(dst) + off), n))
-            flag = ws.peer_ptr(dst, L.flags_off + 8 * ((phase * P + me) * L.nchunks + c))
-            out.append((cu.CUdeviceptr(flag), value, 8))
+            out.append((flag(dst, c), value, 8))
+            if sent_flags and j == P - 1:
+                out.append((flag(me, c), value, 8))
     return out
 
 
@@ -224,6 +235,9 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
     elif op == "reduce_scatter":
         pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz)
         args = head + [ctypes.c_uint64(count)] + tail
+    elif shard == count:  # one-shot all-reduce: the whole buffer to every peer, reduced everywhere
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: count * isz, sent_flags=x.ptr == o.ptr)
+        args = head + [ctypes.c_uint64(count), ctypes.c_uint64(count), ctypes.c_int32(2)] + tail
     else:  # all_reduce: reduce-scatter of shards, then the owners' shards to every peer
         def shard_bytes(r):
             return max(0, min(shard, count - r * shard)) * isz
@@ -366,7 +380,10 @@ def all_reduce(ctx, x, out=None, *, stream=None):
         internode.all_reduce(ctx, x, o, stream)
         return out
     if ce:
-        _ce_run(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 2, x, o, n, shard, stream)
+        if P <= CE_ONE_SHOT_MAX_RANKS:
+            _ce_run(ctx, "all_reduce", x.dtype, x.nbytes, 1, x, o, n, n, stream)
+        else:
+            _ce_run(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 2, x, o, n, shard, stream)
         return out
     _launch(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 1 if one_shot else 2,
             [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(shard),

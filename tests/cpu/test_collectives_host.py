@@ -126,14 +126,17 @@ def test_copy_engine_choice(env, monkeypatch):
     C.reduce_scatter(ctx, arr((6, 2), "float16"), arr((3, 2), "float16"))
     C.all_reduce(ctx, arr((1000,), "bfloat16"), arr((1000,), "bfloat16"))  # one-shot: kernel path
     n = C.ONE_SHOT_MAX_BYTES + 1
-    C.all_reduce(ctx, arr((n,), "float32"), arr((n,), "float32"))
+    C.all_reduce(ctx, arr((n,), "float32"), arr((n,), "float32"))  # two ranks: one-shot on the copy engines
+    monkeypatch.setattr(C, "CE_ONE_SHOT_MAX_RANKS", 1)
+    C.all_reduce(ctx, arr((n,), "float32"), arr((n,), "float32"))  # reduce-scatter + all-gather
     assert ce_calls[0] == ("all_gather", "bfloat16", 30, 1, 30, 0)
     assert ce_calls[1] == ("reduce_scatter", "float16", 12, 1, 6, 0)
-    op, dt, msg, phases, count, sh = ce_calls[2]
+    assert ce_calls[2] == ("all_reduce", "float32", 4 * n, 1, n, n)
+    op, dt, msg, phases, count, sh = ce_calls[3]
     assert (op, dt, phases, count) == ("all_reduce", "float32", 2, n) and sh % 4 == 0 and 2 * sh >= n
     assert msg == sh * 4 and sh == C.round_up(-(-n // 2), 4)  # 16-byte shards
     assert [launch["op"] for launch in launches] == ["all_reduce"]  # the one-shot one
-    assert [a[1][2] for a in ctx.agreed] == [True, True, False, True]
+    assert [a[1][2] for a in ctx.agreed] == [True, True, False, True, True]
     monkeypatch.setenv("MKERNEL_COLL_CE", "0")
     assert not C.use_copy_engines("all_reduce", 1 << 40, 2)
     monkeypatch.setenv("MKERNEL_COLL_CE", "sometimes")
@@ -180,3 +183,8 @@ def test_ce_pushes():
             want.append((_Ws.peer_ptr(dst, L.flags_off + 8 * ((1 * P + me) * L.nchunks + c)), value, 8))
     assert got == want
     assert sum(n for _, _, n in got if n != 8) == sum(sizes.values())
+    sent = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, lambda d: sizes[d], sent_flags=True)
+    own = [int(d) for d, _, _ in sent if _Ws.peer_ptr(me) <= int(d) < _Ws.peer_ptr(me + 1)]
+    assert own == [_Ws.peer_ptr(me, L.flags_off + 8 * (me * L.nchunks + c)) for c in range(3)]
+    last_peer = [i for i, (d, _, _) in enumerate(sent) if int(d) >= _Ws.peer_ptr(0) and int(d) < _Ws.peer_ptr(1)]
+    assert min(i for i, (d, _, _) in enumerate(sent) if int(d) in own) > min(last_peer)  # after the last peer's chunk
