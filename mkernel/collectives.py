@@ -34,8 +34,18 @@ _REDUCE_DTYPES = tuple(dtype_of(d) for d in ("bfloat16", "float16", "float32"))
 _GATHER_DTYPES = tuple(dtype_of(d) for d in ("bfloat16", "float16", "float32", "int32", "int64"))
 _BYTES = dtype_of("bfloat16")  # the all-gather kernel moves bytes: one specialization for every dtype
 _THREADS = 512
-ONE_SHOT_MAX_BYTES = int(os.environ.get("MKERNEL_COLL_ONE_SHOT_MAX_BYTES", 256 * 1024))  # all-reduce up to
-# this: one flag hop instead of two (the environment variable is for experiments)
+# All-reduce up to this many bytes: one-shot (every rank pushes its whole buffer to every peer and
+# reduces everything itself: one flag hop instead of two).  With 2 ranks it moves the same bytes per
+# link direction as reduce-scatter + all-gather, and measured faster up to 32 MiB (2x H200, us: 1 MiB
+# 18.7 vs 30.9, 16 MiB 72.7 vs 77.8, 32 MiB 131.5 vs 134.8; 64 MiB 268.8 vs 250.6); with more ranks it
+# moves (P-1)/2 times more, so only small buffers.  MKERNEL_COLL_ONE_SHOT_MAX_BYTES overrides both.
+_ONE_SHOT_ENV = os.environ.get("MKERNEL_COLL_ONE_SHOT_MAX_BYTES")
+ONE_SHOT_MAX_BYTES = int(_ONE_SHOT_ENV or 256 * 1024)
+ONE_SHOT_MAX_BYTES_2RANKS = int(_ONE_SHOT_ENV or 32 << 20)
+
+
+def one_shot_max_bytes(local_size: int) -> int:
+    return ONE_SHOT_MAX_BYTES_2RANKS if local_size == 2 else ONE_SHOT_MAX_BYTES
 _HEADER = 4096
 
 for _code in (0, 1, 2):
@@ -130,10 +140,11 @@ CE_MAX_CHUNKS = 16  # per peer slot: the receivers' work is pipelined over this 
 # more cross-GPU round trip; two of them for the all-reduce) and moves data at ~86-90 % of the copy
 # engine's peer bandwidth instead of 66-77 %.  It wins from a 256 MiB all-gather message (AG 512 MiB:
 # 894 vs 932), a 64 MiB reduce-scatter one (RS 128 MiB: 281 vs 286; 1 GiB: 1607 vs 2102) and a
-# 128 MiB all-reduce shard (AR 256 MiB: 909 vs 927; 1 GiB: 3108 vs 3629).
+# 64 MiB all-reduce shard, i.e. a 128 MiB buffer on 2 ranks, where the all-reduce is one-shot on the
+# copy engines (one round: AR 128 MiB 469 vs 471, 256 MiB 852 vs 945, 1 GiB 3024 vs 3629).
 _CE_ENV = os.environ.get("MKERNEL_COLL_CE_MIN_BYTES")
 CE_MIN_BYTES = ({op: int(_CE_ENV) for op in ("all_gather", "reduce_scatter", "all_reduce")} if _CE_ENV else
-                {"all_gather": 256 << 20, "reduce_scatter": 64 << 20, "all_reduce": 128 << 20})
+                {"all_gather": 256 << 20, "reduce_scatter": 64 << 20, "all_reduce": 64 << 20})
 CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks; 0: all SMs but one
 # All-reduce on the copy engines with at most this many local ranks: one-shot (every rank pushes its
 # whole buffer, every rank reduces it all: one copy-engine round; the same bytes per link direction
@@ -358,8 +369,9 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
 def all_reduce(ctx, x, out=None, *, stream=None):
     """Sum ``x`` over local ranks into ``out`` (same shape; allocated when None; may be ``x`` itself).
 
-    bf16/fp16/fp32, fp32 accumulation.  Below ``ONE_SHOT_MAX_BYTES`` every rank reduces the whole
-    array itself (one hop); above, reduce-scatter + all-gather inside one kernel.  Every rank gets
+    bf16/fp16/fp32, fp32 accumulation.  Up to ``one_shot_max_bytes(P)`` every rank reduces the whole
+    array itself (one hop); above, reduce-scatter + all-gather inside one kernel; large buffers go
+    through the copy engines (``CE_MIN_BYTES``; one-shot there too with 2 ranks).  Every rank gets
     bit-identical results.  Returns ``out``.
     """
     what = "mkernel.all_reduce"
@@ -370,7 +382,7 @@ def all_reduce(ctx, x, out=None, *, stream=None):
         raise ValueError(f"{what}: out overlaps x without being x")
     n = x.size
     P = ctx.local_size
-    one_shot = x.nbytes <= ONE_SHOT_MAX_BYTES or P == 1
+    one_shot = x.nbytes <= one_shot_max_bytes(P) or P == 1
     shard = n if one_shot else round_up(-(-n // P), 16 // x.dtype.itemsize)
     ce = ctx.num_nodes == 1 and not one_shot and use_copy_engines("all_reduce", shard * x.dtype.itemsize, P)
     ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)

@@ -38,8 +38,9 @@ _next = [1 << 20]
 
 def arr(shape, dtype="float32", device=0, ptr=None, strides=None):
     p = ptr if ptr is not None else _next[0]
-    _next[0] += 1 << 24
-    return DeviceArray(p, shape, dtype, strides, device, None)
+    a = DeviceArray(p, shape, dtype, strides, device, None)
+    _next[0] += max(1 << 24, (a.nbytes + 4095) // 4096 * 4096)
+    return a
 
 
 def test_bad_inputs_raise_before_launch(env):
@@ -87,7 +88,7 @@ def test_plans(env):
     C.all_gather(ctx, DeviceArray(own.ptr, (4,), "int64", None, 0, None), own)  # in place: own rows
     C.reduce_scatter(ctx, arr((6, 2), "float16"), arr((3, 2), "float16"))
     C.all_reduce(ctx, arr((1000,), "bfloat16"), arr((1000,), "bfloat16"))
-    n = C.ONE_SHOT_MAX_BYTES  # bf16: twice the one-shot limit in bytes
+    n = C.one_shot_max_bytes(2)  # bf16: twice the one-shot limit of 2 ranks, in bytes
     C.all_reduce(ctx, arr((n + 1,), "bfloat16"), arr((n + 1,), "bfloat16"))
     ag, ag2, rs, ar1, ar2 = launches
     assert (ag["op"], ag["dtype"], ag["slot"], ag["phases"]) == ("all_gather", "bfloat16", 30, 1)
@@ -125,7 +126,7 @@ def test_copy_engine_choice(env, monkeypatch):
     C.all_gather(ctx, arr((5, 3), "bfloat16"), arr((10, 3), "bfloat16"))
     C.reduce_scatter(ctx, arr((6, 2), "float16"), arr((3, 2), "float16"))
     C.all_reduce(ctx, arr((1000,), "bfloat16"), arr((1000,), "bfloat16"))  # one-shot: kernel path
-    n = C.ONE_SHOT_MAX_BYTES + 1
+    n = C.one_shot_max_bytes(2) // 4 + 1  # just past the (SM) one-shot limit
     C.all_reduce(ctx, arr((n,), "float32"), arr((n,), "float32"))  # two ranks: one-shot on the copy engines
     monkeypatch.setattr(C, "CE_ONE_SHOT_MAX_RANKS", 1)
     C.all_reduce(ctx, arr((n,), "float32"), arr((n,), "float32"))  # reduce-scatter + all-gather
@@ -188,3 +189,8 @@ def test_ce_pushes():
     assert own == [_Ws.peer_ptr(me, L.flags_off + 8 * (me * L.nchunks + c)) for c in range(3)]
     last_peer = [i for i, (d, _, _) in enumerate(sent) if int(d) >= _Ws.peer_ptr(0) and int(d) < _Ws.peer_ptr(1)]
     assert min(i for i, (d, _, _) in enumerate(sent) if int(d) in own) > min(last_peer)  # after the last peer's chunk
+
+
+def test_one_shot_limits():
+    assert C.one_shot_max_bytes(2) == C.ONE_SHOT_MAX_BYTES_2RANKS >= C.ONE_SHOT_MAX_BYTES
+    assert C.one_shot_max_bytes(3) == C.one_shot_max_bytes(8) == C.ONE_SHOT_MAX_BYTES
