@@ -5,7 +5,8 @@ kernel defines through MKERNEL_DEFINES, docs/ag_gemm.md); bench/ag_gemm.py is th
     mpirun -np 2 python bench/ag_probe.py
 PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes
 (or "M:N_all:K" for any); PROBE_CE="3:0,3:1,4:auto" adds copy-engine variants, each CONFIG:TAIL_SPLIT
-(TAIL_SPLIT as MKERNEL_AG_GEMM_TAIL_SPLIT: 0, 1 or auto).
+(TAIL_SPLIT as MKERNEL_AG_GEMM_TAIL_SPLIT: 0, 1 or auto).  PROBE_BATCHES (default 5) timed batches per
+variant; PROBE_STAMPS=1 prints each variant's wall-clock span (to line up with an nvidia-smi log).
 PROBE_NO_COPIES=1 drops the copy-engine path's copies (timing only: with MKERNEL_DEFINES=
 MK_AG_TIMING_NO_WAIT=1 the fused kernel is then the bare GEMM inside the fused kernel).
 One line per (shape, variant): median us per call (max over ranks) and overlap efficiency
@@ -13,6 +14,7 @@ max(gemm alone, all-gather alone) / time.
 """
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ SHAPES = {  # name: (M_total, N over all ranks, K)
     "qkv70_1k": (1024, 10240, 8192),
     "mlp70_1k": (1024, 28672, 8192),
     "qkv70_16k": (16384, 10240, 8192),
+    "qkv405_16k": (16384, 18432, 16384),
     "sweep32k": (32768, 4096, 32768),
 }
 
@@ -54,12 +57,15 @@ def main():
     extra = [int(x) for x in os.environ.get("PROBE_COMM_SMS", "").split(",") if x.strip()]
     tag = os.environ.get("MKERNEL_DEFINES", "") or "default"
 
-    def timed(fn, est_us):
+    stamps = os.environ.get("PROBE_STAMPS") == "1"  # print wall-clock spans (to line up with nvidia-smi logs)
+
+    def timed(fn, est_us, label=""):
         batch = int(min(20, max(2, 4000 // max(est_us, 1))))
         fn()
         ctx.synchronize(s)
+        t0 = time.time()
         times = []
-        for _ in range(5):
+        for _ in range(int(os.environ.get("PROBE_BATCHES", 5))):
             ctx.world.Barrier()
             check(cu.cuEventRecord(e0, stream))
             for _ in range(batch):
@@ -67,6 +73,8 @@ def main():
             check(cu.cuEventRecord(e1, stream))
             ctx.synchronize(s)
             times.append(check(cu.cuEventElapsedTime(e0, e1)) / batch * 1e3)
+        if stamps and ctx.rank == 0:
+            print(f"span {t0:.3f} {time.time():.3f} {label}", flush=True)
         return ctx.world.allreduce(float(np.median(times)), op=MPI.MAX)
 
     ce_variants = [v.split(":") for v in os.environ.get("PROBE_CE", "").split(",") if v.strip()]
@@ -80,9 +88,9 @@ def main():
         full = DeviceArray.empty((M, K), "bfloat16")
         est = 2.0 * M * N * K / 600e12 * 1e6
         mkernel.all_gather(ctx, a, full, stream=s)  # the GEMM's A holds data (zeros run faster)
-        t_gemm = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s), est)
-        t_ag = timed(lambda: mkernel.all_gather(ctx, a, full, stream=s), est)
-        t_g3 = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s, config=3), est)
+        t_gemm = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s), est, f"{name} gemm")
+        t_ag = timed(lambda: mkernel.all_gather(ctx, a, full, stream=s), est, f"{name} all_gather")
+        t_g3 = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s, config=3), est, f"{name} gemm c3")
         floor = max(t_gemm, t_ag)
         rows = []
         # automatic plan; copy engines; -1: fused at the model's split; forced splits; CE config variants
@@ -96,7 +104,7 @@ def main():
             elif cs == "ce":
                 kw = dict(path="fused_ce")
             os.environ["MKERNEL_AG_GEMM_TAIL_SPLIT"] = env
-            t = timed(lambda kw=kw: agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, **kw), est)
+            t = timed(lambda kw=kw: agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, **kw), est, f"{name} {cs}")
             p = agm.last_plan
             split = f"/c{p.config}" + (f"/split{p.splits}@{p.split_from}" if p.splits > 1 else "")
             rows.append((f"{p.path}/{p.comm_sms}{split}", t))

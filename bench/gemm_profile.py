@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""A profiler target: a few GEMM shapes, each run by mkernel.gemm and by torch.matmul (cuBLAS) a few
+times on random bf16 data, nothing else on the GPU.  For Nsight Compute, e.g.
+
+    ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --launch-skip 0 \
+        python bench/gemm_profile.py dsv3.q_a@512 square1024
+
+Shapes: NAME@M of bench/gemm.py's tables, or MxNxK (B given [N, K]).  PROFILE_REPS (default 3) calls
+per library per shape; mkernel's plan is printed (config, split-K), so a kernel in the profile can be
+matched to its plan.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import torch  # noqa: E402
+
+from gemm import DEEPSEEK_V3, LLAMA3_70B  # noqa: E402
+from mkernel import gemm_engine as G  # noqa: E402
+from mkernel.arrays import as_device_array  # noqa: E402
+
+
+def parse(spec: str):
+    if "@" in spec:
+        name, m = spec.split("@")
+        n, k = {**LLAMA3_70B, **DEEPSEEK_V3}[name]
+        return spec, int(m), n, k
+    m, n, k = (int(v) for v in spec.lower().split("x"))
+    return spec, m, n, k
+
+
+def main(argv):
+    reps = int(os.environ.get("PROFILE_REPS", 3))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for spec in argv or ["dsv3.q_a@512", "square1024"]:
+        name, M, N, K = parse(spec)
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        cfg, splits, split_from = G._auto_plan(M, N, K, "nk", torch.cuda.get_device_properties(0).multi_processor_count)
+        print(f"{name}: M={M} N={N} K={K}: mkernel config {cfg.id} ({cfg.bm}x{cfg.bn}) splits {splits} "
+              f"from tile {split_from}", flush=True)
+        da, db, dc = as_device_array(a), as_device_array(b), as_device_array(c)
+        s = torch.cuda.current_stream()
+        for _ in range(reps):
+            G.gemm(da, db, dc, b_layout="nk", stream=s)
+        for _ in range(reps):
+            torch.matmul(a, b.t(), out=c)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
