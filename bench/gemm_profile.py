@@ -5,7 +5,7 @@ times on random bf16 data, nothing else on the GPU.  For Nsight Compute, e.g.
     ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --launch-skip 0 \
         python bench/gemm_profile.py dsv3.q_a@512 square1024
 
-Shapes: NAME@M of bench/gemm.py's tables, or MxNxK (B given [N, K]).  PROFILE_REPS (default 3) calls
+Shapes: NAME@M of bench/gemm.py's tables, squareN, or MxNxK (B given [N, K]).  PROFILE_REPS (default 3) calls
 per library per shape; mkernel's plan is printed (config, split-K), so a kernel in the profile can be
 matched to its plan.
 """
@@ -26,6 +26,9 @@ from mkernel.arrays import as_device_array  # noqa: E402
 
 
 def parse(spec: str):
+    if spec.startswith("square"):
+        m = int(spec[len("square"):])
+        return spec, m, m, m
     if "@" in spec:
         name, m = spec.split("@")
         n, k = {**LLAMA3_70B, **DEEPSEEK_V3}[name]

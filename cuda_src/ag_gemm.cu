@@ -80,7 +80,7 @@ struct AgArgs {
                          // 16-byte aligned), so they are not copied into the workspace and not waited for
   int offs[MK_AG_MAXP + 1];  // row offsets of local ranks in the gathered A; offs[P] = M_total
   int c_tma;             // 1: tmC is a map over C (see mk_gemm_run_store)
-  float* partials;       // split-K of the last wave (splits > 1): fp32 partial slots [split tiles][splits][BM*BN]
+  float* partials;       // split-K of the last wave (splits > 1): fp32 running sums [split tiles][BM*BN], zero between calls
   int* counters;         // split-K: [split tiles], zero between calls
   int splits;            // K splits of the tiles from split_from on (1: none)
   int split_from;        // tiles (in the workers' order) before this one are whole

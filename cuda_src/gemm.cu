@@ -23,7 +23,7 @@ struct MkGemmArgs {
   int c_vec_ok;    // 1: C base aligned to two elements and ldc even
   int offsets_i32;
   int c_tma;       // 1: tmC is a map over C (16-byte aligned base and row stride); configs with staging store through it
-  float* partials;  // split-K (plain GEMM, splits > 1): fp32 partial slots [split tiles][splits][BM * BN]
+  float* partials;  // split-K (plain GEMM, splits > 1): fp32 running sums [split tiles][BM * BN], zero between calls
   int* counters;    // split-K: [split tiles], zero before the first call (the kernel leaves them zero)
   int splits;       // plain GEMM: K splits per split tile (1: none; cooperative configs only)
   int split_from;   // split-K: tiles (rasterized order) before this one are not split

@@ -124,7 +124,7 @@ struct MkTile {
   int cols;    // valid columns in this tile (1..BN)
   int split = 0;   // split-K: this unit reduces K blocks [split*nkb/splits, (split+1)*nkb/splits)
   int splits = 1;  // (cooperative tile loop only; schedulers that never split leave the defaults)
-  int slot = 0;    // split-K: the tile's index among the split tiles (its partial slots and counter)
+  int slot = 0;    // split-K: the tile's index among the split tiles (its running sum and counter)
 };
 
 // The K blocks [lo, hi) of tile t's unit, of nkb in all.
@@ -697,16 +697,17 @@ MK_DEVICE bool mk_gemm_run(const MkTensorMap* tmA, const MkTensorMap* tmB, int K
   }
 }
 
-// Split-K (split tiles from MkLinearScheduler): every unit but the last of its tile to finish
-// writes its fp32 partial accumulators to its slot of `partials` and counts itself in counters[tile];
-// the last one adds the other partials to its accumulators, resets the counter (so the next call finds
-// it at 0: nothing to clean up between calls, CUDA-graph safe) and runs the inner epilogue.  Nothing
-// waits.  Slots are fragment-ordered (value i of consumer thread ct at i * NT + ct: coalesced) and
-// written/read through L2 (st.cg / ld.cg: another SM wrote them).  Units of unsplit tiles go straight
-// to the inner epilogue.  Uses named barrier 1 (all consumer threads).
+// Split-K (split tiles from MkLinearScheduler / AgScheduler): every unit adds its fp32 partial
+// accumulators into its tile's running sum in `partials` (red.global.add.v4.f32, performed at L2) and
+// counts itself in counters[tile]; the last one to count reads the sum back, re-zeroes it, resets the
+// counter (so the next call finds both at 0: nothing to clean up between calls, CUDA-graph safe) and
+// runs the inner epilogue.  Nothing waits.  The sum is fragment-ordered in 16-byte vectors (values
+// i..i+3 of consumer thread ct at ((i/4) * NT + ct) * 4: a warp's vectors are contiguous) and read
+// through L2 (ld.cg: other SMs added to it).  Units of unsplit tiles go straight to the inner
+// epilogue.  Uses named barrier 1 (all consumer threads).
 template <class Inner, int NC> struct MkSplitKEpilogue {
   Inner inner;
-  float* partials;     // [split tiles][splits][BN / 2][NT] fp32, indexed by MkTile::slot
+  float* partials;     // [split tiles][BN / 8][NT][4] fp32 running sums, indexed by MkTile::slot; 0 between calls
   int* counters;       // [split tiles], 0 between calls
   static constexpr int NT = 128 * NC;  // consumer threads
   static constexpr bool kTileDone = false;
@@ -714,6 +715,7 @@ template <class Inner, int NC> struct MkSplitKEpilogue {
   MK_DEVICE void drain() const { inner.drain(); }
   MK_DEVICE void tile_done(const MkTile&) {}
   template <int BN> MK_DEVICE void store(const MkTile& t, int slab, float (&acc)[BN / 2]) {
+    static_assert((BN / 2) % 4 == 0, "16-byte vectors of the accumulator");
     if (t.splits <= 1) {
       inner.template store<BN>(t, slab, acc);
       return;
@@ -721,21 +723,30 @@ template <class Inner, int NC> struct MkSplitKEpilogue {
     __shared__ int last;
     const int ct = (int)threadIdx.x - 128;  // consumer thread (the producer warpgroup is threads 0..127)
     const int tile = t.slot;
-    float* const slots = partials + (long long)tile * t.splits * (BN / 2) * NT;
-    float* const mine = slots + (long long)t.split * (BN / 2) * NT;
+    // Every unit adds its partial into the tile's one fp32 sum (vector reductions at L2: a warp's 32
+    // vectors are contiguous), the last to count reads the sum back, re-zeroes it and stores the tile:
+    // its serial part is one tile's read + one tile's zeroing, whatever the split factor.  (fp32
+    // additions in arrival order: the low bits may differ between runs.)
+    float* const sum = partials + (long long)tile * (BN / 2) * NT;
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) __stcg(mine + i * NT + ct, acc[i]);
-    __threadfence();  // this thread's partial is visible device-wide before the tile's count
+    for (int i = 0; i < BN / 2; i += 4) {
+      float* const p = sum + ((long long)(i / 4) * NT + ct) * 4;
+      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(acc[i]), "f"(acc[i + 1]),
+                   "f"(acc[i + 2]), "f"(acc[i + 3])
+                   : "memory");
+    }
+    __threadfence();  // this thread's additions are performed device-wide before the tile's count
     mk_named_barrier_sync(1, NT);
     if (ct == 0) last = atomicAdd(counters + tile, 1) == t.splits - 1;
     mk_named_barrier_sync(1, NT);
     if (!last) return;
-    __threadfence();  // acquire: the other units' partials (counted before us) are visible
-    for (int s = 0; s < t.splits; ++s) {
-      if (s == t.split) continue;
-      const float* const p = slots + (long long)s * (BN / 2) * NT;
+    __threadfence();  // acquire: every unit's additions (counted before us) are visible
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] += __ldcg(p + i * NT + ct);
+    for (int i = 0; i < BN / 2; i += 4) {
+      float4* const p = reinterpret_cast<float4*>(sum + ((long long)(i / 4) * NT + ct) * 4);
+      const float4 v = __ldcg(p);
+      acc[i] = v.x, acc[i + 1] = v.y, acc[i + 2] = v.z, acc[i + 3] = v.w;
+      __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));  // zero for the next call
     }
     if (ct == 0) counters[tile] = 0;  // every unit of this tile has counted: ready for the next call
     inner.template store<BN>(t, slab, acc);

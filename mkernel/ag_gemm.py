@@ -730,10 +730,9 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     args.splits, args.split_from = 1, 0
     if p.splits > 1:  # split-K of the last wave: fp32 partial slots, counters (zero; the kernel keeps them so)
         n_split = _fused_tiles([sig.offs[j + 1] - sig.offs[j] for j in range(P)], N, cfg) - p.split_from
-        partials = DeviceArray.empty((n_split * p.splits * cfg.bm * cfg.bn,), "float32", device=dev)
-        counters = DeviceArray.empty((n_split,), "int32", device=dev)
-        args.partials, args.counters, args.splits, args.split_from = partials.ptr, counters.ptr, p.splits, p.split_from
-        keep += (partials, counters)
+        sk_ws, args.partials, args.counters = G.split_workspace(n_split, cfg.bm * cfg.bn, dev)
+        args.splits, args.split_from = p.splits, p.split_from
+        keep += (sk_ws,)
 
     if p.path == "fused_ce":
         run = _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm, dt, out_dtype, K * isz)
@@ -742,13 +741,13 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
             for k, g, blk, a in pre:
                 k.launch(g, blk, a, stream=stream)
             kern.launch(grid, cfg.threads, kargs, stream=stream, smem=cfg.smem, cooperative=True)
-    return _counters_zeroed_first(run, args.counters, n_split) if p.splits > 1 else run
+    return _zeroed_first(run, sk_ws.ptr, sk_ws.size) if p.splits > 1 else run
 
 
-def _counters_zeroed_first(run, ptr: int, n: int):
-    """``run`` preceded by a stream-ordered clear of the split-K counters until a call outside a CUDA-graph
-    capture has done it (the kernel returns them to zero after every call; a captured clear only runs
-    when the graph is launched)."""
+def _zeroed_first(run, ptr: int, n: int):
+    """``run`` preceded by a stream-ordered clear of the split-K sums and counters (``n`` 32-bit words)
+    until a call outside a CUDA-graph capture has done it (the kernel returns them to zero after every
+    call; a captured clear only runs when the graph is launched)."""
     pending = [True]
 
     def run_zeroed(stream):

@@ -104,7 +104,7 @@ class TileConfig:
         return ring + 256 + 1024
 
 
-# Efficiencies (second session) and SPLIT_PARTIAL_COST / EPILOGUE_K_TMA (third session): checked against
+# Efficiencies (second session) and EPILOGUE_K_TMA (third session): checked against
 # the `bench/gemm.py --sweep` run of 2026-11-30 (60 shapes x every config, split factors of the chosen
 # config): the heuristic's pick is the measured best or within 4 % of it on every shape but one (docs/gemm.md).
 CONFIGS = {
@@ -127,11 +127,13 @@ AUTO_CANDIDATES = (1, 2, 3, 4, 5)
 EPILOGUE_K = 256
 EPILOGUE_K_TMA = 32
 # Split-K (plain GEMM): at most MAX_SPLITS splits, each of at least MIN_SPLIT_KBLOCKS K blocks, fp32
-# partials at most MAX_PARTIAL_BYTES per plan; SPLIT_PARTIAL_COST weighs a partial tile's traffic.
+# running sums at most MAX_PARTIAL_BYTES per plan.  SPLIT_REDUCE_COST: a unit's share of the
+# reduction, in fp32 tiles of traffic (its vector reductions into the tile's sum; the last unit's
+# read-back and re-zeroing), independent of the split factor.
 MAX_SPLITS = 16
 MIN_SPLIT_KBLOCKS = 4
 MAX_PARTIAL_BYTES = 64 << 20
-SPLIT_PARTIAL_COST = 4.0
+SPLIT_REDUCE_COST = 4.0
 # Split only the last wave's tiles when that is predicted to beat every other plan by this fraction
 # (measured: on large problems predicted gains of a few % came out as 1-3 % losses; kv_a M=8192,
 # predicted 16 %, gained 11 %).
@@ -229,9 +231,9 @@ def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout
     """Predicted per-SM time of ``tiles`` tiles under ``cfg`` (arbitrary units; see choose_config).
 
     ``splits`` > 1 (split-K, cooperative configs): ``tiles * splits`` units of ``ceil(K/64/splits)``
-    K blocks each, plus, per unit, the fp32 partial tile written and (by the tile's last unit) the
-    others read back: ``SPLIT_PARTIAL_COST * splits`` partial tiles of ``bm*bn*4`` bytes, counted in
-    K-equivalents of operand loads (``bm*bn*4 / ((bm+bn)*2)``)."""
+    K blocks each, plus, per unit, ``SPLIT_REDUCE_COST`` fp32 tiles of ``bm*bn*4`` bytes (its additions
+    into the tile's sum; the last unit's read-back), counted in K-equivalents of operand loads
+    (``bm*bn*4 / ((bm+bn)*2)``)."""
     area = cfg.bm * cfg.tile_n(layout)
     if k is None:
         return math.ceil(tiles / (num_sms * cfg.tiles_per_block)) * cfg.tiles_per_block * area / cfg.efficiency
@@ -240,7 +242,7 @@ def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout
             bn = cfg.tile_n(layout)
             unit_k = math.ceil(math.ceil(k / 64) / splits) * 64
             partial_k = cfg.bm * bn * 4 / ((cfg.bm + bn) * 2)
-            unit_k += SPLIT_PARTIAL_COST * splits * partial_k
+            unit_k += SPLIT_REDUCE_COST * partial_k
             return math.ceil(tiles * splits / num_sms) * area * (unit_k + cfg.epilogue_k) / cfg.efficiency
         return math.ceil(tiles / num_sms) * area * (k + cfg.epilogue_k) / cfg.efficiency
     w = math.ceil(tiles / (2 * num_sms))
@@ -378,7 +380,7 @@ class _Plan:
     splits: int = 1  # split-K factor of the split tiles (plain GEMM)
     split_from: int = 0  # tiles before this one (rasterized order) are not split
     pinned: bool = False  # captured into a CUDA graph: never freed (see run)
-    zero: tuple | None = None  # (ptr, int32 count): split-K counters to clear before their first use
+    zero: tuple | None = None  # (ptr, 32-bit words): split-K sums and counters to clear before their first use
 
     def run(self, stream):
         if self.keep and (not self.pinned or self.zero is not None):
@@ -514,12 +516,11 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     tmc, c_tma = c_map(O, M, N, ldc, cfg, tma)
     args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, c_tma)
     tiles = _tiles(cfg, M, N, b_layout)
-    if sp > 1:  # split-K workspace: fp32 partial slots and counters (zero; the kernel keeps them so) per split tile
+    if sp > 1:  # split-K workspace: fp32 running sums and counters per split tile (zero; the kernel keeps them so)
         n_split = tiles - split_from
-        partials = DeviceArray.empty((n_split * sp * cfg.bm * cfg.tile_n(b_layout),), "float32", device=dev)
-        counters = DeviceArray.empty((n_split,), "int32", device=dev)  # cleared by the first run
-        keep += [partials, counters]
-        args.partials, args.counters, args.splits, args.split_from = partials.ptr, counters.ptr, sp, split_from
+        ws, partials, counters = split_workspace(n_split, cfg.bm * cfg.tile_n(b_layout), dev)
+        keep += [ws]
+        args.partials, args.counters, args.splits, args.split_from = partials, counters, sp, split_from
         units = split_from + n_split * sp
     else:
         args.splits, args.split_from, split_from, units = 1, tiles, tiles, tiles
@@ -527,8 +528,16 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
     plan = _Plan(cfg, kernel, _grid(cfg, units, sms), [*maps, args], pre, keep, sp, split_from)
     if sp > 1:
-        plan.zero = (counters.ptr, n_split)
+        plan.zero = (ws.ptr, ws.size)
     return plan
+
+
+def split_workspace(n_split: int, tile_elems: int, device: int):
+    """(buffer, sums ptr, counters ptr) of split-K over ``n_split`` tiles of ``tile_elems`` outputs: fp32
+    running sums then int32 counters, in one buffer so one memset of ``buffer.size`` 32-bit words
+    clears both (before the first call; the kernels leave them zero)."""
+    ws = DeviceArray.empty((n_split * tile_elems + n_split,), "int32", device=device)
+    return ws, ws.ptr, ws.ptr + 4 * n_split * tile_elems
 
 
 def _env_key():
@@ -566,10 +575,9 @@ def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, split_til
 
 
 def _max_splits(cfg: TileConfig, split_tiles: int, K: int, b_layout: str) -> int:
-    if cfg.pingpong or cfg.debug:
+    if cfg.pingpong or cfg.debug or split_tiles * cfg.bm * cfg.tile_n(b_layout) * 4 > MAX_PARTIAL_BYTES:
         return 1
-    by_bytes = MAX_PARTIAL_BYTES // max(1, split_tiles * cfg.bm * cfg.tile_n(b_layout) * 4)
-    return max(1, min(MAX_SPLITS, math.ceil(K / 64) // MIN_SPLIT_KBLOCKS, by_bytes))
+    return max(1, min(MAX_SPLITS, math.ceil(K / 64) // MIN_SPLIT_KBLOCKS))
 
 
 def choose_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, sms: int) -> tuple[int, int]:

@@ -235,19 +235,21 @@ def test_split_k_plans(fake):
     assert _args(launches[-1]).splits == 1
     G.gemm(a, b, b_layout="nk", config=6, splits=4)  # ping-pong never splits
     assert _args(launches[-1]).splits == 1
-    # the counters are cleared (stream-ordered, no host sync) by the plan's first call only
+    # the running sums and counters (one buffer: sums, then counters) are cleared (stream-ordered, no
+    # host sync) by the plan's first call only
     CLEARS.clear()
     o = empty((128, 1536), "bfloat16")
     G.gemm(a, b, o, b_layout="nk", config=3, splits=16)
     G.gemm(a, b, o, b_layout="nk", config=3, splits=16)
-    assert CLEARS == [(_args(launches[-1]).counters, 6)]
+    x = _args(launches[-1])
+    assert CLEARS == [(x.partials, 6 * 128 * 256 + 6)] and x.counters == x.partials + 4 * 6 * 128 * 256
     assert next(reversed(G._plans.values())).zero is None
     # a partial last wave: 192 tiles of 128x192 on 132 SMs -> one wave of whole tiles, 60 tiles split
     G.gemm(empty((8192, 7168), "bfloat16"), empty((576, 7168), "bfloat16"), b_layout="nk")
     x = _args(launches[-1])
     assert (x.splits, x.split_from) == (2, 132) and launches[-1]["grid"] == 132
     plan = next(reversed(G._plans.values()))
-    assert plan.cfg.id == 4 and plan.keep[-2].shape == (60 * 2 * 128 * 192,) and plan.keep[-1].shape == (60,)
+    assert plan.cfg.id == 4 and plan.keep[-1].shape == (60 * 128 * 192 + 60,)  # one sum per split tile
 
 
 # ---------------------------------------------------------------------------------------------
