@@ -96,14 +96,20 @@ def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLa
     slot_bytes = round_up(max(slot_bytes, 16), 256)
     grid_max = grid_for(slot_bytes, grid_max)
     chunk, nchunks = plan_chunks(slot_bytes, grid_max)
+    L, total = _workspace_layout(P, slot_bytes, chunk, nchunks, phases)
+    return L, total, min(grid_max, nchunks)
+
+
+def _workspace_layout(P: int, slot_bytes: int, chunk: int, nchunks: int, phases: int) -> tuple[CollLayout, int]:
+    """(layout, workspace bytes): epoch state (and the copy-engine path's call number) in the first 64
+    bytes, consumed[P], ready[2][P][nchunks], then ``phases`` x P receive slots of ``slot_bytes``."""
     L = CollLayout()
     L.consumed_off = 64
     L.flags_off = round_up(L.consumed_off + 8 * P, 256)
     L.data0_off = round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
     L.data1_off = L.data0_off + P * slot_bytes
     L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks
-    total = L.data0_off + phases * P * slot_bytes
-    return L, total, min(grid_max, nchunks)
+    return L, L.data0_off + phases * P * slot_bytes
 
 
 def _kernel(ctx, op: str, dtype, threads: int = _THREADS):
@@ -178,14 +184,7 @@ def plan_ce_chunks(slot_bytes: int) -> tuple[int, int]:
 def _ce_layout(P: int, slot_bytes: int, phases: int) -> tuple[CollLayout, int]:
     """(layout, workspace bytes) of the copy-engine path (the kernel path's layout, CE chunks)."""
     slot_bytes = round_up(max(slot_bytes, 16), 4096)
-    chunk, nchunks = plan_ce_chunks(slot_bytes)
-    L = CollLayout()
-    L.consumed_off = 64
-    L.flags_off = round_up(L.consumed_off + 8 * P, 256)
-    L.data0_off = round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
-    L.data1_off = L.data0_off + P * slot_bytes
-    L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks
-    return L, L.data0_off + phases * P * slot_bytes
+    return _workspace_layout(P, slot_bytes, *plan_ce_chunks(slot_bytes), phases)
 
 
 def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False) -> list:

@@ -103,3 +103,26 @@ def assert_missing_peer_times_out(call, op: str) -> None:
         assert rec["waited_ns"] >= 1e9
     c2.world.Barrier()
 
+
+
+def check_all_reduce(ctx, comm, rng, n: int, dtype: str, what: str, in_place: bool = False):
+    """mkernel.all_reduce over the ranks of ``comm`` (the communicator the call spans) of fresh random
+    n-vectors into a NaN-poisoned out, against the float64 sum; every rank bit-identical; in_place:
+    then once more with out = x, which must give the same bits."""
+    import mkernel
+
+    P, me = comm.Get_size(), comm.Get_rank()
+    xs = [rng.standard_normal(n) for _ in range(P)]
+    exacts = [upload(v, dtype)[1] for v in xs]
+    x, _ = upload(xs[me], dtype)
+    out = poisoned((n,), dtype)
+    mkernel.all_reduce(ctx, x, out)
+    ctx.synchronize()
+    got = download(out)
+    assert_close(got, sum(exacts), dtype, sum(np.abs(e) for e in exacts) * 1e-3, f"{what} n={n} {dtype}")
+    for g in comm.allgather(got):  # every rank holds bit-identical results
+        np.testing.assert_array_equal(g, got)
+    if in_place:
+        mkernel.all_reduce(ctx, x, x)
+        ctx.synchronize()
+        np.testing.assert_array_equal(download(x), got, err_msg=f"{what} in place n={n} {dtype}")

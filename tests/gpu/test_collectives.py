@@ -14,7 +14,8 @@ import mkernel
 from mkernel.arrays import DeviceArray
 from mkernel.runtime import check
 
-from _util import assert_close, assert_missing_peer_times_out, download, on_other_device, poisoned, upload
+from _util import (assert_close, assert_missing_peer_times_out, check_all_reduce, download, on_other_device,
+                   poisoned, upload)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -25,6 +26,40 @@ def _sizes(rng, count=20):
     fixed = [1, 7, 8, 33, 1000, 4097, 65536 + 3, 1 << 20]
     rand = rng.integers(1, 1_200_000, size=count - len(fixed)).tolist()
     return fixed + rand
+
+
+def _graph_replay(ctx, rng, n: int, reps: int, what: str) -> None:
+    """Capture all_reduce + all_gather of n float32 in a CUDA graph (after a first call outside the
+    capture: plan + workspace), replay it ``reps`` times with new inputs, check every replay."""
+    P, me = ctx.local_size, ctx.local_rank
+    stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    x = DeviceArray.empty((n,), "float32")
+    ar = DeviceArray.empty((n,), "float32")
+    ag = DeviceArray.empty((P * n,), "float32")
+    x.copy_from(upload(np.zeros(n) + 1.0, "float32")[0])
+    mkernel.all_reduce(ctx, x, ar, stream=stream)
+    mkernel.all_gather(ctx, x, ag, stream=stream)
+    ctx.synchronize(stream)
+    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    mkernel.all_reduce(ctx, x, ar, stream=int(stream))
+    mkernel.all_gather(ctx, x, ag, stream=int(stream))
+    graph = check(cu.cuStreamEndCapture(stream))
+    gexec = check(cu.cuGraphInstantiate(graph, 0))
+    host = np.empty(n, dtype=np.float32)
+    for rep in range(reps):
+        xs = rng.standard_normal((P, n)).astype(np.float32)
+        host[:] = xs[me]
+        check(cu.cuMemcpyHtoDAsync(x.ptr, host.ctypes.data, host.nbytes, stream))
+        ar.fill_nan(stream=stream)
+        ag.fill_nan(stream=stream)
+        check(cu.cuGraphLaunch(gexec, stream))
+        ctx.synchronize(stream)
+        ref = xs.astype(np.float64)
+        assert_close(download(ar), ref.sum(0), "float32", np.abs(ref).sum(0) * 1e-3, f"{what} {rep}")
+        np.testing.assert_array_equal(download(ag), ref.reshape(-1), err_msg=f"{what} {rep}")
+    check(cu.cuGraphExecDestroy(gexec))
+    check(cu.cuGraphDestroy(graph))
+    check(cu.cuStreamDestroy(stream))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,20 +93,8 @@ def test_reduce_scatter_sizes(ctx, shared_rng, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_reduce_sizes(ctx, shared_rng, dtype):
-    P, me = ctx.local_size, ctx.local_rank
     for n in _sizes(shared_rng):
-        xs = [shared_rng.standard_normal(n) for _ in range(P)]
-        exacts = [upload(v, dtype)[1] for v in xs]
-        x, _ = upload(xs[me], dtype)
-        out = poisoned((n,), dtype)
-        mkernel.all_reduce(ctx, x, out)
-        ctx.synchronize()
-        got = download(out)
-        assert_close(got, sum(exacts), dtype, sum(np.abs(e) for e in exacts) * 1e-3, f"all_reduce n={n} {dtype}")
-        # every rank holds bit-identical results
-        allgot = ctx.node_comm.allgather(got)
-        for g in allgot:
-            np.testing.assert_array_equal(g, got)
+        check_all_reduce(ctx, ctx.node_comm, shared_rng, n, dtype, "all_reduce")
 
 
 def test_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
@@ -81,21 +104,8 @@ def test_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
 
     monkeypatch.setattr(collectives, "ONE_SHOT_MAX_BYTES_2RANKS", collectives.ONE_SHOT_MAX_BYTES)
     monkeypatch.setenv("MKERNEL_COLL_CE", "0")
-    P, me = ctx.local_size, ctx.local_rank
     for dtype, n in [("bfloat16", 131072 + 1), ("float16", 1_000_003), ("float32", 2_500_000)]:
-        xs = [shared_rng.standard_normal(n) for _ in range(P)]
-        exacts = [upload(v, dtype)[1] for v in xs]
-        x, _ = upload(xs[me], dtype)
-        out = poisoned((n,), dtype)
-        mkernel.all_reduce(ctx, x, out)
-        ctx.synchronize()
-        got = download(out)
-        assert_close(got, sum(exacts), dtype, sum(np.abs(e) for e in exacts) * 1e-3, f"two-phase n={n} {dtype}")
-        for g in ctx.node_comm.allgather(got):
-            np.testing.assert_array_equal(g, got)
-        mkernel.all_reduce(ctx, x, x)
-        ctx.synchronize()
-        np.testing.assert_array_equal(download(x), got, err_msg=f"two-phase in place n={n} {dtype}")
+        check_all_reduce(ctx, ctx.node_comm, shared_rng, n, dtype, "two-phase", in_place=True)
 
 
 def test_all_reduce_in_place_and_2d(ctx, shared_rng):
@@ -120,17 +130,17 @@ def test_all_gather_int_and_rows(ctx, shared_rng):
         np.testing.assert_array_equal(download(out), np.concatenate([upload(v, dtype)[1] for v in xs]))
 
 
-def test_back_to_back_1000_calls(ctx, shared_rng):
-    """1000 calls with changing data and no host sync in between; all checked at the end."""
+def _mixed_back_to_back(ctx, rng, calls: int, n: int, dtype: str, rel: float, what: str) -> None:
+    """``calls`` all-reduce / all-gather / reduce-scatter calls in turn with changing data and no host
+    sync in between; all checked at the end (tolerance ``rel`` of the sum of magnitudes)."""
     P, me = ctx.local_size, ctx.local_rank
-    calls, n = 1000, 3000
-    xs = shared_rng.standard_normal((P, calls, n))
-    exacts = np.stack([upload(xs[r], "float32")[1] for r in range(P)])
-    x, _ = upload(xs[me], "float32")
-    ar = poisoned((calls, n), "float32")
-    ag = poisoned((calls, P * n), "float32")
+    xs = rng.standard_normal((P, calls, n))
+    exacts = np.stack([upload(xs[r], dtype)[1] for r in range(P)])
+    x, _ = upload(xs[me], dtype)
+    ar = poisoned((calls, n), dtype)
+    ag = poisoned((calls, P * n), dtype)
     rs_n = n // P
-    rs = poisoned((calls, rs_n), "float32")
+    rs = poisoned((calls, rs_n), dtype)
     for i in range(calls):
         op = i % 3
         if op == 0:
@@ -142,50 +152,25 @@ def test_back_to_back_1000_calls(ctx, shared_rng):
     ctx.synchronize()
     h_ar, h_ag, h_rs = download(ar), download(ag), download(rs)
     total = exacts.sum(axis=0)
-    scale = np.abs(exacts).sum(axis=0) * 1e-3
+    scale = np.abs(exacts).sum(axis=0) * rel
+    sl = slice(me * rs_n, (me + 1) * rs_n)
     for i in range(calls):
         if i % 3 == 0:
-            assert_close(h_ar[i], total[i], "float32", scale[i], f"call {i}")
+            assert_close(h_ar[i], total[i], dtype, scale[i], f"{what} call {i}")
         elif i % 3 == 1:
-            np.testing.assert_array_equal(h_ag[i], exacts[:, i, :].reshape(-1), err_msg=f"call {i}")
+            np.testing.assert_array_equal(h_ag[i], exacts[:, i, :].reshape(-1), err_msg=f"{what} call {i}")
         else:
-            sl = slice(me * rs_n, (me + 1) * rs_n)
-            assert_close(h_rs[i], total[i][sl], "float32", scale[i][sl], f"call {i}")
+            assert_close(h_rs[i], total[i][sl], dtype, scale[i][sl], f"{what} call {i}")
+
+
+def test_back_to_back_1000_calls(ctx, shared_rng):
+    """1000 calls with changing data and no host sync in between; all checked at the end."""
+    _mixed_back_to_back(ctx, shared_rng, 1000, 3000, "float32", 1e-3, "")
 
 
 def test_graph_capture_replay(ctx, shared_rng):
     """Capture all_reduce + all_gather in a CUDA graph, replay 100 times with new inputs each time."""
-    P, me = ctx.local_size, ctx.local_rank
-    n = 50_000
-    stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
-    x = DeviceArray.empty((n,), "float32")
-    ar = DeviceArray.empty((n,), "float32")
-    ag = DeviceArray.empty((P * n,), "float32")
-    # first calls outside capture: plan + workspace (collective host work happens here)
-    x.copy_from(upload(np.zeros(n) + 1.0, "float32")[0])
-    mkernel.all_reduce(ctx, x, ar, stream=stream)
-    mkernel.all_gather(ctx, x, ag, stream=stream)
-    ctx.synchronize(stream)
-    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    mkernel.all_reduce(ctx, x, ar, stream=int(stream))
-    mkernel.all_gather(ctx, x, ag, stream=int(stream))
-    graph = check(cu.cuStreamEndCapture(stream))
-    gexec = check(cu.cuGraphInstantiate(graph, 0))
-    host = np.empty(n, dtype=np.float32)
-    for rep in range(100):
-        xs = shared_rng.standard_normal((P, n)).astype(np.float32)
-        host[:] = xs[me]
-        check(cu.cuMemcpyHtoDAsync(x.ptr, host.ctypes.data, host.nbytes, stream))
-        ar.fill_nan(stream=stream)
-        ag.fill_nan(stream=stream)
-        check(cu.cuGraphLaunch(gexec, stream))
-        ctx.synchronize(stream)
-        ref = xs.astype(np.float64)
-        assert_close(download(ar), ref.sum(0), "float32", np.abs(ref).sum(0) * 1e-3, f"replay {rep}")
-        np.testing.assert_array_equal(download(ag), ref.reshape(-1), err_msg=f"replay {rep}")
-    check(cu.cuGraphExecDestroy(gexec))
-    check(cu.cuGraphDestroy(graph))
-    check(cu.cuStreamDestroy(stream))
+    _graph_replay(ctx, shared_rng, 50_000, 100, "replay")
 
 
 def _ce_sizes(rng):
@@ -235,80 +220,16 @@ def test_copy_engine_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
 
     monkeypatch.setenv("MKERNEL_COLL_CE", "1")
     monkeypatch.setattr(collectives, "CE_ONE_SHOT_MAX_RANKS", 1)
-    P, me = ctx.local_size, ctx.local_rank
     for dtype, n in [("bfloat16", 65536 + 3), ("float32", 1 << 20), ("float16", 5_000_017)]:
-        xs = [shared_rng.standard_normal(n) for _ in range(P)]
-        exacts = [upload(v, dtype)[1] for v in xs]
-        x, _ = upload(xs[me], dtype)
-        ar = poisoned((n,), dtype)
-        mkernel.all_reduce(ctx, x, ar)
-        ctx.synchronize()
-        got = download(ar)
-        scale = sum(np.abs(e) for e in exacts) * 1e-3
-        assert_close(got, sum(exacts), dtype, scale, f"CE two-phase all_reduce n={n} {dtype}")
-        for g in ctx.node_comm.allgather(got):
-            np.testing.assert_array_equal(g, got)
-        mkernel.all_reduce(ctx, x, x)
-        ctx.synchronize()
-        np.testing.assert_array_equal(download(x), got, err_msg=f"CE two-phase in place n={n} {dtype}")
+        check_all_reduce(ctx, ctx.node_comm, shared_rng, n, dtype, "CE two-phase", in_place=True)
 
 
 def test_copy_engine_back_to_back_and_graph(ctx, shared_rng, monkeypatch):
     """Copy-engine path: 300 mixed calls with changing data and no host sync, then a CUDA graph of an
     all-reduce + all-gather replayed 20 times with new inputs."""
     monkeypatch.setenv("MKERNEL_COLL_CE", "1")
-    P, me = ctx.local_size, ctx.local_rank
-    calls, n = 300, 40_000
-    xs = shared_rng.standard_normal((P, calls, n))
-    exacts = np.stack([upload(xs[r], "bfloat16")[1] for r in range(P)])
-    x, _ = upload(xs[me], "bfloat16")
-    ar = poisoned((calls, n), "bfloat16")
-    ag = poisoned((calls, P * n), "bfloat16")
-    rs_n = n // P
-    rs = poisoned((calls, rs_n), "bfloat16")
-    for i in range(calls):
-        (mkernel.all_reduce(ctx, x[i], ar[i]) if i % 3 == 0 else mkernel.all_gather(ctx, x[i], ag[i]) if i % 3 == 1
-         else mkernel.reduce_scatter(ctx, x[i][: rs_n * P], rs[i]))
-    ctx.synchronize()
-    h_ar, h_ag, h_rs = download(ar), download(ag), download(rs)
-    total, scale = exacts.sum(axis=0), np.abs(exacts).sum(axis=0) * 1e-2
-    sl = slice(me * rs_n, (me + 1) * rs_n)
-    for i in range(calls):
-        if i % 3 == 0:
-            assert_close(h_ar[i], total[i], "bfloat16", scale[i], f"CE call {i}")
-        elif i % 3 == 1:
-            np.testing.assert_array_equal(h_ag[i], exacts[:, i, :].reshape(-1), err_msg=f"CE call {i}")
-        else:
-            assert_close(h_rs[i], total[i][sl], "bfloat16", scale[i][sl], f"CE call {i}")
-
-    m = 300_001
-    stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
-    y = DeviceArray.empty((m,), "float32")
-    yr = DeviceArray.empty((m,), "float32")
-    yg = DeviceArray.empty((P * m,), "float32")
-    mkernel.all_reduce(ctx, y, yr, stream=stream)  # bind outside the capture
-    mkernel.all_gather(ctx, y, yg, stream=stream)
-    ctx.synchronize(stream)
-    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    mkernel.all_reduce(ctx, y, yr, stream=int(stream))
-    mkernel.all_gather(ctx, y, yg, stream=int(stream))
-    graph = check(cu.cuStreamEndCapture(stream))
-    gexec = check(cu.cuGraphInstantiate(graph, 0))
-    host = np.empty(m, dtype=np.float32)
-    for rep in range(20):
-        ys = shared_rng.standard_normal((P, m)).astype(np.float32)
-        host[:] = ys[me]
-        check(cu.cuMemcpyHtoDAsync(y.ptr, host.ctypes.data, host.nbytes, stream))
-        yr.fill_nan(stream=stream)
-        yg.fill_nan(stream=stream)
-        check(cu.cuGraphLaunch(gexec, stream))
-        ctx.synchronize(stream)
-        ref = ys.astype(np.float64)
-        assert_close(download(yr), ref.sum(0), "float32", np.abs(ref).sum(0) * 1e-3, f"CE replay {rep}")
-        np.testing.assert_array_equal(download(yg), ref.reshape(-1), err_msg=f"CE replay {rep}")
-    check(cu.cuGraphExecDestroy(gexec))
-    check(cu.cuGraphDestroy(graph))
-    check(cu.cuStreamDestroy(stream))
+    _mixed_back_to_back(ctx, shared_rng, 300, 40_000, "bfloat16", 1e-2, "CE")
+    _graph_replay(ctx, shared_rng, 300_001, 20, "CE replay")
 
 
 def test_bad_inputs_raise_before_launch(ctx):

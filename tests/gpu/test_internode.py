@@ -16,7 +16,7 @@ import mkernel
 from mkernel.arrays import DeviceArray
 from mkernel.runtime import check
 
-from _util import assert_close, download, poisoned, upload
+from _util import assert_close, check_all_reduce, download, poisoned, upload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi, pytest.mark.internode]
 
@@ -60,18 +60,8 @@ def test_internode_reduce_scatter(mctx, shared_rng, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_internode_all_reduce(mctx, shared_rng, dtype):
-    P, me = mctx.size, mctx.rank
     for n in SIZES:
-        xs = [shared_rng.standard_normal(n) for _ in range(P)]
-        ex = [upload(v, dtype)[1] for v in xs]
-        x, _ = upload(xs[me], dtype)
-        out = poisoned((n,), dtype)
-        mkernel.all_reduce(mctx, x, out)
-        mctx.synchronize()
-        got = download(out)
-        assert_close(got, sum(ex), dtype, sum(np.abs(e) for e in ex) * 1e-3, f"n={n}")
-        for g in mctx.world.allgather(got):
-            np.testing.assert_array_equal(g, got)
+        check_all_reduce(mctx, mctx.world, shared_rng, n, dtype, "internode all_reduce")
 
 
 def test_internode_back_to_back(mctx, shared_rng):
