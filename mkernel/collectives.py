@@ -152,9 +152,6 @@ _CE_ENV = os.environ.get("MKERNEL_COLL_CE_MIN_BYTES")
 CE_MIN_BYTES = ({op: int(_CE_ENV) for op in ("all_gather", "reduce_scatter", "all_reduce")} if _CE_ENV else
                 {"all_gather": 256 << 20, "reduce_scatter": 64 << 20, "all_reduce": 64 << 20})
 CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks; 0: all SMs but one
-# Side streams the pushes are spread over (chunk c on stream c % CE_STREAMS: several copy engines at
-# once; a chunk's data and flag stay on one stream, so the flag still lands after the data).
-CE_STREAMS = max(1, int(os.environ.get("MKERNEL_COLL_CE_STREAMS", 1)))
 # All-reduce on the copy engines with at most this many local ranks: one-shot (every rank pushes its
 # whole buffer, every rank reduces it all: one copy-engine round; the same bytes per link direction
 # as reduce-scatter + all-gather when P = 2, more above).
@@ -190,32 +187,29 @@ def _ce_layout(P: int, slot_bytes: int, phases: int) -> tuple[CollLayout, int]:
     return _workspace_layout(P, slot_bytes, *plan_ce_chunks(slot_bytes), phases)
 
 
-def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False,
-               streams: int = 1) -> list:
-    """The side streams' copies of one phase, one list per stream: for each peer (rank-rotated, me+1
-    first) and chunk c, the data into the peer's slot[phase][me], then the call number into its
-    ready[phase][me][c], on stream c % streams.  sent_flags: then also the call number into our own
-    ready[phase][me][c] once every peer got chunk c (an in-place one-shot all-reduce waits for it
-    before overwriting its input)."""
+def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False) -> list:
+    """The side stream's copies of one phase: for each peer (rank-rotated, me+1 first) and chunk, the
+    data into the peer's slot[phase][me], then the call number into its ready[phase][me][chunk].
+    sent_flags: then also the call number into our own ready[phase][me][chunk] once every peer got
+    the chunk (an in-place one-shot all-reduce waits for it before overwriting its input)."""
     value = cu.CUdeviceptr(ws.ptr + CE_VALUE_OFF)
     base = L.data1_off if phase else L.data0_off
 
     def flag(owner, c):
         return cu.CUdeviceptr(ws.peer_ptr(owner, L.flags_off + 8 * ((phase * P + me) * L.nchunks + c)))
-    out = [[] for _ in range(streams)]
+    out = []
     for j in range(1, P):
         dst = (me + j) % P
         nbytes = bytes_of(dst)
         for c in range(L.nchunks):
-            q = out[c % streams]
             off = c * L.chunk_bytes
             n = max(0, min(L.chunk_bytes, nbytes - off))
             if n:
-                q.append((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
-                          cu.CUdeviceptr(src_of(dst) + off), n))
-            q.append((flag(dst, c), value, 8))
+                out.append((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
+                            cu.CUdeviceptr(src_of(dst) + off), n))
+            out.append((flag(dst, c), value, 8))
             if sent_flags and j == P - 1:
-                q.append((flag(me, c), value, 8))
+                out.append((flag(me, c), value, 8))
     return out
 
 
@@ -226,7 +220,7 @@ def _ce_run(ctx, op: str, dtype, message_bytes: int, phases: int, x: DeviceArray
     L, total = _ce_layout(P, message_bytes, phases)
     ws = ctx.workspace(("collective_ce", op), total)
     bindings = ctx.__dict__.setdefault("_ce_bindings", {})
-    key = (op, dtype.code, x.ptr, o.ptr, count, shard, ws.ptr, ws.nbytes, CE_STREAMS)
+    key = (op, dtype.code, x.ptr, o.ptr, count, shard, ws.ptr, ws.nbytes)
     run = bindings.get(key)
     if run is None:
         if len(bindings) >= 256:
@@ -245,57 +239,47 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
     head = [comm, ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr)]
     tail = [ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
     later = None  # all-reduce: (copies, args) of phase 1
-    nst = max(1, min(CE_STREAMS, L.nchunks))
     if op == "all_gather":
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes, streams=nst)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes)
         args = head + [ctypes.c_uint64(x.nbytes)] + tail
     elif op == "reduce_scatter":
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz, streams=nst)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz)
         args = head + [ctypes.c_uint64(count)] + tail
     elif shard == count:  # one-shot all-reduce: the whole buffer to every peer, reduced everywhere
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: count * isz, sent_flags=x.ptr == o.ptr,
-                            streams=nst)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: count * isz, sent_flags=x.ptr == o.ptr)
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(count), ctypes.c_int32(2)] + tail
     else:  # all_reduce: reduce-scatter of shards, then the owners' shards to every peer
         def shard_bytes(r):
             return max(0, min(shard, count - r * shard)) * isz
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes, streams=nst)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes)
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(0)] + tail
-        later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me),
-                            streams=nst),
+        later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me)),
                  head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(1)] + tail)
     bargs = [comm, ctypes.c_uint64(ws.ptr), L]
-    sides = [cu.CUstream(ctx.side_stream(i)) for i in range(nst)]
-    ev = runtime.Events("fork", "begun", "mid", *(f"join{i}" for i in range(nst)))
-    joins = [getattr(ev, f"join{i}") for i in range(nst)]
+    side = cu.CUstream(ctx.side_stream())
+    ev = runtime.Events("fork", "mid", "join")
     memcpy = cu.cuMemcpyDtoDAsync
 
-    def copies(per_stream):
-        for side, lst in zip(sides, per_stream):
-            for d, src, n in lst:
-                r, = memcpy(d, src, n, side)
-                if r != cu.CUresult.CUDA_SUCCESS:
-                    check((r,))
-
-    def fork(event, src_stream, targets):
-        check(cu.cuEventRecord(event, src_stream))
-        for t in targets:
-            check(cu.cuStreamWaitEvent(t, event, 0))
+    def copies(lst):
+        for d, src, n in lst:
+            r, = memcpy(d, src, n, side)
+            if r != cu.CUresult.CUDA_SUCCESS:
+                check((r,))
 
     def run(stream, _keep=(ev, ws)):
         s = cu.CUstream(runtime.stream_handle(stream))
-        fork(ev.fork, s, sides[:1])
-        begin.launch(1, 32, bargs, stream=sides[0])
-        fork(ev.begun, sides[0], sides[1:])  # every side stream's copies after the begin kernel
+        check(cu.cuEventRecord(ev.fork, s))
+        check(cu.cuStreamWaitEvent(side, ev.fork, 0))
+        begin.launch(1, 32, bargs, stream=side)
         copies(pushes)
         kern.launch(grid, _THREADS, args, stream=stream)
         if later is not None:
-            fork(ev.mid, s, sides)
+            check(cu.cuEventRecord(ev.mid, s))
+            check(cu.cuStreamWaitEvent(side, ev.mid, 0))
             copies(later[0])
             kern.launch(grid, _THREADS, later[1], stream=stream)
-        for side, j in zip(sides, joins):
-            check(cu.cuEventRecord(j, side))
-            check(cu.cuStreamWaitEvent(s, j, 0))
+        check(cu.cuEventRecord(ev.join, side))
+        check(cu.cuStreamWaitEvent(s, ev.join, 0))
     return run
 
 

@@ -171,7 +171,7 @@ def test_ce_pushes():
     L, _ = C._ce_layout(P, 5 << 20, 2)  # 3 chunks of 2 MiB
     assert L.nchunks == 3
     sizes = {2: 5 << 20, 0: 1 << 20}
-    pushes, = C._ce_pushes(_Ws, L, P, me, 1, lambda d: 1000 * (d + 1) << 20, lambda d: sizes[d])
+    pushes = C._ce_pushes(_Ws, L, P, me, 1, lambda d: 1000 * (d + 1) << 20, lambda d: sizes[d])
     got = [(int(d), int(s), n) for d, s, n in pushes]
     value = _Ws.ptr + C.CE_VALUE_OFF
     want = []
@@ -184,7 +184,7 @@ def test_ce_pushes():
             want.append((_Ws.peer_ptr(dst, L.flags_off + 8 * ((1 * P + me) * L.nchunks + c)), value, 8))
     assert got == want
     assert sum(n for _, _, n in got if n != 8) == sum(sizes.values())
-    sent, = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, lambda d: sizes[d], sent_flags=True)
+    sent = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, lambda d: sizes[d], sent_flags=True)
     own = [int(d) for d, _, _ in sent if _Ws.peer_ptr(me) <= int(d) < _Ws.peer_ptr(me + 1)]
     assert own == [_Ws.peer_ptr(me, L.flags_off + 8 * (me * L.nchunks + c)) for c in range(3)]
     last_peer = [i for i, (d, _, _) in enumerate(sent) if int(d) >= _Ws.peer_ptr(0) and int(d) < _Ws.peer_ptr(1)]
@@ -194,22 +194,3 @@ def test_ce_pushes():
 def test_one_shot_limits():
     assert C.one_shot_max_bytes(2) == C.ONE_SHOT_MAX_BYTES_2RANKS >= C.ONE_SHOT_MAX_BYTES
     assert C.one_shot_max_bytes(3) == C.one_shot_max_bytes(8) == C.ONE_SHOT_MAX_BYTES
-
-
-def test_ce_pushes_on_several_streams():
-    """Chunk c on stream c % streams: every copy once, each stream's flags right after their data, and
-    every peer's chunk c (and the sent flag after them) on one stream."""
-    P, me = 3, 0
-    L, _ = C._ce_layout(P, 7 << 20, 1)  # 4 chunks of 2 MiB
-    size = lambda d: 7 << 20  # noqa: E731
-    one, = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 1 << 30, size, sent_flags=True)
-    two = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 1 << 30, size, sent_flags=True, streams=2)
-    key = lambda lst: sorted((int(d), int(s), n) for d, s, n in lst)  # noqa: E731
-    assert len(two) == 2 and key(two[0] + two[1]) == key(one)
-    for k, lst in enumerate(two):
-        chunks = {((int(d) - _Ws.peer_ptr(0)) % (1 << 44) - L.flags_off) // 8 % L.nchunks
-                  for d, _, n in lst if n == 8}
-        assert chunks == {c for c in range(L.nchunks) if c % 2 == k}
-        for i, (d, s, n) in enumerate(lst):
-            if n != 8:  # a data copy is followed by its flag on the same stream
-                assert lst[i + 1][2] == 8
