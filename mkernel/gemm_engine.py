@@ -381,8 +381,9 @@ class _Plan:
     split_from: int = 0  # tiles before this one (rasterized order) are not split
     pinned: bool = False  # captured into a CUDA graph: never freed (see run)
     zero: tuple | None = None  # (ptr, 32-bit words): split-K sums and counters to clear before their first use
+    with_out: object = None  # plain GEMM: O -> the launch arguments for another output of the same layout
 
-    def run(self, stream):
+    def run(self, stream, out=None):
         if self.keep and (not self.pinned or self.zero is not None):
             capturing = _capturing(stream)
             if capturing and not self.pinned:
@@ -400,7 +401,8 @@ class _Plan:
         for k, g, b, a in self.pre:
             k.launch(g, b, a, stream=stream)
         if self.kernel is not None:
-            self.kernel.launch(self.grid, self.cfg.threads, self.args, stream=stream, smem=self.cfg.smem)
+            args = self.args if out is None else self.with_out(out)
+            self.kernel.launch(self.grid, self.cfg.threads, args, stream=stream, smem=self.cfg.smem)
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -494,6 +496,16 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
         O = _prepare_out(O_in, out_dtype, in_dtype, (M, N), dev)
         if M == 0 or N == 0:
             return out if out is not None else O
+        if O_in is None and K > 0:
+            # A fresh output every call: one plan per (operands, output layout, stream) whose launch is
+            # re-pointed at each new output -- not a new plan (tensor maps, split-K workspace, LRU
+            # eviction freeing memory) per call.  Per stream: the plan's workspace is not shared by
+            # calls that may run concurrently.
+            key = ("gemm-new-out", dev, b_layout, config, splits, _env_key(), _akey(A), _akey(B), O.dtype.name,
+                   runtime.stream_handle(stream))
+            plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits))
+            plan.run(stream, out=O)
+            return O
         key = ("gemm", dev, b_layout, config, splits, _env_key(), _akey(A), _akey(B), _akey(O))
         plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits))
         plan.run(stream)
@@ -529,6 +541,16 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     plan = _Plan(cfg, kernel, _grid(cfg, units, sms), [*maps, args], pre, keep, sp, split_from)
     if sp > 1:
         plan.zero = (ws.ptr, ws.size)
+
+    def with_out(O2: DeviceArray) -> list:
+        """The launch arguments for output O2 (same shape, dtype and strides as O; any base address)."""
+        if O2.ptr == O.ptr:
+            return plan.args
+        a2 = _GemmArgs.from_buffer_copy(args)
+        a2.c, a2.c_vec_ok = O2.ptr, _vec_ok(O2, ldc, M)
+        tmc2, a2.c_tma = c_map(O2, M, N, ldc, cfg, tma)
+        return [tma, tmb, tmc2, a2]
+    plan.with_out = with_out
     return plan
 
 

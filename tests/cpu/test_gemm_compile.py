@@ -114,9 +114,14 @@ def test_big_square_kn(fake):
     assert mc == dict(ptr=out.ptr, dtype="bfloat16", dims=(4096, 4096), strides=(8192,), box=(64, 64))
     x = _args(l)
     assert (x.M, x.N, x.K, x.ldc, x.num_groups, x.c_vec_ok, x.c, x.c_tma) == (4096, 4096, 4096, 4096, 1, 1, out.ptr, 1)
-    # same call again: the plan is reused, nothing re-encoded
+    # the same call again (a fresh output): the plan is reused, only C's map re-encoded
+    out2 = G.gemm(a, b)
+    assert len(maps) == 4 and maps[-1]["ptr"] == out2.ptr and len(launches) == 2
+    # with a given output: its own plan, reused by the next identical call
     G.gemm(a, b, out)
-    assert len(maps) == 3 and len(launches) == 2
+    n = len(maps)
+    G.gemm(a, b, out)
+    assert len(maps) == n and len(launches) == 4
 
 
 def test_nk_small_m_picks_small_tiles(fake):
@@ -211,6 +216,25 @@ def test_args_struct_layout():
     assert offs == dict(c=0, group_offsets=8, ldc=16, M=24, N=28, K=32, num_groups=36, group_m=40, c_vec_ok=44,
                         offsets_i32=48, c_tma=52, partials=56, counters=64, splits=72, split_from=76)
     assert ctypes.sizeof(G._GemmArgs) == 80
+
+
+def test_fresh_outputs_reuse_one_plan(fake):
+    """out=None: every call returns a new array, but the plan (tensor maps, split-K workspace) is built
+    once per stream and each launch is pointed at that call's output."""
+    launches, maps, empty = fake
+    a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
+    outs = [G.gemm(a, b, b_layout="nk") for _ in range(3)]
+    assert len({o.ptr for o in outs}) == 3 and len(G._plans) == 1
+    args = [_args(launch) for launch in launches]
+    assert [x.c for x in args] == [o.ptr for o in outs]
+    assert args[0].splits > 1 and len({x.partials for x in args}) == 1  # one split-K workspace
+    c_maps = [m for m in maps if m["dims"] == (1536, 128)]
+    assert [m["ptr"] for m in c_maps] == [o.ptr for o in outs]  # the plan's own, then one per new output
+    G.gemm(a, b, b_layout="nk", stream=7)  # another stream: its own plan
+    assert len(G._plans) == 2
+    o = empty((128, 1536), "bfloat16")
+    G.gemm(a, b, o, b_layout="nk")  # a given output keeps its own plan
+    assert len(G._plans) == 3 and _args(launches[-1]).c == o.ptr
 
 
 def test_split_k_plans(fake):
