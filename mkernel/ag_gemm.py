@@ -659,13 +659,15 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     # ---- workspace, bound launch arguments -----------------------------------------------------
     L = sig.layout
     ws = ctx.workspace(("ag_gemm",), L.total)
-    bkey = (skey, b_layout, out_dtype, ws, A.ptr, G._akey(B), G._akey(O),
+    # keyed by the output's layout, not its address: a fresh output per call (out=None) re-points the
+    # bound launch instead of binding anew (tensor maps, B staging, split-K workspace, events)
+    bkey = (skey, b_layout, out_dtype, ws, A.ptr, G._akey(B), G.out_layout_key(O),
             GA.ptr if GA is not None else 0)
     bound = _lru_get(_bindings, bkey)
     if bound is None:
         bound = _bind(ctx, sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K)
         _lru_put(_bindings, bkey, bound, _BINDINGS_MAX)
-    bound(stream)
+    bound(stream, O)
     if not getattr(bound, "pinned", False) and G._capturing(stream):
         # a graph replays the binding's buffers (B staging) after the LRU may have evicted it
         bound.pinned = True
@@ -699,16 +701,15 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         gather = _kernel(dt, out_dtype, p.config, "mk_ag_gather")
         release = _kernel(dt, out_dtype, p.config, "mk_ag_release")
         gathered = DeviceArray(ws.ptr + L.data_off, (M_total, K), dt, None, dev, owner=ws)
-        # bare views: a cached binding must not keep the caller's memory alive
+        # a bare view: a cached binding must not keep the caller's memory alive
         B = DeviceArray(B.ptr, B.shape, B.dtype, B.strides, B.device)
-        O = DeviceArray(O.ptr, O.shape, O.dtype, O.strides, O.device)
         grid = p.gather_blocks
         cargs = [comm, args]
 
-        def run_unfused(stream):
+        def run_unfused(stream, out):
             gather.launch(grid, GATHER_THREADS, cargs, stream=stream, cooperative=True)
             if N > 0:
-                G.gemm(gathered, B, O, b_layout=b_layout, stream=stream)
+                G.gemm(gathered, B, out, b_layout=b_layout, stream=stream)
             release.launch(1, RELEASE_THREADS, cargs, stream=stream)
         return run_unfused
 
@@ -727,6 +728,16 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     grid = p.comm_sms + p.workers
     kargs = [tma, tmb, tmal, tmc, comm, args]
     keep = tuple(keep)
+    o_ptr = O.ptr
+
+    def kargs_for(O2) -> list:
+        """The fused kernel's arguments for output O2 (O's layout, any address)."""
+        if O2.ptr == o_ptr:
+            return kargs
+        a2 = AgArgs.from_buffer_copy(args)
+        a2.c, a2.c_vec_ok = O2.ptr, G._vec_ok(O2, ldc, M_total)
+        tmc2, a2.c_tma = G.c_map(O2, M_total, N, ldc, cfg, tma)
+        return [tma, tmb, tmal, tmc2, comm, a2]
     args.splits, args.split_from = 1, 0
     if p.splits > 1:  # split-K of the last wave: fp32 partial slots, counters (zero; the kernel keeps them so)
         n_split = _fused_tiles([sig.offs[j + 1] - sig.offs[j] for j in range(P)], N, cfg) - p.split_from
@@ -735,12 +746,13 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         keep += (sk_ws,)
 
     if p.path == "fused_ce":
-        run = _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm, dt, out_dtype, K * isz)
+        run = _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, comm, dt, out_dtype,
+                       K * isz)
     else:
-        def run(stream, _keep=keep):
+        def run(stream, out, _keep=keep):
             for k, g, blk, a in pre:
                 k.launch(g, blk, a, stream=stream)
-            kern.launch(grid, cfg.threads, kargs, stream=stream, smem=cfg.smem, cooperative=True)
+            kern.launch(grid, cfg.threads, kargs_for(out), stream=stream, smem=cfg.smem, cooperative=True)
     return _zeroed_first(run, sk_ws.ptr, sk_ws.size) if p.splits > 1 else run
 
 
@@ -750,11 +762,11 @@ def _zeroed_first(run, ptr: int, n: int):
     call; a captured clear only runs when the graph is launched)."""
     pending = [True]
 
-    def run_zeroed(stream):
+    def run_zeroed(stream, out):
         if pending[0]:
             G._clear_i32(ptr, n, stream)
             pending[0] = G._capturing(stream)
-        run(stream)
+        run(stream, out)
     return run_zeroed
 
 
@@ -778,7 +790,7 @@ def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> li
     return out
 
 
-def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm, dt, out_dtype, row_bytes):
+def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, comm, dt, out_dtype, row_bytes):
     """The copy-engine path: GEMM on the caller's stream, copies on ctx.side_stream() (fork/join)."""
     me = ctx.local_rank
     begin = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_ce_begin")
@@ -803,7 +815,7 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm,
         release = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_release")
     memcpy = cu.cuMemcpyDtoDAsync
 
-    def run_fused_ce(stream, _keep=(keep, ev)):
+    def run_fused_ce(stream, out, _keep=(keep, ev)):
         s = cu.CUstream(runtime.stream_handle(stream))
         if copies:
             check(cu.cuEventRecord(ev.fork, s))
@@ -815,7 +827,7 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs, pre, keep, args, comm,
                     check((r,))
         for k, g, blk, a in pre:
             k.launch(g, blk, a, stream=stream)
-        kern.launch(grid, cfg.threads, kargs, stream=stream, smem=cfg.smem)
+        kern.launch(grid, cfg.threads, kargs_for(out), stream=stream, smem=cfg.smem)
         if copies:
             check(cu.cuEventRecord(ev.join, side))
             check(cu.cuStreamWaitEvent(s, ev.join, 0))

@@ -401,7 +401,7 @@ class _Plan:
         for k, g, b, a in self.pre:
             k.launch(g, b, a, stream=stream)
         if self.kernel is not None:
-            args = self.args if out is None else self.with_out(out)
+            args = self.args if out is None or self.with_out is None else self.with_out(out)
             self.kernel.launch(self.grid, self.cfg.threads, args, stream=stream, smem=self.cfg.smem)
 
 
@@ -496,20 +496,23 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
         O = _prepare_out(O_in, out_dtype, in_dtype, (M, N), dev)
         if M == 0 or N == 0:
             return out if out is not None else O
-        if O_in is None and K > 0:
-            # A fresh output every call: one plan per (operands, output layout, stream) whose launch is
-            # re-pointed at each new output -- not a new plan (tensor maps, split-K workspace, LRU
-            # eviction freeing memory) per call.  Per stream: the plan's workspace is not shared by
-            # calls that may run concurrently.
-            key = ("gemm-new-out", dev, b_layout, config, splits, _env_key(), _akey(A), _akey(B), O.dtype.name,
-                   runtime.stream_handle(stream))
-            plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits))
-            plan.run(stream, out=O)
-            return O
-        key = ("gemm", dev, b_layout, config, splits, _env_key(), _akey(A), _akey(B), _akey(O))
+        # One plan per (operands, output layout, stream), its launch re-pointed at each call's output:
+        # a fresh output every call (out=None) or a rotating set of buffers must not cost a new plan
+        # (tensor maps, split-K workspace, LRU eviction freeing memory) per call.  Per stream: a plan's
+        # workspace is never used by two calls that may run concurrently.
+        okey = out_layout_key(O) if K > 0 else _akey(O)  # K = 0: the plan is a fill of O itself
+        key = ("gemm", dev, b_layout, config, splits, _env_key(), _akey(A), _akey(B), okey,
+               runtime.stream_handle(stream))
         plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits))
-        plan.run(stream)
+        plan.run(stream, out=O)
     return out if out is not None else O
+
+
+def out_layout_key(O: DeviceArray) -> tuple:
+    """What a GEMM plan depends on of its output besides the address: shape, strides, dtype, and
+    whether the address allows 16-byte vectors / a TMA map (a plan re-pointed at another output of
+    the same key launches the same code)."""
+    return (tuple(O.shape), tuple(O.strides), O.dtype.name, O.ptr % 16 == 0)
 
 
 def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -> _Plan:

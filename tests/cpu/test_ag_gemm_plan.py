@@ -91,3 +91,54 @@ def test_env_defines(monkeypatch):
     with pytest.raises(ValueError, match="MKERNEL_DEFINES"):
         runtime._env_defines()
 
+
+
+class _FakeKernel:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def max_active_blocks_per_sm(self, *a):
+        return 1
+
+    def launch(self, grid, block, args, *, stream=None, **kw):
+        self.log.append((self.name, args))
+
+
+class _Ctx:
+    local_rank, device = 0, 0
+
+    def comm_args(self, op):
+        return object()
+
+
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_binding_repointed_at_each_output(monkeypatch, path):
+    """A bound call (tensor maps, packed args) serves every output of the same layout: the launch
+    carries the call's output (its C map and pointer), the binding's own output untouched."""
+    log, gemms = [], []
+    monkeypatch.setattr(agm, "_kernel", lambda i, o, c, name: _FakeKernel(log, name))
+    monkeypatch.setattr(agm, "encode_tiled", lambda ptr, *a, **k: ("map", ptr))
+    monkeypatch.setattr(agm.G, "encode_tiled", lambda ptr, *a, **k: ("map", ptr))
+    monkeypatch.setattr(agm.G, "gemm", lambda a, b, out, **kw: gemms.append(out.ptr))
+    P, K, N = 2, 256, 512
+    m_sizes = (300, 300)
+    kw = dict(comm_sms=4) if path == "fused" else dict(force_path="unfused")
+    p = agm.plan(m_sizes, N, K, 2, 132, **kw)
+    assert p.path == path
+    L = agm._layout(P, m_sizes, p.chunk_rows, K * 2)
+    sig = agm._Sig(p, L, (0, 300, 600), P)
+    ws = _Ws()
+    ws.peer_table = 1 << 45
+    A = DeviceArray(1 << 36, (300, K), "bfloat16", None, 0, None)
+    B = DeviceArray(1 << 37, (K, N), "bfloat16", None, 0, None)
+    outs = [DeviceArray((1 << 38) + i * (1 << 30), (600, N), "bfloat16", None, 0, None) for i in range(3)]
+    run = agm._bind(_Ctx(), sig, ws, A, B, outs[0], None, "kn", "bfloat16", "bfloat16", 600, N, K)
+    for o in outs + [outs[0]]:
+        run(0, o)
+    if path == "unfused":
+        assert gemms == [o.ptr for o in outs + [outs[0]]]
+        return
+    fused = [args for name, args in log if name.startswith("mk_ag_gemm")]
+    assert [a[5].c for a in fused] == [o.ptr for o in outs + [outs[0]]]
+    assert [a[3] for a in fused] == [("map", o.ptr) for o in outs + [outs[0]]]  # C's map
+    assert fused[0][5] is fused[3][5] and fused[1][5] is not fused[0][5]  # the binding's own args reused

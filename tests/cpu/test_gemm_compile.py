@@ -117,11 +117,9 @@ def test_big_square_kn(fake):
     # the same call again (a fresh output): the plan is reused, only C's map re-encoded
     out2 = G.gemm(a, b)
     assert len(maps) == 4 and maps[-1]["ptr"] == out2.ptr and len(launches) == 2
-    # with a given output: its own plan, reused by the next identical call
+    # the first output again: the plan's own arguments, nothing re-encoded
     G.gemm(a, b, out)
-    n = len(maps)
-    G.gemm(a, b, out)
-    assert len(maps) == n and len(launches) == 4
+    assert len(maps) == 4 and len(launches) == 3 and _args(launches[-1]).c == out.ptr
 
 
 def test_nk_small_m_picks_small_tiles(fake):
@@ -233,8 +231,22 @@ def test_fresh_outputs_reuse_one_plan(fake):
     G.gemm(a, b, b_layout="nk", stream=7)  # another stream: its own plan
     assert len(G._plans) == 2
     o = empty((128, 1536), "bfloat16")
-    G.gemm(a, b, o, b_layout="nk")  # a given output keeps its own plan
-    assert len(G._plans) == 3 and _args(launches[-1]).c == o.ptr
+    G.gemm(a, b, o, b_layout="nk")  # a given output of the same layout: the same plan, re-pointed
+    assert len(G._plans) == 2 and _args(launches[-1]).c == o.ptr
+    o32 = empty((128, 1536), "float32")
+    G.gemm(a, b, o32, b_layout="nk")  # another output dtype: another plan
+    assert len(G._plans) == 3 and _args(launches[-1]).c == o32.ptr
+
+
+def test_k0_fills_each_output(fake):
+    """K = 0: out = 0, and the fill's plan is per output (it is a fill of that very buffer)."""
+    launches, maps, empty = fake
+    a, b = empty((64, 0), "bfloat16"), empty((0, 96), "bfloat16")
+    o1, o2 = empty((64, 96), "bfloat16"), empty((64, 96), "bfloat16")
+    G.gemm(a, b, o1)
+    G.gemm(a, b, o2)
+    fills = [launch["args"][0].value for launch in launches if launch["kernel"].startswith("mk_pad_copy")]
+    assert fills == [o1.ptr, o2.ptr]
 
 
 def test_split_k_plans(fake):

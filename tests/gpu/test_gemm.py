@@ -197,10 +197,10 @@ def test_graph_replay_after_plan_eviction(rng):
     gexec = ok(cu.cuGraphInstantiate(graph, 0))
     plan = next(p for p in G._plans.values() if p.pinned)
     assert plan.splits > 1
-    x, y = rand(rng, (64, 64), "bfloat16")[0], rand(rng, (64, 64), "bfloat16")[0]
-    outs = [poisoned((64, 64), "bfloat16") for _ in range(G._PLANS_MAX + 2)]  # alive: distinct addresses
-    for o in outs:  # evict it: distinct outputs make distinct plans
-        G.gemm(x, y, o)
+    y = rand(rng, (64, 64), "bfloat16")[0]
+    xs = [rand(rng, (64, 64), "bfloat16")[0] for _ in range(G._PLANS_MAX + 2)]  # alive: distinct addresses
+    for x in xs:  # evict it: distinct operands make distinct plans
+        G.gemm(x, y, poisoned((64, 64), "bfloat16"))
     assert all(p is not plan for p in G._plans.values())
     del plan
     import gc
