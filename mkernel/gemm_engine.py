@@ -545,9 +545,11 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if sp > 1:
         plan.zero = (ws.ptr, ws.size)
 
+    o_ptr = O.ptr  # not O: a cached plan must not keep the caller's output alive
+
     def with_out(O2: DeviceArray) -> list:
         """The launch arguments for output O2 (same shape, dtype and strides as O; any base address)."""
-        if O2.ptr == O.ptr:
+        if O2.ptr == o_ptr:
             return plan.args
         a2 = _GemmArgs.from_buffer_copy(args)
         a2.c, a2.c_vec_ok = O2.ptr, _vec_ok(O2, ldc, M)
