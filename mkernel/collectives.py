@@ -187,29 +187,34 @@ def _ce_layout(P: int, slot_bytes: int, phases: int) -> tuple[CollLayout, int]:
     return _workspace_layout(P, slot_bytes, *plan_ce_chunks(slot_bytes), phases)
 
 
-def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False) -> list:
+def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False,
+               chunk_major: bool = False) -> list:
     """The side stream's copies of one phase: for each peer (rank-rotated, me+1 first) and chunk, the
     data into the peer's slot[phase][me], then the call number into its ready[phase][me][chunk].
-    sent_flags: then also the call number into our own ready[phase][me][chunk] once every peer got
-    the chunk (an in-place one-shot all-reduce waits for it before overwriting its input)."""
+    Peer-major (every chunk to me+1, then to me+2, ...) for gathers, whose receivers take one source
+    after another; chunk_major (chunk 0 to every peer, then chunk 1, ...) for reductions, whose
+    receivers need chunk c from every peer before they can reduce it (with 2 ranks both orders are
+    the same).  sent_flags: after every peer got chunk c, the call number into our own
+    ready[phase][me][c] too (an in-place one-shot all-reduce waits for it before overwriting its input)."""
     value = cu.CUdeviceptr(ws.ptr + CE_VALUE_OFF)
     base = L.data1_off if phase else L.data0_off
 
     def flag(owner, c):
         return cu.CUdeviceptr(ws.peer_ptr(owner, L.flags_off + 8 * ((phase * P + me) * L.nchunks + c)))
+    pairs = [(j, c) for c in range(L.nchunks) for j in range(1, P)] if chunk_major else \
+        [(j, c) for j in range(1, P) for c in range(L.nchunks)]
     out = []
-    for j in range(1, P):
+    last_of_chunk = {c: i for i, (_, c) in enumerate(pairs)}  # the chunk's last push in this order
+    for i, (j, c) in enumerate(pairs):
         dst = (me + j) % P
-        nbytes = bytes_of(dst)
-        for c in range(L.nchunks):
-            off = c * L.chunk_bytes
-            n = max(0, min(L.chunk_bytes, nbytes - off))
-            if n:
-                out.append((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
-                            cu.CUdeviceptr(src_of(dst) + off), n))
-            out.append((flag(dst, c), value, 8))
-            if sent_flags and j == P - 1:
-                out.append((flag(me, c), value, 8))
+        off = c * L.chunk_bytes
+        n = max(0, min(L.chunk_bytes, bytes_of(dst) - off))
+        if n:
+            out.append((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
+                        cu.CUdeviceptr(src_of(dst) + off), n))
+        out.append((flag(dst, c), value, 8))
+        if sent_flags and i == last_of_chunk[c]:
+            out.append((flag(me, c), value, 8))
     return out
 
 
@@ -243,15 +248,17 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
         pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes)
         args = head + [ctypes.c_uint64(x.nbytes)] + tail
     elif op == "reduce_scatter":
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz,
+                            chunk_major=True)
         args = head + [ctypes.c_uint64(count)] + tail
     elif shard == count:  # one-shot all-reduce: the whole buffer to every peer, reduced everywhere
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: count * isz, sent_flags=x.ptr == o.ptr)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: count * isz, sent_flags=x.ptr == o.ptr,
+                            chunk_major=True)
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(count), ctypes.c_int32(2)] + tail
     else:  # all_reduce: reduce-scatter of shards, then the owners' shards to every peer
         def shard_bytes(r):
             return max(0, min(shard, count - r * shard)) * isz
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes, chunk_major=True)
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(0)] + tail
         later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me)),
                  head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(1)] + tail)

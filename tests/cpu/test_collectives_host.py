@@ -194,3 +194,26 @@ def test_ce_pushes():
 def test_one_shot_limits():
     assert C.one_shot_max_bytes(2) == C.ONE_SHOT_MAX_BYTES_2RANKS >= C.ONE_SHOT_MAX_BYTES
     assert C.one_shot_max_bytes(3) == C.one_shot_max_bytes(8) == C.ONE_SHOT_MAX_BYTES
+
+
+def test_ce_pushes_chunk_major_for_reductions():
+    """Reductions push chunk-major (chunk c reaches every peer before chunk c+1 leaves), so a receiver
+    that needs chunk c from everyone is not held up by a whole slot to another peer; with 2 ranks the
+    two orders are one; the sent flag of chunk c follows its last push."""
+    L, _ = C._ce_layout(4, 5 << 20, 1)  # 3 chunks
+    size = lambda d: 5 << 20  # noqa: E731
+    P, me = 4, 1
+
+    def order(lst):  # (destination rank, chunk) of each data copy
+        return [((int(d) >> 44) - 1, (int(d) % (1 << 44) - L.data0_off - me * L.slot_bytes) // L.chunk_bytes)
+                for d, _, n in lst if n != 8]
+    peer = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, size)
+    chunk = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, size, chunk_major=True, sent_flags=True)
+    assert order(peer) == [(d, c) for d in (2, 3, 0) for c in range(3)]
+    assert order(chunk) == [(d, c) for c in range(3) for d in (2, 3, 0)]
+    own = [i for i, (d, _, _) in enumerate(chunk) if (int(d) >> 44) - 1 == me]
+    data_to_0 = [i for i, (d, _, n) in enumerate(chunk) if n != 8 and (int(d) >> 44) - 1 == 0]
+    assert len(own) == 3 and all(o > d for o, d in zip(own, data_to_0))  # after chunk c's last push
+    L2, _ = C._ce_layout(2, 5 << 20, 1)
+    two = [C._ce_pushes(_Ws, L2, 2, 0, 0, lambda d: 0, size, chunk_major=cm) for cm in (False, True)]
+    assert [(int(d), int(s), n) for d, s, n in two[0]] == [(int(d), int(s), n) for d, s, n in two[1]]
