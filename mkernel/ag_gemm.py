@@ -661,13 +661,13 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     ws = ctx.workspace(("ag_gemm",), L.total)
     # keyed by the output's layout, not its address: a fresh output per call (out=None) re-points the
     # bound launch instead of binding anew (tensor maps, B staging, split-K workspace, events)
-    bkey = (skey, b_layout, out_dtype, ws, A.ptr, G._akey(B), G.out_layout_key(O),
-            GA.ptr if GA is not None else 0)
+    # (gathered_a likewise: its layout is fixed -- dense [M_total, K] -- so only whether there is one)
+    bkey = (skey, b_layout, out_dtype, ws, A.ptr, G._akey(B), G.out_layout_key(O), GA is not None)
     bound = _lru_get(_bindings, bkey)
     if bound is None:
         bound = _bind(ctx, sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K)
         _lru_put(_bindings, bkey, bound, _BINDINGS_MAX)
-    bound(stream, O)
+    bound(stream, O, GA.ptr if GA is not None else 0)
     if not getattr(bound, "pinned", False) and G._capturing(stream):
         # a graph replays the binding's buffers (B staging) after the LRU may have evicted it
         bound.pinned = True
@@ -695,6 +695,15 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         args.offs[j] = o
     comm = ctx.comm_args("ag_gemm")
     dev = ctx.device
+    ga_ptr = GA.ptr if GA is not None else 0
+
+    def with_gathered(a, ga: int):
+        """``a``, or a copy of it writing the gathered A to ``ga`` (a call's own gathered_a)."""
+        if ga == ga_ptr:
+            return a
+        a2 = AgArgs.from_buffer_copy(a)
+        a2.gathered_out = ga or None
+        return a2
 
     if p.path == "unfused":
         args.n_comm, args.gather_only = 0, 1
@@ -706,8 +715,8 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         grid = p.gather_blocks
         cargs = [comm, args]
 
-        def run_unfused(stream, out):
-            gather.launch(grid, GATHER_THREADS, cargs, stream=stream, cooperative=True)
+        def run_unfused(stream, out, ga):
+            gather.launch(grid, GATHER_THREADS, [comm, with_gathered(args, ga)], stream=stream, cooperative=True)
             if N > 0:
                 G.gemm(gathered, B, out, b_layout=b_layout, stream=stream)
             release.launch(1, RELEASE_THREADS, cargs, stream=stream)
@@ -730,11 +739,14 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     keep = tuple(keep)
     o_ptr = O.ptr
 
-    def kargs_for(O2) -> list:
-        """The fused kernel's arguments for output O2 (O's layout, any address)."""
-        if O2.ptr == o_ptr:
+    def kargs_for(O2, ga: int) -> list:
+        """The fused kernel's arguments for output O2 (O's layout, any address) and gathered A at ga."""
+        if O2.ptr == o_ptr and ga == ga_ptr:
             return kargs
         a2 = AgArgs.from_buffer_copy(args)
+        a2.gathered_out = ga or None
+        if O2.ptr == o_ptr:
+            return [tma, tmb, tmal, tmc, comm, a2]
         a2.c, a2.c_vec_ok = O2.ptr, G._vec_ok(O2, ldc, M_total)
         tmc2, a2.c_tma = G.c_map(O2, M_total, N, ldc, cfg, tma)
         return [tma, tmb, tmal, tmc2, comm, a2]
@@ -749,10 +761,10 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         run = _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, comm, dt, out_dtype,
                        K * isz)
     else:
-        def run(stream, out, _keep=keep):
+        def run(stream, out, ga, _keep=keep):
             for k, g, blk, a in pre:
                 k.launch(g, blk, a, stream=stream)
-            kern.launch(grid, cfg.threads, kargs_for(out), stream=stream, smem=cfg.smem, cooperative=True)
+            kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem, cooperative=True)
     return _zeroed_first(run, sk_ws.ptr, sk_ws.size) if p.splits > 1 else run
 
 
@@ -762,11 +774,11 @@ def _zeroed_first(run, ptr: int, n: int):
     call; a captured clear only runs when the graph is launched)."""
     pending = [True]
 
-    def run_zeroed(stream, out):
+    def run_zeroed(stream, out, ga):
         if pending[0]:
             G._clear_i32(ptr, n, stream)
             pending[0] = G._capturing(stream)
-        run(stream, out)
+        run(stream, out, ga)
     return run_zeroed
 
 
@@ -800,22 +812,25 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
               for d, s_, n in _ce_copies(sig, ws, A, me, row_bytes, bool(args.local_map))]
     bargs = [comm, args]
     L = sig.layout
-    gathered = None
     if GA is not None:
         # The caller's copy of the gathered A is taken from the workspace after the GEMM, so the call
         # stays open until then (peers may refill the workspace once we signal consumed): the GEMM
         # leaves the epoch open and the release kernel closes it after the copy.
         args.gather_only = 1
-        gathered = [(GA.ptr, ws.ptr + L.data_off, sig.offs[-1] * row_bytes)]
-        if args.local_map:  # our rows are not in the workspace: peers' rows around them, ours from a_shard
-            lo, hi = sig.offs[me] * row_bytes, sig.offs[me + 1] * row_bytes
-            gathered = [(GA.ptr, ws.ptr + L.data_off, lo), (GA.ptr + lo, A.ptr, hi - lo),
-                        (GA.ptr + hi, ws.ptr + L.data_off + hi, sig.offs[-1] * row_bytes - hi)]
-            gathered = [g for g in gathered if g[2] > 0]
         release = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_release")
+    lo, hi, total = sig.offs[me] * row_bytes, sig.offs[me + 1] * row_bytes, sig.offs[-1] * row_bytes
+
+    def gathered_copies(ga: int) -> list:
+        """(dst, src, bytes) copies of the gathered A into ga after the GEMM."""
+        if not args.local_map:
+            return [(ga, ws.ptr + L.data_off, total)]
+        # our rows are not in the workspace: peers' rows around them, ours from a_shard
+        parts = [(ga, ws.ptr + L.data_off, lo), (ga + lo, A.ptr, hi - lo),
+                 (ga + hi, ws.ptr + L.data_off + hi, total - hi)]
+        return [g for g in parts if g[2] > 0]
     memcpy = cu.cuMemcpyDtoDAsync
 
-    def run_fused_ce(stream, out, _keep=(keep, ev)):
+    def run_fused_ce(stream, out, ga, _keep=(keep, ev)):
         s = cu.CUstream(runtime.stream_handle(stream))
         if copies:
             check(cu.cuEventRecord(ev.fork, s))
@@ -827,12 +842,12 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
                     check((r,))
         for k, g, blk, a in pre:
             k.launch(g, blk, a, stream=stream)
-        kern.launch(grid, cfg.threads, kargs_for(out), stream=stream, smem=cfg.smem)
+        kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem)
         if copies:
             check(cu.cuEventRecord(ev.join, side))
             check(cu.cuStreamWaitEvent(s, ev.join, 0))
-        if gathered is not None:
-            for d, src, n in gathered:
+        if ga:
+            for d, src, n in gathered_copies(ga):
                 check(cu.cuMemcpyDtoDAsync(d, src, n, s))
             release.launch(1, RELEASE_THREADS, bargs, stream=stream)
     return run_fused_ce

@@ -113,8 +113,9 @@ class _Ctx:
 
 @pytest.mark.parametrize("path", ["fused", "unfused"])
 def test_binding_repointed_at_each_output(monkeypatch, path):
-    """A bound call (tensor maps, packed args) serves every output of the same layout: the launch
-    carries the call's output (its C map and pointer), the binding's own output untouched."""
+    """A bound call (tensor maps, packed args) serves every output of the same layout and every
+    gathered_a: the launch carries the call's output (its C map and pointer) and gathered_a pointer,
+    the binding's own arguments untouched."""
     log, gemms = [], []
     monkeypatch.setattr(agm, "_kernel", lambda i, o, c, name: _FakeKernel(log, name))
     monkeypatch.setattr(agm, "encode_tiled", lambda ptr, *a, **k: ("map", ptr))
@@ -132,13 +133,18 @@ def test_binding_repointed_at_each_output(monkeypatch, path):
     A = DeviceArray(1 << 36, (300, K), "bfloat16", None, 0, None)
     B = DeviceArray(1 << 37, (K, N), "bfloat16", None, 0, None)
     outs = [DeviceArray((1 << 38) + i * (1 << 30), (600, N), "bfloat16", None, 0, None) for i in range(3)]
-    run = agm._bind(_Ctx(), sig, ws, A, B, outs[0], None, "kn", "bfloat16", "bfloat16", 600, N, K)
-    for o in outs + [outs[0]]:
-        run(0, o)
+    gas = [DeviceArray((1 << 42) + i * (1 << 30), (600, K), "bfloat16", None, 0, None) for i in range(2)]
+    run = agm._bind(_Ctx(), sig, ws, A, B, outs[0], gas[0], "kn", "bfloat16", "bfloat16", 600, N, K)
+    calls = [(o, gas[0]) for o in outs + [outs[0]]] + [(outs[0], gas[1])]
+    for o, ga in calls:
+        run(0, o, ga.ptr)
     if path == "unfused":
-        assert gemms == [o.ptr for o in outs + [outs[0]]]
+        assert gemms == [o.ptr for o, _ in calls]
+        gathers = [args[1] for name, args in log if name == "mk_ag_gather"]
+        assert [a.gathered_out for a in gathers] == [ga.ptr for _, ga in calls]
         return
     fused = [args for name, args in log if name.startswith("mk_ag_gemm")]
-    assert [a[5].c for a in fused] == [o.ptr for o in outs + [outs[0]]]
-    assert [a[3] for a in fused] == [("map", o.ptr) for o in outs + [outs[0]]]  # C's map
+    assert [a[5].c for a in fused] == [o.ptr for o, _ in calls]
+    assert [a[3] for a in fused] == [("map", o.ptr) for o, _ in calls]  # C's map
+    assert [a[5].gathered_out for a in fused] == [ga.ptr for _, ga in calls]
     assert fused[0][5] is fused[3][5] and fused[1][5] is not fused[0][5]  # the binding's own args reused
