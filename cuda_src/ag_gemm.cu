@@ -373,16 +373,9 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 // that were never sent.
 extern "C" __global__ void __launch_bounds__(32, 1)
     mk_ag_ce_begin(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
+  // (this call's GEMM cannot commit before our local rows' flags, copied after this kernel, are raised)
   const AgWs w(c, a);
-  // The call number every kernel of this call uses: the previous call committed its epoch before the
-  // fork event this stream waited on, and this call's GEMM cannot commit before our local rows'
-  // flags (copied after this kernel) are raised.
-  const mk_u64 e = mk_epoch_begin(w.epoch_state());
-  bool ok = true;
-  for (int j = threadIdx.x; j < w.P; j += 32)
-    if (j != w.me) ok = ok && mk_wait_geq(c, w.consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
-  if (!__all_sync(0xffffffffu, ok)) return;
-  if (threadIdx.x == 0) *(mk_u64*)(a.ws + a.ce_value_off) = e;
+  mk_ce_begin(c, w.epoch_state(), w.consumed(0), (mk_u64*)(a.ws + a.ce_value_off));
 }
 
 // Closes a deferred call (after the GEMM that read the gathered buffer): tell every peer, commit.

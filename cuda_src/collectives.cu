@@ -264,13 +264,7 @@ mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_sho
 extern "C" __global__ void __launch_bounds__(32, 1)
 mk_coll_ce_begin(MkComm c, char* ws, CollLayout L) {
   const Ws w = make_ws(c, ws, nullptr, L);
-  // The previous call committed its epoch before the fork event this stream waited on.
-  const mk_u64 e = mk_epoch_begin(w.epoch_state());
-  bool ok = true;
-  for (int j = threadIdx.x; j < w.P; j += 32)
-    if (j != w.me) ok = ok && mk_wait_geq(c, w.consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
-  if (!__all_sync(0xffffffffu, ok)) return;
-  if (threadIdx.x == 0) *(mk_u64*)(ws + MK_COLL_CE_VALUE_OFF) = e;
+  mk_ce_begin(c, w.epoch_state(), w.consumed(0), (mk_u64*)(ws + MK_COLL_CE_VALUE_OFF));
 }
 
 // This block's share [lo, hi) of a chunk of `len` bytes (16-byte multiples, so vector copies stay
@@ -288,12 +282,14 @@ MK_DEVICE bool wait_peers_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int 
   return true;
 }
 
-// out[j*shard_bytes ...] = slot[phase][j] for every peer j (and `own` for this rank when given).
-MK_DEVICE bool gather_slots_ce(const MkComm& c, const Ws& w, mk_u64 epoch, int phase, char* out,
-                               mk_u64 (*bytes_of)(mk_u64, mk_u64, int), mk_u64 a0, mk_u64 a1, mk_u64 stride) {
+// out[src*stride ...] = slot[phase][src] for every peer src (bytes_of(src) bytes), one source after
+// another in arrival order.
+template <class F>
+MK_DEVICE bool gather_slots_ce(const MkComm& c, const Ws& w, mk_u64 epoch, int phase, char* out, mk_u64 stride,
+                               F bytes_of) {
   for (int j = 1; j < w.P; ++j) {
     const int src = (w.me + w.P - j) % w.P;
-    const mk_u64 sb = bytes_of(a0, a1, src);
+    const mk_u64 sb = bytes_of(src);
     for (int ci = 0; ci < w.L.nchunks; ++ci) {
       if (!wait_chunk(c, w, epoch, src, phase, ci)) return false;
       const mk_u64 off = (mk_u64)ci * w.L.chunk_bytes;
@@ -305,7 +301,22 @@ MK_DEVICE bool gather_slots_ce(const MkComm& c, const Ws& w, mk_u64 epoch, int p
   return true;
 }
 
-MK_DEVICE mk_u64 same_bytes(mk_u64 bytes, mk_u64, int) { return bytes; }
+// dst[0 .. bytes) = own + every peer's slot[0], chunk by chunk as the chunks land (each block its
+// share).  wait_own: also wait for our own ready[0][me][ci] (the copy engine pushed chunk ci of `own`
+// to every peer) before writing -- an in-place all-reduce overwrites its input.
+MK_DEVICE bool reduce_chunks_ce(const MkComm& c, const Ws& w, mk_u64 epoch, T* dst, const T* own, mk_u64 bytes,
+                                bool wait_own) {
+  for (int ci = 0; ci < w.L.nchunks; ++ci) {
+    if (!wait_peers_chunk(c, w, epoch, 0, ci)) return false;
+    if (wait_own && !wait_chunk(c, w, epoch, w.me, 0, ci)) return false;
+    const mk_u64 off = (mk_u64)ci * w.L.chunk_bytes;
+    mk_u64 lo, hi;
+    block_share(chunk_len(bytes, w.L.chunk_bytes, ci), lo, hi);
+    reduce_slots((T*)((char*)dst + off + lo), (const T*)((const char*)own + off + lo), w, 0, off + lo,
+                 (hi - lo) / sizeof(T));
+  }
+  return true;
+}
 
 extern "C" __global__ void __launch_bounds__(512, 1)
 mk_all_gather_ce(MkComm c, const char* in, char* out, mk_u64 shard_bytes, char* ws,
@@ -318,7 +329,7 @@ mk_all_gather_ce(MkComm c, const char* in, char* out, mk_u64 shard_bytes, char* 
     block_share(shard_bytes, lo, hi);
     mk_block_copy(my_out + lo, in + lo, hi - lo);
   }
-  if (!gather_slots_ce(c, w, epoch, 0, out, same_bytes, shard_bytes, 0, shard_bytes)) return;
+  if (!gather_slots_ce(c, w, epoch, 0, out, shard_bytes, [&](int) { return shard_bytes; })) return;
   finish_call(w, epoch);
 }
 
@@ -327,15 +338,7 @@ mk_reduce_scatter_ce(MkComm c, const T* in, T* out, mk_u64 n, char* ws, const mk
                      CollLayout L) {
   const Ws w = make_ws(c, ws, peers, L);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
-  const mk_u64 bytes = n * sizeof(T);
-  const char* own = (const char*)(in + (mk_u64)w.me * n);
-  for (int ci = 0; ci < L.nchunks; ++ci) {
-    if (!wait_peers_chunk(c, w, epoch, 0, ci)) return;
-    const mk_u64 off = (mk_u64)ci * L.chunk_bytes;
-    mk_u64 lo, hi;
-    block_share(chunk_len(bytes, L.chunk_bytes, ci), lo, hi);
-    reduce_slots((T*)((char*)out + off + lo), (const T*)(own + off + lo), w, 0, off + lo, (hi - lo) / sizeof(T));
-  }
+  if (!reduce_chunks_ce(c, w, epoch, out, in + (mk_u64)w.me * n, n * sizeof(T), false)) return;
   finish_call(w, epoch);
 }
 
@@ -354,36 +357,18 @@ mk_all_reduce_ce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int phas
                  const mk_u64* __restrict__ peers, CollLayout L) {
   const Ws w = make_ws(c, ws, peers, L);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
-  if (phase == 2) {
-    const mk_u64 bytes = n * sizeof(T);
-    // in place: chunk ci of `in` is overwritten only once our own copy engine pushed it to every peer
-    // (it then copies the call number into our own ready[0][me][ci])
-    const bool in_place = (const void*)in == (const void*)out;
-    for (int ci = 0; ci < L.nchunks; ++ci) {
-      if (!wait_peers_chunk(c, w, epoch, 0, ci)) return;
-      if (in_place && !wait_chunk(c, w, epoch, w.me, 0, ci)) return;
-      const mk_u64 off = (mk_u64)ci * L.chunk_bytes;
-      mk_u64 lo, hi;
-      block_share(chunk_len(bytes, L.chunk_bytes, ci), lo, hi);
-      reduce_slots((T*)((char*)out + off + lo), (const T*)((const char*)in + off + lo), w, 0, off + lo,
-                   (hi - lo) / sizeof(T));
-    }
+  if (phase == 2) {  // in place: `in` is overwritten only once our copy engine pushed it everywhere
+    if (!reduce_chunks_ce(c, w, epoch, out, in, n * sizeof(T), (const void*)in == (const void*)out)) return;
     finish_call(w, epoch);
     return;
   }
   if (phase == 0) {  // reduce my shard into out; the call stays open for phase 1
-    const mk_u64 mine = shard_bytes_of(n, shard, w.me);
-    const char* my_in = (const char*)(in + (mk_u64)w.me * shard);
-    char* my_out = (char*)(out + (mk_u64)w.me * shard);
-    for (int ci = 0; ci < L.nchunks; ++ci) {
-      if (!wait_peers_chunk(c, w, epoch, 0, ci)) return;
-      const mk_u64 off = (mk_u64)ci * L.chunk_bytes;
-      mk_u64 lo, hi;
-      block_share(chunk_len(mine, L.chunk_bytes, ci), lo, hi);
-      reduce_slots((T*)(my_out + off + lo), (const T*)(my_in + off + lo), w, 0, off + lo, (hi - lo) / sizeof(T));
-    }
+    reduce_chunks_ce(c, w, epoch, out + (mk_u64)w.me * shard, in + (mk_u64)w.me * shard,
+                     shard_bytes_of(n, shard, w.me), false);
     return;
   }
-  if (!gather_slots_ce(c, w, epoch, 1, (char*)out, shard_bytes_of, n, shard, shard * sizeof(T))) return;
+  if (!gather_slots_ce(c, w, epoch, 1, (char*)out, shard * sizeof(T),
+                       [&](int r) { return shard_bytes_of(n, shard, r); }))
+    return;
   finish_call(w, epoch);
 }

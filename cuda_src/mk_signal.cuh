@@ -217,3 +217,17 @@ MK_DEVICE void mk_epoch_commit(MkEpochState* s, mk_u64 epoch) {
     *((volatile mk_u64*)&s->epoch) = epoch;
   }
 }
+
+// Start of a copy-engine transfer (one warp, on the side stream, before the copies): the call number
+// e (the previous call committed its epoch before the fork event this stream waited on); wait until
+// every local peer j consumed call e-1 (consumed[j] in our memory, written by j); then write e into
+// `value`, the source of the copy engine's flag writes.  A timeout leaves `value` at e-1, so the
+// peers' waits for this call's flags time out too instead of reading data that was never sent.
+MK_DEVICE void mk_ce_begin(const MkComm& c, const MkEpochState* st, const mk_u64* consumed, mk_u64* value) {
+  const mk_u64 e = mk_epoch_begin(st);
+  bool ok = true;
+  for (int j = threadIdx.x; j < c.local_size; j += 32)
+    if (j != c.local_rank) ok = ok && mk_wait_geq(c, consumed + j, e - 1, MK_LOCAL_PEER(j), -1 - j);
+  if (!__all_sync(0xffffffffu, ok)) return;
+  if (threadIdx.x == 0) *value = e;
+}
