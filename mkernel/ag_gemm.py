@@ -741,12 +741,11 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
 
     def kargs_for(O2, ga: int) -> list:
         """The fused kernel's arguments for output O2 (O's layout, any address) and gathered A at ga."""
-        if O2.ptr == o_ptr and ga == ga_ptr:
-            return kargs
+        if O2.ptr == o_ptr:
+            a2 = with_gathered(args, ga)
+            return kargs if a2 is args else [tma, tmb, tmal, tmc, comm, a2]
         a2 = AgArgs.from_buffer_copy(args)
         a2.gathered_out = ga or None
-        if O2.ptr == o_ptr:
-            return [tma, tmb, tmal, tmc, comm, a2]
         a2.c, a2.c_vec_ok = O2.ptr, G._vec_ok(O2, ldc, M_total)
         tmc2, a2.c_tma = G.c_map(O2, M_total, N, ldc, cfg, tma)
         return [tma, tmb, tmal, tmc2, comm, a2]
@@ -828,18 +827,13 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
         parts = [(ga, ws.ptr + L.data_off, lo), (ga + lo, A.ptr, hi - lo),
                  (ga + hi, ws.ptr + L.data_off + hi, total - hi)]
         return [g for g in parts if g[2] > 0]
-    memcpy = cu.cuMemcpyDtoDAsync
-
     def run_fused_ce(stream, out, ga, _keep=(keep, ev)):
         s = cu.CUstream(runtime.stream_handle(stream))
         if copies:
             check(cu.cuEventRecord(ev.fork, s))
             check(cu.cuStreamWaitEvent(side, ev.fork, 0))
             begin.launch(1, 32, bargs, stream=side)
-            for d, src, n in copies:
-                r, = memcpy(d, src, n, side)
-                if r != cu.CUresult.CUDA_SUCCESS:
-                    check((r,))
+            runtime.copy_async(copies, side)
         for k, g, blk, a in pre:
             k.launch(g, blk, a, stream=stream)
         kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem)
@@ -847,8 +841,7 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
             check(cu.cuEventRecord(ev.join, side))
             check(cu.cuStreamWaitEvent(s, ev.join, 0))
         if ga:
-            for d, src, n in gathered_copies(ga):
-                check(cu.cuMemcpyDtoDAsync(d, src, n, s))
+            runtime.copy_async(gathered_copies(ga), s)
             release.launch(1, RELEASE_THREADS, bargs, stream=stream)
     return run_fused_ce
 

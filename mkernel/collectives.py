@@ -46,7 +46,6 @@ ONE_SHOT_MAX_BYTES_2RANKS = int(_ONE_SHOT_ENV or 32 << 20)
 
 def one_shot_max_bytes(local_size: int) -> int:
     return ONE_SHOT_MAX_BYTES_2RANKS if local_size == 2 else ONE_SHOT_MAX_BYTES
-_HEADER = 4096
 
 for _code in (0, 1, 2):
     runtime.register_specialization(_SOURCE, {"MK_DTYPE": _code})
@@ -155,7 +154,7 @@ CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks
 # All-reduce on the copy engines with at most this many local ranks: one-shot (every rank pushes its
 # whole buffer, every rank reduces it all: one copy-engine round; the same bytes per link direction
 # as reduce-scatter + all-gather when P = 2, more above).
-CE_ONE_SHOT_MAX_RANKS = int(os.environ.get("MKERNEL_COLL_CE_ONE_SHOT_MAX_RANKS", 2))
+CE_ONE_SHOT_MAX_RANKS = 2
 
 
 def use_copy_engines(op: str, message_bytes: int, local_size: int) -> bool:
@@ -265,25 +264,18 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
     bargs = [comm, ctypes.c_uint64(ws.ptr), L]
     side = cu.CUstream(ctx.side_stream())
     ev = runtime.Events("fork", "mid", "join")
-    memcpy = cu.cuMemcpyDtoDAsync
-
-    def copies(lst):
-        for d, src, n in lst:
-            r, = memcpy(d, src, n, side)
-            if r != cu.CUresult.CUDA_SUCCESS:
-                check((r,))
 
     def run(stream, _keep=(ev, ws)):
         s = cu.CUstream(runtime.stream_handle(stream))
         check(cu.cuEventRecord(ev.fork, s))
         check(cu.cuStreamWaitEvent(side, ev.fork, 0))
         begin.launch(1, 32, bargs, stream=side)
-        copies(pushes)
+        runtime.copy_async(pushes, side)
         kern.launch(grid, _THREADS, args, stream=stream)
         if later is not None:
             check(cu.cuEventRecord(ev.mid, s))
             check(cu.cuStreamWaitEvent(side, ev.mid, 0))
-            copies(later[0])
+            runtime.copy_async(later[0], side)
             kern.launch(grid, _THREADS, later[1], stream=stream)
         check(cu.cuEventRecord(ev.join, side))
         check(cu.cuStreamWaitEvent(s, ev.join, 0))

@@ -18,15 +18,17 @@ so every shape works; aligned operands are read in place.  The output needs a un
 (any row stride): with a 16-byte aligned base and row stride it is written through shared memory
 and TMA stores (clipped at M and N), otherwise with masked stores from registers.
 
-Few output tiles (small M or N): K is split (``splits``), each tile's last split to finish adds the
-others' fp32 partials in the same kernel; with a partial last wave only its tiles may be split.
+Few output tiles (small M or N): K is split (``splits``); every split adds its fp32 partial into
+one running sum per tile and the tile's last split to finish stores it, in the same kernel; with a
+partial last wave only its tiles may be split.
 
 Launch cost: a per-shape plan (compiled kernel, grid, tensor maps, packed arguments, staging and
-split-K buffers) is cached in a bounded LRU keyed by pointers, shapes, strides and dtypes, so a
-repeated call re-encodes nothing.  Those buffers live in the plan: two calls that share a plan must
-not run concurrently on different streams when an operand needs staging or K is split.  A plan with
-buffers that runs while its stream is being captured into a CUDA graph is kept for the life of the
-process (the graph replays its buffers even after the LRU evicts the plan).
+split-K buffers) is cached in a bounded LRU keyed by the operands' pointers, shapes, strides and
+dtypes, the output's layout (not its address: another output of that layout re-points the launch)
+and the stream, so a repeated call re-encodes nothing.  Those buffers live in the plan, which only
+serves calls on one stream.  A plan with buffers that runs while its stream is being captured into a
+CUDA graph is kept for the life of the process (the graph replays its buffers even after the LRU
+evicts the plan).
 """
 from __future__ import annotations
 
@@ -483,7 +485,7 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
     the legacy default stream).  config: force a tile config id (``CONFIGS``; debugging and
     benchmarks).  splits: force the split-K factor (1 = none; clamped to what the config allows,
     ``max_splits``); by default the heuristic splits K when the output tiles cannot fill the SMs (the
-    last split of each tile to finish adds the others' fp32 partials in the same kernel).  Returns
+    splits of a tile add into one fp32 sum, the last to finish stores it, in the same kernel).  Returns
     ``out``.  Asynchronous with respect to the host.
     """
     A, B, M, K, N, _ = check_operands(a, b, b_layout, what="mkernel.gemm", stream=stream)

@@ -31,7 +31,7 @@ from .errors import CompileError, CudaError
 __all__ = [
     "check", "cuda_src_dir", "include_dirs", "nvrtc_version", "compile_module", "Module", "Kernel",
     "stream_handle", "current_arch", "register_specialization", "registered_specializations",
-    "device_attribute", "precompile", "precompile_source", "round_up",
+    "device_attribute", "precompile", "precompile_source", "round_up", "copy_async", "Events",
 ]
 
 
@@ -429,6 +429,18 @@ class Events:
                 cu.cuEventDestroy(getattr(self, n))
         except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
+
+
+def copy_async(copies, stream) -> None:
+    """``cuMemcpyAsync`` of every ``(dst, src, bytes)`` of ``copies``, in order, on ``stream`` (a
+    ``CUstream`` or anything stream_handle takes); a stream's copies run in that order, which the
+    copy-engine paths rely on (data, then its flag)."""
+    s = stream if isinstance(stream, cu.CUstream) else cu.CUstream(stream_handle(stream))
+    memcpy = cu.cuMemcpyDtoDAsync
+    for d, src, n in copies:
+        r, = memcpy(d, src, n, s)
+        if r != cu.CUresult.CUDA_SUCCESS:
+            check((r,))
 
 
 def _launch_config(grid, block, smem: int, hstream: int, cooperative: bool, cluster) -> "cu.CUlaunchConfig":
