@@ -764,21 +764,14 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
             for k, g, blk, a in pre:
                 k.launch(g, blk, a, stream=stream)
             kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem, cooperative=True)
-    return _zeroed_first(run, sk_ws.ptr, sk_ws.size) if p.splits > 1 else run
+    if p.splits == 1:
+        return run
+    clear = G.ClearBeforeFirstUse(sk_ws.ptr, sk_ws.size)
 
-
-def _zeroed_first(run, ptr: int, n: int):
-    """``run`` preceded by a stream-ordered clear of the split-K sums and counters (``n`` 32-bit words)
-    until a call outside a CUDA-graph capture has done it (the kernel returns them to zero after every
-    call; a captured clear only runs when the graph is launched)."""
-    pending = [True]
-
-    def run_zeroed(stream, out, ga):
-        if pending[0]:
-            G._clear_i32(ptr, n, stream)
-            pending[0] = G._capturing(stream)
+    def run_split(stream, out, ga):
+        clear(stream)
         run(stream, out, ga)
-    return run_zeroed
+    return run_split
 
 
 def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> list:

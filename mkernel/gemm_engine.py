@@ -382,11 +382,11 @@ class _Plan:
     splits: int = 1  # split-K factor of the split tiles (plain GEMM)
     split_from: int = 0  # tiles before this one (rasterized order) are not split
     pinned: bool = False  # captured into a CUDA graph: never freed (see run)
-    zero: tuple | None = None  # (ptr, 32-bit words): split-K sums and counters to clear before their first use
+    zero: "ClearBeforeFirstUse | None" = None  # split-K sums and counters
     with_out: object = None  # plain GEMM: O -> the launch arguments for another output of the same layout
 
     def run(self, stream, out=None):
-        if self.keep and (not self.pinned or self.zero is not None):
+        if self.keep and (not self.pinned or (self.zero is not None and self.zero.pending)):
             capturing = _capturing(stream)
             if capturing and not self.pinned:
                 # A graph replays this plan's buffers (staging copies, split-K partials and counters,
@@ -395,11 +395,7 @@ class _Plan:
                 with _plans_lock:
                     _pinned.append(self)
             if self.zero is not None:
-                # stream-ordered, no host sync; repeated until a call outside a capture did it (a
-                # captured clear only happens when the graph is launched)
-                _clear_i32(*self.zero, stream)
-                if not capturing:
-                    self.zero = None
+                self.zero(stream, capturing)
         for k, g, b, a in self.pre:
             k.launch(g, b, a, stream=stream)
         if self.kernel is not None:
@@ -415,6 +411,21 @@ _pinned: list = []  # plans with buffers that were captured into a CUDA graph (k
 
 def _clear_i32(ptr: int, n: int, stream) -> None:
     check(cu.cuMemsetD32Async(ptr, 0, n, cu.CUstream(runtime.stream_handle(stream))))
+
+
+class ClearBeforeFirstUse:
+    """A buffer of ``n`` 32-bit words at ``ptr`` that must be zero before a kernel first uses it (split-K
+    sums and counters: the kernels leave them zero after every call).  Calling it clears it on the
+    stream (ordered, no host sync) until a call outside a CUDA-graph capture has done so -- a captured
+    clear only happens when the graph is launched."""
+
+    def __init__(self, ptr: int, n: int):
+        self.ptr, self.n, self.pending = ptr, n, True
+
+    def __call__(self, stream, capturing: bool | None = None) -> None:
+        if self.pending:
+            _clear_i32(self.ptr, self.n, stream)
+            self.pending = _capturing(stream) if capturing is None else capturing
 
 
 def _capturing(stream) -> bool:
@@ -545,7 +556,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
     plan = _Plan(cfg, kernel, _grid(cfg, units, sms), [*maps, args], pre, keep, sp, split_from)
     if sp > 1:
-        plan.zero = (ws.ptr, ws.size)
+        plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
 
     o_ptr = O.ptr  # not O: a cached plan must not keep the caller's output alive
 
