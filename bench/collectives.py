@@ -214,8 +214,9 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
            "ours_host_ms": float("nan"), "nccl_host_ms": float("nan"), "ours_busbw": float("nan"),
            "nccl_busbw": float("nan"), "ratio": float("nan"), "errors": [],
            # mkernel's path: copy engines + SM receivers ("ce") or SM pushes over NVLink ("sm")
-           "path": "ce" if MC.use_copy_engines(op, size // P, P) and not (
-               op == "all_reduce" and size <= MC.one_shot_max_bytes(P)) else "sm"}
+           # (x: AG one rank's part of the output; RS, AR the whole buffer)
+           "path": "ce" if MC.copy_engine_path(op, size // P if op == "all_gather" else size,
+                                               2 if dtype != "float32" else 4, P) else "sm"}
     case = None
     try:
         case = Case(ctx, mk, op, dtype, size, args.torch_args)

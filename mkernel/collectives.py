@@ -27,7 +27,8 @@ from . import internode, runtime
 from .arrays import DeviceArray, as_device_array, dtype_of, require
 from .runtime import check, round_up
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks", "use_copy_engines"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks", "use_copy_engines",
+           "copy_engine_path"]
 
 _SOURCE = "collectives.cu"
 _REDUCE_DTYPES = tuple(dtype_of(d) for d in ("bfloat16", "float16", "float32"))
@@ -169,6 +170,25 @@ def use_copy_engines(op: str, message_bytes: int, local_size: int) -> bool:
     if v in ("0", "1"):
         return v == "1"
     raise ValueError(f"mkernel: MKERNEL_COLL_CE must be auto, 0 or 1, got {v!r}")
+
+
+def copy_engine_path(op: str, x_nbytes: int, itemsize: int, local_size: int) -> bool:
+    """Whether ``op`` with an input ``x`` of ``x_nbytes`` (elements of ``itemsize`` bytes) on one node of
+    ``local_size`` ranks runs on the copy engines: the per-peer message (AG: x, RS: one rank's share
+    of x, AR: one shard) from CE_MIN_BYTES[op] up; never a one-shot SM all-reduce."""
+    P = local_size
+    if op == "all_gather":
+        return use_copy_engines(op, x_nbytes, P)
+    if op == "reduce_scatter":
+        return use_copy_engines(op, x_nbytes // max(P, 1), P)
+    if x_nbytes <= one_shot_max_bytes(P) or P == 1:
+        return False
+    return use_copy_engines(op, _shard(x_nbytes // itemsize, P, itemsize) * itemsize, P)
+
+
+def _shard(n: int, P: int, itemsize: int) -> int:
+    """Elements per rank of a two-phase all-reduce of n elements (16-byte multiples)."""
+    return round_up(-(-n // P), 16 // itemsize)
 
 
 def plan_ce_chunks(slot_bytes: int) -> tuple[int, int]:
@@ -317,7 +337,7 @@ def all_gather(ctx, x, out=None, *, stream=None):
                   _GATHER_DTYPES, stream)
     if _overlaps(x, o) and x.ptr != o.ptr + ctx.rank * x.nbytes:
         raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
-    ce = ctx.num_nodes == 1 and use_copy_engines("all_gather", x.nbytes, ctx.local_size)
+    ce = ctx.num_nodes == 1 and copy_engine_path("all_gather", x.nbytes, x.dtype.itemsize, ctx.local_size)
     ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if x.nbytes == 0:
         return out
@@ -349,7 +369,7 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
     out, o = _out(ctx, out, what, (x.shape[0] // P,) + tuple(x.shape[1:]), x, _REDUCE_DTYPES, stream)
     if _overlaps(x, o):
         raise ValueError(f"{what}: out must not overlap x")
-    ce = ctx.num_nodes == 1 and use_copy_engines("reduce_scatter", o.nbytes, ctx.local_size)
+    ce = ctx.num_nodes == 1 and copy_engine_path("reduce_scatter", x.nbytes, x.dtype.itemsize, ctx.local_size)
     ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if o.size == 0:
         return out
@@ -381,8 +401,8 @@ def all_reduce(ctx, x, out=None, *, stream=None):
     n = x.size
     P = ctx.local_size
     one_shot = x.nbytes <= one_shot_max_bytes(P) or P == 1
-    shard = n if one_shot else round_up(-(-n // P), 16 // x.dtype.itemsize)
-    ce = ctx.num_nodes == 1 and not one_shot and use_copy_engines("all_reduce", shard * x.dtype.itemsize, P)
+    shard = n if one_shot else _shard(n, P, x.dtype.itemsize)
+    ce = ctx.num_nodes == 1 and copy_engine_path("all_reduce", x.nbytes, x.dtype.itemsize, P)
     ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if n == 0:
         return out

@@ -115,6 +115,11 @@ def test_copy_engine_choice(env, monkeypatch):
     """Large messages go through the copy engines (the choice is part of the agreed signature); the
     one-shot all-reduce and a single local rank never do; MKERNEL_COLL_CE forces either way."""
     ctx, launches = env
+    MiB = 1 << 20  # the whole decision from an op's input size (what the benchmark labels its rows by)
+    assert C.copy_engine_path("all_gather", 256 * MiB, 2, 2) and not C.copy_engine_path("all_gather", 255 * MiB, 2, 2)
+    assert C.copy_engine_path("reduce_scatter", 128 * MiB, 2, 2) and not C.copy_engine_path("reduce_scatter", 127 * MiB, 2, 2)
+    assert C.copy_engine_path("all_reduce", 128 * MiB, 2, 2) and not C.copy_engine_path("all_reduce", 126 * MiB, 2, 2)
+    assert not C.copy_engine_path("all_reduce", 1 << 40, 2, 1)
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
         lim = C.CE_MIN_BYTES[op]
         assert not C.use_copy_engines(op, lim - 1, 2) and C.use_copy_engines(op, lim, 2)
