@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .runtime import check, stream_handle
+from .runtime import capture_relaxed, check, stream_handle
 
 __all__ = [
     "DType", "bfloat16", "float16", "float32", "int32", "int64", "DTYPES", "dtype_of",
@@ -291,7 +291,8 @@ def _free(ctx_handle: int, ptr: int) -> None:
     try:
         check(cu.cuCtxPushCurrent(cu.CUcontext(ctx_handle)))
         try:
-            check(cu.cuMemFree(ptr))
+            with capture_relaxed():  # an LRU eviction may drop a plan's workspace inside a graph capture
+                check(cu.cuMemFree(ptr))
         finally:
             check(cu.cuCtxPopCurrent())
     except Exception as exc:
@@ -313,7 +314,8 @@ class _Allocation:
                 self.ptr = 0
                 self._finalizer = None
                 return
-            self.ptr = int(check(cu.cuMemAlloc(self.nbytes)))
+            with capture_relaxed():  # a plan's workspace may be allocated inside a graph capture
+                self.ptr = int(check(cu.cuMemAlloc(self.nbytes)))
         self._finalizer = weakref.finalize(self, _free, int(ctx), self.ptr)
         self._finalizer.atexit = False  # at exit the driver frees everything; no driver calls then
 

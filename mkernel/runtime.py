@@ -19,6 +19,7 @@ import os
 import re
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -56,6 +57,24 @@ def check(result):
         return None
     return rest[0] if len(rest) == 1 else rest
 
+
+
+@contextmanager
+def capture_relaxed():
+    """Let this thread call what a CUDA-graph capture in global mode forbids (cuMemAlloc, cuMemFree,
+    module loads) while some stream is being captured: the library allocates a plan's workspace,
+    frees an evicted plan's and loads modules lazily, possibly inside the caller's capture, and
+    none of that is (or needs to be) part of the captured work.  Without it such a call fails with
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the caller's capture."""
+    try:
+        err, prev = cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    except Exception:  # no driver at all (CPU machines): nothing is being captured
+        err, prev = None, None
+    try:
+        yield
+    finally:
+        if err == cu.CUresult.CUDA_SUCCESS:
+            cu.cuThreadExchangeStreamCaptureMode(prev)
 
 # --------------------------------------------------------------------------------------------
 # where things are
@@ -218,7 +237,8 @@ class Module:
         with self._lock:
             h = self._handles.get(key)
             if h is None:
-                h = check(cu.cuModuleLoadData(self.cubin))
+                with capture_relaxed():
+                    h = check(cu.cuModuleLoadData(self.cubin))
                 self._handles[key] = h
             return h
 

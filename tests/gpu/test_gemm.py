@@ -219,6 +219,41 @@ def test_graph_replay_after_plan_eviction(rng):
     ok(cu.cuStreamDestroy(stream))
 
 
+
+def test_plan_built_and_evicted_inside_global_capture(rng):
+    """A plan first met inside a global-mode CUDA-graph capture allocates its split-K workspace there,
+    and the LRU frees an evicted plan's workspace there: neither may invalidate the capture (the
+    library switches the thread to relaxed capture mode around those driver calls)."""
+    import gc
+
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check as ok
+
+    y = rand(rng, (128, 512), "bfloat16")[0]
+    fill = [rand(rng, (64, 512), "bfloat16")[0] for _ in range(G._PLANS_MAX)]
+    for x in fill:  # a full cache of plans that own split-K workspaces
+        G.gemm(x, y, poisoned((64, 128), "bfloat16"), b_layout="nk", splits=2)
+    del fill
+    gc.collect()
+    M, N, K = 100, 264, 3000
+    a, av = rand(rng, (M, K), "bfloat16")
+    b, bv = rand(rng, (N, K), "bfloat16")
+    out = poisoned((M, N), "bfloat16")
+    stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    G.gemm(a, b, out, b_layout="nk", stream=int(stream), splits=3)  # new plan: workspace + an eviction
+    graph = ok(cu.cuStreamEndCapture(stream))
+    gexec = ok(cu.cuGraphInstantiate(graph, 0))
+    for rep in range(2):
+        out.fill_nan(stream=int(stream))
+        ok(cu.cuGraphLaunch(gexec, stream))
+        ok(cu.cuStreamSynchronize(stream))
+        check(download(out), av @ bv.T, f"replay {rep} of a plan built inside a global capture")
+    ok(cu.cuGraphExecDestroy(gexec))
+    ok(cu.cuGraphDestroy(graph))
+    ok(cu.cuStreamDestroy(stream))
+
 # ---- views: strided output (masking), offset / strided / transposed inputs (staging) ---------
 @pytest.mark.parametrize("out_dt,pad,layout,config", [
     ("float32", 24, "kn", None),   # TMA-store epilogue, fp32 boxes of 32 columns
