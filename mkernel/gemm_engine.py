@@ -37,7 +37,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -76,6 +76,9 @@ class TileConfig:
     pingpong: bool = False
     bn_kn: int | None = None
     staging_boxes: int = 0  # TMA-store epilogue: 8 KiB shared-memory boxes per consumer warpgroup
+    # the heuristic's efficiency when M <= SMALL_M (None: as above): one band of rows streams B, and
+    # the B stream, not the MMA rate, bounds every config there
+    efficiency_small_m: float | None = None
 
     @property
     def tma_store(self) -> bool:
@@ -111,7 +114,7 @@ class TileConfig:
 # config): the heuristic's pick is the measured best or within 4 % of it on every shape but one (docs/gemm.md).
 CONFIGS = {
     0: TileConfig(0, 64, 128, 2, 1, 0.5, debug=True),  # simple: every wgmma batch waited on
-    1: TileConfig(1, 64, 128, 8, 1, 0.65, staging_boxes=2),
+    1: TileConfig(1, 64, 128, 8, 1, 0.65, staging_boxes=2, efficiency_small_m=0.85),
     2: TileConfig(2, 128, 128, 6, 2, 0.85, staging_boxes=2),
     3: TileConfig(3, 128, 256, 4, 2, 1.00, staging_boxes=2),
     4: TileConfig(4, 128, 192, 4, 2, 0.94, staging_boxes=2),  # fills 132 SMs where 256-wide tiles leave many idle
@@ -141,6 +144,10 @@ SPLIT_REDUCE_COST = 4.0
 # predicted 16 %, gained 11 %).
 TAIL_SPLIT_MIN_GAIN = 0.10
 GROUP_M = 8  # rasterization super-row height (tiles)
+# M at or below which TileConfig.efficiency_small_m applies (fitted on the sweep of 2026-11-30, fifth
+# session: config 1's single consumer warpgroup costs little when one 128-row band streams B --
+# moe_gate_up M=128 306 -> 337 TFLOP/s; docs/gemm.md)
+SMALL_M = 128
 
 
 class _GemmArgs(ctypes.Structure):
@@ -677,6 +684,8 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         cfg = CONFIGS[cid]
         if cfg.debug or (b_layout == "kn" and cfg.bn_kn is not None):
             continue
+        if M <= SMALL_M and cfg.efficiency_small_m is not None:  # (a uniform factor: splits unchanged)
+            cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
         tiles = max(1, _tiles(cfg, M, N, b_layout))
         sp, sf = choose_splits(cfg, M, N, K, b_layout, sms)
         plans.append((split_cost(cfg, tiles, K, b_layout, sms, sp, sf), cid, sp, sf))
