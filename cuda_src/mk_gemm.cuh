@@ -61,8 +61,11 @@
 // warpgroup owns a 64-row slab of the same tile).  STAGING_BOXES_ > 0 (cooperative configs): each
 // consumer warpgroup gets that many 8 KiB boxes (64 rows x 128 bytes) of shared memory through which
 // MkEpilogueTmaStore writes its slab with TMA stores (0: no staging, register epilogues only).
+// CLUSTER_N_ = 2: blocks run in clusters of two side by side along N (tiles (m, 2j) and (m, 2j+1));
+// each loads one 64-row slab of the shared A tile and multicasts it to both (half the L2 -> SMEM
+// traffic for A), and a ring slot is free only when both blocks' consumers released it.
 template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false,
-          int STAGING_BOXES_ = 0>
+          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1>
 struct MkGemmConfig {
   static constexpr int NC = NC_;
   static constexpr bool PINGPONG = PINGPONG_;
@@ -89,8 +92,12 @@ struct MkGemmConfig {
   static constexpr int STAGING_BYTES = NC_ * STAGING_BOXES_ * 8192;
   static constexpr int SMEM_BYTES =
       (TMA_STORE ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + 256) + 1024;  // + alignment slack
-  // Consumer arrivals that release a ring slot: lane 0 of every warp of the warpgroup(s) reading it.
-  static constexpr int EMPTY_ARRIVALS = PINGPONG_ ? 4 : 4 * NC_;
+  // Consumer arrivals that release a ring slot: lane 0 of every warp of the warpgroup(s) reading it
+  // (of both blocks of a cluster: the multicast writes the slot in both).
+  static constexpr int CLUSTER_N = CLUSTER_N_;
+  static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * CLUSTER_N_;
+  static_assert(CLUSTER_N_ == 1 || (CLUSTER_N_ == 2 && NC_ == 2 && !PINGPONG_),
+                "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
   // Register reallocation (only with two consumer warpgroups: 128*40 + 256*232 = 64512 <= 65536).
   static constexpr bool SETMAXNREG = NC_ == 2;
   static constexpr int PRODUCER_REGS = 40;
@@ -112,6 +119,10 @@ template <class Base, int PRODUCER_REGS_, int CONSUMER_REGS_> struct MkWithRegs 
   static_assert(!Base::SETMAXNREG || 128 * PRODUCER_REGS_ + 256 * CONSUMER_REGS_ <= 65536, "register file exceeded");
   static_assert(PRODUCER_REGS_ % 8 == 0 && CONSUMER_REGS_ % 8 == 0, "setmaxnreg counts are multiples of 8");
 };
+
+// Compile-time choice between two types (no <type_traits> needed under NVRTC).
+template <bool C, class A, class B> struct MkPick { typedef A T; };
+template <class A, class B> struct MkPick<false, A, B> { typedef B T; };
 
 // One output tile of one problem (or one split of its K range: split-K).
 struct MkTile {
@@ -192,6 +203,26 @@ template <int BM, int BN> struct MkLinearScheduler {
     t.rows = min(BM, M - t.row0);
     t.col0 = tn * BN;
     t.cols = min(BN, N - t.col0);
+    return true;
+  }
+};
+
+// Clusters of two blocks along N (Cfg::CLUSTER_N == 2): a pair of blocks takes the units of
+// MkLinearScheduler over tiles twice as wide, and cluster rank r the half r of each (tile_n = 2j + r).
+// A rank whose half lies right of N gets the unit anyway with cols <= 0 (it must still load and
+// multicast its A slab; the tile loop skips its epilogue).  Split tiles' slots are 2 * slot + r.
+template <int BM, int BN> struct MkClusterPairScheduler {
+  MkLinearScheduler<BM, 2 * BN> pairs;
+  int N, rank;
+  MK_DEVICE MkClusterPairScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
+      : pairs(M_, N_, group_m_, splits_, split_from_), N(N_), rank((int)mk_cluster_ctarank()) {}
+  MK_DEVICE void init(int worker_id, int num_workers) { pairs.init(worker_id / 2, num_workers / 2); }
+  MK_DEVICE bool next(MkTile& t) {
+    if (!pairs.next(t)) return false;
+    t.tile_n = 2 * t.tile_n + rank;
+    t.col0 = t.tile_n * BN;
+    t.cols = min(BN, N - t.col0);
+    t.slot = 2 * t.slot + rank;
     return true;
   }
 };
@@ -425,6 +456,18 @@ template <class Cfg> struct MkGemmSmem {
 // Producer (one lane): arm full[stage] with the bytes of K block kb of tile t and issue its TMA loads
 // (A rows from the map and row Hook::a_map gives; asked per K block, so nothing stays live in the
 // 40-register producer across the loop).
+// The A tile of a stage: one TMA load (box {64, BM}), or with clusters of 2 this block's 64-row slab
+// (box {64, 64}) multicast to both blocks, which then each count the whole A tile on their barrier.
+template <class Cfg>
+MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmA, int k0, int a_row) {
+  if constexpr (Cfg::CLUSTER_N == 2) {
+    const mk_u32 r = mk_cluster_ctarank();
+    mk_tma_load_2d_multicast(sm.a(stage) + r * 64 * 128, tmA, sm.full(stage), k0, a_row + 64 * (int)r, 0x3);
+  } else {
+    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
+  }
+}
+
 template <class Cfg, class Hook>
 MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const Hook& hook, const MkTensorMap* tmA_default,
                                    const MkTensorMap* tmB, const MkTile& t, int kb) {
@@ -434,12 +477,12 @@ MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const H
   if constexpr (Cfg::B_KN) {
     const int nchunks = (t.cols + 63) / 64;  // skip chunks wholly right of N
     mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + nchunks * Cfg::B_CHUNK_BYTES);
-    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
+    mk_gemm_load_a<Cfg>(sm, stage, tmA, k0, a_row);
     for (int j = 0; j < nchunks; ++j)
       mk_tma_load_3d(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
   } else {
     mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + Cfg::B_NK_TX_BYTES);
-    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
+    mk_gemm_load_a<Cfg>(sm, stage, tmA, k0, a_row);
     mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
   }
 }
@@ -474,6 +517,20 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
     mk_tma_prefetch_desc(tmB);
   }
   __syncthreads();
+  // clusters: the peer's barriers are initialised before anyone multicasts into them or arrives
+  if constexpr (Cfg::CLUSTER_N > 1) mk_cluster_sync();
+}
+
+// A consumer warp's release of a ring slot: on this block's empty barrier, and with clusters on every
+// block's (the multicast writes the slot in all of them).
+template <class Cfg>
+MK_DEVICE void mk_gemm_release(mk_u64* empty_bar) {
+  if constexpr (Cfg::CLUSTER_N > 1) {
+#pragma unroll
+    for (int r = 0; r < Cfg::CLUSTER_N; ++r) mk_mbar_arrive_cluster(empty_bar, (mk_u32)r);
+  } else {
+    mk_mbar_arrive(empty_bar);
+  }
 }
 
 // ---- the ping-pong tile loop (Cfg::PINGPONG) -----------------------------------------------------------------
@@ -630,6 +687,17 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
         }
       }
     }
+    if constexpr (Cfg::CLUSTER_N > 1) {
+      // Producer tail: every slot released by both blocks' consumers (the peer's remote arrivals on
+      // our barriers have landed) before this block may exit.
+      for (int s = 0; s < Cfg::STAGES; ++s) {
+        mk_mbar_wait(sm.empty(stage), phase ^ 1);
+        if (++stage == Cfg::STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
     return true;
   }
 
@@ -658,11 +726,11 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
       if constexpr (Cfg::PIPELINED) {
         mk_wgmma_wait<1>();  // the previous batch is done: its stage can be refilled
         mk_wgmma_fence_regs(acc);
-        if (prev >= 0 && lane == 0) mk_mbar_arrive(sm.empty(prev));
+        if (prev >= 0 && lane == 0) mk_gemm_release<Cfg>(sm.empty(prev));
       } else {
         mk_wgmma_wait<0>();
         mk_wgmma_fence_regs(acc);
-        if (lane == 0) mk_mbar_arrive(sm.empty(stage));
+        if (lane == 0) mk_gemm_release<Cfg>(sm.empty(stage));
       }
       prev = stage;
       if (++stage == Cfg::STAGES) {
@@ -673,9 +741,10 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     if constexpr (Cfg::PIPELINED) {
       mk_wgmma_wait<0>();
       mk_wgmma_fence_regs(acc);
-      if (!aborted && prev >= 0 && lane == 0) mk_mbar_arrive(sm.empty(prev));
+      if (!aborted && prev >= 0 && lane == 0) mk_gemm_release<Cfg>(sm.empty(prev));
     }
     if (aborted) break;
+    if (Cfg::CLUSTER_N > 1 && t.cols <= 0) continue;  // a cluster's half right of N: nothing to store
     epi.template store<Cfg::BN>(t, slab, acc);
     if constexpr (Epi::kTileDone) {
       mk_named_barrier_sync(1, 128 * Cfg::NC);

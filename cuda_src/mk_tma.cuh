@@ -61,6 +61,28 @@ MK_DEVICE void mk_mbar_wait(mk_u64* bar, mk_u32 parity) {
   }
 }
 
+// ---- clusters ------------------------------------------------------------------------------
+// This block's rank in its cluster (0 .. cluster size - 1).
+MK_DEVICE mk_u32 mk_cluster_ctarank() {
+  mk_u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every block of the cluster: arrive (release), then wait (acquire).
+MK_DEVICE void mk_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Arrive on the mbarrier at the same shared-memory offset as `bar` in block `cta` of the cluster
+// (release at cluster scope; cta may be this block).
+MK_DEVICE void mk_mbar_arrive_cluster(mk_u64* bar, mk_u32 cta) {
+  asm volatile(
+      "{\n\t.reg .b32 remote;\n\t"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n\t"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}" ::"r"(mk_smem_addr(bar)),
+      "r"(cta)
+      : "memory");
+}
+
 // ---- TMA -----------------------------------------------------------------------------------
 MK_DEVICE void mk_tma_prefetch_desc(const MkTensorMap* tm) {
   asm volatile("prefetch.tensormap [%0];" ::"l"((mk_u64)tm) : "memory");
@@ -81,6 +103,17 @@ MK_DEVICE void mk_tma_load_3d(void* dst, const MkTensorMap* tm, mk_u64* bar, int
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(mk_smem_addr(dst)),
       "l"((mk_u64)tm), "r"(mk_smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// Global -> shared tile load delivered to every block of `cta_mask` in the cluster, each at the same
+// shared-memory offset as `dst`, and counted on the mbarrier at `bar`'s offset in each of them.
+MK_DEVICE void mk_tma_load_2d_multicast(void* dst, const MkTensorMap* tm, mk_u64* bar, int c0, int c1,
+                                        unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(mk_smem_addr(dst)),
+      "l"((mk_u64)tm), "r"(mk_smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
 }
 

@@ -79,6 +79,7 @@ class TileConfig:
     # the heuristic's efficiency when M <= SMALL_M (None: as above): one band of rows streams B, and
     # the B stream, not the MMA rate, bounds every config there
     efficiency_small_m: float | None = None
+    cluster_n: int = 1  # 2: blocks in clusters of 2 along N sharing A by TMA multicast (MkClusterPairScheduler)
 
     @property
     def tma_store(self) -> bool:
@@ -121,6 +122,8 @@ CONFIGS = {
     5: TileConfig(5, 128, 224, 4, 2, 0.96, bn_kn=256, staging_boxes=2),  # idem, "nk" only (kn: config 3's tile)
     # ping-pong 64x256, register epilogue: measured never the fastest (docs/gemm.md), forced only
     6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True),
+    # experiment, forced only (not GPU-run yet): config 2's tile, clusters of 2 along N sharing A
+    8: TileConfig(8, 128, 128, 6, 2, 0.85, staging_boxes=2, cluster_n=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
@@ -260,6 +263,8 @@ def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout
 
 
 def _grid(cfg: TileConfig, tiles: int, sms: int) -> int:
+    if cfg.cluster_n > 1:  # whole clusters (units come in pairs: see _tiles)
+        return max(cfg.cluster_n, min(tiles, sms) // cfg.cluster_n * cfg.cluster_n)
     return max(1, min(math.ceil(tiles / cfg.tiles_per_block), sms))
 
 
@@ -407,7 +412,8 @@ class _Plan:
             k.launch(g, b, a, stream=stream)
         if self.kernel is not None:
             args = self.args if out is None or self.with_out is None else self.with_out(out)
-            self.kernel.launch(self.grid, self.cfg.threads, args, stream=stream, smem=self.cfg.smem)
+            self.kernel.launch(self.grid, self.cfg.threads, args, stream=stream, smem=self.cfg.smem,
+                               cluster=(self.cfg.cluster_n, 1, 1) if self.cfg.cluster_n > 1 else None)
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -480,7 +486,8 @@ def _a_operand(A: DeviceArray, rows: int, K: int, cfg: TileConfig, in_dtype: str
     """A ``[rows, K]``: ``(tensor map, staging launches, buffers to keep)``."""
     sa = A.strides
     op = _tma_operand(A, 1, rows, K, 0, sa[0], sa[1])
-    tma = encode_tiled(op.ptr, in_dtype, op.dims[:2], op.strides[:1], (64, cfg.bm))
+    # with clusters along N each block loads (and multicasts) one 64-row slab of the A tile
+    tma = encode_tiled(op.ptr, in_dtype, op.dims[:2], op.strides[:1], (64, cfg.bm // cfg.cluster_n))
     return tma, *_staging(op, in_dtype, out_dtype, device)
 
 
@@ -611,7 +618,10 @@ def _auto_config(M: int, N: int, K: int, b_layout: str, sms: int) -> TileConfig:
 
 
 def _tiles(cfg: TileConfig, M: int, N: int, b_layout: str) -> int:
-    return math.ceil(M / cfg.bm) * math.ceil(N / cfg.tile_n(b_layout))
+    """Output tiles (with clusters along N: N's tiles rounded up to whole clusters, the scheduler's
+    units and split-K slots)."""
+    num_n = math.ceil(N / cfg.tile_n(b_layout))
+    return math.ceil(M / cfg.bm) * (-(-num_n // cfg.cluster_n) * cfg.cluster_n)
 
 
 def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, split_tiles: int | None = None) -> int:
@@ -647,7 +657,7 @@ def split_plan(cfg: TileConfig, tiles: int, K: int, b_layout: str, workers: int,
                 best, best_cost = (sp, 0), c
         return best
     q, r = divmod(tiles, workers)
-    if r == 0:
+    if r == 0 or cfg.cluster_n > 1:  # (clusters: the pair scheduler's split_from would count pairs)
         return best
     whole = q * config_cost(cfg, workers, workers, K, b_layout)
     unsplit = best_cost
@@ -742,6 +752,9 @@ def grouped_gemm(a, b, group_offsets, out=None, *, b_layout: str = "kn", out_dty
         offs_key = ("dev", D.ptr, D.dtype.name)
     if config is not None and config not in CONFIGS:
         raise ValueError(f"mkernel.grouped_gemm: unknown config {config}; known: {sorted(CONFIGS)}")
+    if config is not None and CONFIGS[config].cluster_n > 1:
+        raise ValueError(f"mkernel.grouped_gemm: config {config} runs in clusters of blocks; grouped problems "
+                         "do not (choose another config)")
     with _on_device(dev):
         O = _prepare_out(O_in, out_dtype, in_dtype, (T, N), dev)
         if T == 0 or N == 0 or G == 0:

@@ -58,8 +58,9 @@ class FakeKernel:
     def __init__(self, log, key):
         self.log, self.key = log, key
 
-    def launch(self, grid, block, args, *, stream=None, smem=0, **kw):
-        self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=grid, block=block, args=args, smem=smem))
+    def launch(self, grid, block, args, *, stream=None, smem=0, cluster=None, **kw):
+        self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=grid, block=block, args=args, smem=smem,
+                             cluster=cluster))
 
 
 CLEARS: list = []  # (ptr, count) of every split-K counter clear the fake plans ran
@@ -247,6 +248,23 @@ def test_k0_fills_each_output(fake):
     G.gemm(a, b, o2)
     fills = [launch["args"][0].value for launch in launches if launch["kernel"].startswith("mk_pad_copy")]
     assert fills == [o1.ptr, o2.ptr]
+
+
+def test_cluster_config_launch(fake):
+    """Config 8 (clusters of 2 along N sharing A): launched with cluster dims (2, 1, 1) on an even
+    grid, A's map boxes one 64-row slab, N's tiles rounded up to whole clusters; grouped GEMMs refuse it."""
+    launches, maps, empty = fake
+    a, b = empty((512, 7168), "bfloat16"), empty((1000, 7168), "bfloat16")  # 8 tiles of 128 along N
+    G.gemm(a, b, b_layout="nk", config=8, splits=1)
+    l = launches[-1]
+    assert l["cluster"] == (2, 1, 1) and l["grid"] % 2 == 0 and l["grid"] == 32  # 4 x 8 tiles
+    assert maps[0]["box"] == (64, 64)
+    G.gemm(a, empty((800, 7168), "bfloat16"), b_layout="nk", config=8, splits=1)  # 7 tiles -> 4 pairs (a phantom)
+    assert launches[-1]["grid"] == 32
+    G.gemm(a, b, b_layout="nk", config=3)
+    assert launches[-1]["cluster"] is None
+    with pytest.raises(ValueError, match="clusters"):
+        G.grouped_gemm(a, empty((2, 1000, 7168), "bfloat16"), [0, 256, 512], b_layout="nk", config=8)
 
 
 def test_split_k_plans(fake):
