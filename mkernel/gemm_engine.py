@@ -568,7 +568,11 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
         args.splits, args.split_from, split_from, units = 1, tiles, tiles, tiles
     maps = [tma, tmb, tmc]
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
-    plan = _Plan(cfg, kernel, _grid(cfg, units, sms), [*maps, args], pre, keep, sp, split_from)
+    grid = _grid(cfg, units, sms)
+    if cfg.cluster_n > 1:  # no more clusters than fit at once (a GPC's SMs may not pair up)
+        fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster_n)
+        grid = max(cfg.cluster_n, min(grid, fit * cfg.cluster_n))
+    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from)
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
 

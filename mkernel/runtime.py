@@ -514,6 +514,15 @@ class Kernel:
         self._ensure_smem(ctx, f, smem)
         return int(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, block, smem)))
 
+    def max_active_clusters(self, grid: int, block: int, smem: int, cluster: int) -> int:
+        """How many clusters of ``cluster`` blocks (1-D) can be resident at once (cuOccupancyMaxActiveClusters):
+        a persistent kernel launched in clusters must not ask for more, or the rest wait for the first
+        ones to finish."""
+        ctx, f = self._func()
+        self._ensure_smem(ctx, f, smem)
+        cfg = _launch_config(grid, block, smem, 0, False, (cluster, 1, 1))
+        return int(check(cu.cuOccupancyMaxActiveClusters(f, cfg)))
+
     def _ensure_smem(self, ctx, f, smem):
         if smem > 48 * 1024 and self._smem_set.get(ctx, 0) < smem:
             check(cu.cuFuncSetAttribute(

@@ -62,6 +62,9 @@ class FakeKernel:
         self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=grid, block=block, args=args, smem=smem,
                              cluster=cluster))
 
+    def max_active_clusters(self, grid, block, smem, cluster):
+        return 60  # (a GPU on which not every SM pairs up)
+
 
 CLEARS: list = []  # (ptr, count) of every split-K counter clear the fake plans ran
 
@@ -261,6 +264,8 @@ def test_cluster_config_launch(fake):
     assert maps[0]["box"] == (64, 64)
     G.gemm(a, empty((800, 7168), "bfloat16"), b_layout="nk", config=8, splits=1)  # 7 tiles -> 4 pairs (a phantom)
     assert launches[-1]["grid"] == 32
+    G.gemm(empty((4096, 7168), "bfloat16"), b, b_layout="nk", config=8, splits=1)
+    assert launches[-1]["grid"] == 120  # 32 x 8 tiles, but only 60 clusters fit at once
     G.gemm(a, b, b_layout="nk", config=3)
     assert launches[-1]["cluster"] is None
     with pytest.raises(ValueError, match="clusters"):
