@@ -475,8 +475,8 @@ MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const H
   const MkTensorMap* tmA = hook.a_map(t, tmA_default, a_row);
   const int k0 = kb * Cfg::BK;
   if constexpr (Cfg::B_KN) {
-    const int nchunks = t.cols > 0 ? (t.cols + 63) / 64 : 0;  // skip chunks wholly right of N (a cluster's
-                                                            // phantom half: none)
+    // skip chunks wholly right of N (a cluster's phantom half, cols <= 0: none)
+    const int nchunks = (Cfg::CLUSTER_N > 1 && t.cols <= 0) ? 0 : (t.cols + 63) / 64;
     mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + nchunks * Cfg::B_CHUNK_BYTES);
     mk_gemm_load_a<Cfg>(sm, stage, tmA, k0, a_row);
     for (int j = 0; j < nchunks; ++j)

@@ -72,13 +72,15 @@ MK_DEVICE mk_u32 mk_cluster_ctarank() {
 MK_DEVICE void mk_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// Arrive on the mbarrier at the same shared-memory offset as `bar` in block `cta` of the cluster
-// (release at cluster scope; cta may be this block).
+// Arrive on the mbarrier at the same shared-memory offset as `bar` in block `cta` of the cluster (cta
+// may be this block).  Default semantics (release at CTA scope): a consumer releasing a ring slot
+// only orders its own (already completed, wgmma-waited) shared-memory reads; ".release.cluster"
+// compiled to MEMBAR.ALL.GPU + ERRBAR per arrive, which capped the cluster GEMM at ~200 TFLOP/s.
 MK_DEVICE void mk_mbar_arrive_cluster(mk_u64* bar, mk_u32 cta) {
   asm volatile(
       "{\n\t.reg .b32 remote;\n\t"
       "mapa.shared::cluster.u32 remote, %0, %1;\n\t"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}" ::"r"(mk_smem_addr(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n\t}" ::"r"(mk_smem_addr(bar)),
       "r"(cta)
       : "memory");
 }
