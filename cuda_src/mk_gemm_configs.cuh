@@ -15,7 +15,7 @@
 //                     6  ping-pong: 2 consumer WGs on alternate 64x256 tiles, 5 stages (small K: the
 //                        epilogue of one WG hides under the other's main loop); register epilogue
 //                     8  config 2's tile in clusters of 2 blocks along N sharing A by TMA multicast
-//                        (experiment: forced only; launch with cluster dims (2, 1, 1), even grid)
+//                        (forced only: config 2's speed; launch with cluster dims (2, 1, 1), even grid)
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
 //   kernel's C map is usable (c_tma); every kernel takes that map (unused by configs 0 and 6).
 #pragma once
