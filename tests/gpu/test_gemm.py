@@ -195,7 +195,6 @@ def test_graph_replay_after_plan_eviction(rng):
     ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     G.gemm(a, b, out, b_layout="nk", stream=int(stream))
     graph = ok(cu.cuStreamEndCapture(stream))
-    gexec = ok(cu.cuGraphInstantiate(graph, 0))
     plan = next(p for p in G._plans.values() if p.pinned)
     assert plan.splits > 1
     y = rand(rng, (64, 64), "bfloat16")[0]
@@ -207,18 +206,33 @@ def test_graph_replay_after_plan_eviction(rng):
     import gc
 
     gc.collect()
-    for rep in range(3):
+
+    def new_data():
         a2, av = rand(rng, (M, K), "bfloat16")
         b2, bv = rand(rng, (N, K), "bfloat16")
         a.copy_from(a2, stream=int(stream)), b.copy_from(b2, stream=int(stream))
+        return av @ bv.T
+
+    replay_and_check(stream, graph, out, 3, new_data, "graph replay after plan eviction")
+
+
+def replay_and_check(stream, graph, out, reps, reference, what):
+    """Instantiate ``graph``, then ``reps`` times: ``reference()`` (may refill the inputs on ``stream``;
+    returns the float64 result), poison ``out``, launch, check; destroy the graph and the stream."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check as ok
+
+    gexec = ok(cu.cuGraphInstantiate(graph, 0))
+    for rep in range(reps):
+        ref = reference()
         out.fill_nan(stream=int(stream))
         ok(cu.cuGraphLaunch(gexec, stream))
         ok(cu.cuStreamSynchronize(stream))
-        check(download(out), av @ bv.T, f"graph replay {rep} after plan eviction")
+        check(download(out), ref, f"{what} ({rep})")
     ok(cu.cuGraphExecDestroy(gexec))
     ok(cu.cuGraphDestroy(graph))
     ok(cu.cuStreamDestroy(stream))
-
 
 
 def test_plan_built_and_evicted_inside_global_capture(rng):
@@ -245,15 +259,8 @@ def test_plan_built_and_evicted_inside_global_capture(rng):
     ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
     G.gemm(a, b, out, b_layout="nk", stream=int(stream), splits=3)  # new plan: workspace + an eviction
     graph = ok(cu.cuStreamEndCapture(stream))
-    gexec = ok(cu.cuGraphInstantiate(graph, 0))
-    for rep in range(2):
-        out.fill_nan(stream=int(stream))
-        ok(cu.cuGraphLaunch(gexec, stream))
-        ok(cu.cuStreamSynchronize(stream))
-        check(download(out), av @ bv.T, f"replay {rep} of a plan built inside a global capture")
-    ok(cu.cuGraphExecDestroy(gexec))
-    ok(cu.cuGraphDestroy(graph))
-    ok(cu.cuStreamDestroy(stream))
+    replay_and_check(stream, graph, out, 2, lambda: av @ bv.T, "replay of a plan built inside a global capture")
+
 
 # ---- views: strided output (masking), offset / strided / transposed inputs (staging) ---------
 @pytest.mark.parametrize("out_dt,pad,layout,config", [
