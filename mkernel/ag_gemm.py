@@ -138,6 +138,7 @@ class CostModel:
     ce_link_bw: float = 370e9       # B/s the copy engines push to one peer (copy engine 382.7 GB/s measured)
     ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
     ce_op_latency: float = 2e-6     # s per copy-engine operation (data or flag copy)
+    ce_start_latency: float = 20e-6  # s from the call to the first copy moving (fork, begin kernel, first op)
     ce_chunks: int = 4              # chunks (ready flags) per shard
     ce_gemm_slowdown: float = 1.02  # the GEMM beside incoming NVLink traffic (L2 / HBM sharing)
     ce_min_bytes: int = 8 << 20     # automatic plan: fused_ce only from this many gathered bytes (below,
@@ -360,14 +361,17 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         tt = _tile_time(cfg, K, sms, model) * model.ce_gemm_slowdown
         sp, sf, gain = _split_gain(cfg, tiles, K, w, tail_split)
         t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown * gain
+        # A rank reads its own rows in place (an A shard 16 bytes aligned, the usual case: no local
+        # copy first), so the copy engines start on the peers' shards at once.
         arrive = []
         for m in m_sizes:
             ops = 2 * (-(-m // cr_ce)) * model.ce_op_latency
-            arrive.append((m * row_bytes / model.ce_local_bw + ops + model.launch_latency,
-                           m * row_bytes / model.ce_link_bw + ops))
+            arrive.append((model.ce_start_latency, m * row_bytes / model.ce_link_bw + ops))
         t_comm = max(tl + (P - 1) * tp for tl, tp in arrive)
         per_shard = lambda m: -(-m // cfg.bm) * -(-N // cfg.bn)  # noqa: E731
         t = max(_stream_finish(m_sizes, arrive, per_shard, w, tt), t_gemm) + model.launch_latency
+        if gathered:  # the gathered A is copied out of the workspace after the GEMM
+            t += M * row_bytes / model.hbm_copy_bw + model.launch_latency
         return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), cr_ce, (sp, sf)
 
     base = dict(m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
