@@ -662,7 +662,7 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
 
     # ---- workspace, bound launch arguments -----------------------------------------------------
     L = sig.layout
-    ws = ctx.workspace(("ag_gemm",), L.total)
+    ws = ctx.workspace(("ag_gemm",), L.total, stream, what)
     # keyed by the output's layout, not its address: a fresh output per call (out=None) re-points the
     # bound launch instead of binding anew (tensor maps, B staging, split-K workspace, events)
     # (gathered_a likewise: its layout is fixed -- dense [M_total, K] -- so only whether there is one)

@@ -126,10 +126,10 @@ def _kernel(ctx, op: str, dtype, threads: int = _THREADS):
 
 def _launch(ctx, op: str, dtype, slot_bytes: int, phases: int, head_args: list, stream) -> None:
     """Plan the chunks, take the op's symmetric workspace (grown collectively when needed), launch."""
-    k = _kernel(ctx, op, dtype)
     grid_max = min(ctx.sm_count, MAX_BLOCKS) if MAX_BLOCKS > 0 else ctx.sm_count
     L, total, grid = _layout(ctx.local_size, slot_bytes, grid_max, phases)
-    ws = ctx.workspace(("collective", op), total)
+    ws = ctx.workspace(("collective", op), total, stream, f"mkernel.{op}")
+    k = _kernel(ctx, op, dtype)
     args = [ctx.comm_args(op), *head_args, ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
     k.launch(grid, _THREADS, args, stream=stream, cooperative=True)
 
@@ -247,7 +247,7 @@ def _ce_run(ctx, op: str, dtype, message_bytes: int, phases: int, x: DeviceArray
     """One copy-engine collective call (bound once per buffers and sizes, then replayed)."""
     P = ctx.local_size
     L, total = _ce_layout(P, message_bytes, phases)
-    ws = ctx.workspace(("collective_ce", op), total)
+    ws = ctx.workspace(("collective_ce", op), total, stream, f"mkernel.{op}")
     bindings = ctx.__dict__.setdefault("_ce_bindings", {})
     key = (op, dtype.code, x.ptr, o.ptr, count, shard, ws.ptr, ws.nbytes)
     run = bindings.get(key)

@@ -25,7 +25,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from .errors import CommError, CommTimeout
-from .runtime import check, device_attribute, stream_handle
+from .runtime import check, device_attribute, is_capturing, stream_handle
 from .signals import OPS, ErrorRecordView, MkComm
 from .topology import Topology
 
@@ -196,16 +196,23 @@ class Context:
         self._symmetric.append(buf)
         return buf
 
-    def workspace(self, key, nbytes: int):
+    def workspace(self, key, nbytes: int, stream=None, what: str = "mkernel"):
         """A cached symmetric workspace for ``key``, re-allocated (collectively) when it must grow.
 
         Every rank calls ops in the same order with the same sizes (checked by :meth:`agree`), so
         growth happens on all ranks at the same call.  A fresh workspace is zeroed: flags and epochs
-        start at 0.
+        start at 0.  Creating or growing one allocates collectively and synchronizes the device, which
+        a CUDA-graph capture forbids: when ``stream`` (the op's stream) is being captured, that raises
+        a RuntimeError naming ``what`` before anything touches the capture.
         """
         ws = self._workspaces.get(key)
         if ws is not None and ws.nbytes >= nbytes:
             return ws
+        if stream is not None and is_capturing(stream):
+            raise RuntimeError(
+                f"{what}: this call needs a larger communication workspace ({nbytes} bytes; a collective "
+                "allocation that synchronizes the device), which cannot be set up while its stream is being "
+                "captured into a CUDA graph: make one call of this size (or larger) before capturing")
         if ws is not None:
             self.synchronize()
             ws.free()

@@ -442,11 +442,7 @@ class ClearBeforeFirstUse:
             self.pending = _capturing(stream) if capturing is None else capturing
 
 
-def _capturing(stream) -> bool:
-    """True while ``stream`` is being captured into a CUDA graph (an error, e.g. no context: False)."""
-    err, status = cu.cuStreamIsCapturing(cu.CUstream(runtime.stream_handle(stream)))
-    return (err == cu.CUresult.CUDA_SUCCESS
-            and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+_capturing = runtime.is_capturing
 
 
 def _cached_plan(key, build):

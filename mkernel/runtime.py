@@ -59,6 +59,13 @@ def check(result):
 
 
 
+def is_capturing(stream) -> bool:
+    """True while ``stream`` is being captured into a CUDA graph (an error, e.g. no context: False)."""
+    err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle(stream)))
+    return (err == cu.CUresult.CUDA_SUCCESS
+            and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+
+
 @contextmanager
 def capture_relaxed():
     """Let this thread call what a CUDA-graph capture in global mode forbids (cuMemAlloc, cuMemFree,

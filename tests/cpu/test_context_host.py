@@ -19,3 +19,28 @@ def test_context_timeout_updates_cached_comm_args():
     assert c.timeout_ns == 250_000_000 and ctx.timeout == 0.25
     with pytest.raises(ValueError, match="timeout"):
         ctx.timeout = 0
+
+
+def test_workspace_setup_inside_a_capture_raises_clearly(monkeypatch):
+    """Creating or growing an op's workspace (a collective allocation that synchronizes the device)
+    while the op's stream is being captured raises a RuntimeError naming the op -- before any driver
+    call could invalidate the caller's capture; a workspace that already fits is returned as usual."""
+    from mkernel import context as X
+
+    ctx = object.__new__(X.Context)
+    ctx._workspaces = {}
+
+    class WS:
+        nbytes = 1 << 20
+
+    def no_alloc(nbytes, comm=None):
+        raise AssertionError("allocated inside a capture")
+
+    ctx.alloc_symmetric = no_alloc
+    monkeypatch.setattr(X, "is_capturing", lambda stream: True)
+    with pytest.raises(RuntimeError, match=r"mkernel.all_reduce: .*before capturing"):
+        ctx.workspace(("collective", "all_reduce"), 4096, stream=7, what="mkernel.all_reduce")
+    ctx._workspaces[("collective", "all_reduce")] = ws = WS()
+    assert ctx.workspace(("collective", "all_reduce"), 4096, stream=7) is ws  # fits: no setup, no error
+    with pytest.raises(RuntimeError, match="larger communication workspace"):
+        ctx.workspace(("collective", "all_reduce"), 2 << 20, stream=7)

@@ -283,3 +283,26 @@ def test_zzz_missing_peer_times_out_copy_engines(ctx, monkeypatch):
     x = DeviceArray.empty((1 << 20,), "float32")
     x.copy_from(upload(np.ones(1 << 20), "float32")[0])
     assert_missing_peer_times_out(lambda c2: mkernel.all_reduce(c2, x), "all_reduce")
+
+
+def test_first_call_inside_a_capture_raises_clearly(ctx):
+    """A collective first called inside a CUDA-graph capture (its workspace does not exist yet: a
+    collective allocation that synchronizes the device) raises a RuntimeError that says what to do,
+    on every rank, before anything touches the capture -- which still ends cleanly."""
+    from mpi4py import MPI
+
+    c2 = mkernel.init(MPI.COMM_WORLD.Dup())  # a fresh context: no workspace yet
+    x = upload(np.ones(4096), "float32")[0]
+    stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    try:
+        with pytest.raises(RuntimeError, match="before capturing"):
+            mkernel.all_reduce(c2, x, stream=int(stream))
+    finally:
+        graph = check(cu.cuStreamEndCapture(stream))
+    check(cu.cuGraphDestroy(graph))
+    check(cu.cuStreamDestroy(stream))
+    out = mkernel.all_reduce(c2, x)  # outside the capture: sets up and runs
+    c2.synchronize()
+    assert np.allclose(download(out), c2.local_size)
+    c2.world.Barrier()
