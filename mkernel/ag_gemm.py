@@ -672,8 +672,8 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
         bound = _bind(ctx, sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K)
         _lru_put(_bindings, bkey, bound, _BINDINGS_MAX)
     bound(stream, O, GA.ptr if GA is not None else 0)
-    if not getattr(bound, "pinned", False) and G._capturing(stream):
-        # a graph replays the binding's buffers (B staging) after the LRU may have evicted it
+    if bound.buffers and not getattr(bound, "pinned", False) and runtime.is_capturing(stream):
+        # a graph replays the binding's buffers (B staging, split-K sums) after the LRU may have evicted it
         bound.pinned = True
         with _lock:
             _pinned_bindings.append(bound)
@@ -724,6 +724,7 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
             if N > 0:
                 G.gemm(gathered, B, out, b_layout=b_layout, stream=stream)
             release.launch(1, RELEASE_THREADS, cargs, stream=stream)
+        run_unfused.buffers = False  # (mkernel.gemm keeps its own plan's buffers)
         return run_unfused
 
     cfg = G.CONFIGS[p.config]
@@ -745,11 +746,11 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
 
     def kargs_for(O2, ga: int) -> list:
         """The fused kernel's arguments for output O2 (O's layout, any address) and gathered A at ga."""
+        a2 = with_gathered(args, ga)
         if O2.ptr == o_ptr:
-            a2 = with_gathered(args, ga)
             return kargs if a2 is args else [tma, tmb, tmal, tmc, comm, a2]
-        a2 = AgArgs.from_buffer_copy(args)
-        a2.gathered_out = ga or None
+        if a2 is args:
+            a2 = AgArgs.from_buffer_copy(args)
         a2.c, a2.c_vec_ok = O2.ptr, G._vec_ok(O2, ldc, M_total)
         tmc2, a2.c_tma = G.c_map(O2, M_total, N, ldc, cfg, tma)
         return [tma, tmb, tmal, tmc2, comm, a2]
@@ -768,13 +769,16 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
             for k, g, blk, a in pre:
                 k.launch(g, blk, a, stream=stream)
             kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem, cooperative=True)
+    # buffers: device memory a captured graph replays (pinned once captured: ag_gemm)
     if p.splits == 1:
+        run.buffers = bool(keep)
         return run
     clear = G.ClearBeforeFirstUse(sk_ws.ptr, sk_ws.size)
 
     def run_split(stream, out, ga):
         clear(stream)
         run(stream, out, ga)
+    run_split.buffers = True
     return run_split
 
 

@@ -400,7 +400,7 @@ class _Plan:
 
     def run(self, stream, out=None):
         if self.keep and (not self.pinned or (self.zero is not None and self.zero.pending)):
-            capturing = _capturing(stream)
+            capturing = runtime.is_capturing(stream)
             if capturing and not self.pinned:
                 # A graph replays this plan's buffers (staging copies, split-K partials and counters,
                 # group offsets) long after the LRU may have evicted the plan: keep it, and them, for good.
@@ -439,10 +439,8 @@ class ClearBeforeFirstUse:
     def __call__(self, stream, capturing: bool | None = None) -> None:
         if self.pending:
             _clear_i32(self.ptr, self.n, stream)
-            self.pending = _capturing(stream) if capturing is None else capturing
+            self.pending = runtime.is_capturing(stream) if capturing is None else capturing
 
-
-_capturing = runtime.is_capturing
 
 
 def _cached_plan(key, build):
@@ -560,12 +558,11 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
         ws, partials, counters = split_workspace(n_split, cfg.bm * cfg.tile_n(b_layout), dev)
         keep += [ws]
         args.partials, args.counters, args.splits, args.split_from = partials, counters, sp, split_from
-        units = split_from + n_split * sp
     else:
-        args.splits, args.split_from, split_from, units = 1, tiles, tiles, tiles
+        args.splits, args.split_from, split_from = 1, tiles, tiles
     maps = [tma, tmb, tmc]
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
-    grid = _grid(cfg, units, sms)
+    grid = _grid(cfg, _units(tiles, sp, split_from), sms)
     if cfg.cluster_n > 1:  # no more clusters than fit at once (a GPC's SMs may not pair up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster_n)
         grid = max(cfg.cluster_n, min(grid, fit * cfg.cluster_n))
@@ -585,6 +582,11 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
         return [tma, tmb, tmc2, a2]
     plan.with_out = with_out
     return plan
+
+
+def _units(tiles: int, splits: int, split_from: int) -> int:
+    """Scheduler units of a split plan: the whole tiles before split_from, then ``splits`` per tile."""
+    return split_from + (tiles - split_from) * splits if splits > 1 else tiles
 
 
 def split_workspace(n_split: int, tile_elems: int, device: int):
@@ -836,7 +838,7 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
                 split_tiles=(tiles - sf) if sp > 1 else 0,
                 registers=usage.get("registers"), spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles,
-                grid=_grid(cfg, (sf + (tiles - sf) * sp) if sp > 1 else tiles, sms))
+                grid=_grid(cfg, _units(tiles, sp, sf), sms))
 
 
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:

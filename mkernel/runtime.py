@@ -58,7 +58,6 @@ def check(result):
     return rest[0] if len(rest) == 1 else rest
 
 
-
 def is_capturing(stream) -> bool:
     """True while ``stream`` is being captured into a CUDA graph (an error, e.g. no context: False)."""
     err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle(stream)))
@@ -82,6 +81,7 @@ def capture_relaxed():
     finally:
         if err == cu.CUresult.CUDA_SUCCESS:
             cu.cuThreadExchangeStreamCaptureMode(prev)
+
 
 # --------------------------------------------------------------------------------------------
 # where things are

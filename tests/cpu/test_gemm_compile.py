@@ -91,7 +91,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(G.DeviceArray, "empty", staticmethod(empty))
     monkeypatch.setattr(G.DeviceArray, "from_numpy", staticmethod(from_numpy))
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    monkeypatch.setattr(G, "_capturing", lambda stream: False)
+    monkeypatch.setattr(G.runtime, "is_capturing", lambda stream: False)
     CLEARS.clear()
     monkeypatch.setattr(G, "_clear_i32", lambda ptr, n, stream: CLEARS.append((ptr, n)))
     G._plans.clear()
@@ -403,19 +403,19 @@ def test_captured_plans_outlive_the_lru(fake, monkeypatch):
     a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
     G.gemm(a, b, b_layout="nk")  # not captured
     free = next(reversed(G._plans.values()))
-    monkeypatch.setattr(G, "_capturing", lambda stream: True)
+    monkeypatch.setattr(G.runtime, "is_capturing", lambda stream: True)
     a2 = empty((128, 7168), "bfloat16")
     G.gemm(a2, b, b_layout="nk")  # captured
     kept = next(reversed(G._plans.values()))
     assert kept.splits > 1 and kept.pinned and G._pinned == [kept] and not free.pinned
     # its counter clear was captured (it happens when the graph runs): the next eager call clears again
     assert kept.zero.pending and not free.zero.pending
-    monkeypatch.setattr(G, "_capturing", lambda stream: False)
+    monkeypatch.setattr(G.runtime, "is_capturing", lambda stream: False)
     for _ in range(G._PLANS_MAX + 1):  # evict both from the LRU
         G.gemm(empty((256, 256), "bfloat16"), empty((256, 256), "bfloat16"))
     assert kept not in G._plans.values() and free not in G._plans.values()
     assert G._pinned == [kept] and kept.keep  # its partials and counters are still referenced
-    monkeypatch.setattr(G, "_capturing", lambda stream: True)
+    monkeypatch.setattr(G.runtime, "is_capturing", lambda stream: True)
     G.gemm(empty((8, 8), "bfloat16"), empty((8, 8), "bfloat16"))  # captured, but no buffers: not pinned
     assert G._pinned == [kept] and not next(reversed(G._plans.values())).pinned
 
