@@ -83,7 +83,7 @@ struct AgArgs {
   float* partials;       // split-K of the last wave (splits > 1): fp32 running sums [split tiles][BM*BN], zero between calls
   int* counters;         // split-K: [split tiles], zero between calls
   int splits;            // K splits of the tiles from split_from on (1: none)
-  int split_from;        // tiles (in the workers' order) before this one are whole
+  int split_from;        // tiles (in the workers' order) before this one are whole (no split: the tile count)
 };
 static_assert(sizeof(AgArgs) == 232, "AgArgs layout changed: update mkernel/ag_gemm.py");
 
@@ -202,18 +202,8 @@ template <int BM, int BN> struct AgScheduler {
   // kernel parameters) rather than carried across the role split, where it would cost a register.
   MK_DEVICE void init(int, int) { next_i = (int)blockIdx.x - a->n_comm; }
   MK_DEVICE bool next(MkTile& t) {
-    int i = next_i;
+    int i = mk_split_unit(next_i, a->splits, a->split_from, t);
     next_i += (int)gridDim.x - a->n_comm;
-    if (a->splits > 1 && i >= a->split_from) {
-      const int u = i - a->split_from;
-      t.slot = u / a->splits;
-      t.split = u - t.slot * a->splits;
-      t.splits = a->splits;
-      i = a->split_from + t.slot;
-    } else {
-      t.split = 0;
-      t.splits = 1;
-    }
     const int P = a->P, me = a->me, N = a->N;
     const int num_n = (N + BN - 1) / BN;
     for (int k = 0; k < P; ++k) {

@@ -157,6 +157,22 @@ MK_DEVICE void mk_raster(int i, int num_m, int num_n, int group_m, int& tm, int&
 }
 
 // ---- schedulers -------------------------------------------------------------------------------------
+// Split-K units: unit ids before `split_from` are whole tiles; each later tile is `splits` units, one
+// per K range, on consecutive ids (no split-K: split_from = the tile count).  Sets t's split fields
+// and returns the tile's id.  Shared by MkLinearScheduler and the fused kernels' schedulers.
+MK_DEVICE int mk_split_unit(int i, int splits, int split_from, MkTile& t) {
+  if (i >= split_from) {
+    const int u = i - split_from;
+    t.slot = u / splits;
+    t.split = u - t.slot * splits;
+    t.splits = splits;
+    return split_from + t.slot;
+  }
+  t.split = 0;
+  t.splits = 1;
+  return i;
+}
+
 // One problem of M x N, units u = worker_id, worker_id + num_workers, ...  Tiles (rasterized order)
 // before `split_from` are one unit each; every later tile is `splits` units, one per K split, side by
 // side on consecutive workers (splits = 1: no split-K; split_from = 0: every tile split, for problems
@@ -182,17 +198,7 @@ template <int BM, int BN> struct MkLinearScheduler {
   }
   MK_DEVICE bool next(MkTile& t) {
     if (next_i >= total) return false;
-    int i = next_i;
-    if (i >= split_from) {
-      const int u = i - split_from;
-      t.slot = u / splits;
-      t.split = u - t.slot * splits;
-      t.splits = splits;
-      i = split_from + t.slot;
-    } else {
-      t.split = 0;
-      t.splits = 1;
-    }
+    const int i = mk_split_unit(next_i, splits, split_from, t);
     int tm, tn;
     mk_raster(i, num_m, num_n, group_m, tm, tn);
     next_i += step;

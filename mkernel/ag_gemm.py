@@ -754,9 +754,10 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         a2.c, a2.c_vec_ok = O2.ptr, G._vec_ok(O2, ldc, M_total)
         tmc2, a2.c_tma = G.c_map(O2, M_total, N, ldc, cfg, tma)
         return [tma, tmb, tmal, tmc2, comm, a2]
-    args.splits, args.split_from = 1, 0
+    tiles = _fused_tiles([sig.offs[j + 1] - sig.offs[j] for j in range(P)], N, cfg)
+    args.splits, args.split_from = 1, tiles  # (no split-K: every unit a whole tile, mk_split_unit)
     if p.splits > 1:  # split-K of the last wave: fp32 partial slots, counters (zero; the kernel keeps them so)
-        n_split = _fused_tiles([sig.offs[j + 1] - sig.offs[j] for j in range(P)], N, cfg) - p.split_from
+        n_split = tiles - p.split_from
         sk_ws, args.partials, args.counters = G.split_workspace(n_split, cfg.bm * cfg.bn, dev)
         args.splits, args.split_from = p.splits, p.split_from
         keep += (sk_ws,)

@@ -155,3 +155,5 @@ def test_binding_repointed_at_each_output(monkeypatch, path):
     assert [a[3] for a in fused] == [("map", o.ptr) for o, _ in calls]  # C's map
     assert [a[5].gathered_out for a in fused] == [ga.ptr for _, ga in calls]
     assert fused[0][5] is fused[3][5] and fused[1][5] is not fused[0][5]  # the binding's own args reused
+    cfg = agm.G.CONFIGS[p.config]  # no split-K: every unit is a whole tile (split_from = the tile count)
+    assert (fused[0][5].splits, fused[0][5].split_from) == (1, agm._fused_tiles(m_sizes, N, cfg))
