@@ -39,7 +39,7 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   epi.c = reinterpret_cast<MkOut*>(args.c);
   epi.ldc = args.ldc;
   epi.vec_ok = args.c_vec_ok;
-  if constexpr (GROUPED && Cfg::CLUSTER_N > 1) {
+  if constexpr (GROUPED && (Cfg::CLUSTER_N > 1 || Cfg::CLUSTER_K > 1)) {
     __trap();  // grouped GEMMs do not run in clusters (mkernel/gemm_engine.py never launches this)
   } else if constexpr (GROUPED) {
     // a tile ending inside a group must not write the next group's rows: clip_rows = 0
@@ -49,6 +49,10 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
     if constexpr (Cfg::PINGPONG) {  // (no split-K: the ping-pong loop's ring positions assume whole tiles)
       MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
       mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 1, mk_smem, blockIdx.x, gridDim.x);
+    } else if constexpr (Cfg::CLUSTER_K > 1) {  // split-K inside clusters, partials added through DSMEM
+      MkClusterKScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_K> sched(args.M, args.N, args.group_m);
+      MkClusterKEpilogue<Cfg, MkEpilogueStore<MkOut>> ck{epi, MkGemmSmem<Cfg>(mk_smem), mk_cluster_ctarank(), 0u};
+      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), ck, mk_smem, blockIdx.x, gridDim.x);
     } else {
       typedef typename MkPick<Cfg::CLUSTER_N == 2, MkClusterPairScheduler<Cfg::BM, Cfg::BN>,
                               MkLinearScheduler<Cfg::BM, Cfg::BN>>::T Sched;

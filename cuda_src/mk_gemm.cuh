@@ -64,8 +64,11 @@
 // CLUSTER_N_ = 2: blocks run in clusters of two side by side along N (tiles (m, 2j) and (m, 2j+1));
 // each loads one 64-row slab of the shared A tile and multicasts it to both (half the L2 -> SMEM
 // traffic for A), and a ring slot is free only when both blocks' consumers released it.
+// CLUSTER_K_ = 2 or 4: split-K inside a cluster -- the CLUSTER_K blocks of a cluster compute the same
+// tile over K ranges of their own and add their fp32 partials through distributed shared memory
+// (MkClusterKScheduler, MkClusterKEpilogue: no global memory, no atomics); register epilogue only.
 template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false,
-          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1>
+          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1, int CLUSTER_K_ = 1>
 struct MkGemmConfig {
   static constexpr int NC = NC_;
   static constexpr bool PINGPONG = PINGPONG_;
@@ -90,14 +93,25 @@ struct MkGemmConfig {
   static constexpr bool TMA_STORE = STAGING_BOXES_ > 0;
   static constexpr int STAGING_OFFSET = (BAR_OFFSET + 256 + 1023) / 1024 * 1024;
   static constexpr int STAGING_BYTES = NC_ * STAGING_BOXES_ * 8192;
-  static constexpr int SMEM_BYTES =
-      (TMA_STORE ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + 256) + 1024;  // + alignment slack
+  // Cluster split-K: a block finishes the 16-row bands of CK_OWNED_WARPS consumer warps and receives
+  // CLUSTER_K - 1 fp32 fragments (one per other block) for each of them, at RX_OFFSET.
+  static constexpr int CLUSTER_K = CLUSTER_K_;
+  static constexpr int CK_OWNED_WARPS = 4 * NC_ / CLUSTER_K_;
+  static constexpr int RX_WARP_BYTES = 32 * (BN_ / 2) * 4;  // one warp's fp32 accumulator fragment
+  static constexpr int BODY_END = TMA_STORE ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + 256;
+  static constexpr int RX_OFFSET = (BODY_END + 1023) / 1024 * 1024;
+  static constexpr int RX_BYTES = CLUSTER_K_ > 1 ? (CLUSTER_K_ - 1) * CK_OWNED_WARPS * RX_WARP_BYTES : 0;
+  static constexpr int SMEM_BYTES = (CLUSTER_K_ > 1 ? RX_OFFSET + RX_BYTES : BODY_END) + 1024;  // + alignment slack
   // Consumer arrivals that release a ring slot: lane 0 of every warp of the warpgroup(s) reading it
   // (of both blocks of a cluster: the multicast writes the slot in both).
   static constexpr int CLUSTER_N = CLUSTER_N_;
   static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * CLUSTER_N_;
   static_assert(CLUSTER_N_ == 1 || (CLUSTER_N_ == 2 && NC_ == 2 && !PINGPONG_),
                 "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
+  static_assert(CLUSTER_K_ == 1 || ((CLUSTER_K_ == 2 || CLUSTER_K_ == 4) && NC_ == 2 && !PINGPONG_ &&
+                                    !TMA_STORE && CLUSTER_N_ == 1),
+                "cluster split-K: 2 or 4 blocks, cooperative configs with two slabs, register epilogue");
+  static_assert(2 * STAGES_ * 8 + 16 + 8 * (CK_OWNED_WARPS + 1) <= 256, "cluster split-K barriers");
   // Register reallocation (only with two consumer warpgroups: 128*40 + 256*232 = 64512 <= 65536).
   static constexpr bool SETMAXNREG = NC_ == 2;
   static constexpr int PRODUCER_REGS = 40;
@@ -229,6 +243,24 @@ template <int BM, int BN> struct MkClusterPairScheduler {
     t.col0 = t.tile_n * BN;
     t.cols = min(BN, N - t.col0);
     t.slot = 2 * t.slot + rank;
+    return true;
+  }
+};
+
+// Cluster split-K (Cfg::CLUSTER_K == CK): the CK blocks of a cluster take the tiles of
+// MkLinearScheduler (one per cluster at a time), cluster rank r the K blocks [r*nkb/CK, (r+1)*nkb/CK)
+// of each (MkTile::split = r, splits = CK; MkClusterKEpilogue adds the partials, not MkSplitKEpilogue).
+template <int BM, int BN, int CK> struct MkClusterKScheduler {
+  MkLinearScheduler<BM, BN> tiles;
+  int rank;
+  MK_DEVICE MkClusterKScheduler(int M_, int N_, int group_m_)
+      : tiles(M_, N_, group_m_), rank((int)mk_cluster_ctarank()) {}
+  MK_DEVICE void init(int worker_id, int num_workers) { tiles.init(worker_id / CK, num_workers / CK); }
+  MK_DEVICE bool next(MkTile& t) {
+    if (!tiles.next(t)) return false;
+    t.split = rank;
+    t.splits = CK;
+    t.slot = 0;
     return true;
   }
 };
@@ -449,6 +481,13 @@ template <class Cfg> struct MkGemmSmem {
   MK_DEVICE mk_u64* full(int s) const { return reinterpret_cast<mk_u64*>(base + Cfg::BAR_OFFSET) + s; }
   MK_DEVICE mk_u64* empty(int s) const { return reinterpret_cast<mk_u64*>(base + Cfg::BAR_OFFSET) + Cfg::STAGES + s; }
   MK_DEVICE unsigned char* staging() const { return base + Cfg::STAGING_OFFSET; }  // Cfg::TMA_STORE
+  // Cluster split-K (Cfg::CLUSTER_K > 1): received fragments, their barriers (one per owned warp) and
+  // the barrier that tells this block's senders their previous fragments were consumed.
+  MK_DEVICE float* rx() const { return reinterpret_cast<float*>(base + Cfg::RX_OFFSET); }
+  MK_DEVICE mk_u64* rx_full(int i) const {
+    return reinterpret_cast<mk_u64*>(base + Cfg::BAR_OFFSET + 2 * Cfg::STAGES * 8 + 16) + i;
+  }
+  MK_DEVICE mk_u64* rx_free() const { return rx_full(Cfg::CK_OWNED_WARPS); }
   MK_DEVICE volatile int* abort_flag() const {
     return reinterpret_cast<volatile int*>(base + Cfg::BAR_OFFSET + 2 * Cfg::STAGES * 8);
   }
@@ -517,6 +556,10 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
       mk_mbar_init(sm.full(s), 1);
       mk_mbar_init(sm.empty(s), Cfg::EMPTY_ARRIVALS);  // lane 0 of every consumer warp reading the slot
     }
+    if constexpr (Cfg::CLUSTER_K > 1) {
+      for (int i = 0; i < Cfg::CK_OWNED_WARPS; ++i) mk_mbar_init(sm.rx_full(i), 1);  // + the senders' bytes
+      mk_mbar_init(sm.rx_free(), (Cfg::CLUSTER_K - 1) * Cfg::CK_OWNED_WARPS);  // the other blocks' owner warps
+    }
     *sm.abort_flag() = 0;
     *sm.issued() = 0;
     mk_mbar_init_fence();
@@ -525,7 +568,7 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
   }
   __syncthreads();
   // clusters: the peer's barriers are initialised before anyone multicasts into them or arrives
-  if constexpr (Cfg::CLUSTER_N > 1) mk_cluster_sync();
+  if constexpr (Cfg::CLUSTER_N > 1 || Cfg::CLUSTER_K > 1) mk_cluster_sync();
 }
 
 // A consumer warp's release of a ring slot: on this block's empty barrier, and with clusters on every
@@ -723,6 +766,12 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     int prev = -1;
     int kb_lo, kb_hi;
     mk_tile_kblocks(t, nkb, kb_lo, kb_hi);
+    if constexpr (Cfg::CLUSTER_K > 1) {  // a block of the cluster may get no K block at all (nkb < CLUSTER_K)
+      if (kb_lo == kb_hi) {
+#pragma unroll
+        for (int i = 0; i < Cfg::BN / 2; ++i) acc[i] = 0.f;
+      }
+    }
     for (int kb = kb_lo; kb < kb_hi; ++kb) {
       mk_mbar_wait(sm.full(stage), phase);
       if (*sm.abort_flag()) {
@@ -828,6 +877,65 @@ template <class Inner, int NC> struct MkSplitKEpilogue {
     inner.template store<BN>(t, slab, acc);
   }
 };
+// Cluster split-K (Cfg::CLUSTER_K = CK blocks per tile, MkClusterKScheduler): consumer warp w's
+// 16-row band of the tile (rows 16w ..) is finished by block w / OWNED of the cluster (OWNED =
+// Cfg::CK_OWNED_WARPS).  Every other block's warp w writes its fp32 fragment into the owner's shared
+// memory with st.async (16-byte vectors, lane-interleaved: conflict-free; counted in transaction
+// bytes on the owner's rx_full[w % OWNED]); the owner's warp w adds the CK - 1 fragments to its own in
+// block order (the same bits every run), tells every sender block its buffer is free (rx_free, in the
+// sender's shared memory) and stores the band with the inner (register) epilogue.  No global memory,
+// no atomics, nothing to clean up between calls.  drain(): a cluster barrier, so no block exits while
+// a peer may still write into it or arrive on its barriers.
+template <class Cfg, class Inner> struct MkClusterKEpilogue {
+  Inner inner;
+  MkGemmSmem<Cfg> sm;
+  mk_u32 rank;
+  mk_u32 phase;  // parity of the current tile (every block of the cluster sees the same tiles)
+  static constexpr int CK = Cfg::CLUSTER_K, OWNED = Cfg::CK_OWNED_WARPS;
+  static constexpr bool kTileDone = false;
+  static constexpr bool kDrain = true;
+  MK_DEVICE void tile_done(const MkTile&) {}
+  MK_DEVICE void drain() const {
+    if constexpr (Inner::kDrain) inner.drain();
+    mk_cluster_sync();
+  }
+  template <int BN> MK_DEVICE void store(const MkTile& t, int slab, float (&acc)[BN / 2]) {
+    static_assert((BN / 2) % 4 == 0, "16-byte vectors of the accumulator");
+    constexpr int NV = BN / 8;  // 16-byte vectors per thread
+    const int ct = (int)threadIdx.x - 128, w = ct >> 5, lane = ct & 31;
+    const int owner = w / OWNED, wl = w % OWNED;
+    if (owner != (int)rank) {
+      mk_mbar_wait(sm.rx_free(), phase ^ 1);  // every owner consumed what we sent for the previous tile
+      const int slot = (int)rank - ((int)rank > owner ? 1 : 0);  // our index among the owner's senders
+      const mk_u32 dst = mk_cluster_map(sm.rx() + (mk_u32)((slot * OWNED + wl) * NV * 32 * 4), (mk_u32)owner);
+      const mk_u32 bar = mk_cluster_map(sm.rx_full(wl), (mk_u32)owner);
+#pragma unroll
+      for (int i = 0; i < BN / 2; i += 4)
+        mk_st_async_v4(dst + (mk_u32)(((i / 4) * 32 + lane) * 16), acc[i], acc[i + 1], acc[i + 2], acc[i + 3], bar);
+    } else {
+      if (lane == 0) mk_mbar_arrive_expect_tx(sm.rx_full(wl), (mk_u32)((CK - 1) * Cfg::RX_WARP_BYTES));
+      mk_mbar_wait(sm.rx_full(wl), phase);
+#pragma unroll
+      for (int s = 0; s < CK - 1; ++s) {
+        const float* src = sm.rx() + (s * OWNED + wl) * NV * 32 * 4;
+#pragma unroll
+        for (int i = 0; i < BN / 2; i += 4) {
+          const float4 v = *reinterpret_cast<const float4*>(src + ((i / 4) * 32 + lane) * 4);
+          acc[i] += v.x, acc[i + 1] += v.y, acc[i + 2] += v.z, acc[i + 3] += v.w;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int b = 0; b < CK; ++b)
+          if (b != (int)rank) mk_mbar_arrive_cluster(sm.rx_free(), (mk_u32)b);
+      }
+      inner.template store<BN>(t, slab, acc);
+    }
+    phase ^= 1;
+  }
+};
+
 template <int NC, class Inner>
 MK_DEVICE MkSplitKEpilogue<Inner, NC> mk_split_k_epilogue(const Inner& inner, float* partials, int* counters) {
   MkSplitKEpilogue<Inner, NC> e;

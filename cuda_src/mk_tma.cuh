@@ -85,6 +85,20 @@ MK_DEVICE void mk_mbar_arrive_cluster(mk_u64* bar, mk_u32 cta) {
       : "memory");
 }
 
+// This block's shared-memory address `p` mapped into block `cta` of the cluster (same offset there).
+MK_DEVICE mk_u32 mk_cluster_map(const void* p, mk_u32 cta) {
+  mk_u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(mk_smem_addr(p)), "r"(cta));
+  return r;
+}
+// Asynchronous 16-byte store into another block's shared memory (`dst`, `bar`: mk_cluster_map
+// addresses), counted as 16 transaction bytes on that block's mbarrier `bar` when it lands.
+MK_DEVICE void mk_st_async_v4(mk_u32 dst, float a, float b, float c, float d, mk_u32 bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(dst),
+               "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar)
+               : "memory");
+}
+
 // ---- TMA -----------------------------------------------------------------------------------
 MK_DEVICE void mk_tma_prefetch_desc(const MkTensorMap* tm) {
   asm volatile("prefetch.tensormap [%0];" ::"l"((mk_u64)tm) : "memory");

@@ -80,6 +80,14 @@ class TileConfig:
     # the B stream, not the MMA rate, bounds every config there
     efficiency_small_m: float | None = None
     cluster_n: int = 1  # 2: blocks in clusters of 2 along N sharing A by TMA multicast (MkClusterPairScheduler)
+    # 2 or 4: split-K inside clusters of that many blocks, partials added through distributed shared
+    # memory (MkClusterKScheduler / MkClusterKEpilogue); no running-sum split-K
+    cluster_k: int = 1
+
+    @property
+    def cluster(self) -> int:
+        """Blocks per cluster (1: no clusters)."""
+        return self.cluster_n * self.cluster_k
 
     @property
     def tma_store(self) -> bool:
@@ -107,6 +115,9 @@ class TileConfig:
         ring = self.stages * (self.bm * 64 * 2 + -(-bn // 64) * 64 * 64 * 2)
         if self.tma_store:  # 1024-aligned staging after the barriers
             return round_up(ring + 256, 1024) + self.consumers * self.staging_boxes * 8192 + 1024
+        if self.cluster_k > 1:  # 1024-aligned receive buffers: (CK-1) x owned warps x one warp's fp32 fragment
+            owned = 4 * self.consumers // self.cluster_k
+            return round_up(ring + 256, 1024) + (self.cluster_k - 1) * owned * 32 * (bn // 2) * 4 + 1024
         return ring + 256 + 1024
 
 
@@ -125,6 +136,9 @@ CONFIGS = {
     # config 2's tile in clusters of 2 along N sharing A by TMA multicast: measured at config 2's speed
     # (docs/gemm.md entry 13), forced only
     8: TileConfig(8, 128, 128, 6, 2, 0.85, staging_boxes=2, cluster_n=2),
+    # experiments, forced only (not GPU-run yet): config 4's tile, split-K inside clusters of 2 / 4
+    9: TileConfig(9, 128, 192, 4, 2, 0.90, cluster_k=2),
+    10: TileConfig(10, 128, 192, 3, 2, 0.88, cluster_k=4),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
@@ -266,6 +280,8 @@ def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout
 def _grid(cfg: TileConfig, tiles: int, sms: int) -> int:
     if cfg.cluster_n > 1:  # whole clusters (units come in pairs: see _tiles)
         return max(cfg.cluster_n, min(tiles, sms) // cfg.cluster_n * cfg.cluster_n)
+    if cfg.cluster_k > 1:  # CK blocks per tile, whole clusters
+        return max(cfg.cluster_k, min(tiles * cfg.cluster_k, sms) // cfg.cluster_k * cfg.cluster_k)
     return max(1, min(math.ceil(tiles / cfg.tiles_per_block), sms))
 
 
@@ -414,7 +430,7 @@ class _Plan:
         if self.kernel is not None:
             args = self.args if out is None or self.with_out is None else self.with_out(out)
             self.kernel.launch(self.grid, self.cfg.threads, args, stream=stream, smem=self.cfg.smem,
-                               cluster=(self.cfg.cluster_n, 1, 1) if self.cfg.cluster_n > 1 else None)
+                               cluster=(self.cfg.cluster, 1, 1) if self.cfg.cluster > 1 else None)
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -563,9 +579,9 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     maps = [tma, tmb, tmc]
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
     grid = _grid(cfg, _units(tiles, sp, split_from), sms)
-    if cfg.cluster_n > 1:  # no more clusters than fit at once (a GPC's SMs may not pair up)
-        fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster_n)
-        grid = max(cfg.cluster_n, min(grid, fit * cfg.cluster_n))
+    if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
+        fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
+        grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
     plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from)
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
@@ -635,7 +651,8 @@ def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, split_til
 
 
 def _max_splits(cfg: TileConfig, split_tiles: int, K: int, b_layout: str) -> int:
-    if cfg.pingpong or cfg.debug or split_tiles * cfg.bm * cfg.tile_n(b_layout) * 4 > MAX_PARTIAL_BYTES:
+    if (cfg.pingpong or cfg.debug or cfg.cluster_k > 1
+            or split_tiles * cfg.bm * cfg.tile_n(b_layout) * 4 > MAX_PARTIAL_BYTES):
         return 1
     return max(1, min(MAX_SPLITS, math.ceil(K / 64) // MIN_SPLIT_KBLOCKS))
 
@@ -755,7 +772,7 @@ def grouped_gemm(a, b, group_offsets, out=None, *, b_layout: str = "kn", out_dty
         offs_key = ("dev", D.ptr, D.dtype.name)
     if config is not None and config not in CONFIGS:
         raise ValueError(f"mkernel.grouped_gemm: unknown config {config}; known: {sorted(CONFIGS)}")
-    if config is not None and CONFIGS[config].cluster_n > 1:
+    if config is not None and CONFIGS[config].cluster > 1:
         raise ValueError(f"mkernel.grouped_gemm: config {config} runs in clusters of blocks; grouped problems "
                          "do not (choose another config)")
     with _on_device(dev):

@@ -272,6 +272,27 @@ def test_cluster_config_launch(fake):
         G.grouped_gemm(a, empty((2, 1000, 7168), "bfloat16"), [0, 256, 512], b_layout="nk", config=8)
 
 
+def test_cluster_k_config_launch(fake):
+    """Configs 9 / 10 (split-K inside clusters of 2 / 4): launched with cluster dims (CK, 1, 1) on a grid
+    of whole clusters (CK blocks per tile, capped by the SMs and the clusters that fit), no running-sum
+    split-K workspace, the A box a whole 128-row tile; the smem mirror counts the receive buffers."""
+    launches, maps, empty = fake
+    a, b = empty((512, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")  # 4 x 8 tiles of 128x192
+    for cid, ck in ((9, 2), (10, 4)):
+        G.gemm(a, b, b_layout="nk", config=cid)
+        l = launches[-1]
+        assert l["cluster"] == (ck, 1, 1) and l["grid"] == min(32 * ck, 132 // ck * ck, 60 * ck), l["grid"]
+        assert l["args"][3].splits == 1 and l["args"][3].partials is None
+        assert maps[-2]["box"] == (64, 128)  # (A, B; C stores from registers: no map)
+        cfg = G.CONFIGS[cid]
+        ring = cfg.stages * (128 * 64 * 2 + 3 * 8192)
+        assert cfg.smem == -(-(ring + 256) // 1024) * 1024 + (ck - 1) * (8 // ck) * 32 * 96 * 4 + 1024
+    G.gemm(empty((128, 256), "bfloat16"), empty((192, 256), "bfloat16"), b_layout="nk", config=10)
+    assert launches[-1]["grid"] == 4  # one tile: one cluster
+    with pytest.raises(ValueError, match="clusters"):
+        G.grouped_gemm(a, empty((2, 1536, 7168), "bfloat16"), [0, 256, 512], b_layout="nk", config=9)
+
+
 def test_split_k_plans(fake):
     """Few tiles and a long K: split-K with an fp32 partial workspace and zeroed counters; enough
     tiles: no split; forced splits are clamped to what the config allows."""

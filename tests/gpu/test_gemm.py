@@ -137,6 +137,33 @@ def test_big_auto(rng):
 
 
 # ---- split-K ---------------------------------------------------------------------------------
+# configs 9 / 10: split-K inside clusters of 2 / 4 (partials through distributed shared memory): many
+# tiles per cluster (the receive buffers' phases), K ranges that leave a block no K block at all
+# (K = 64: one K block for 2 or 4 blocks), ragged tiles, both layouts, fp32 out.
+CLUSTER_K_CASES = [(1000, 4100, 2000, "nk", "bfloat16"), (512, 1536, 7168, "nk", "bfloat16"),
+                   (300, 1000, 4097, "kn", "float32"), (70, 200, 64, "nk", "bfloat16"),
+                   (4096, 4096, 512, "kn", "bfloat16")]
+
+
+@pytest.mark.parametrize("config", [9, 10])
+@pytest.mark.parametrize("M,N,K,layout,out_dt", CLUSTER_K_CASES,
+                         ids=[f"{m}x{n}x{k}-{l}-{o}" for m, n, k, l, o in CLUSTER_K_CASES])
+def test_cluster_k_split(rng, M, N, K, layout, out_dt, config):
+    run_gemm(rng, M, N, K, layout, out_dt=out_dt, config=config, sample=None if M * N <= 1 << 22 else 256)
+
+
+def test_cluster_k_split_is_deterministic(rng):
+    """The cluster's partials are added in block order: the same bits on every call."""
+    a = rand(rng, (512, 7168), "bfloat16")[0]
+    b = rand(rng, (1536, 7168), "bfloat16")[0]
+    outs = []
+    for _ in range(3):
+        out = poisoned((512, 1536), "float32")
+        G.gemm(a, b, out, b_layout="nk", config=10)
+        outs.append(download(out))
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+
+
 SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K splits, every cooperative config
     (129, 1000, 4097, "kn", 3, 4), (7, 7, 4000, "nk", 1, 15), (300, 520, 2048, "kn", 2, 3),
     (64, 576, 7168, "nk", 4, 7), (1000, 224, 640, "nk", 5, 2), (200, 264, 1300, "kn", 1, 5),
