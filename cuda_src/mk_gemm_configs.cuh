@@ -19,6 +19,8 @@
 //                     9  128x192, 4 stages, register epilogue, split-K inside clusters of 2 (the blocks
 //                        of a cluster add their partials through distributed shared memory)
 //                    10  idem, 3 stages, clusters of 4 (experiments, forced only)
+//                    11  config 3's 128x256 tile in clusters of 2 along N sharing A by TMA multicast
+//                        (experiment, forced only: less L2 -> SMEM traffic and power on large problems)
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
 //   kernel's C map is usable (c_tma); every kernel takes that map (unused by configs 0 and 6).
 #pragma once
@@ -45,6 +47,7 @@ template <bool KN> struct MkCfgSel<6, KN> { typedef MkGemmConfig<2, 256, 5, true
 template <bool KN> struct MkCfgSel<8, KN> { typedef MkGemmConfig<2, 128, 6, true, MK_GEMM_IN, KN, false, 2, 2> T; };
 template <bool KN> struct MkCfgSel<9, KN> { typedef MkGemmConfig<2, 192, 4, true, MK_GEMM_IN, KN, false, 0, 1, 2> T; };
 template <bool KN> struct MkCfgSel<10, KN> { typedef MkGemmConfig<2, 192, 3, true, MK_GEMM_IN, KN, false, 0, 1, 4> T; };
+template <bool KN> struct MkCfgSel<11, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2, 2> T; };
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,
               "one launch geometry per config (mkernel/gemm_engine.py: TileConfig.smem / threads)");

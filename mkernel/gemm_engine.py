@@ -139,6 +139,8 @@ CONFIGS = {
     # experiments, forced only (not GPU-run yet): config 4's tile, split-K inside clusters of 2 / 4
     9: TileConfig(9, 128, 192, 4, 2, 0.90, cluster_k=2),
     10: TileConfig(10, 128, 192, 3, 2, 0.88, cluster_k=4),
+    # experiment, forced only (not GPU-run yet): config 3's tile in clusters of 2 along N sharing A
+    11: TileConfig(11, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_n=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
