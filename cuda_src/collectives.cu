@@ -32,7 +32,7 @@ struct CollLayout {
   mk_u64 slot_bytes;   // bytes per receive slot
   mk_u64 chunk_bytes;  // bytes per chunk (multiple of 16)
   int nchunks;         // chunks per slot (flags per source per phase)
-  int pad;
+  int tail_pieces;     // copy-engine path: the last chunk cut in this many pieces (ce_chunk); 0: none
 };
 
 struct Ws {
@@ -70,6 +70,21 @@ MK_DEVICE Ws make_ws(const MkComm& c, char* ws, const mk_u64* peers, const CollL
 MK_DEVICE mk_u64 chunk_len(mk_u64 len, mk_u64 chunk, int c) {
   const mk_u64 off = (mk_u64)c * chunk;
   return off >= len ? 0 : mk_min(chunk, len - off);
+}
+
+// Copy-engine slots: chunk c of a `len`-byte message is [off, off + n): chunks of L.chunk_bytes, but
+// with T = L.tail_pieces > 0 the last T indices cut the last chunk into pieces of
+// round_up(chunk_bytes / T, 4 KiB) -- the same formula as collectives.py ce_chunk.
+MK_DEVICE void ce_chunk(const CollLayout& L, mk_u64 len, int c, mk_u64& off, mk_u64& n) {
+  const int T = L.tail_pieces, full = T ? L.nchunks - T : L.nchunks;
+  mk_u64 size = L.chunk_bytes;
+  if (T && c >= full) {
+    size = ((L.chunk_bytes + T - 1) / T + 4095) & ~(mk_u64)4095;
+    off = (mk_u64)full * L.chunk_bytes + (mk_u64)(c - full) * size;
+  } else {
+    off = (mk_u64)c * L.chunk_bytes;
+  }
+  n = off >= len ? 0 : mk_min(size, len - off);
 }
 
 // Sender side: wait until `dst` consumed our previous call's data, write, then raise its flag.
@@ -292,9 +307,9 @@ MK_DEVICE bool gather_slots_ce(const MkComm& c, const Ws& w, mk_u64 epoch, int p
     const mk_u64 sb = bytes_of(src);
     for (int ci = 0; ci < w.L.nchunks; ++ci) {
       if (!wait_chunk(c, w, epoch, src, phase, ci)) return false;
-      const mk_u64 off = (mk_u64)ci * w.L.chunk_bytes;
-      mk_u64 lo, hi;
-      block_share(chunk_len(sb, w.L.chunk_bytes, ci), lo, hi);
+      mk_u64 off, len, lo, hi;
+      ce_chunk(w.L, sb, ci, off, len);
+      block_share(len, lo, hi);
       mk_block_copy(out + (mk_u64)src * stride + off + lo, w.slot(phase, src) + off + lo, hi - lo);
     }
   }
@@ -309,9 +324,9 @@ MK_DEVICE bool reduce_chunks_ce(const MkComm& c, const Ws& w, mk_u64 epoch, T* d
   for (int ci = 0; ci < w.L.nchunks; ++ci) {
     if (!wait_peers_chunk(c, w, epoch, 0, ci)) return false;
     if (wait_own && !wait_chunk(c, w, epoch, w.me, 0, ci)) return false;
-    const mk_u64 off = (mk_u64)ci * w.L.chunk_bytes;
-    mk_u64 lo, hi;
-    block_share(chunk_len(bytes, w.L.chunk_bytes, ci), lo, hi);
+    mk_u64 off, len, lo, hi;
+    ce_chunk(w.L, bytes, ci, off, len);
+    block_share(len, lo, hi);
     reduce_slots((T*)((char*)dst + off + lo), (const T*)((const char*)own + off + lo), w, 0, off + lo,
                  (hi - lo) / sizeof(T));
   }

@@ -58,7 +58,7 @@ class CollLayout(ctypes.Structure):
     _fields_ = [("consumed_off", ctypes.c_uint64), ("flags_off", ctypes.c_uint64),
                 ("data0_off", ctypes.c_uint64), ("data1_off", ctypes.c_uint64),
                 ("slot_bytes", ctypes.c_uint64), ("chunk_bytes", ctypes.c_uint64),
-                ("nchunks", ctypes.c_int32), ("pad", ctypes.c_int32)]
+                ("nchunks", ctypes.c_int32), ("tail_pieces", ctypes.c_int32)]
 
 
 MIN_CHUNK = int(os.environ.get("MKERNEL_COLL_MIN_CHUNK", 32 * 1024))
@@ -196,19 +196,45 @@ def _shard(n: int, P: int, itemsize: int) -> int:
     return round_up(-(-n // P), 16 // itemsize)
 
 
-def plan_ce_chunks(slot_bytes: int) -> tuple[int, int]:
-    """(chunk_bytes, nchunks) of a copy-engine slot: at most CE_MAX_CHUNKS chunks of at least
-    CE_MIN_CHUNK bytes (4 KiB multiples)."""
+# The last chunk of a copy-engine slot goes in this many pieces (each its own copy and flag): the
+# receivers' local work on the last piece is all that is left exposed after the copy engines finish.
+CE_TAIL_PIECES = int(os.environ.get("MKERNEL_COLL_CE_TAIL_PIECES", 4))
+
+
+def plan_ce_chunks(slot_bytes: int) -> tuple[int, int, int]:
+    """(chunk_bytes, nchunks, tail_pieces) of a copy-engine slot: at most CE_MAX_CHUNKS chunks of at
+    least CE_MIN_CHUNK bytes (4 KiB multiples), the last one cut into ``tail_pieces`` pieces (see
+    ``ce_chunk``; 0: not cut); ``nchunks`` counts the pieces (one flag each)."""
     slot_bytes = max(slot_bytes, 16)
     chunk = round_up(max(CE_MIN_CHUNK, -(-slot_bytes // CE_MAX_CHUNKS)), 4096)
-    return chunk, -(-slot_bytes // chunk)
+    n = -(-slot_bytes // chunk)
+    pieces = CE_TAIL_PIECES if CE_TAIL_PIECES > 1 and chunk >= CE_TAIL_PIECES * 4096 else 0
+    return chunk, n - 1 + max(pieces, 1), pieces
+
+
+def ce_chunk(L: "CollLayout", nbytes: int, c: int) -> tuple[int, int]:
+    """(offset, length) of chunk ``c`` of a ``nbytes`` message in a copy-engine slot (collectives.cu
+    ``ce_chunk``, the same formula): chunks of ``chunk_bytes``, except that with ``tail_pieces`` = T > 0
+    the last T indices cut the last chunk into pieces of ``round_up(chunk_bytes / T, 4 KiB)``."""
+    T = L.tail_pieces
+    full = L.nchunks - T if T else L.nchunks
+    if T and c >= full:
+        piece = round_up(-(-L.chunk_bytes // T), 4096)
+        off = full * L.chunk_bytes + (c - full) * piece
+        size = piece
+    else:
+        off, size = c * L.chunk_bytes, L.chunk_bytes
+    return off, max(0, min(size, nbytes - off))
 
 
 @functools.lru_cache(maxsize=1024)
 def _ce_layout(P: int, slot_bytes: int, phases: int) -> tuple[CollLayout, int]:
     """(layout, workspace bytes) of the copy-engine path (the kernel path's layout, CE chunks)."""
     slot_bytes = round_up(max(slot_bytes, 16), 4096)
-    return _workspace_layout(P, slot_bytes, *plan_ce_chunks(slot_bytes), phases)
+    chunk, nchunks, pieces = plan_ce_chunks(slot_bytes)
+    L, total = _workspace_layout(P, slot_bytes, chunk, nchunks, phases)
+    L.tail_pieces = pieces
+    return L, total
 
 
 def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False,
@@ -231,8 +257,7 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
     last_of_chunk = {c: i for i, (_, c) in enumerate(pairs)}  # the chunk's last push in this order
     for i, (j, c) in enumerate(pairs):
         dst = (me + j) % P
-        off = c * L.chunk_bytes
-        n = max(0, min(L.chunk_bytes, bytes_of(dst) - off))
+        off, n = ce_chunk(L, bytes_of(dst), c)
         if n:
             out.append((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
                         cu.CUdeviceptr(src_of(dst) + off), n))

@@ -154,8 +154,22 @@ def test_copy_engine_choice(env, monkeypatch):
 def test_ce_layout(slot):
     L, total = C._ce_layout(3, slot, 2)
     assert L.chunk_bytes % 4096 == 0 and L.chunk_bytes >= C.CE_MIN_CHUNK
-    assert 1 <= L.nchunks <= C.CE_MAX_CHUNKS and L.nchunks * L.chunk_bytes >= L.slot_bytes >= slot
-    assert (L.nchunks - 1) * L.chunk_bytes < L.slot_bytes
+    full = L.nchunks - L.tail_pieces + 1 if L.tail_pieces else L.nchunks  # chunks (the last one cut in pieces)
+    assert 1 <= full <= C.CE_MAX_CHUNKS and full * L.chunk_bytes >= L.slot_bytes >= slot
+    assert (full - 1) * L.chunk_bytes < L.slot_bytes
+    assert L.tail_pieces in (0, C.CE_TAIL_PIECES)
+    # the chunks partition every message that fits the slot, in order, in 4 KiB-aligned pieces
+    for nbytes in {slot, L.slot_bytes, max(1, slot // 3), 4096 * 5 + 16}:
+        nbytes = min(nbytes, L.slot_bytes)
+        pos = 0
+        for c in range(L.nchunks):
+            off, n = C.ce_chunk(L, nbytes, c)
+            assert off % 4096 == 0 and (n == 0 or off == pos), (c, off, n, pos)
+            pos += n
+        assert pos == nbytes
+    if L.tail_pieces:  # the last piece is at most a quarter chunk (4 KiB rounding)
+        off, n = C.ce_chunk(L, L.slot_bytes, L.nchunks - L.tail_pieces)
+        assert n <= -(-L.chunk_bytes // L.tail_pieces) + 4096
     assert C.CE_VALUE_OFF + 8 <= L.consumed_off and L.consumed_off + 8 * 3 <= L.flags_off
     assert L.flags_off + 8 * 2 * 3 * L.nchunks <= L.data0_off and L.data0_off % 4096 == 0
     assert total == L.data0_off + 2 * 3 * L.slot_bytes
@@ -173,17 +187,16 @@ def test_ce_pushes():
     """Rank-rotated destinations, each chunk's data then its flag (copied from the value slot); a
     destination that gets fewer bytes still gets every chunk's flag."""
     P, me = 3, 1
-    L, _ = C._ce_layout(P, 5 << 20, 2)  # 3 chunks of 2 MiB
-    assert L.nchunks == 3
+    L, _ = C._ce_layout(P, 5 << 20, 2)  # 3 chunks of 2 MiB, the last one in 4 pieces of 512 KiB
+    assert (L.chunk_bytes, L.nchunks, L.tail_pieces) == (2 << 20, 2 + C.CE_TAIL_PIECES, C.CE_TAIL_PIECES)
     sizes = {2: 5 << 20, 0: 1 << 20}
     pushes = C._ce_pushes(_Ws, L, P, me, 1, lambda d: 1000 * (d + 1) << 20, lambda d: sizes[d])
     got = [(int(d), int(s), n) for d, s, n in pushes]
     value = _Ws.ptr + C.CE_VALUE_OFF
     want = []
     for dst in (2, 0):
-        for c in range(3):
-            off = c * L.chunk_bytes
-            n = max(0, min(L.chunk_bytes, sizes[dst] - off))
+        for c in range(L.nchunks):
+            off, n = C.ce_chunk(L, sizes[dst], c)
             if n:
                 want.append((_Ws.peer_ptr(dst, L.data1_off + me * L.slot_bytes + off), (1000 * (dst + 1) << 20) + off, n))
             want.append((_Ws.peer_ptr(dst, L.flags_off + 8 * ((1 * P + me) * L.nchunks + c)), value, 8))
@@ -191,7 +204,7 @@ def test_ce_pushes():
     assert sum(n for _, _, n in got if n != 8) == sum(sizes.values())
     sent = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, lambda d: sizes[d], sent_flags=True)
     own = [int(d) for d, _, _ in sent if _Ws.peer_ptr(me) <= int(d) < _Ws.peer_ptr(me + 1)]
-    assert own == [_Ws.peer_ptr(me, L.flags_off + 8 * (me * L.nchunks + c)) for c in range(3)]
+    assert own == [_Ws.peer_ptr(me, L.flags_off + 8 * (me * L.nchunks + c)) for c in range(L.nchunks)]
     last_peer = [i for i, (d, _, _) in enumerate(sent) if int(d) >= _Ws.peer_ptr(0) and int(d) < _Ws.peer_ptr(1)]
     assert min(i for i, (d, _, _) in enumerate(sent) if int(d) in own) > min(last_peer)  # after the last peer's chunk
 
@@ -205,20 +218,24 @@ def test_ce_pushes_chunk_major_for_reductions():
     """Reductions push chunk-major (chunk c reaches every peer before chunk c+1 leaves), so a receiver
     that needs chunk c from everyone is not held up by a whole slot to another peer; with 2 ranks the
     two orders are one; the sent flag of chunk c follows its last push."""
-    L, _ = C._ce_layout(4, 5 << 20, 1)  # 3 chunks
+    L, _ = C._ce_layout(4, 5 << 20, 1)  # 3 chunks (the last in pieces)
     size = lambda d: 5 << 20  # noqa: E731
     P, me = 4, 1
+    offs = {C.ce_chunk(L, 5 << 20, c)[0]: c for c in range(L.nchunks)}  # chunk index of each offset
+    data = [c for c in range(L.nchunks) if C.ce_chunk(L, 5 << 20, c)[1]]  # chunks with bytes (not empty pieces)
+    K = L.nchunks
 
     def order(lst):  # (destination rank, chunk) of each data copy
-        return [((int(d) >> 44) - 1, (int(d) % (1 << 44) - L.data0_off - me * L.slot_bytes) // L.chunk_bytes)
+        return [((int(d) >> 44) - 1, offs[int(d) % (1 << 44) - L.data0_off - me * L.slot_bytes])
                 for d, _, n in lst if n != 8]
     peer = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, size)
     chunk = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, size, chunk_major=True, sent_flags=True)
-    assert order(peer) == [(d, c) for d in (2, 3, 0) for c in range(3)]
-    assert order(chunk) == [(d, c) for c in range(3) for d in (2, 3, 0)]
+    assert order(peer) == [(d, c) for d in (2, 3, 0) for c in data]
+    assert order(chunk) == [(d, c) for c in data for d in (2, 3, 0)]
     own = [i for i, (d, _, _) in enumerate(chunk) if (int(d) >> 44) - 1 == me]
     data_to_0 = [i for i, (d, _, n) in enumerate(chunk) if n != 8 and (int(d) >> 44) - 1 == 0]
-    assert len(own) == 3 and all(o > d for o, d in zip(own, data_to_0))  # after chunk c's last push
+    assert len(own) == K and all(o > d for o, d in zip(own, data_to_0))  # after chunk c's last push
+    assert len(data) < K  # (5 MiB: the last chunk's third and fourth pieces are empty: flags only)
     L2, _ = C._ce_layout(2, 5 << 20, 1)
     two = [C._ce_pushes(_Ws, L2, 2, 0, 0, lambda d: 0, size, chunk_major=cm) for cm in (False, True)]
     assert [(int(d), int(s), n) for d, s, n in two[0]] == [(int(d), int(s), n) for d, s, n in two[1]]
