@@ -43,7 +43,8 @@ struct MkComm {
   int local_rank, local_size;  // ranks joined by NVLink (this node)
   int node, num_nodes;
   int op;              // op id, for error reports
-  int pad;
+  unsigned sig;        // the call's signature (host: Context.agree's digest), for kernels that compare
+                       // it with their peers' (collectives.cu); 0 where unused
 };
 
 MK_DEVICE mk_u64 mk_ld_acquire(const mk_u64* p) {
