@@ -58,10 +58,8 @@ struct Ws {
   MK_DEVICE mk_u64* peer_consumed(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + j; }
   MK_DEVICE mk_u64* entered(int j) const { return (mk_u64*)(base + L.consumed_off) + P + j; }
   MK_DEVICE mk_u64* peer_entered(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + P + j; }
-  MK_DEVICE mk_u64* sig(int j, mk_u64 e) const { return (mk_u64*)(base + L.consumed_off) + 2 * P + 2 * j + (e & 1); }
-  MK_DEVICE mk_u64* peer_sig(int owner, int j, mk_u64 e) const {
-    return (mk_u64*)(peer(owner) + L.consumed_off) + 2 * P + 2 * j + (e & 1);
-  }
+  MK_DEVICE mk_u64* sigs(int j) const { return (mk_u64*)(base + L.consumed_off) + 2 * P + 2 * j; }  // [2]
+  MK_DEVICE mk_u64* peer_sigs(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + 2 * P + 2 * j; }
   MK_DEVICE mk_u64 flag_idx(int phase, int src, int c) const { return ((mk_u64)phase * P + src) * L.nchunks + c; }
   MK_DEVICE mk_u64* ready(int phase, int src, int c) const { return (mk_u64*)(base + L.flags_off) + flag_idx(phase, src, c); }
   MK_DEVICE mk_u64* peer_ready(int owner, int phase, int src, int c) const {
@@ -102,10 +100,7 @@ MK_DEVICE bool push_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int dst, i
 // Start of a call on this rank: announce its signature to every peer (threads `lane` of `nlanes`).
 MK_DEVICE void announce_call(const MkComm& c, const Ws& w, mk_u64 epoch, int lane, int nlanes) {
   for (int j = lane; j < w.P; j += nlanes)
-    if (j != w.me) {
-      mk_st_relaxed(w.peer_sig(j, w.me, epoch), c.sig);
-      mk_signal_set(w.peer_entered(j, w.me), epoch);  // (fenced: the signature lands first)
-    }
+    if (j != w.me) mk_announce_call(c, w.peer_entered(j, w.me), w.peer_sigs(j, w.me), epoch);
 }
 
 // The call number, with block 0's first warp announcing the call to the peers.
@@ -118,11 +113,7 @@ MK_DEVICE mk_u64 begin_call(const MkComm& c, const Ws& w) {
 // Before reading anything `src` sent in call `epoch` (one thread): src announced call `epoch` with our
 // signature.  The wait is short: src announces before its first push.
 MK_DEVICE bool same_call(const MkComm& c, const Ws& w, mk_u64 epoch, int src) {
-  if (!mk_wait_geq(c, w.entered(src), epoch, MK_LOCAL_PEER(src), -1000 - src)) return false;
-  const mk_u32 theirs = (mk_u32)mk_ld_acquire(w.sig(src, epoch));
-  if (theirs == c.sig) return true;
-  mk_report(c, MK_ERR_MISMATCH, MK_LOCAL_PEER(src), -1000 - src, c.sig, theirs, 0);
-  return false;
+  return mk_same_call(c, w.entered(src), w.sigs(src), epoch, MK_LOCAL_PEER(src), -1000 - src);
 }
 
 // Whole block: src's chunk ci of `phase` has landed (and src makes the same call as we do).
