@@ -7,6 +7,8 @@
 //   [0]             MkEpochState      this rank's call counter
 //   [consumed_off]  u64[P]            consumed[j] = last call whose gathered rows local rank j finished
 //                                     reading (written by j into our memory)
+//                   u64[P], u64[P][2] entered[j], sig[j][e & 1]: local rank j's announcement of its call
+//                                     e and its signature (mk_signal.cuh, "call signatures")
 //   [flags_off]     u64[P][nch_stride] ready[src][chunk] = call that delivered rows
 //                                     [chunk*CR, chunk*CR + CR) of rank src into our gathered buffer
 //   [ce_value_off]  u64               copy-engine path: the current call number, the source of the
@@ -32,6 +34,12 @@
 // Deadlock freedom: comm blocks wait only for peers' consumed flags of the previous call (or for
 // peers' pushes in step 3, which depend on nothing of ours); workers wait only for pushes; every block
 // is resident (cooperative launch).
+// Same call everywhere: every rank announces its call's signature (MkComm.sig, the host's digest of
+// the agreed call) to the peers at the start (block 0's first warp; on the copy-engine path the begin
+// kernel), and no ready flag of this call is raised for a peer before its announcement matched ours
+// (SM path: nothing is pushed; copy-engine path: the copies run but the flag value stays at e-1). A
+// mismatch is MK_ERR_MISMATCH, and the waits of both ranks stop on the error record: no rank ever
+// reads rows a peer sent for another call.
 //
 // Copy-engine path (mkernel/ag_gemm.py, path "fused_ce"): mk_ag_gemm_* runs with n_comm = 0 (every
 // block a GEMM worker, grid <= #SMs - 1) while a side stream moves the rows with the copy engines:
@@ -96,6 +104,17 @@ struct AgWs {
   MK_DEVICE char* peer_data(int j) const { return (char*)a->peers[j] + a->data_off; }
   MK_DEVICE mk_u64* consumed(int j) const { return (mk_u64*)(a->ws + a->consumed_off) + j; }
   MK_DEVICE mk_u64* peer_consumed(int owner, int j) const { return (mk_u64*)((char*)a->peers[owner] + a->consumed_off) + j; }
+  MK_DEVICE mk_u64* entered(int j) const { return consumed(P + j); }
+  MK_DEVICE mk_u64* sigs(int j) const { return consumed(2 * P + 2 * j); }  // [2]
+  // Announce call `epoch` to every peer (threads `lane` of `nlanes`).
+  MK_DEVICE void announce(const MkComm& c, mk_u64 epoch, int lane, int nlanes) const {
+    for (int j = lane; j < P; j += nlanes)
+      if (j != me) mk_announce_call(c, peer_consumed(j, P + me), peer_consumed(j, 2 * P + 2 * me), epoch);
+  }
+  // One thread: peer j announced call `epoch` with our signature (before anything is pushed to it).
+  MK_DEVICE bool same_call(const MkComm& c, mk_u64 epoch, int j) const {
+    return mk_same_call(c, entered(j), sigs(j), epoch, MK_LOCAL_PEER(j), -1000 - j);
+  }
   MK_DEVICE int flag_idx(int src, int ch) const { return src * a->nch_stride + ch; }
   MK_DEVICE mk_u64* ready(int src, int ch) const { return (mk_u64*)(a->ws + a->flags_off) + flag_idx(src, ch); }
   MK_DEVICE mk_u64* peer_ready(int owner, int src, int ch) const {
@@ -130,7 +149,12 @@ MK_DEVICE bool ag_comm(const MkComm& c, const AgWs& w, mk_u64 epoch, int cb, int
   // (2) pushes, destination-major, rank-rotated
   for (int j = 1; j < P; ++j) {
     const int dst = (me + j) % P;
-    if (cb < nch && !mk_block_wait_geq(c, w.consumed(dst), epoch - 1, MK_LOCAL_PEER(dst), -1 - dst)) return false;
+    if (cb < nch) {  // dst announced this very call (same signature) and consumed our previous one
+      int ok = 1;
+      if (threadIdx.x == 0)
+        ok = w.same_call(c, epoch, dst) && mk_wait_geq(c, w.consumed(dst), epoch - 1, MK_LOCAL_PEER(dst), -1 - dst);
+      if (!__syncthreads_and(ok)) return false;
+    }
     for (int ch = cb; ch < nch; ch += ncb) {
       const mk_u64 off = (mk_u64)ch * a.chunk_rows * a.row_bytes;
       mk_block_copy(w.peer_data(dst) + base + off, a.a_shard + off, w.chunk_len(me, ch));
@@ -304,6 +328,7 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
   const int n_comm = a.n_comm;
+  if (n_comm > 0 && blockIdx.x == 0 && threadIdx.x < 32) w.announce(c, epoch, threadIdx.x, 32);
   bool ok = true;
   if ((int)blockIdx.x < n_comm) {
     ok = ag_comm(c, w, epoch, blockIdx.x, n_comm);
@@ -354,17 +379,25 @@ extern "C" __global__ void __launch_bounds__(512, 1)
     mk_ag_gather(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
   const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  if (blockIdx.x == 0 && threadIdx.x < 32) w.announce(c, epoch, threadIdx.x, 32);
   if (!ag_comm(c, w, epoch, blockIdx.x, gridDim.x)) return;
   ag_finish(w, epoch, 0, blockDim.x);
 }
 
-// Opens call e of the copy-engine path on the side stream (one warp; see the top of this file).  On a
-// timeout the flag value is left at e-1, so the peers' GEMMs time out too instead of reading rows
-// that were never sent.
+// Opens call e of the copy-engine path on the side stream (one warp; see the top of this file): announces
+// the call, checks every peer's announcement of it (same signature), then mk_ce_begin.  On a timeout or
+// a mismatch the flag value is left at e-1, so the peers' GEMMs stop too instead of reading rows that
+// were never sent.
 extern "C" __global__ void __launch_bounds__(32, 1)
     mk_ag_ce_begin(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
   // (this call's GEMM cannot commit before our local rows' flags, copied after this kernel, are raised)
   const AgWs w(c, a);
+  const mk_u64 e = mk_epoch_begin(w.epoch_state());
+  w.announce(c, e, threadIdx.x, 32);
+  bool ok = true;
+  for (int j = threadIdx.x; j < w.P; j += 32)
+    if (j != w.me) ok = ok && w.same_call(c, e, j);
+  if (!__all_sync(0xffffffffu, ok)) return;
   mk_ce_begin(c, w.epoch_state(), w.consumed(0), (mk_u64*)(a.ws + a.ce_value_off));
 }
 

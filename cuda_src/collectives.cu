@@ -5,6 +5,9 @@
 //   [0]            MkEpochState           this rank's call counter (local only)
 //   [consumed_off] u64[P]                 consumed[j] = last call whose data local rank j finished
 //                                         reading out of *its* workspace (written by j into ours)
+//                  u64[P]                 entered[j] = last call local rank j started (written by j)
+//                  u64[P][2]              sig[j][e & 1] = the signature of j's call e (written by j
+//                                         before entered[j] = e)
 //   [flags_off]    u64[2][P][nchunks]     ready[phase][src][chunk] = call that delivered that chunk
 //   [data0_off]    P slots of slot_bytes  phase-0 receive slots, slot j written by local rank j
 //   [data1_off]    P slots of slot_bytes  phase-1 slots (all-reduce's gather phase)
@@ -13,6 +16,14 @@
 // (consumed[p] >= epoch-1, read in the sender's own memory), then raises p's ready flag.  Receivers
 // wait on ready flags in their own memory.  The last block of a call tells every peer that this rank
 // has consumed its data.  Epochs live on the device: no host reset, graph-capturable.
+//
+// Same call everywhere: every rank announces its call's signature (MkComm.sig: op, dtype, shape,
+// path) to every peer when the call starts, and a receiver compares the sender's with its own before
+// it reads any of the sender's data (a mismatch is MK_ERR_MISMATCH: the host raises CommMismatch).
+// The host checks a signature across ranks only the first time it is used; this catches a rank
+// repeating an agreed call while a peer makes another agreed one.  The two parity slots keep a
+// peer's announcement of call e+1 from overwriting call e's before we read it (a peer cannot start
+// e+2 before we pushed our part of e+1).
 //
 // Work is split into chunks; chunk c is one work item, handled by block c % gridDim.x on every rank:
 // the block first pushes chunk c to every peer, then waits for the peers' chunk c.  The block with the
@@ -45,6 +56,10 @@ struct Ws {
   MK_DEVICE MkEpochState* epoch_state() const { return (MkEpochState*)base; }
   MK_DEVICE mk_u64* consumed(int j) const { return (mk_u64*)(base + L.consumed_off) + j; }
   MK_DEVICE mk_u64* peer_consumed(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + j; }
+  MK_DEVICE mk_u64* entered(int j) const { return (mk_u64*)(base + L.consumed_off) + P + j; }
+  MK_DEVICE mk_u64* peer_entered(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + P + j; }
+  MK_DEVICE mk_u64* sigs(int j) const { return (mk_u64*)(base + L.consumed_off) + 2 * P + 2 * j; }  // [2]
+  MK_DEVICE mk_u64* peer_sigs(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + 2 * P + 2 * j; }
   MK_DEVICE mk_u64 flag_idx(int phase, int src, int c) const { return ((mk_u64)phase * P + src) * L.nchunks + c; }
   MK_DEVICE mk_u64* ready(int phase, int src, int c) const { return (mk_u64*)(base + L.flags_off) + flag_idx(phase, src, c); }
   MK_DEVICE mk_u64* peer_ready(int owner, int phase, int src, int c) const {
@@ -97,8 +112,32 @@ MK_DEVICE bool push_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int dst, i
   return true;
 }
 
+// Start of a call on this rank: announce its signature to every peer (threads `lane` of `nlanes`).
+MK_DEVICE void announce_call(const MkComm& c, const Ws& w, mk_u64 epoch, int lane, int nlanes) {
+  for (int j = lane; j < w.P; j += nlanes)
+    if (j != w.me) mk_announce_call(c, w.peer_entered(j, w.me), w.peer_sigs(j, w.me), epoch);
+}
+
+// The call number, with block 0's first warp announcing the call to the peers.
+MK_DEVICE mk_u64 begin_call(const MkComm& c, const Ws& w) {
+  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  if (blockIdx.x == 0 && threadIdx.x < 32) announce_call(c, w, epoch, threadIdx.x, 32);
+  return epoch;
+}
+
+// Before reading anything `src` sent in call `epoch` (one thread): src announced call `epoch` with our
+// signature.  The wait is short: src announces before its first push.
+MK_DEVICE bool same_call(const MkComm& c, const Ws& w, mk_u64 epoch, int src) {
+  return mk_same_call(c, w.entered(src), w.sigs(src), epoch, MK_LOCAL_PEER(src), -1000 - src);
+}
+
+// Whole block: src's chunk ci of `phase` has landed (and src makes the same call as we do).
 MK_DEVICE bool wait_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int src, int phase, int ci) {
-  return mk_block_wait_geq(c, w.ready(phase, src, ci), epoch, MK_LOCAL_PEER(src), (int)w.flag_idx(phase, src, ci));
+  int ok = 1;
+  if (threadIdx.x == 0)
+    ok = (src == w.me || same_call(c, w, epoch, src)) &&
+         mk_wait_geq(c, w.ready(phase, src, ci), epoch, MK_LOCAL_PEER(src), (int)w.flag_idx(phase, src, ci));
+  return __syncthreads_and(ok) != 0;
 }
 
 // End of call: the last block tells every peer we consumed its data, then bumps the epoch.
@@ -118,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 mk_all_gather(MkComm c, const char* in, char* out, mk_u64 shard_bytes, char* ws,
               const mk_u64* __restrict__ peers, CollLayout L) {
   const Ws w = make_ws(c, ws, peers, L);
-  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  const mk_u64 epoch = begin_call(c, w);
   const int P = w.P, me = w.me;
   const mk_u64 CB = L.chunk_bytes;
   for (int ci = blockIdx.x; ci < L.nchunks; ci += gridDim.x) {
@@ -174,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 mk_reduce_scatter(MkComm c, const T* in, T* out, mk_u64 n, char* ws, const mk_u64* __restrict__ peers,
                   CollLayout L) {
   const Ws w = make_ws(c, ws, peers, L);
-  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  const mk_u64 epoch = begin_call(c, w);
   const int P = w.P, me = w.me;
   const mk_u64 CB = L.chunk_bytes, bytes = n * sizeof(T);
   for (int ci = blockIdx.x; ci < L.nchunks; ci += gridDim.x) {
@@ -202,7 +241,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_shot, char* ws,
               const mk_u64* __restrict__ peers, CollLayout L) {
   const Ws w = make_ws(c, ws, peers, L);
-  const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
+  const mk_u64 epoch = begin_call(c, w);
   const int P = w.P, me = w.me;
   const mk_u64 CB = L.chunk_bytes;
   if (one_shot) {
@@ -259,8 +298,8 @@ mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_sho
 // separate workspace per op and path), plus one u64 at MK_COLL_CE_VALUE_OFF: this call's number,
 // the source of the copy engine's flag writes.  Per call, on the caller's stream S and the
 // context's side stream X (forked from S, joined back at the end):
-//   X: mk_coll_ce_begin (one warp: call number e; waits until every peer consumed call e-1; writes
-//      e into the value slot), then for each peer p (rank-rotated, me+1 first) and chunk c: copy
+//   X: mk_coll_ce_begin (one warp: call number e; announces the call's signature to the peers; waits
+//      until every peer consumed call e-1; writes e into the value slot), then for each peer p (rank-rotated, me+1 first) and chunk c: copy
 //      chunk c of the data p needs into p's slot[phase 0][me], then copy the value slot into p's
 //      ready[0][me][c] (a stream's copies run in order: the flag lands after the data).
 //   S: mk_all_gather_ce / mk_reduce_scatter_ce: grid-wide, chunk by chunk in arrival order, every
@@ -277,8 +316,9 @@ mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_sho
 #define MK_COLL_CE_VALUE_OFF 32  // inside the first 64 bytes (after MkEpochState); mirrored in collectives.py
 
 extern "C" __global__ void __launch_bounds__(32, 1)
-mk_coll_ce_begin(MkComm c, char* ws, CollLayout L) {
-  const Ws w = make_ws(c, ws, nullptr, L);
+mk_coll_ce_begin(MkComm c, char* ws, const mk_u64* __restrict__ peers, CollLayout L) {
+  const Ws w = make_ws(c, ws, peers, L);
+  announce_call(c, w, mk_epoch_begin(w.epoch_state()), threadIdx.x, 32);  // (the receivers check it)
   mk_ce_begin(c, w.epoch_state(), w.consumed(0), (mk_u64*)(ws + MK_COLL_CE_VALUE_OFF));
 }
 

@@ -43,7 +43,8 @@ struct MkComm {
   int local_rank, local_size;  // ranks joined by NVLink (this node)
   int node, num_nodes;
   int op;              // op id, for error reports
-  int pad;
+  unsigned sig;        // the call's signature (host: Context.agree's digest), for kernels that compare
+                       // it with their peers' (collectives.cu); 0 where unused
 };
 
 MK_DEVICE mk_u64 mk_ld_acquire(const mk_u64* p) {
@@ -180,6 +181,27 @@ MK_DEVICE bool mk_warp_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expe
   int ok = 1;
   if ((threadIdx.x & 31) == 0) ok = mk_wait_geq(c, flag, expected, peer, flag_index);
   return __shfl_sync(0xffffffffu, ok, 0) != 0;
+}
+
+// ---- call signatures -------------------------------------------------------------------------
+// Every rank announces the signature of call `epoch` (MkComm.sig: the host's digest of the agreed
+// call) to each peer: peer_sig[epoch & 1] = sig, then peer_entered = epoch (release).  Two parity
+// slots: a peer's announcement of call e+1 cannot overwrite call e's before it is read (a peer cannot
+// start e+2 before this rank took part in e+1).  mk_same_call (one thread) waits until `peer`
+// announced `epoch` and compares: a different signature is MK_ERR_MISMATCH (the host raises
+// CommMismatch) -- the hole the host's first-call agreement leaves: a rank repeating an agreed call
+// while a peer makes another agreed one.
+MK_DEVICE void mk_announce_call(const MkComm& c, mk_u64* peer_entered, mk_u64* peer_sig_slots, mk_u64 epoch) {
+  mk_st_relaxed(peer_sig_slots + (epoch & 1), c.sig);
+  mk_signal_set(peer_entered, epoch);  // (fenced: the signature lands first)
+}
+MK_DEVICE bool mk_same_call(const MkComm& c, const mk_u64* entered, const mk_u64* sig_slots, mk_u64 epoch, int peer,
+                            int flag_index) {
+  if (!mk_wait_geq(c, entered, epoch, peer, flag_index)) return false;
+  const mk_u32 theirs = (mk_u32)mk_ld_acquire(sig_slots + (epoch & 1));
+  if (theirs == c.sig) return true;
+  mk_report(c, MK_ERR_MISMATCH, peer, flag_index, c.sig, theirs, 0);
+  return false;
 }
 
 // ---- per-call epochs -------------------------------------------------------------------------

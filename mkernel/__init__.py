@@ -13,7 +13,7 @@ from .collectives import all_gather, all_reduce, reduce_scatter
 from .context import Context, init
 from .gemm_engine import gemm, grouped_gemm
 from .ag_gemm import ag_gemm
-from .errors import CommError, CommTimeout, CompileError, CudaError, MkernelError
+from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, MkernelError
 from .topology import Topology
 
 __version__ = "0.1.0"
@@ -21,5 +21,5 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Context", "Topology", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
     "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm",
-    "MkernelError", "CudaError", "CompileError", "CommError", "CommTimeout",
+    "MkernelError", "CudaError", "CompileError", "CommError", "CommMismatch", "CommTimeout",
 ]

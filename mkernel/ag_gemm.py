@@ -60,6 +60,7 @@ import math
 import os
 import sys
 import threading
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -481,7 +482,7 @@ def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
     """The workspace (cuda_src/ag_gemm.cu has the picture)."""
     nch = max([-(-m // chunk_rows) for m in m_sizes] + [1])
     consumed_off = 64
-    flags_off = 256
+    flags_off = round_up(consumed_off + 4 * 8 * P, 256)  # consumed[P], entered[P], sig[P][2]
     value_off = flags_off + 8 * P * nch
     data_off = round_up(value_off + 8, 4096)
     return _Layout(consumed_off, flags_off, value_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)
@@ -498,6 +499,16 @@ class _Sig:
     layout: _Layout | None
     offs: tuple
     P: int
+    digest: int = 0  # 32-bit digest of the agreed call (MkComm.sig): the kernels compare it with the peers'
+
+
+def call_digest(dt: str, ms: tuple, K: int, n_max: int, any_gathered: bool, p: AgPlan) -> int:
+    """The signature the kernels announce and compare (mkernel/signals MkComm.sig): a digest of what
+    every rank agreed on -- the same on every rank for the same call, and in general different for
+    two different agreed calls (a rank repeating one while a peer makes the other is caught on the
+    device)."""
+    return zlib.crc32(repr((dt, tuple(ms), K, n_max, any_gathered, p.path, p.config, p.comm_sms, p.chunk_rows,
+                            p.splits, p.split_from)).encode()) & 0xFFFFFFFF
 
 
 _sigs: "OrderedDict[tuple, _Sig]" = OrderedDict()
@@ -618,7 +629,7 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
                  config=config, tail_split=tail_split)
         layout = _layout(P, ms, p.chunk_rows, K * isz) if P > 1 and sum(ms) > 0 and K > 0 else None
         offs = tuple(int(x) for x in np.concatenate([[0], np.cumsum(ms)]))
-        sig = _Sig(p, layout, offs, P)
+        sig = _Sig(p, layout, offs, P, call_digest(dt, ms, K, n_max, any_gathered, p))
         _lru_put(_sigs, skey, sig, _SIGS_MAX)
         _log(ctx, p)
     p = sig.plan
@@ -697,7 +708,7 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     args.P, args.me, args.ce_value_off = P, me, L.value_off
     for j, o in enumerate(sig.offs):
         args.offs[j] = o
-    comm = ctx.comm_args("ag_gemm")
+    comm = ctx.comm_args("ag_gemm", sig.digest)
     dev = ctx.device
     ga_ptr = GA.ptr if GA is not None else 0
 
@@ -829,9 +840,13 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
         parts = [(ga, ws.ptr + L.data_off, lo), (ga + lo, A.ptr, hi - lo),
                  (ga + hi, ws.ptr + L.data_off + hi, total - hi)]
         return [g for g in parts if g[2] > 0]
+    # the begin kernel runs whenever there are peers, even with no rows of ours to send (it announces
+    # the call, which the peers check before they push to us)
+    side_work = bool(copies) or sig.P > 1
+
     def run_fused_ce(stream, out, ga, _keep=(keep, ev)):
         s = cu.CUstream(runtime.stream_handle(stream))
-        if copies:
+        if side_work:
             check(cu.cuEventRecord(ev.fork, s))
             check(cu.cuStreamWaitEvent(side, ev.fork, 0))
             begin.launch(1, 32, bargs, stream=side)
@@ -839,7 +854,7 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
         for k, g, blk, a in pre:
             k.launch(g, blk, a, stream=stream)
         kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem)
-        if copies:
+        if side_work:
             check(cu.cuEventRecord(ev.join, side))
             check(cu.cuStreamWaitEvent(s, ev.join, 0))
         if ga:

@@ -102,10 +102,11 @@ def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLa
 
 def _workspace_layout(P: int, slot_bytes: int, chunk: int, nchunks: int, phases: int) -> tuple[CollLayout, int]:
     """(layout, workspace bytes): epoch state (and the copy-engine path's call number) in the first 64
-    bytes, consumed[P], ready[2][P][nchunks], then ``phases`` x P receive slots of ``slot_bytes``."""
+    bytes, consumed[P], entered[P], sig[P][2] (collectives.cu: the call signatures peers announce),
+    ready[2][P][nchunks], then ``phases`` x P receive slots of ``slot_bytes``."""
     L = CollLayout()
     L.consumed_off = 64
-    L.flags_off = round_up(L.consumed_off + 8 * P, 256)
+    L.flags_off = round_up(L.consumed_off + 4 * 8 * P, 256)
     L.data0_off = round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
     L.data1_off = L.data0_off + P * slot_bytes
     L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks
@@ -124,13 +125,14 @@ def _kernel(ctx, op: str, dtype, threads: int = _THREADS):
     return k
 
 
-def _launch(ctx, op: str, dtype, slot_bytes: int, phases: int, head_args: list, stream) -> None:
-    """Plan the chunks, take the op's symmetric workspace (grown collectively when needed), launch."""
+def _launch(ctx, op: str, dtype, slot_bytes: int, phases: int, head_args: list, stream, sig: int) -> None:
+    """Plan the chunks, take the op's symmetric workspace (grown collectively when needed), launch
+    (``sig``: the call's signature, ``ctx.agree``'s digest, checked against the peers' on the device)."""
     grid_max = min(ctx.sm_count, MAX_BLOCKS) if MAX_BLOCKS > 0 else ctx.sm_count
     L, total, grid = _layout(ctx.local_size, slot_bytes, grid_max, phases)
     ws = ctx.workspace(("collective", op), total, stream, f"mkernel.{op}")
     k = _kernel(ctx, op, dtype)
-    args = [ctx.comm_args(op), *head_args, ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
+    args = [ctx.comm_args(op, sig), *head_args, ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
     k.launch(grid, _THREADS, args, stream=stream, cooperative=True)
 
 
@@ -268,25 +270,26 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
 
 
 def _ce_run(ctx, op: str, dtype, message_bytes: int, phases: int, x: DeviceArray, o: DeviceArray,
-            count: int, shard: int, stream) -> None:
+            count: int, shard: int, stream, sig: int) -> None:
     """One copy-engine collective call (bound once per buffers and sizes, then replayed)."""
     P = ctx.local_size
     L, total = _ce_layout(P, message_bytes, phases)
     ws = ctx.workspace(("collective_ce", op), total, stream, f"mkernel.{op}")
     bindings = ctx.__dict__.setdefault("_ce_bindings", {})
-    key = (op, dtype.code, x.ptr, o.ptr, count, shard, ws.ptr, ws.nbytes)
+    key = (op, dtype.code, x.ptr, o.ptr, count, shard, ws.ptr, ws.nbytes, sig)
     run = bindings.get(key)
     if run is None:
         if len(bindings) >= 256:
             bindings.clear()
-        run = bindings[key] = _ce_bind(ctx, op, dtype, L, ws, x, o, count, shard)
+        run = bindings[key] = _ce_bind(ctx, op, dtype, L, ws, x, o, count, shard, sig)
     run(stream)
 
 
-def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceArray, count: int, shard: int):
+def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceArray, count: int, shard: int,
+             sig: int):
     P, me = ctx.local_size, ctx.local_rank
     isz = dtype.itemsize
-    comm = ctx.comm_args(op)
+    comm = ctx.comm_args(op, sig)
     begin = _kernel(ctx, "coll_ce_begin", dtype, threads=32)
     kern = _kernel(ctx, op + "_ce", dtype)
     grid = max(1, min(ctx.sm_count - 1, CE_BLOCKS or ctx.sm_count))
@@ -311,7 +314,7 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(0)] + tail
         later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me)),
                  head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(1)] + tail)
-    bargs = [comm, ctypes.c_uint64(ws.ptr), L]
+    bargs = [comm, ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
     side = cu.CUstream(ctx.side_stream())
     ev = runtime.Events("fork", "mid", "join")
 
@@ -368,18 +371,18 @@ def all_gather(ctx, x, out=None, *, stream=None):
     if _overlaps(x, o) and x.ptr != o.ptr + ctx.rank * x.nbytes:
         raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
     ce = ctx.num_nodes == 1 and copy_engine_path("all_gather", x.nbytes, x.dtype.itemsize, ctx.local_size)
-    ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
+    sig = ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if x.nbytes == 0:
         return out
     if ctx.num_nodes > 1:
         internode.all_gather(ctx, x, o, stream)
         return out
     if ce:
-        _ce_run(ctx, "all_gather", _BYTES, x.nbytes, 1, x, o, x.nbytes, 0, stream)
+        _ce_run(ctx, "all_gather", _BYTES, x.nbytes, 1, x, o, x.nbytes, 0, stream, sig)
         return out
     # byte-oriented: one kernel for every dtype
     _launch(ctx, "all_gather", _BYTES, x.nbytes, 1,
-            [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes)], stream)
+            [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes)], stream, sig)
     return out
 
 
@@ -400,17 +403,17 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
     if _overlaps(x, o):
         raise ValueError(f"{what}: out must not overlap x")
     ce = ctx.num_nodes == 1 and copy_engine_path("reduce_scatter", x.nbytes, x.dtype.itemsize, ctx.local_size)
-    ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
+    sig = ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if o.size == 0:
         return out
     if ctx.num_nodes > 1:
         internode.reduce_scatter(ctx, x, o, stream)
         return out
     if ce:
-        _ce_run(ctx, "reduce_scatter", x.dtype, o.nbytes, 1, x, o, o.size, 0, stream)
+        _ce_run(ctx, "reduce_scatter", x.dtype, o.nbytes, 1, x, o, o.size, 0, stream, sig)
         return out
     _launch(ctx, "reduce_scatter", x.dtype, o.nbytes, 1,
-            [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(o.size)], stream)
+            [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(o.size)], stream, sig)
     return out
 
 
@@ -433,7 +436,7 @@ def all_reduce(ctx, x, out=None, *, stream=None):
     one_shot = x.nbytes <= one_shot_max_bytes(P) or P == 1
     shard = n if one_shot else _shard(n, P, x.dtype.itemsize)
     ce = ctx.num_nodes == 1 and copy_engine_path("all_reduce", x.nbytes, x.dtype.itemsize, P)
-    ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
+    sig = ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
     if n == 0:
         return out
     if ctx.num_nodes > 1:
@@ -441,11 +444,11 @@ def all_reduce(ctx, x, out=None, *, stream=None):
         return out
     if ce:
         if P <= CE_ONE_SHOT_MAX_RANKS:
-            _ce_run(ctx, "all_reduce", x.dtype, x.nbytes, 1, x, o, n, n, stream)
+            _ce_run(ctx, "all_reduce", x.dtype, x.nbytes, 1, x, o, n, n, stream, sig)
         else:
-            _ce_run(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 2, x, o, n, shard, stream)
+            _ce_run(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 2, x, o, n, shard, stream, sig)
         return out
     _launch(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 1 if one_shot else 2,
             [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(shard),
-             ctypes.c_int32(1 if one_shot else 0)], stream)
+             ctypes.c_int32(1 if one_shot else 0)], stream, sig)
     return out

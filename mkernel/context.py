@@ -79,7 +79,7 @@ class Context:
         self._err_dev = int(check(cu.cuMemHostGetDevicePointer(self._err_host, 0)))
         self.error_record = ErrorRecordView(self._err_host, self.local_world_ranks)
         self._workspaces: dict = {}
-        self._agreed: set = set()
+        self._agreed: dict = {}  # (what, signature, comm) -> 32-bit digest
         self._symmetric: list = []
         self._closers: list = []  # close() hooks of op state (e.g. inter-node proxies), run first
         self._checks: list = []   # check() hooks raising host-side failures (e.g. a proxy's)
@@ -102,11 +102,13 @@ class Context:
         for c in self._comm_cache.values():  # ops keep these structs (launches copy them by value)
             c.timeout_ns = int(seconds * 1e9)
 
-    def comm_args(self, op: str | int) -> MkComm:
-        """The MkComm a kernel of ``op`` takes by value (cached per op: launches copy it)."""
-        c = self._comm_cache.get(op)
+    def comm_args(self, op: str | int, sig: int = 0) -> MkComm:
+        """The MkComm a kernel of ``op`` takes by value (cached per op and signature: launches copy it);
+        ``sig``: the call signature ``agree`` returned, for kernels that check their peers'."""
+        c = self._comm_cache.get((op, sig))
         if c is None:
-            c = self._comm_cache[op] = self._make_comm_args(op)
+            c = self._comm_cache[(op, sig)] = self._make_comm_args(op)
+            c.sig = sig
         return c
 
     def _make_comm_args(self, op: str | int) -> MkComm:
@@ -151,16 +153,20 @@ class Context:
             rec.code = code
 
     # ------------------------------------------------------------------ agreement across ranks
-    def agree(self, what: str, signature: tuple, comm=None) -> None:
+    def agree(self, what: str, signature: tuple, comm=None) -> int:
         """Check, once per distinct ``signature``, that every rank of ``comm`` makes the same call.
 
         Raises ``ValueError`` naming the ranks that differ, or :class:`CommTimeout` if a rank does not
-        join within the context timeout.  Later calls with an agreed signature cost nothing.
+        join within the context timeout.  Later calls with an agreed signature cost nothing (no
+        exchange: a rank repeating an agreed call while a peer makes another agreed one is caught on
+        the device by kernels that compare ``comm_args(op, sig)``'s signatures -- the collectives).
+        Returns the call's 32-bit signature (``MkComm.sig``).
         """
         comm = comm if comm is not None else self.world
         key = (what, signature, id(comm))
-        if key in self._agreed:
-            return
+        digest = self._agreed.get(key)
+        if digest is not None:
+            return digest
         digest = zlib.crc32(repr((what, signature)).encode()) & 0xFFFFFFFF
         allv = self.bounded_allgather(np.array([digest], dtype=np.int64), what, comm)[:, 0]
         if not np.all(allv == digest):
@@ -168,7 +174,8 @@ class Context:
             bad = [i for i, s in enumerate(sigs) if s != signature]
             raise ValueError(f"mkernel: {what}: ranks disagree on the call: this rank (rank {comm.Get_rank()} of "
                              f"the communicator) has {signature}, ranks {bad} have {[sigs[i] for i in bad]}")
-        self._agreed.add(key)
+        self._agreed[key] = digest
+        return digest
 
     def bounded_allgather(self, vec: np.ndarray, what: str, comm=None) -> np.ndarray:
         """Allgather one int64 vector per rank of ``comm`` (default: the world) -> ``[size, len]``,

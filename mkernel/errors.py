@@ -38,3 +38,10 @@ class CommTimeout(CommError):
     ``record`` holds what the kernel wrote: ``rank`` (who waited), ``op``, ``peer`` (whom it waited
     for), ``flag_index``, ``expected`` and ``seen`` flag values and ``waited_ns``.
     """
+
+
+class CommMismatch(CommError):
+    """A peer made a different call in the same position of the call sequence (op, dtype or sizes):
+    caught on the device, from the call signature every rank announces to its peers before any data
+    is read.  ``record``: ``rank``, ``op``, ``peer``, ``expected`` (this rank's signature) and ``seen``
+    (the peer's).  The communicator is no longer usable."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .errors import CommError, CommTimeout
+from .errors import CommError, CommMismatch, CommTimeout
 
 __all__ = ["OPS", "op_name", "MkComm", "MkErrorRecord", "ErrorRecordView", "MK_OK", "MK_ERR_TIMEOUT",
            "MK_ERR_MISMATCH", "MK_ERR_PROXY"]
@@ -42,13 +42,14 @@ class MkErrorRecord(ctypes.Structure):
 
 
 class MkComm(ctypes.Structure):
-    """Passed by value to every communicating kernel (``struct MkComm`` in mk_signal.cuh)."""
+    """Passed by value to every communicating kernel (``struct MkComm`` in mk_signal.cuh).  ``sig``: the
+    call's signature (``Context.agree``'s digest) for kernels that check it against their peers'."""
 
     _fields_ = [("err", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
                 ("rank", ctypes.c_int32), ("world_size", ctypes.c_int32),
                 ("local_rank", ctypes.c_int32), ("local_size", ctypes.c_int32),
                 ("node", ctypes.c_int32), ("num_nodes", ctypes.c_int32),
-                ("op", ctypes.c_int32), ("pad", ctypes.c_int32)]
+                ("op", ctypes.c_int32), ("sig", ctypes.c_uint32)]
 
 
 assert ctypes.sizeof(MkErrorRecord) == 48 and ctypes.sizeof(MkComm) == 48
@@ -81,12 +82,16 @@ class ErrorRecordView:
         rec = self.as_dict()
         if code == -1:  # a writer is mid-way; the record is complete once code is final
             return
+        if code == MK_ERR_MISMATCH:
+            raise CommMismatch(
+                f"mkernel: rank {rec['rank']} in {rec['op']}: peer rank {rec['peer']} made a different call at "
+                f"this point of the call sequence (call signature 0x{rec['expected']:08x} here, 0x{rec['seen']:08x} "
+                "there: another op, dtype or size); every rank must make the same calls in the same order. "
+                "This communicator is no longer usable.", rec)
         where = (f"rank {rec['rank']} in {rec['op']} waited {rec['waited_ns'] / 1e9:.3f} s for peer rank "
                  f"{rec['peer']} (flag {rec['flag_index']}: expected >= {rec['expected']}, saw {rec['seen']}; "
                  f"block {rec['block']})")
         if code == MK_ERR_TIMEOUT:
             raise CommTimeout(f"mkernel: communication timeout: {where}. The peer is dead, stuck, or did not "
                               "make the same call; this communicator is no longer usable.", rec)
-        if code == MK_ERR_MISMATCH:
-            raise CommError(f"mkernel: peers disagree on the call's sizes: {where}", rec)
         raise CommError(f"mkernel: communication error code {code}: {where}", rec)

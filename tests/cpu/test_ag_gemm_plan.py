@@ -113,7 +113,7 @@ class _FakeKernel:
 class _Ctx:
     local_rank, device = 0, 0
 
-    def comm_args(self, op):
+    def comm_args(self, op, sig=0):
         return object()
 
 
@@ -157,3 +157,19 @@ def test_binding_repointed_at_each_output(monkeypatch, path):
     assert fused[0][5] is fused[3][5] and fused[1][5] is not fused[0][5]  # the binding's own args reused
     cfg = agm.G.CONFIGS[p.config]  # no split-K: every unit is a whole tile (split_from = the tile count)
     assert (fused[0][5].splits, fused[0][5].split_from) == (1, agm._fused_tiles(m_sizes, N, cfg))
+
+
+def test_call_digest_and_layout_for_signatures():
+    """The digest the kernels compare is a function of the agreed call only (every rank computes the
+    same one), differs between different calls, and fits MkComm.sig; the workspace header holds
+    consumed[P], entered[P] and sig[P][2] before the flags."""
+    p = agm.plan([2048, 2048], 5120, 8192, 2, 132)
+    d = agm.call_digest("bfloat16", (2048, 2048), 8192, 5120, False, p)
+    assert d == agm.call_digest("bfloat16", (2048, 2048), 8192, 5120, False, p) and 0 <= d < 1 << 32
+    q = agm.plan([2048, 1024], 5120, 8192, 2, 132)
+    assert d != agm.call_digest("bfloat16", (2048, 1024), 8192, 5120, False, q)
+    assert d != agm.call_digest("bfloat16", (2048, 2048), 8192, 5120, True, p)
+    for P in (2, 7, 16):
+        L = agm._layout(P, [1000] * P, 128, 16384)
+        assert L.consumed_off + 4 * 8 * P <= L.flags_off and L.flags_off % 256 == 0
+        assert L.flags_off + 8 * P * L.nch_stride <= L.value_off < L.data_off

@@ -22,14 +22,15 @@ class FakeCtx:
 
     def agree(self, what, signature, comm=None):
         self.agreed.append((what, signature))
+        return 0x5000 + len(self.agreed)  # the call's signature (MkComm.sig)
 
 
 @pytest.fixture
 def env(monkeypatch):
     monkeypatch.delenv("MKERNEL_COLL_CE", raising=False)
     launches = []
-    monkeypatch.setattr(C, "_launch", lambda ctx, op, dtype, slot, phases, head, stream:
-                        launches.append(dict(op=op, dtype=dtype.name, slot=slot, phases=phases, head=head)))
+    monkeypatch.setattr(C, "_launch", lambda ctx, op, dtype, slot, phases, head, stream, sig:
+                        launches.append(dict(op=op, dtype=dtype.name, slot=slot, phases=phases, head=head, sig=sig)))
     return FakeCtx(), launches
 
 
@@ -99,6 +100,7 @@ def test_plans(env):
     assert ar2["phases"] == 2 and ar2["head"][4].value == 0 and shard % 8 == 0 and 2 * shard >= n + 1
     assert ar2["slot"] == shard * 2
     assert [a[1] for a in ctx.agreed][0] == ("bfloat16", (5, 3), False)  # (dtype, shape, copy engines)
+    assert [l["sig"] for l in launches] == [0x5001, 0x5002, 0x5003, 0x5004, 0x5005]  # agree's digest reaches the kernel
 
 
 @pytest.mark.parametrize("slot", [16, 1000, 4 << 20, 32 << 20, 64 << 20, (1 << 30) + 12345])
@@ -108,6 +110,7 @@ def test_layout(slot):
     assert (L.nchunks - 1) * L.chunk_bytes < L.slot_bytes
     assert 1 <= grid <= min(L.nchunks, 132 if L.slot_bytes >= C.LARGE_SLOT_BYTES else C.SMALL_SLOT_BLOCKS)
     assert L.data0_off % 4096 == 0 and L.flags_off + 8 * 2 * 2 * L.nchunks <= L.data0_off
+    assert L.consumed_off + 8 * 4 * 2 <= L.flags_off  # consumed[P], entered[P], sig[P][2]
     assert total == L.data0_off + 2 * 2 * L.slot_bytes
 
 
@@ -125,7 +128,7 @@ def test_copy_engine_choice(env, monkeypatch):
         assert not C.use_copy_engines(op, lim - 1, 2) and C.use_copy_engines(op, lim, 2)
         assert not C.use_copy_engines(op, 1 << 40, 1)
     ce_calls = []
-    monkeypatch.setattr(C, "_ce_run", lambda ctx, op, dtype, msg, phases, x, o, count, shard, stream:
+    monkeypatch.setattr(C, "_ce_run", lambda ctx, op, dtype, msg, phases, x, o, count, shard, stream, sig:
                         ce_calls.append((op, dtype.name, msg, phases, count, shard)))
     monkeypatch.setenv("MKERNEL_COLL_CE", "1")
     C.all_gather(ctx, arr((5, 3), "bfloat16"), arr((10, 3), "bfloat16"))

@@ -44,3 +44,59 @@ def test_workspace_setup_inside_a_capture_raises_clearly(monkeypatch):
     assert ctx.workspace(("collective", "all_reduce"), 4096, stream=7) is ws  # fits: no setup, no error
     with pytest.raises(RuntimeError, match="larger communication workspace"):
         ctx.workspace(("collective", "all_reduce"), 2 << 20, stream=7)
+
+
+def test_comm_args_carry_the_call_signature():
+    """comm_args(op, sig): one struct per (op, signature), its sig field set; timeouts reach every one."""
+    from mkernel.context import Context
+
+    ctx = object.__new__(Context)
+    ctx._timeout, ctx._comm_cache, ctx._err_dev = 5.0, {}, 0x1000
+    ctx.rank = ctx.local_rank = ctx.node = 0
+    ctx.size = ctx.local_size = 2
+    ctx.num_nodes = 1
+    a, b = ctx.comm_args("all_reduce", 0x1234), ctx.comm_args("all_reduce", 0xFFFFFFFF)
+    assert a is not b and (a.sig, b.sig) == (0x1234, 0xFFFFFFFF) and ctx.comm_args("all_reduce", 0x1234) is a
+    assert ctx.comm_args("ag_gemm").sig == 0
+    ctx.timeout = 1.5
+    assert a.timeout_ns == b.timeout_ns == 1_500_000_000
+
+
+def test_agree_returns_a_stable_digest_and_exchanges_once():
+    """agree: the first call of a signature exchanges (bounded allgather), later ones return the cached
+    32-bit digest -- the same on every rank for the same call (the kernels compare it on the device)."""
+    import numpy as np
+
+    from mkernel.context import Context
+
+    ctx = object.__new__(Context)
+    ctx._agreed = {}
+    exchanges = []
+
+    def fake_allgather(vec, what, comm=None):
+        exchanges.append(int(vec[0]))
+        return np.array([vec, vec])  # two ranks, same call
+
+    ctx.bounded_allgather = fake_allgather
+    ctx.world = object()
+    d1 = ctx.agree("mkernel.all_reduce", ("bfloat16", (8,), False))
+    d2 = ctx.agree("mkernel.all_reduce", ("bfloat16", (8,), False))
+    d3 = ctx.agree("mkernel.all_reduce", ("bfloat16", (9,), False))
+    assert d1 == d2 != d3 and 0 <= d1 < 1 << 32 and exchanges == [d1, d3]
+
+
+def test_mismatch_record_raises_comm_mismatch():
+    """An MK_ERR_MISMATCH record (a peer announced another call signature) -> CommMismatch naming both."""
+    import ctypes
+
+    import mkernel
+    from mkernel.signals import MK_ERR_MISMATCH, OPS, ErrorRecordView, MkErrorRecord
+
+    rec = MkErrorRecord()
+    rec.rank, rec.op, rec.peer, rec.flag_index = 0, OPS["all_reduce"], 0x40000000 | 1, -1001
+    rec.expected, rec.seen, rec.code = 0xABCD, 0x1234, MK_ERR_MISMATCH
+    view = ErrorRecordView(ctypes.addressof(rec), [0, 7])
+    with pytest.raises(mkernel.CommMismatch, match=r"peer rank 7 made a different call.*0x0000abcd here, "
+                                                   r"0x00001234 there") as ei:
+        view.raise_if_set()
+    assert isinstance(ei.value, mkernel.CommError) and ei.value.record["peer"] == 7

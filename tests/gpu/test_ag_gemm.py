@@ -344,3 +344,30 @@ def test_zzz_missing_peer_times_out(ctx, path):
     out = DeviceArray.empty((256 * ctx.local_size, 256), "bfloat16")
     kw = _force(path)
     assert_missing_peer_times_out(lambda c2: agm.ag_gemm(c2, a, b, out, **kw), "ag_gemm")
+
+
+@pytest.mark.parametrize("path", ["fused", "fused_ce", "unfused"])
+def test_zzz_mismatched_call_after_agreement(ctx, path):
+    """Two shard sizes agreed on earlier (the host exchanges nothing more), then rank 0 repeats one while
+    rank 1 makes the other: every rank raises CommMismatch naming the other, from the call signatures
+    the ranks announce on the device before anything is pushed."""
+    if ctx.local_size < 2:
+        pytest.skip("needs 2 ranks")
+    import mkernel
+    from mpi4py import MPI
+
+    c2 = mkernel.init(MPI.COMM_WORLD.Dup(), timeout=2.0)
+    kw = _force(path) if path != "unfused" else dict(path="unfused")
+    b, _ = upload(np.ones((128, 256)), "bfloat16")
+    shards = {m: upload(np.ones((m, 128)), "bfloat16")[0] for m in (256, 384)}
+    for m, a in shards.items():
+        agm.ag_gemm(c2, a, b, DeviceArray.empty((m * c2.local_size, 256), "bfloat16"), **kw)
+    c2.synchronize()
+    c2.world.Barrier()
+    m = 256 if c2.rank == 0 else 384
+    agm.ag_gemm(c2, shards[m], b, DeviceArray.empty((m * c2.local_size, 256), "bfloat16"), **kw)
+    with pytest.raises(mkernel.CommMismatch) as ei:
+        c2.synchronize()
+    rec = ei.value.record
+    assert rec["op"] == "ag_gemm" and rec["rank"] == c2.rank and rec["peer"] == 1 - c2.rank, rec
+    c2.world.Barrier()

@@ -305,4 +305,39 @@ def test_first_call_inside_a_capture_raises_clearly(ctx):
     out = mkernel.all_reduce(c2, x)  # outside the capture: sets up and runs
     c2.synchronize()
     assert np.allclose(download(out), c2.local_size)
+
+
+@pytest.mark.parametrize("path", ["sm", "ce"])
+def test_zzz_mismatched_call_after_agreement(ctx, monkeypatch, path):
+    """Two sizes agreed on earlier (so the host exchanges nothing more), then rank 0 repeats one while
+    rank 1 makes the other: every rank raises CommMismatch naming the other -- from the call
+    signatures announced on the device -- before it reads anything a peer sent (the peers' rows of
+    the output stay NaN).  sm: all-reduce on the SM path; ce: all-gather on the copy engines."""
+    if ctx.local_size < 2:
+        pytest.skip("needs 2 ranks")
+    from mpi4py import MPI
+
+    monkeypatch.setenv("MKERNEL_COLL_CE", "1" if path == "ce" else "0")
+    op = mkernel.all_gather if path == "ce" else mkernel.all_reduce
+    c2 = mkernel.init(MPI.COMM_WORLD.Dup(), timeout=2.0)
+    a = upload(np.ones(1000 + 7), "float32")[0]
+    b = upload(np.ones(3000 + 5), "float32")[0]
+    op(c2, a)
+    op(c2, b)
+    c2.synchronize()
+    c2.world.Barrier()
+    x = a if c2.rank == 0 else b
+    n = x.shape[0]
+    out = poisoned((c2.local_size * n,) if path == "ce" else (n,), "float32")
+    op(c2, x, out)
+    with pytest.raises(mkernel.CommMismatch) as ei:
+        c2.synchronize()
+    rec = ei.value.record
+    name = "all_gather" if path == "ce" else "all_reduce"
+    assert rec["op"] == name and rec["rank"] == c2.rank and rec["peer"] == 1 - c2.rank, rec
+    assert rec["expected"] != rec["seen"]
+    got = download(out)
+    if path == "ce":  # the own rows may be copied before the check; no peer's
+        got = np.delete(got, np.s_[c2.local_rank * n:(c2.local_rank + 1) * n])
+    assert np.isnan(got).all(), "a mismatched call read a peer's data"
     c2.world.Barrier()
