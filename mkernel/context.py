@@ -79,6 +79,7 @@ class Context:
         self._err_dev = int(check(cu.cuMemHostGetDevicePointer(self._err_host, 0)))
         self.error_record = ErrorRecordView(self._err_host, self.local_world_ranks)
         self._workspaces: dict = {}
+        self._ws_gen = 0  # bumped whenever a workspace is (re)allocated: prepared launches keyed on it
         self._agreed: set = set()
         self._symmetric: list = []
         self._closers: list = []  # close() hooks of op state (e.g. inter-node proxies), run first
@@ -219,6 +220,7 @@ class Context:
         grow = max(nbytes, int(ws.nbytes * 1.5) if ws is not None else nbytes)
         ws = self.alloc_symmetric(grow)
         self._workspaces[key] = ws
+        self._ws_gen += 1
         return ws
 
     def side_stream(self) -> int:
@@ -250,6 +252,7 @@ class Context:
             if not ws.freed:
                 ws.free()
         self._workspaces.clear()
+        self._ws_gen += 1
         if self._side is not None:
             check(cu.cuStreamDestroy(self._side))
             self._side = None
