@@ -80,6 +80,7 @@ class Context:
         self.error_record = ErrorRecordView(self._err_host, self.local_world_ranks)
         self._workspaces: dict = {}
         self._agreed: dict = {}  # (what, signature, comm) -> 32-bit digest
+        self._ws_gen = 0  # bumped whenever a workspace is (re)allocated: prepared launches keyed on it
         self._symmetric: list = []
         self._closers: list = []  # close() hooks of op state (e.g. inter-node proxies), run first
         self._checks: list = []   # check() hooks raising host-side failures (e.g. a proxy's)
@@ -226,6 +227,7 @@ class Context:
         grow = max(nbytes, int(ws.nbytes * 1.5) if ws is not None else nbytes)
         ws = self.alloc_symmetric(grow)
         self._workspaces[key] = ws
+        self._ws_gen += 1
         return ws
 
     def side_stream(self) -> int:
@@ -257,6 +259,7 @@ class Context:
             if not ws.freed:
                 ws.free()
         self._workspaces.clear()
+        self._ws_gen += 1
         if self._side is not None:
             check(cu.cuStreamDestroy(self._side))
             self._side = None

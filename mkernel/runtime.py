@@ -539,6 +539,12 @@ class Kernel:
     def launch(self, grid, block, args: Iterable, *, stream=None, smem: int = 0,
                cooperative: bool = False, cluster: tuple | None = None) -> None:
         """Launch on ``stream``.  ``args`` are ctypes scalars/structures or bytes (structs by value)."""
+        self.prepare(grid, block, args, stream=stream, smem=smem, cooperative=cooperative, cluster=cluster).submit()
+
+    def prepare(self, grid, block, args: Iterable, *, stream=None, smem: int = 0,
+                cooperative: bool = False, cluster: tuple | None = None) -> "PreparedLaunch":
+        """The launch of :meth:`launch`, its configuration and parameter pointers packed once: calling
+        the result launches (again and again, with the argument objects' current values)."""
         ctx, f = self._func()
         self._ensure_smem(ctx, f, smem)
         hstream = stream_handle(stream)
@@ -558,5 +564,28 @@ class Kernel:
                 raise TypeError(f"kernel {self.name}: argument {a!r} must be a ctypes value or bytes")
             holders.append(a)
         ptrs = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
-        check(cu.cuLaunchKernelEx(cfg, f, ctypes.addressof(ptrs), 0))
-        del holders
+        return PreparedLaunch(self.name, ctx, f, cfg, holders, ptrs)
+
+
+class PreparedLaunch:
+    """One kernel launch, packed (Kernel.prepare): ``run()`` submits it.  It keeps its argument objects
+    alive and reads their values at each call (a ctypes struct changed in place, e.g. a new timeout in
+    an MkComm, is seen).  Raises if another CUDA context is current than the one it was prepared in."""
+
+    __slots__ = ("name", "ctx", "f", "cfg", "holders", "ptrs", "_addr")
+
+    def __init__(self, name, ctx, f, cfg, holders, ptrs):
+        self.name, self.ctx, self.f, self.cfg, self.holders, self.ptrs = name, ctx, f, cfg, holders, ptrs
+        self._addr = ctypes.addressof(ptrs)
+
+    def __call__(self) -> None:
+        err, cur = cu.cuCtxGetCurrent()
+        if err != cu.CUresult.CUDA_SUCCESS or int(cur) != self.ctx:
+            raise RuntimeError(f"kernel {self.name}: prepared in another CUDA context than the current one")
+        self.submit()
+
+    def submit(self) -> None:
+        """Launch (the context it was prepared in must be current: Kernel.launch just made sure)."""
+        r, = cu.cuLaunchKernelEx(self.cfg, self.f, self._addr, 0)
+        if r != cu.CUresult.CUDA_SUCCESS:
+            check((r,))

@@ -242,3 +242,50 @@ def test_ce_pushes_chunk_major_for_reductions():
     L2, _ = C._ce_layout(2, 5 << 20, 1)
     two = [C._ce_pushes(_Ws, L2, 2, 0, 0, lambda d: 0, size, chunk_major=cm) for cm in (False, True)]
     assert [(int(d), int(s), n) for d, s, n in two[0]] == [(int(d), int(s), n) for d, s, n in two[1]]
+
+
+def test_eager_fast_path_replays_identical_calls(env, monkeypatch):
+    """A call repeated with the same DeviceArrays, stream and path settings replays the first call's
+    prepared launch (no checks, no plan, no packing); another stream, MKERNEL_COLL_CE value or
+    workspace generation, other arrays or foreign arrays take the full path; errors a kernel reported
+    still raise first."""
+    ctx, launches = env
+    replays = []
+
+    class Prepared:
+        def __call__(self):
+            replays.append(1)
+
+    def fake_launch(ctx_, op, dtype, slot, phases, head, stream):
+        launches.append(op)
+        return Prepared()
+
+    monkeypatch.setattr(C, "_launch", fake_launch)
+    x, o = arr((1000,), "bfloat16"), arr((1000,), "bfloat16")
+    C.all_reduce(ctx, x, o)
+    C.all_reduce(ctx, x, o)
+    assert launches == ["all_reduce"] and replays == [1]
+    C.all_reduce(ctx, x, o, stream=5)  # another stream
+    monkeypatch.setenv("MKERNEL_COLL_CE", "0")  # another path setting
+    C.all_reduce(ctx, x, o, stream=5)
+    ctx._ws_gen = 1  # a workspace was reallocated
+    C.all_reduce(ctx, x, o, stream=5)
+    C.all_reduce(ctx, x, arr((1000,), "bfloat16"), stream=5)  # another output
+    assert launches == ["all_reduce"] * 5 and replays == [1]
+    C.all_reduce(ctx, x, o, stream=5)
+    assert replays == [1, 1]
+    y, og = arr((8, 4)), arr((16, 4))
+    C.all_gather(ctx, y, og), C.all_gather(ctx, y, og)
+    z, oz = arr((8, 4)), arr((4, 4))
+    C.reduce_scatter(ctx, z, oz), C.reduce_scatter(ctx, z, oz)
+    assert launches[-2:] == ["all_gather", "reduce_scatter"] and replays == [1, 1, 1, 1]
+
+    class CAI:  # a foreign array over the same memory: never replayed (its memory may move)
+        __cuda_array_interface__ = {"shape": (1000,), "typestr": "<V2", "data": (x.ptr, False), "version": 3}
+
+    n = len(launches)
+    monkeypatch.setattr(ctx, "check", lambda: (_ for _ in ()).throw(RuntimeError("kernel failed")), raising=False)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        C.all_reduce(ctx, x, o, stream=5)  # a replay checks the error record first
+    assert len(launches) == n and replays == [1, 1, 1, 1]
+    assert C._fast_key(ctx, "all_reduce", CAI(), o, 5) is None and C._fast_key(ctx, "all_reduce", x, None, 5) is None
