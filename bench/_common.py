@@ -148,6 +148,47 @@ def time_stats(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None
             "samples": samples, "host_ms": statistics.median(host), "reps": reps, "batch": batch, "graph": graph}
 
 
+def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1, barrier=None) -> dict:
+    """Time several ways of doing the same work in alternating rounds, so they all see the same clocks:
+    a GPU near its power or thermal limit drifts over seconds, and methods timed one after another
+    inherit whatever state the previous left (e.g. a fused kernel timed right after a long NCCL run
+    can read 10 % slower than the same kernel a second later).
+
+    ``fns``: name -> fn (enqueues GPU work on torch's current stream).  Each gets ``warmup`` untimed
+    calls; then ``rounds`` rounds, each timing one batch of ``batch`` calls of every fn (the order
+    rotates from round to round; device synchronized and ``barrier()`` before every batch).  Returns
+    name -> ``time_stats``-style dict (``median_ms``, ``min_ms``, ``max_ms``, ``samples``, ``host_ms``).
+    """
+    import torch
+
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = {n: [] for n in names}
+    host = {n: [] for n in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(i + r) % len(names)]
+            torch.cuda.synchronize()
+            if barrier is not None:
+                barrier()
+            t0 = time.perf_counter()
+            start.record()
+            for _ in range(batch):
+                fns[name]()
+            end.record()
+            host[name].append((time.perf_counter() - t0) * 1e3 / batch)
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) / batch)
+    torch.cuda.synchronize()
+    return {n: {"median_ms": statistics.median(samples[n]), "min_ms": min(samples[n]), "max_ms": max(samples[n]),
+                "samples": samples[n], "host_ms": statistics.median(host[n]), "reps": rounds, "batch": batch,
+                "graph": False} for n in names}
+
+
 # ------------------------------------------------------------------------------------ cross-rank
 def to_float(v) -> float:
     """float(v), None -> NaN."""

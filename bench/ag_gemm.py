@@ -79,7 +79,7 @@ def shapes(P: int, quick: bool):
 
 def reps_for(est_ms: float, quick: bool) -> dict:
     batch = int(min(20, max(1, round(4.0 / max(est_ms, 1e-3)))))
-    return {"warmup": 2 if est_ms > 5 else 5, "reps": 3 if quick else 5, "batch": batch}
+    return {"warmup": 2 if est_ms > 5 else 5, "reps": 3 if quick else 7, "batch": batch}
 
 
 def rel_err(torch, got, ref) -> float:
@@ -151,7 +151,12 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
     def ours_ag():
         mk.all_gather(ctx, A, AF, stream=sh)
 
-    def timed(key, fn, check=None):
+    # Correctness first (one call each, checked), then every method timed in alternating rounds
+    # (C.time_interleaved: they all see the same clocks; timed one after another, a method inherits
+    # the power/thermal state the previous one left).
+    methods = {}  # key -> fn, in the table's order
+
+    def prepare(key, fn, check=None):
         try:
             fn()
             torch.cuda.synchronize()
@@ -161,37 +166,46 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
                 rec[key + "_err"] = err
                 if not err < REL_TOL:
                     rec[key + "_note"] = f"MISMATCH rel err {err:.2e}"
-            st = C.time_stats(fn, rp["warmup"], rp["reps"], rp["batch"], barrier=comm.Barrier)
-            ctx.check()
-            ms = st["median_ms"]
+            methods[key] = fn
         except Exception as exc:  # noqa: BLE001
             rec[key + "_note"] = f"{type(exc).__name__}: {exc}"[:300]
-            ms = None
-        rec[key + "_ms"], _ = C.max_over_ranks(ms, comm)
 
-    timed("nccl", nccl_mm)  # also produces the reference c_ref
-    timed("ours", ours_auto, lambda: rel_err(torch, c_ours, c_ref))
+    prepare("nccl", nccl_mm)  # also produces the reference c_ref
+    prepare("ours", ours_auto, lambda: rel_err(torch, c_ours, c_ref))
     plan = agm.last_plan
     rec["plan"] = {"path": plan.path, "comm_sms": plan.comm_sms, "workers": plan.workers, "config": plan.config,
                    "chunk_rows": plan.chunk_rows, "pred_fused_ms": plan.predicted_fused * 1e3,
                    "pred_unfused_ms": plan.predicted_unfused * 1e3, "pred_comm_ms": plan.predicted_comm * 1e3,
                    "pred_gemm_ms": plan.predicted_gemm * 1e3, "reason": plan.reason}
-    timed("allgather", ours_ag, lambda: rel_err(torch, a_full_ours, a_full))
-    timed("gemm", ours_gemm)
+    prepare("allgather", ours_ag, lambda: rel_err(torch, a_full_ours, a_full))
+    prepare("gemm", ours_gemm)
     if symm.fn is not None:
         holder = {}
 
         def symm_call():
             holder["c"] = symm(a, w.t())
 
-        timed("symm", symm_call, lambda: rel_err(torch, holder["c"], c_ref))
+        prepare("symm", symm_call, lambda: rel_err(torch, holder["c"], c_ref))
     else:
-        rec["symm_ms"], rec["symm_note"] = None, symm.reason
+        rec["symm_note"] = symm.reason
     if P > 1:  # the other side of the planner's decision: copy-engine fusion vs unfused
         alt = "unfused" if plan.path != "unfused" else "fused_ce"
-        timed("forced", lambda: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, path=alt),
-              lambda: rel_err(torch, c_ours, c_ref))
+        prepare("forced", lambda: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, path=alt),
+                lambda: rel_err(torch, c_ours, c_ref))
         rec["forced_path"] = alt
+    # every rank times the same methods (their calls are collective)
+    common = set.intersection(*[set(m) for m in comm.allgather(list(methods))])
+    stats = {}
+    try:
+        stats = C.time_interleaved({k: f for k, f in methods.items() if k in common}, rp["warmup"], rp["reps"],
+                                   rp["batch"], barrier=comm.Barrier)
+        ctx.check()
+    except Exception as exc:  # noqa: BLE001
+        rec["timing_note"] = f"{type(exc).__name__}: {exc}"[:300]
+        stats = {}
+    for key in ("nccl", "ours", "allgather", "gemm", "symm", "forced"):
+        # (``common`` and a timing failure are the same on every rank: collective either way)
+        rec[key + "_ms"] = C.max_over_ranks(stats[key]["median_ms"], comm)[0] if key in stats else None
     # derived numbers
     t = {k: rec.get(k + "_ms") for k in ("nccl", "symm", "gemm", "allgather", "ours", "forced")}
     ok = lambda v: v is not None and v == v and v > 0  # noqa: E731
@@ -232,7 +246,7 @@ def report(results, meta, out_dir: Path) -> str:
     md = [f"# AllGather + GEMM benchmark ({meta['P']} x {meta['gpu']})", "",
           f"{meta['date']}, torch {meta['torch']}, NCCL {meta['nccl']}, {'--quick, ' if meta['quick'] else ''}"
           f"{meta['elapsed_s']:.0f} s.  bf16, weights [N, K] (b_layout='nk'); times are the max over ranks of "
-          "the median per-call time.  (a) NCCL all_gather_into_tensor + torch.matmul; (b) "
+          "the median per-call time, every method of a shape timed in the same alternating rounds.  (a) NCCL all_gather_into_tensor + torch.matmul; (b) "
           "torch.ops.symm_mem.fused_all_gather_matmul; floor = max(our GEMM alone, our all_gather alone); "
           "(d) mkernel.ag_gemm (automatic plan); overlap eff = floor / (d); pred = the planner's prediction for "
           "the path it chose (fused_ce: GEMM on all SMs but one, copy engines move the shards; unfused: our "
