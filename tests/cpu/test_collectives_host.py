@@ -256,7 +256,7 @@ def test_eager_fast_path_replays_identical_calls(env, monkeypatch):
         def __call__(self):
             replays.append(1)
 
-    def fake_launch(ctx_, op, dtype, slot, phases, head, stream):
+    def fake_launch(ctx_, op, dtype, slot, phases, head, stream, sig):
         launches.append(op)
         return Prepared()
 
