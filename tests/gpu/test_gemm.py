@@ -398,10 +398,18 @@ def test_grouped(rng, sizes, N, K, layout, device_offsets):
     run_grouped(rng, sizes, N, K, layout, device_offsets=device_offsets)
 
 
-@pytest.mark.parametrize("config", sorted(c for c in G.CONFIGS if G.CONFIGS[c].cluster_n == 1))
+@pytest.mark.parametrize("config", sorted(c for c in G.CONFIGS if G.CONFIGS[c].cluster == 1))
 def test_grouped_configs(rng, config):
     run_grouped(rng, [0, 300, 1, 0, 700, 129], 520, 264, "nk", config=config)
     run_grouped(rng, [5, 0, 260], 384, 128, "kn", in_dt="float16", out_dt="float32", config=config)
+
+
+@pytest.mark.parametrize("config", sorted(c for c in G.CONFIGS if G.CONFIGS[c].cluster > 1))
+def test_grouped_rejects_cluster_configs(rng, config):
+    a, _ = rand(rng, (64, 64), "bfloat16")
+    b, _ = rand(rng, (2, 64, 32), "bfloat16")
+    with pytest.raises(ValueError, match="clusters of blocks"):
+        G.grouped_gemm(a, b, [0, 30, 64], config=config)
 
 
 def test_grouped_all_empty(rng):
