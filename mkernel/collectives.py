@@ -25,7 +25,7 @@ from cuda.bindings import driver as cu
 
 from . import internode, runtime
 from .arrays import DeviceArray, as_device_array, dtype_of, require
-from .runtime import check, round_up, stream_handle
+from .runtime import round_up, stream_handle
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks", "use_copy_engines",
            "copy_engine_path"]
@@ -200,6 +200,10 @@ _CE_ENV = os.environ.get("MKERNEL_COLL_CE_MIN_BYTES")
 CE_MIN_BYTES = ({op: int(_CE_ENV) for op in ("all_gather", "reduce_scatter", "all_reduce")} if _CE_ENV else
                 {"all_gather": 256 << 20, "reduce_scatter": 64 << 20, "all_reduce": 64 << 20})
 CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks; 0: all SMs but one
+# Side streams the chunks are spread over (chunk c on stream c % CE_STREAMS): every copy and flag copy
+# costs the copy engine a few us between transfers (2x H200, 512 MiB to the peer: one copy 1.409 ms,
+# 11 copies + 11 flag copies 1.459, 32 + 32 1.574), which a second stream's transfer fills.
+CE_STREAMS = max(1, int(os.environ.get("MKERNEL_COLL_CE_STREAMS", 2)))
 # All-reduce on the copy engines with at most this many local ranks: one-shot (every rank pushes its
 # whole buffer, every rank reduces it all: one copy-engine round; the same bytes per link direction
 # as reduce-scatter + all-gather when P = 2, more above).
@@ -281,14 +285,17 @@ def _ce_layout(P: int, slot_bytes: int, phases: int) -> tuple[CollLayout, int]:
 
 
 def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False,
-               chunk_major: bool = False) -> list:
+               chunk_major: bool = False, lanes: int | None = None) -> list:
     """The side stream's copies of one phase: for each peer (rank-rotated, me+1 first) and chunk, the
     data into the peer's slot[phase][me], then the call number into its ready[phase][me][chunk].
     Peer-major (every chunk to me+1, then to me+2, ...) for gathers, whose receivers take one source
     after another; chunk_major (chunk 0 to every peer, then chunk 1, ...) for reductions, whose
     receivers need chunk c from every peer before they can reduce it (with 2 ranks both orders are
     the same).  sent_flags: after every peer got chunk c, the call number into our own
-    ready[phase][me][c] too (an in-place one-shot all-reduce waits for it before overwriting its input)."""
+    ready[phase][me][c] too (an in-place one-shot all-reduce waits for it before overwriting its input).
+    ``lanes``: the copies split into that many lanes by chunk (chunk c in lane c % lanes, every peer's
+    push of a chunk and its flags in one lane: runtime.ForkedCopies runs the lanes side by side);
+    None: one flat list."""
     value = cu.CUdeviceptr(ws.ptr + CE_VALUE_OFF)
     base = L.data1_off if phase else L.data0_off
 
@@ -296,18 +303,18 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
         return cu.CUdeviceptr(ws.peer_ptr(owner, L.flags_off + 8 * ((phase * P + me) * L.nchunks + c)))
     pairs = [(j, c) for c in range(L.nchunks) for j in range(1, P)] if chunk_major else \
         [(j, c) for j in range(1, P) for c in range(L.nchunks)]
-    out = []
+    out = []  # (copy, chunk)
     last_of_chunk = {c: i for i, (_, c) in enumerate(pairs)}  # the chunk's last push in this order
     for i, (j, c) in enumerate(pairs):
         dst = (me + j) % P
         off, n = ce_chunk(L, bytes_of(dst), c)
         if n:
-            out.append((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
-                        cu.CUdeviceptr(src_of(dst) + off), n))
-        out.append((flag(dst, c), value, 8))
+            out.append(((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
+                         cu.CUdeviceptr(src_of(dst) + off), n), c))
+        out.append(((flag(dst, c), value, 8), c))
         if sent_flags and i == last_of_chunk[c]:
-            out.append((flag(me, c), value, 8))
-    return out
+            out.append(((flag(me, c), value, 8), c))
+    return [cp for cp, _ in out] if lanes is None else runtime.split_lanes(out, lanes)
 
 
 def _ce_run(ctx, op: str, dtype, message_bytes: int, phases: int, x: DeviceArray, o: DeviceArray,
@@ -336,43 +343,44 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
     grid = max(1, min(ctx.sm_count - 1, CE_BLOCKS or ctx.sm_count))
     head = [comm, ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr)]
     tail = [ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
-    later = None  # all-reduce: (copies, args) of phase 1
+    nl = min(CE_STREAMS, L.nchunks)
+    later = None  # all-reduce: (copy lanes, args) of phase 1
     if op == "all_gather":
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes, lanes=nl)
         args = head + [ctypes.c_uint64(x.nbytes)] + tail
     elif op == "reduce_scatter":
         pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz,
-                            chunk_major=True)
+                            chunk_major=True, lanes=nl)
         args = head + [ctypes.c_uint64(count)] + tail
     elif shard == count:  # one-shot all-reduce: the whole buffer to every peer, reduced everywhere
         pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: count * isz, sent_flags=x.ptr == o.ptr,
-                            chunk_major=True)
+                            chunk_major=True, lanes=nl)
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(count), ctypes.c_int32(2)] + tail
     else:  # all_reduce: reduce-scatter of shards, then the owners' shards to every peer
         def shard_bytes(r):
             return max(0, min(shard, count - r * shard)) * isz
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes, chunk_major=True)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes, chunk_major=True,
+                            lanes=nl)
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(0)] + tail
-        later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me)),
+        later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me),
+                            lanes=nl),
                  head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(1)] + tail)
     bargs = [comm, ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
-    side = cu.CUstream(ctx.side_stream())
-    ev = runtime.Events("fork", "mid", "join")
+    fork = runtime.ForkedCopies([ctx.side_stream(i) for i in range(nl)])
 
-    def run(stream, _keep=(ev, ws)):
-        s = cu.CUstream(runtime.stream_handle(stream))
-        check(cu.cuEventRecord(ev.fork, s))
-        check(cu.cuStreamWaitEvent(side, ev.fork, 0))
+    def start(side):
         begin.launch(1, 32, bargs, stream=side)
-        runtime.copy_async(pushes, side)
+
+    def run(stream, _keep=(fork, ws)):
+        s = cu.CUstream(runtime.stream_handle(stream))
+        fork.fork(s, start)
+        fork.copies(pushes)
         kern.launch(grid, _THREADS, args, stream=stream)
         if later is not None:
-            check(cu.cuEventRecord(ev.mid, s))
-            check(cu.cuStreamWaitEvent(side, ev.mid, 0))
-            runtime.copy_async(later[0], side)
+            fork.resume(s)
+            fork.copies(later[0])
             kern.launch(grid, _THREADS, later[1], stream=stream)
-        check(cu.cuEventRecord(ev.join, side))
-        check(cu.cuStreamWaitEvent(s, ev.join, 0))
+        fork.join(s)
     return run
 
 
@@ -426,7 +434,8 @@ def all_gather(ctx, x, out=None, *, stream=None):
         return out
     # byte-oriented: one kernel for every dtype
     _fast_put(ctx, key, _launch(ctx, "all_gather", _BYTES, x.nbytes, 1,
-                                [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes)], stream, sig))
+                                [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes)],
+                                stream, sig))
     return out
 
 

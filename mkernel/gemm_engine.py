@@ -48,7 +48,7 @@ from .runtime import check, round_up
 from .tensormap import encode_tiled
 
 __all__ = ["gemm", "grouped_gemm", "TileConfig", "CONFIGS", "choose_config", "config_cost", "describe",
-           "AUTO_CANDIDATES", "LEGACY_CANDIDATES", "check_operands", "c_map", "b_operand"]
+           "AUTO_CANDIDATES", "GROUPED_CANDIDATES", "LEGACY_CANDIDATES", "check_operands", "c_map", "b_operand"]
 
 SOURCE = "gemm.cu"
 _CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -136,16 +136,23 @@ CONFIGS = {
     # config 2's tile in clusters of 2 along N sharing A by TMA multicast: measured at config 2's speed
     # (docs/gemm.md entry 13), forced only
     8: TileConfig(8, 128, 128, 6, 2, 0.85, staging_boxes=2, cluster_n=2),
-    # experiments, forced only (not GPU-run yet): config 4's tile, split-K inside clusters of 2 / 4
-    9: TileConfig(9, 128, 192, 4, 2, 0.90, cluster_k=2),
+    # config 4's tile, split-K inside clusters of 2 / 4 (partials through distributed shared memory).
+    # Sweep of 2026-11-30 (sixth session, docs/gemm.md entry 15): config 9 the fastest on llama qkv
+    # M=128 (422 TFLOP/s vs 395 for the next config, 0.97x cuBLAS) and slower than the heuristic's
+    # plan on the 13 other shapes; as a candidate only when its CK x tiles blocks fit in one wave
+    # (two waves and more lost everywhere: kv_a M=8192 547 vs 611).  Config 10: never the fastest, forced only.
+    9: TileConfig(9, 128, 192, 4, 2, 0.97, cluster_k=2),
     10: TileConfig(10, 128, 192, 3, 2, 0.88, cluster_k=4),
-    # experiment, forced only (not GPU-run yet): config 3's tile in clusters of 2 along N sharing A
+    # config 3's tile in clusters of 2 along N sharing A: never the fastest (631-650 TFLOP/s vs config 3's
+    # 659-664 on squares 4096/8192 and llama down M=8192), forced only
     11: TileConfig(11, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_n=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9)
+# Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
+GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
 # as 256 more K of main loop (from the K = 512 kv_b measurement); ping-pong hides it except at the end.
 # TMA-store epilogue: the consumers only write shared memory, the stores drain under the next tile.
@@ -266,6 +273,9 @@ def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout
     area = cfg.bm * cfg.tile_n(layout)
     if k is None:
         return math.ceil(tiles / (num_sms * cfg.tiles_per_block)) * cfg.tiles_per_block * area / cfg.efficiency
+    if cfg.cluster_k > 1:  # CK blocks per tile, each 1/CK of K; partials added through shared memory
+        unit_k = math.ceil(math.ceil(k / 64) / cfg.cluster_k) * 64
+        return math.ceil(tiles * cfg.cluster_k / num_sms) * area * (unit_k + cfg.epilogue_k) / cfg.efficiency
     if not cfg.pingpong:
         if splits > 1:
             bn = cfg.tile_n(layout)
@@ -719,6 +729,8 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         if M <= SMALL_M and cfg.efficiency_small_m is not None:  # (a uniform factor: splits unchanged)
             cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
         tiles = max(1, _tiles(cfg, M, N, b_layout))
+        if cfg.cluster_k > 1 and tiles * cfg.cluster_k > sms:  # measured: loses beyond one wave
+            continue
         sp, sf = choose_splits(cfg, M, N, K, b_layout, sms)
         plans.append((split_cost(cfg, tiles, K, b_layout, sms, sp, sf), cid, sp, sf))
         if sp > 1 and sf > 0:  # last-wave split: also keep this config's unsplit plan as a candidate
@@ -819,7 +831,7 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
             pre = [_zero_fill_launch(sub, r1 - r0, N, ldc, in_dtype, dev)]
         return _Plan(CONFIGS[1], None, 0, [], pre, keep)
     cfg = CONFIGS[config] if config is not None else choose_config(
-        num_tiles, sms, k=K, layout=b_layout, candidates=AUTO_CANDIDATES)
+        num_tiles, sms, k=K, layout=b_layout, candidates=GROUPED_CANDIDATES)
     tma, pre, keep_a = _a_operand(A, T, K, cfg, in_dtype, out_dtype, dev)
     tmb, pre_b, keep_b = b_operand(B, K, N, b_layout, cfg, in_dtype, out_dtype, dev)
     pre, keep = pre + pre_b, keep + keep_a + keep_b

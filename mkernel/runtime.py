@@ -32,7 +32,8 @@ from .errors import CompileError, CudaError
 __all__ = [
     "check", "cuda_src_dir", "include_dirs", "nvrtc_version", "compile_module", "Module", "Kernel",
     "stream_handle", "current_arch", "register_specialization", "registered_specializations",
-    "device_attribute", "precompile", "precompile_source", "round_up", "copy_async", "Events",
+    "device_attribute", "precompile", "precompile_source", "round_up", "copy_async", "Events", "ForkedCopies",
+    "split_lanes",
 ]
 
 
@@ -468,6 +469,55 @@ def copy_async(copies, stream) -> None:
         r, = memcpy(d, src, n, s)
         if r != cu.CUresult.CUDA_SUCCESS:
             check((r,))
+
+
+class ForkedCopies:
+    """Lanes of copies forked from a caller's stream onto side streams and joined back to it.
+
+    ``sides``: side stream handles (``ctx.side_stream(i)``); lane i runs in order on side i (so a
+    flag copied after its data lands after it), the lanes side by side (several copy engines).
+    ``fork(s, begin)``: the sides start after ``s``'s work so far; ``begin(side0)`` (a launch) runs on
+    side 0 before any lane.  ``resume(s)``: later lanes start after ``s``'s work so far too.
+    ``join(s)``: ``s`` waits for every side.  Inside a graph capture the events become dependencies."""
+
+    def __init__(self, sides):
+        self.sides = [cu.CUstream(int(h)) for h in sides]
+        self._ev = Events("fork", "begun", *(f"join{i}" for i in range(len(self.sides))))
+        self._joins = [getattr(self._ev, f"join{i}") for i in range(len(self.sides))]
+
+    def fork(self, s, begin=None) -> None:
+        check(cu.cuEventRecord(self._ev.fork, s))
+        check(cu.cuStreamWaitEvent(self.sides[0], self._ev.fork, 0))
+        ev = self._ev.fork
+        if begin is not None:
+            begin(self.sides[0])
+            if len(self.sides) > 1:
+                check(cu.cuEventRecord(self._ev.begun, self.sides[0]))
+                ev = self._ev.begun
+        for side in self.sides[1:]:
+            check(cu.cuStreamWaitEvent(side, ev, 0))
+
+    def resume(self, s) -> None:
+        check(cu.cuEventRecord(self._ev.fork, s))
+        for side in self.sides:
+            check(cu.cuStreamWaitEvent(side, self._ev.fork, 0))
+
+    def copies(self, lanes) -> None:
+        for side, lane in zip(self.sides, lanes):
+            copy_async(lane, side)
+
+    def join(self, s) -> None:
+        for side, ev in zip(self.sides, self._joins):
+            check(cu.cuEventRecord(ev, side))
+            check(cu.cuStreamWaitEvent(s, ev, 0))
+
+
+def split_lanes(tagged, n: int) -> list:
+    """``n`` lanes of ``(copy, key)`` pairs: lane ``key % n``, each lane in the given order."""
+    lanes = [[] for _ in range(max(1, n))]
+    for copy, key in tagged:
+        lanes[key % len(lanes)].append(copy)
+    return lanes
 
 
 def _launch_config(grid, block, smem: int, hstream: int, cooperative: bool, cluster) -> "cu.CUlaunchConfig":

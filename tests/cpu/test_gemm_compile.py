@@ -346,6 +346,9 @@ def test_split_k_plans(fake):
     (128, 4096, 7168, "nk", 1),      # dsv3.moe_gate_up M=128: 64 tiles split 2 (measured 337 vs 306 TFLOP/s
                                      # for 32 tiles of 128x128 split 4): SMALL_M efficiency
     (512, 4096, 7168, "nk", 2),      # ... but not from M = 256 up (config 1's rate binds again)
+    (128, 10240, 8192, "nk", 9),     # llama qkv M=128: 54 tiles x 2 blocks in clusters (measured 422 vs 384
+                                     # TFLOP/s for config 3 split 3)
+    (8192, 576, 7168, "nk", 4),      # dsv3.kv_a M=8192: 192 tiles x 2 > 132 SMs: no cluster split-K
 ])
 def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
@@ -364,6 +367,7 @@ def test_heuristic_env_overrides(monkeypatch):
     monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "6")
     assert G.choose_config(lambda c: 100, 132).id in G.LEGACY_CANDIDATES
     assert 6 not in G.AUTO_CANDIDATES  # ping-pong: forced only until measured (docs/gemm.md)
+    assert 9 in G.AUTO_CANDIDATES and all(G.CONFIGS[c].cluster == 1 for c in G.GROUPED_CANDIDATES)
 
 
 def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch):

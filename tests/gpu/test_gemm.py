@@ -152,6 +152,13 @@ def test_cluster_k_split(rng, M, N, K, layout, out_dt, config):
     run_gemm(rng, M, N, K, layout, out_dt=out_dt, config=config, sample=None if M * N <= 1 << 22 else 256)
 
 
+def test_cluster_k_split_chosen_by_the_heuristic(rng):
+    """llama qkv at M=128 (54 tiles of 128x192, two blocks each: one wave): the heuristic's plan is
+    config 9, and right."""
+    assert G.describe(128, 10240, 8192, b_layout="nk")["config"] == 9
+    run_gemm(rng, 128, 10240, 8192, "nk", sample=None)
+
+
 def test_cluster_k_split_is_deterministic(rng):
     """The cluster's partials are added in block order: the same bits on every call."""
     a = rand(rng, (512, 7168), "bfloat16")[0]
