@@ -200,10 +200,12 @@ _CE_ENV = os.environ.get("MKERNEL_COLL_CE_MIN_BYTES")
 CE_MIN_BYTES = ({op: int(_CE_ENV) for op in ("all_gather", "reduce_scatter", "all_reduce")} if _CE_ENV else
                 {"all_gather": 256 << 20, "reduce_scatter": 64 << 20, "all_reduce": 64 << 20})
 CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks; 0: all SMs but one
-# Side streams the chunks are spread over (chunk c on stream c % CE_STREAMS): every copy and flag copy
+# Side streams the chunks are spread over (chunk c on stream c % CE_STREAMS).  Every copy and flag copy
 # costs the copy engine a few us between transfers (2x H200, 512 MiB to the peer: one copy 1.409 ms,
-# 11 copies + 11 flag copies 1.459, 32 + 32 1.574), which a second stream's transfer fills.
-CE_STREAMS = max(1, int(os.environ.get("MKERNEL_COLL_CE_STREAMS", 2)))
+# 11 copies + 11 flag copies 1.459, 32 + 32 1.574), but a second stream does not fill the gaps: it
+# lost on every op (A/B twice, busbw at 1 GiB, 1 vs 2 streams: AG 335/336 vs 324/321, RS 351/352 vs
+# 301/297, AR 365/366 vs 301/300 GB/s; docs/collectives.md N+5).  MKERNEL_COLL_CE_STREAMS overrides.
+CE_STREAMS = max(1, int(os.environ.get("MKERNEL_COLL_CE_STREAMS", 1)))
 # All-reduce on the copy engines with at most this many local ranks: one-shot (every rank pushes its
 # whole buffer, every rank reduces it all: one copy-engine round; the same bytes per link direction
 # as reduce-scatter + all-gather when P = 2, more above).
