@@ -92,7 +92,7 @@ class Case:
     elements per rank).
     """
 
-    def __init__(self, ctx, mk, op: str, dtype: str, size: int, torch_args: bool):
+    def __init__(self, ctx, mk, op: str, dtype: str, size: int, torch_args: bool, sym: bool = False):
         import torch
         import torch.distributed as dist
 
@@ -112,7 +112,12 @@ class Case:
             n_in, n_out = (n, P * n) if op == "all_gather" else (P * n, n)
         self.nbytes = (n_out if op == "all_gather" else n_in) * isz
         self.x = torch.randn(n_in, dtype=td, device=dev, generator=g)
-        self.ours_out = torch.empty(n_out, dtype=td, device=dev)
+        self.buf = None
+        if sym:  # out in mkernel symmetric memory (collective): the zero-copy all-gather
+            self.buf = ctx.alloc_symmetric(n_out * isz)
+            self.ours_out = torch.from_dlpack(self.buf.array((n_out,), dtype))
+        else:
+            self.ours_out = torch.empty(n_out, dtype=td, device=dev)
         self.nccl_out = torch.empty(n_out, dtype=td, device=dev)
         self.stream = torch.cuda.current_stream()
         self.sh = int(self.stream.cuda_stream)
@@ -127,6 +132,14 @@ class Case:
 
     def ours(self):
         self.fn(self.ctx, *self.args, stream=self.sh)
+
+    def close(self):
+        """Free the symmetric out (collective: every rank closes the same cases)."""
+        if self.buf is not None:
+            self.torch.cuda.synchronize()
+            self.args = self.ours_out = None
+            self.buf.free()
+            self.buf = None
 
     def ours_current_stream(self):  # for CUDA-graph capture: the capture stream is torch's current one
         self.fn(self.ctx, *self.args, stream=self.torch.cuda.current_stream().cuda_stream)
@@ -205,11 +218,12 @@ def copy_engine_bw(ctx, quick: bool) -> dict:
     return out
 
 
-def measure(ctx, mk, op, dtype, size, args, state) -> dict:
-    """Verify + time ours and NCCL for one point; never raises (failures become NaN + a printed line)."""
+def measure(ctx, mk, op, dtype, size, args, state, sym: bool = False) -> dict:
+    """Verify + time ours and NCCL for one point; never raises (failures become NaN + a printed line).
+    ``sym``: ours writes into an ``out`` in mkernel symmetric memory (all-gather: zero-copy)."""
     comm, P = ctx.world, ctx.local_size
     p = plan(size, args.quick)
-    rec = {"op": op, "dtype": dtype, "size": size, "bytes": size, "plan": p, "match": None, "match_msg": "",
+    rec = {"op": op, "dtype": dtype, "size": size, "bytes": size, "plan": p, "match": None, "match_msg": "", "sym": sym,
            "ours_ms": float("nan"), "nccl_ms": float("nan"), "ours_ms_per_rank": [], "nccl_ms_per_rank": [],
            "ours_host_ms": float("nan"), "nccl_host_ms": float("nan"), "ours_busbw": float("nan"),
            "nccl_busbw": float("nan"), "ratio": float("nan"), "errors": [],
@@ -219,7 +233,7 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
                                                2 if dtype != "float32" else 4, P) else "sm"}
     case = None
     try:
-        case = Case(ctx, mk, op, dtype, size, args.torch_args)
+        case = Case(ctx, mk, op, dtype, size, args.torch_args, sym)
         rec["bytes"] = case.nbytes
         err = None
     except Exception as exc:  # noqa: BLE001
@@ -252,6 +266,11 @@ def measure(ctx, mk, op, dtype, size, args, state) -> dict:
         rec[who + "_host_ms"], _ = C.max_over_ranks(host, comm)
         rec[who + "_samples_ms"] = comm.allgather(samples)  # per rank, per batch
         _note_failure(ctx, err, state, rec, who)
+    if sym:
+        try:
+            case.close()
+        except Exception as exc:  # noqa: BLE001
+            print(f"[rank {ctx.rank}] freeing the symmetric out failed: {type(exc).__name__}: {exc}", flush=True)
     for who in ("ours", "nccl"):
         rec[who + "_busbw"] = busbw(op, rec["bytes"], rec[who + "_ms"], P)
     rec["ratio"] = rec["ours_busbw"] / rec["nccl_busbw"] if rec["nccl_busbw"] > 0 else float("nan")
@@ -316,7 +335,8 @@ def _note_failure(ctx, err, state, rec, what) -> None:
 
 # ------------------------------------------------------------------------------------ reporting
 def _label(r) -> str:
-    return f"{SHORT[r['op']]} {r['dtype'].replace('bfloat16', 'bf16').replace('float32', 'fp32')}"
+    return (f"{SHORT[r['op']]} {r['dtype'].replace('bfloat16', 'bf16').replace('float32', 'fp32')}"
+            + (" sym" if r.get("sym") else ""))
 
 
 def _pct(v) -> str:
@@ -346,7 +366,7 @@ def report(results, ce, meta, out_dir: Path) -> str:
     ce_big = ce.get(max(ce), {}).get("min_GBps", float("nan")) if ce else float("nan")
     parts = []
     for op in OPS:
-        pts = [r for r in results if r["op"] == op and r["dtype"] == "bfloat16"]
+        pts = [r for r in results if r["op"] == op and r["dtype"] == "bfloat16" and not r.get("sym")]
         if pts and ce_big == ce_big:
             big = max(pts, key=lambda r: r["size"])
             pct = 100 * big["ours_busbw"] / ce_big
@@ -355,6 +375,10 @@ def report(results, ce, meta, out_dir: Path) -> str:
     v2 = "large-size busbw vs copy-engine: " + (
         f"{_pct(worst)} (min over ops; " + ", ".join(p[1] for p in parts)
         + f"; copy engine {ce_big:.1f} GB/s per direction)" if parts else "n/a")
+    sym = [r for r in results if r.get("sym")]
+    v3 = ("all-gather into a symmetric out (zero-copy) vs copy-engine: "
+          + ", ".join(f"{_pct(100 * r['ours_busbw'] / ce_big)} at {C.fmt_bytes(r['size'])}" for r in sym)
+          if sym and ce_big == ce_big else "")
     mism = [f"{_label(r)} {C.fmt_bytes(r['size'])}: {r['match_msg']}"
             for r in results if r["match"] is False]
     errs = [f"{_label(r)} {C.fmt_bytes(r['size'])}: {e}" for r in results for e in r["errors"]]
@@ -368,6 +392,8 @@ def report(results, ce, meta, out_dir: Path) -> str:
         "(AG, RS) or x 2(P-1)/P (AR), GB = 1e9 B. Time = max over ranks of each rank's median per-call time "
         "(CUDA events around batches of back-to-back calls on torch's current stream); busbw uses the exact bytes "
         "(sizes rounded down to whole elements per rank). Ratio > 1: ours faster. "
+        "sym: ours writes into an `out` in mkernel symmetric memory (`ctx.alloc_symmetric(...).array(...)`), "
+        "which the copy-engine all-gather fills zero-copy (the peers write straight into it); NCCL as always. "
         "† = host-bound (submitting a call took >= 90% of its GPU time). ✗ = ours did not match NCCL. "
         "path: how mkernel moved the data -- `sm`: one persistent kernel pushing over NVLink, `ce`: copy "
         "engines + SM receivers (per-peer message from "
@@ -376,7 +402,7 @@ def report(results, ce, meta, out_dir: Path) -> str:
         f"Copy-engine peer bandwidth (torch `copy_` to the next rank's GPU, all ranks at once, per direction): "
         f"{ce_line}.", "",
         table, "",
-        "**" + v1 + "**  ", "**" + v2 + "**", ""]
+        "**" + v1 + "**  ", "**" + v2 + "**" + ("  " if v3 else ""), *(["**" + v3 + "**"] if v3 else []), ""]
         + (["## Mismatches", ""] + [f"- {m}" for m in mism] + [""] if mism else [])
         + (["## Errors", ""] + [f"- {e}" for e in errs] + [""] if errs else []))
     (out_dir / f"{stem}.md").write_text(md)
@@ -387,20 +413,24 @@ def report(results, ce, meta, out_dir: Path) -> str:
         for op in OPS:
             series = []
             for dt, tag in (("bfloat16", "bf16"), ("float32", "fp32")):
-                pts = [r for r in results if r["op"] == op and r["dtype"] == dt]
+                pts = [r for r in results if r["op"] == op and r["dtype"] == dt and not r.get("sym")]
                 if not pts:
                     continue
                 x = [r["size"] for r in pts]
                 solid, dashed = ("o-", "s--") if dt == "bfloat16" else ("^-", "v--")
                 series += [{"x": x, "y": [r["ours_busbw"] for r in pts], "label": f"mkernel {tag}", "style": solid},
                            {"x": x, "y": [r["nccl_busbw"] for r in pts], "label": f"NCCL {tag}", "style": dashed}]
+            sp = [r for r in results if r["op"] == op and r.get("sym")]
+            if sp:
+                series.append({"x": [r["size"] for r in sp], "y": [r["ours_busbw"] for r in sp],
+                               "label": "mkernel bf16, symmetric out", "style": "D-"})
             panels.append({"title": op.replace("_", "-"), "series": series})
         C.plot_panels(out_dir / f"{stem}.png", panels,
                       hlines=[(ce_big, f"copy engine {C.fmt_bytes(max(ce))}" if ce else "copy engine")],
                       title=f"mkernel vs NCCL, {P} x {meta['gpu']}")
     except Exception as exc:  # noqa: BLE001
         print(f"plot failed: {type(exc).__name__}: {exc}", flush=True)
-    return md + "\n" + v1 + "\n" + v2
+    return md + "\n" + v1 + "\n" + v2 + ("\n" + v3 if v3 else "")
 
 
 def main() -> int:
@@ -437,9 +467,12 @@ def main() -> int:
              else [1 << k for k in range(16, 31)])
     sizes = [s for s in sizes if args.min_bytes <= s <= args.max_bytes]
     ops = [o for o in args.ops.split(",") if o]
-    cases = [(op, "bfloat16", s) for s in sizes for op in OPS if op in ops]
-    cases += [("all_reduce", "float32", s) for s in sizes if s in FP32_AR_SIZES and "all_reduce" in ops]
-    cases.sort(key=lambda c: (c[2], OPS.index(c[0]), c[1]))
+    cases = [(op, "bfloat16", s, False) for s in sizes for op in OPS if op in ops]
+    cases += [("all_reduce", "float32", s, False) for s in sizes if s in FP32_AR_SIZES and "all_reduce" in ops]
+    # the zero-copy all-gather (symmetric out) where the copy-engine path runs
+    cases += [("all_gather", "bfloat16", s, True) for s in sizes if "all_gather" in ops and P > 1
+              and ctx.num_nodes == 1 and MC.copy_engine_path("all_gather", s // P, 2, P)]
+    cases.sort(key=lambda c: (c[2], OPS.index(c[0]), c[3], c[1]))
     out_dir = Path(args.out)
     if ctx.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -452,10 +485,10 @@ def main() -> int:
 
     state = {"ours_dead": False, "nccl_dead": False}
     results = []
-    for op, dtype, size in cases:
-        rec = measure(ctx, mk, op, dtype, size, args, state)
+    for op, dtype, size, sym in cases:
+        rec = measure(ctx, mk, op, dtype, size, args, state, sym)
         results.append(rec)
-        say(f"{SHORT[op]} {dtype:8s} {C.fmt_bytes(rec['size']):>8s}: ours {_f(rec['ours_ms'] * 1e3, '9.1f')} us "
+        say(f"{_label(rec)} {C.fmt_bytes(rec['size']):>8s}: ours {_f(rec['ours_ms'] * 1e3, '9.1f')} us "
             f"{_f(rec['ours_busbw'], '6.1f')} GB/s | NCCL {_f(rec['nccl_ms'] * 1e3, '9.1f')} us "
             f"{_f(rec['nccl_busbw'], '6.1f')} GB/s | x{_f(rec['ratio'], '.2f')}"
             f"{'' if rec['match'] in (True, None) else '  MISMATCH'}  [{time.monotonic() - t_start:.0f} s]")

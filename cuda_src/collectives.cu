@@ -44,6 +44,8 @@ struct CollLayout {
   mk_u64 chunk_bytes;  // bytes per chunk (multiple of 16)
   int nchunks;         // chunks per slot (flags per source per phase)
   int tail_pieces;     // copy-engine path: the last chunk cut in this many pieces (ce_chunk); 0: none
+  int direct;          // copy-engine all-gather into a symmetric `out`: peers copy straight into it
+  int pad_;
 };
 
 struct Ws {
@@ -305,6 +307,8 @@ mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_sho
 //   S: mk_all_gather_ce / mk_reduce_scatter_ce: grid-wide, chunk by chunk in arrival order, every
 //      block waits for the chunk's flag(s) and copies / reduces its share; the last block tells the
 //      peers it consumed their data and commits the epoch.
+//   all-gather into a symmetric `out` (L.direct): X copies straight into p's `out` rows of this rank
+//      (no slot, no local copy on the receiver; the begin kernel first waits until p started the call).
 //   all-reduce: S runs mk_all_reduce_ce phase 0 (reduce my shard into out), then X (after an event
 //   on S) copies my reduced shard into every peer's slot[1][me] + ready[1] flags, and S runs phase 1
 //   (copy the peers' shards out, finish).  Each element is summed by one rank: bit-identical results.
@@ -315,10 +319,21 @@ mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_sho
 // every peer's waits time out too.
 #define MK_COLL_CE_VALUE_OFF 32  // inside the first 64 bytes (after MkEpochState); mirrored in collectives.py
 
+// Direct (L.direct, all-gather into a symmetric `out`): the copy engines write into the peers' `out`,
+// which a peer may still be reading for earlier work on its stream until its call starts, so the begin
+// kernel also waits until every peer announced this call (with our signature: a peer making another
+// call raises CommMismatch; the copies are enqueued already and may still land in its buffer).
 extern "C" __global__ void __launch_bounds__(32, 1)
 mk_coll_ce_begin(MkComm c, char* ws, const mk_u64* __restrict__ peers, CollLayout L) {
   const Ws w = make_ws(c, ws, peers, L);
-  announce_call(c, w, mk_epoch_begin(w.epoch_state()), threadIdx.x, 32);  // (the receivers check it)
+  const mk_u64 e = mk_epoch_begin(w.epoch_state());
+  announce_call(c, w, e, threadIdx.x, 32);  // (the receivers check it)
+  if (L.direct) {
+    bool ok = true;
+    for (int j = threadIdx.x; j < w.P; j += 32)
+      if (j != w.me) ok = ok && same_call(c, w, e, j);
+    if (!__all_sync(0xffffffffu, ok)) return;
+  }
   mk_ce_begin(c, w.epoch_state(), w.consumed(0), (mk_u64*)(ws + MK_COLL_CE_VALUE_OFF));
 }
 
@@ -338,7 +353,7 @@ MK_DEVICE bool wait_peers_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int 
 }
 
 // out[src*stride ...] = slot[phase][src] for every peer src (bytes_of(src) bytes), one source after
-// another in arrival order.
+// another in arrival order (L.direct: the copy engines wrote `out` itself; only wait for the chunks).
 template <class F>
 MK_DEVICE bool gather_slots_ce(const MkComm& c, const Ws& w, mk_u64 epoch, int phase, char* out, mk_u64 stride,
                                F bytes_of) {
@@ -347,6 +362,7 @@ MK_DEVICE bool gather_slots_ce(const MkComm& c, const Ws& w, mk_u64 epoch, int p
     const mk_u64 sb = bytes_of(src);
     for (int ci = 0; ci < w.L.nchunks; ++ci) {
       if (!wait_chunk(c, w, epoch, src, phase, ci)) return false;
+      if (w.L.direct) continue;
       mk_u64 off, len, lo, hi;
       ce_chunk(w.L, sb, ci, off, len);
       block_share(len, lo, hi);

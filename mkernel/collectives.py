@@ -58,7 +58,8 @@ class CollLayout(ctypes.Structure):
     _fields_ = [("consumed_off", ctypes.c_uint64), ("flags_off", ctypes.c_uint64),
                 ("data0_off", ctypes.c_uint64), ("data1_off", ctypes.c_uint64),
                 ("slot_bytes", ctypes.c_uint64), ("chunk_bytes", ctypes.c_uint64),
-                ("nchunks", ctypes.c_int32), ("tail_pieces", ctypes.c_int32)]
+                ("nchunks", ctypes.c_int32), ("tail_pieces", ctypes.c_int32),
+                ("direct", ctypes.c_int32), ("pad_", ctypes.c_int32)]
 
 
 MIN_CHUNK = int(os.environ.get("MKERNEL_COLL_MIN_CHUNK", 32 * 1024))
@@ -286,8 +287,17 @@ def _ce_layout(P: int, slot_bytes: int, phases: int) -> tuple[CollLayout, int]:
     return L, total
 
 
+def _direct_key(direct) -> tuple:
+    """The signature part of a zero-copy all-gather: every rank's ``out`` must be the same rows of the
+    same symmetric buffer (or none a symmetric one)."""
+    if direct is None:
+        return ()
+    buf, off = direct
+    return (f"symmetric out: buffer #{buf.seq} at byte {off}",)
+
+
 def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False,
-               chunk_major: bool = False, lanes: int | None = None) -> list:
+               chunk_major: bool = False, lanes: int | None = None, dst_of=None) -> list:
     """The side stream's copies of one phase: for each peer (rank-rotated, me+1 first) and chunk, the
     data into the peer's slot[phase][me], then the call number into its ready[phase][me][chunk].
     Peer-major (every chunk to me+1, then to me+2, ...) for gathers, whose receivers take one source
@@ -295,6 +305,8 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
     receivers need chunk c from every peer before they can reduce it (with 2 ranks both orders are
     the same).  sent_flags: after every peer got chunk c, the call number into our own
     ready[phase][me][c] too (an in-place one-shot all-reduce waits for it before overwriting its input).
+    ``dst_of(dst)``: where the data for rank ``dst`` goes, as mapped here (default: its slot for us;
+    a zero-copy all-gather: our rows of its symmetric ``out``).
     ``lanes``: the copies split into that many lanes by chunk (chunk c in lane c % lanes, every peer's
     push of a chunk and its flags in one lane: runtime.ForkedCopies runs the lanes side by side);
     None: one flat list."""
@@ -311,8 +323,8 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
         dst = (me + j) % P
         off, n = ce_chunk(L, bytes_of(dst), c)
         if n:
-            out.append(((cu.CUdeviceptr(ws.peer_ptr(dst, base + me * L.slot_bytes + off)),
-                         cu.CUdeviceptr(src_of(dst) + off), n), c))
+            to = dst_of(dst) if dst_of is not None else ws.peer_ptr(dst, base + me * L.slot_bytes)
+            out.append(((cu.CUdeviceptr(to + off), cu.CUdeviceptr(src_of(dst) + off), n), c))
         out.append(((flag(dst, c), value, 8), c))
         if sent_flags and i == last_of_chunk[c]:
             out.append(((flag(me, c), value, 8), c))
@@ -320,23 +332,28 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
 
 
 def _ce_run(ctx, op: str, dtype, message_bytes: int, phases: int, x: DeviceArray, o: DeviceArray,
-            count: int, shard: int, stream, sig: int) -> None:
-    """One copy-engine collective call (bound once per buffers and sizes, then replayed)."""
+            count: int, shard: int, stream, sig: int, direct=None) -> None:
+    """One copy-engine collective call (bound once per buffers and sizes, then replayed).  ``direct``:
+    ``(symmetric buffer, offset)`` of an all-gather's ``out`` (every rank's, agreed): zero-copy."""
     P = ctx.local_size
     L, total = _ce_layout(P, message_bytes, phases)
     ws = ctx.workspace(("collective_ce", op), total, stream, f"mkernel.{op}")
     bindings = ctx.__dict__.setdefault("_ce_bindings", {})
-    key = (op, dtype.code, x.ptr, o.ptr, count, shard, ws.ptr, ws.nbytes, sig)
+    key = (op, dtype.code, x.ptr, o.ptr, count, shard, ws.ptr, ws.nbytes, sig,
+           None if direct is None else (direct[0].seq, direct[1]))
     run = bindings.get(key)
     if run is None:
         if len(bindings) >= 256:
             bindings.clear()
-        run = bindings[key] = _ce_bind(ctx, op, dtype, L, ws, x, o, count, shard, sig)
+        if direct is not None:
+            L = CollLayout.from_buffer_copy(L)  # (the cached layout stays as it is)
+            L.direct = 1
+        run = bindings[key] = _ce_bind(ctx, op, dtype, L, ws, x, o, count, shard, sig, direct)
     run(stream)
 
 
 def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceArray, count: int, shard: int,
-             sig: int):
+             sig: int, direct=None):
     P, me = ctx.local_size, ctx.local_rank
     isz = dtype.itemsize
     comm = ctx.comm_args(op, sig)
@@ -348,7 +365,8 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
     nl = min(CE_STREAMS, L.nchunks)
     later = None  # all-reduce: (copy lanes, args) of phase 1
     if op == "all_gather":
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes, lanes=nl)
+        dst_of = None if direct is None else (lambda d: direct[0].peer_ptr(d, direct[1] + me * x.nbytes))
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes, lanes=nl, dst_of=dst_of)
         args = head + [ctypes.c_uint64(x.nbytes)] + tail
     elif op == "reduce_scatter":
         pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz,
@@ -373,7 +391,7 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
     def start(side):
         begin.launch(1, 32, bargs, stream=side)
 
-    def run(stream, _keep=(fork, ws)):
+    def run(stream, _keep=(fork, ws, direct)):
         s = cu.CUstream(runtime.stream_handle(stream))
         fork.fork(s, start)
         fork.copies(pushes)
@@ -425,14 +443,15 @@ def all_gather(ctx, x, out=None, *, stream=None):
     if _overlaps(x, o) and x.ptr != o.ptr + ctx.rank * x.nbytes:
         raise ValueError(f"{what}: x overlaps out but is not this rank's own rows of out")
     ce = ctx.num_nodes == 1 and copy_engine_path("all_gather", x.nbytes, x.dtype.itemsize, ctx.local_size)
-    sig = ctx.agree(what, (x.dtype.name, tuple(x.shape), ce), ctx.world)
+    direct = ctx.symmetric_region(o.ptr, o.nbytes) if ce else None
+    sig = ctx.agree(what, (x.dtype.name, tuple(x.shape), ce) + _direct_key(direct), ctx.world)
     if x.nbytes == 0:
         return out
     if ctx.num_nodes > 1:
         internode.all_gather(ctx, x, o, stream)
         return out
     if ce:
-        _ce_run(ctx, "all_gather", _BYTES, x.nbytes, 1, x, o, x.nbytes, 0, stream, sig)
+        _ce_run(ctx, "all_gather", _BYTES, x.nbytes, 1, x, o, x.nbytes, 0, stream, sig, direct)
         return out
     # byte-oriented: one kernel for every dtype
     _fast_put(ctx, key, _launch(ctx, "all_gather", _BYTES, x.nbytes, 1,

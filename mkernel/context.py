@@ -82,6 +82,7 @@ class Context:
         self._agreed: dict = {}  # (what, signature, comm) -> 32-bit digest
         self._ws_gen = 0  # bumped whenever a workspace is (re)allocated: prepared launches keyed on it
         self._symmetric: list = []
+        self._sym_seq = 0  # alloc_symmetric's count: a buffer's collective identity
         self._closers: list = []  # close() hooks of op state (e.g. inter-node proxies), run first
         self._checks: list = []   # check() hooks raising host-side failures (e.g. a proxy's)
         self._closed = False
@@ -201,8 +202,19 @@ class Context:
         from .symmetric import SymmetricBuffer
 
         buf = SymmetricBuffer(self, nbytes, comm if comm is not None else self.node_comm)
+        buf.seq = self._sym_seq  # (collective: the same number on every rank)
+        self._sym_seq += 1
         self._symmetric.append(buf)
         return buf
+
+    def symmetric_region(self, ptr: int, nbytes: int):
+        """``(buffer, offset)`` when ``[ptr, ptr + nbytes)`` lies inside one live symmetric buffer of this
+        context allocated over the whole node (:meth:`alloc_symmetric`), else None."""
+        for buf in self._symmetric:
+            if (not buf.freed and buf.local_size == self.local_size and buf.ptr <= ptr
+                    and ptr + nbytes <= buf.ptr + buf.nbytes):
+                return buf, ptr - buf.ptr
+        return None
 
     def workspace(self, key, nbytes: int, stream=None, what: str = "mkernel"):
         """A cached symmetric workspace for ``key``, re-allocated (collectively) when it must grow.

@@ -70,6 +70,22 @@ class SymmetricBuffer:
     def peer_ptr(self, local_rank: int, offset: int = 0) -> int:
         return self.peer_ptrs[local_rank] + offset
 
+    def array(self, shape, dtype, offset: int = 0):
+        """A :class:`~mkernel.DeviceArray` view of this rank's copy: C-contiguous ``shape`` of ``dtype``
+        from byte ``offset`` (keeps the buffer alive).  An all-gather whose ``out`` is such a view on
+        every rank (same buffer, same offset) runs zero-copy on the copy-engine path: the peers write
+        straight into it."""
+        from .arrays import DeviceArray, dtype_of
+
+        dt = dtype_of(dtype)
+        n = 1
+        for d in shape:
+            n *= int(d)
+        if offset < 0 or offset % dt.itemsize or offset + n * dt.itemsize > self.nbytes:
+            raise ValueError(f"mkernel: a {tuple(shape)} {dt.name} view at byte {offset} does not fit a "
+                             f"{self.nbytes}-byte symmetric buffer (or is misaligned)")
+        return DeviceArray(self.ptr + offset, tuple(int(d) for d in shape), dt, None, self.ctx.device, self)
+
     def free(self) -> None:
         """Collective: wait for this device, unmap peers, then free once nobody maps ours."""
         if self.freed:

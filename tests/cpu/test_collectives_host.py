@@ -3,6 +3,8 @@
 a stand-in and arrays carry fake device pointers: nothing touches a GPU."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -16,6 +18,10 @@ class FakeCtx:
 
     def __init__(self):
         self.agreed = []
+        self.sym = None  # what symmetric_region returns
+
+    def symmetric_region(self, ptr, nbytes):
+        return self.sym
 
     def check(self):
         pass
@@ -128,8 +134,8 @@ def test_copy_engine_choice(env, monkeypatch):
         assert not C.use_copy_engines(op, lim - 1, 2) and C.use_copy_engines(op, lim, 2)
         assert not C.use_copy_engines(op, 1 << 40, 1)
     ce_calls = []
-    monkeypatch.setattr(C, "_ce_run", lambda ctx, op, dtype, msg, phases, x, o, count, shard, stream, sig:
-                        ce_calls.append((op, dtype.name, msg, phases, count, shard)))
+    monkeypatch.setattr(C, "_ce_run", lambda ctx, op, dtype, msg, phases, x, o, count, shard, stream, sig,
+                        direct=None: ce_calls.append((op, dtype.name, msg, phases, count, shard)))
     monkeypatch.setenv("MKERNEL_COLL_CE", "1")
     C.all_gather(ctx, arr((5, 3), "bfloat16"), arr((10, 3), "bfloat16"))
     C.reduce_scatter(ctx, arr((6, 2), "float16"), arr((3, 2), "float16"))
@@ -361,3 +367,42 @@ def test_forked_copies_order(monkeypatch):
     log.clear()
     R.ForkedCopies([11]).fork("caller")  # one side, no begin
     assert log == [("record", "fork", "caller"), ("wait", s0, "fork")]
+
+
+def test_zero_copy_all_gather_into_symmetric_out(env, monkeypatch):
+    """An all-gather on the copy-engine path whose out lies in a symmetric buffer: the signature names
+    the buffer and offset (every rank must pass the same rows), the layout is marked direct, and the
+    data copies go straight into each peer's copy of out at this rank's rows (flags as before)."""
+    ctx, _ = env
+
+    class Buf:
+        seq = 7
+
+        @staticmethod
+        def peer_ptr(j, offset=0):
+            return (1 << 44) * (j + 1) + offset
+    ctx.sym = (Buf, 4096)
+    seen = []
+    monkeypatch.setattr(C, "_ce_run", lambda ctx_, op, dtype, msg, phases, x, o, count, shard, stream, sig,
+                        direct=None: seen.append(direct))
+    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    C.all_gather(ctx, arr((5, 3), "bfloat16"), arr((10, 3), "bfloat16"))
+    assert seen == [(Buf, 4096)] and ctx.agreed[-1][1][-1] == "symmetric out: buffer #7 at byte 4096"
+    monkeypatch.setenv("MKERNEL_COLL_CE", "0")  # the SM path never goes direct
+    C.all_gather(ctx, arr((5, 3), "bfloat16"), arr((10, 3), "bfloat16"))
+    assert len(ctx.agreed[-1][1]) == 3
+    # the pushes of a direct all-gather (rank 1 of 3, 5 MiB messages)
+    P, me, nb = 3, 1, 5 << 20
+    L, _ = C._ce_layout(P, nb, 1)
+    flat = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 1 << 30, lambda d: nb,
+                        dst_of=lambda d: Buf.peer_ptr(d, 4096 + me * nb))
+    data = [(int(d), int(s), n) for d, s, n in flat if n != 8]
+    assert sum(n for *_, n in data) == 2 * nb
+    for d, s, n in data:
+        j = (d >> 44) - 1
+        assert j in (2, 0) and d - Buf.peer_ptr(j, 4096 + me * nb) == s - (1 << 30)  # our rows of j's out
+    flags = [int(d) for d, _, n in flat if n == 8]
+    assert flags == [_Ws.peer_ptr(j, L.flags_off + 8 * (me * L.nchunks + c))
+                     for j in (2, 0) for c in range(L.nchunks)]
+    assert C.CollLayout.direct.offset == 56 and ctypes.sizeof(C.CollLayout) == 64  # collectives.cu's struct
+

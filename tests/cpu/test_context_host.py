@@ -100,3 +100,35 @@ def test_mismatch_record_raises_comm_mismatch():
                                                    r"0x00001234 there") as ei:
         view.raise_if_set()
     assert isinstance(ei.value, mkernel.CommError) and ei.value.record["peer"] == 7
+
+
+def test_symmetric_views_and_region_lookup():
+    """SymmetricBuffer.array: a view of this rank's copy at an offset (bounds and alignment checked);
+    Context.symmetric_region finds the live node-wide buffer holding a range (not a freed one, not one
+    over a smaller communicator, not a range that runs past the end)."""
+    from mkernel.context import Context
+    from mkernel.symmetric import SymmetricBuffer
+
+    class Ctx:
+        device = 0
+
+    def fake(ptr, nbytes, local_size=2, seq=0):
+        b = object.__new__(SymmetricBuffer)
+        b.ctx, b.ptr, b.nbytes, b.local_size, b.freed, b.seq = Ctx, ptr, nbytes, local_size, False, seq
+        return b
+    b = fake(1 << 30, 1 << 20)
+    v = b.array((4, 100), "bfloat16", offset=4096)
+    assert (v.ptr, tuple(v.shape), v.dtype.name, v.owner) == ((1 << 30) + 4096, (4, 100), "bfloat16", b)
+    with pytest.raises(ValueError, match="does not fit"):
+        b.array((1 << 20,), "float32")
+    with pytest.raises(ValueError, match="misaligned"):
+        b.array((10,), "float32", offset=2)
+    ctx = object.__new__(Context)
+    ctx.local_size = 2
+    gone, small = fake(1 << 32, 1 << 20), fake(1 << 33, 1 << 20, local_size=1)
+    gone.freed = True
+    ctx._symmetric = [gone, small, b]
+    assert ctx.symmetric_region((1 << 30) + 100, 1000) == (b, 100)
+    assert ctx.symmetric_region((1 << 30) + (1 << 20) - 10, 11) is None  # runs past the end
+    assert ctx.symmetric_region((1 << 32) + 5, 10) is None and ctx.symmetric_region((1 << 33), 10) is None
+    assert ctx.symmetric_region(5, 10) is None

@@ -232,6 +232,62 @@ def test_copy_engine_back_to_back_and_graph(ctx, shared_rng, monkeypatch):
     _graph_replay(ctx, shared_rng, 300_001, 20, "CE replay")
 
 
+def test_copy_engine_all_gather_into_symmetric_out(ctx, shared_rng, monkeypatch):
+    """All-gather into a symmetric ``out`` on the copy-engine path (zero-copy: the peers' copy engines
+    write straight into it): odd sizes, buffer offsets, in place; then 24 calls back to back on one
+    stream, each result copied away right after its call -- a peer writing call i+1 into our ``out``
+    before that copy ran would corrupt it (the begin kernel waits until every peer started the call);
+    and a rank whose ``out`` is not symmetric while the other's is raises on every rank."""
+    P, me = ctx.local_size, ctx.local_rank
+    if P < 2:
+        pytest.skip("the copy-engine path needs 2+ local ranks")
+    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    buf = ctx.alloc_symmetric(64 << 20)
+    try:
+        for i, n in enumerate(_ce_sizes(shared_rng)):
+            dtype = DTYPES[i % len(DTYPES)]
+            itemsize = 2 if dtype != "float32" else 4
+            off = (i * 4096 + 2 * itemsize * i) if P * n * itemsize + i * 4200 < (64 << 20) else 0
+            xs = [shared_rng.standard_normal(n) for _ in range(P)]
+            exact = np.concatenate([upload(v, dtype)[1] for v in xs])
+            out = buf.array((P * n,), dtype, offset=off)
+            out.fill_nan()
+            x, _ = upload(xs[me], dtype)
+            assert mkernel.all_gather(ctx, x, out) is out
+            ctx.synchronize()
+            np.testing.assert_array_equal(download(out), exact, err_msg=f"symmetric out n={n} {dtype} @{off}")
+            rows = buf.array((P, n), dtype, offset=off)  # in place: our rows of out are the input
+            rows.fill_nan()
+            rows[me].copy_from(x)
+            mkernel.all_gather(ctx, rows[me], rows)
+            ctx.synchronize()
+            np.testing.assert_array_equal(download(rows).reshape(-1), exact, err_msg=f"in place n={n} {dtype}")
+        calls, n = 24, 3 << 20  # 6 MiB per rank: a copy-out long enough to race with
+        stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+        xs = shared_rng.standard_normal((P, calls, n))
+        exact = np.stack([upload(xs[r], "bfloat16")[1] for r in range(P)])  # [P, calls, n]
+        x, _ = upload(xs[me], "bfloat16")
+        out = buf.array((P * n,), "bfloat16")
+        res = poisoned((calls, P * n), "bfloat16")
+        ctx.synchronize()
+        for i in range(calls):
+            mkernel.all_gather(ctx, x[i], out, stream=int(stream))
+            res[i].copy_from(out, stream=int(stream))
+        ctx.synchronize(stream)
+        got = download(res)
+        for i in range(calls):
+            np.testing.assert_array_equal(got[i], exact[:, i, :].reshape(-1), err_msg=f"back to back call {i}")
+        check(cu.cuStreamDestroy(stream))
+        x1, _ = upload(shared_rng.standard_normal(1000), "float32")
+        plain = DeviceArray.empty((P * 1000,), "float32")
+        mixed = buf.array((P * 1000,), "float32") if me == 0 else plain
+        with pytest.raises(ValueError, match="disagree"):
+            mkernel.all_gather(ctx, x1, mixed)
+    finally:
+        ctx.synchronize()
+        buf.free()
+
+
 def test_bad_inputs_raise_before_launch(ctx):
     P = ctx.local_size
     x = DeviceArray.empty((64,), "int32")
