@@ -252,13 +252,13 @@ def _comm_time(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, gathered: 
     return worst
 
 
-def _stream_finish(m_sizes, arrive, tiles_of, workers: int, tile_time: float) -> float:
+def _stream_finish(m_sizes, arrive, tiles_of, workers: int, tile_time: float, last_tail: float | None = None) -> float:
     """Streaming timeline of a fused kernel on the slowest rank.
 
     Rank r consumes shards r, r-1, ... (k = 0 .. P-1); rank s sends to s+1, s+2, ... in turn, so
     shard r-k reaches r at ``t_local + k * t_push`` of its sender (``arrive[s] = (t_local, t_push)``).
     Shard k's GEMM can finish neither before the previous shard's (compute bound) nor before its last
-    chunk landed plus one tile.
+    chunk landed plus one tile (the last shard: plus ``last_tail``, when its last tiles are split).
     """
     P = len(m_sizes)
     worst = 0.0
@@ -269,9 +269,38 @@ def _stream_finish(m_sizes, arrive, tiles_of, workers: int, tile_time: float) ->
             t_local, t_push = arrive[s]
             arr = t_local + k * t_push
             g = tiles_of(m_sizes[s]) / workers * tile_time
-            f = max(f + g, arr + (tile_time if m_sizes[s] else 0.0))
+            tail = last_tail if (last_tail is not None and k == P - 1) else tile_time
+            f = max(f + g, arr + (tail if m_sizes[s] else 0.0))
         worst = max(worst, f)
     return worst
+
+
+def _last_chunk_tiles(m_sizes, N: int, cfg, chunk_rows: int) -> int:
+    """Tiles at the end of a rank's tile order (AgScheduler: shard by shard, each rasterized in groups
+    of GROUP_M row bands) from the raster group holding the first row band of a shard's last chunk to
+    the shard's end: the most over shards (whichever shard a rank takes last)."""
+    num_n, worst = -(-N // cfg.bn), 0
+    for m in m_sizes:
+        if m:
+            first_band = (m - 1) // chunk_rows * chunk_rows // cfg.bm
+            worst = max(worst, (-(-m // cfg.bm) - first_band // G.GROUP_M * G.GROUP_M) * num_n)
+    return worst
+
+
+def _last_chunk_split(cfg, T: int, K: int, workers: int) -> tuple[int, float]:
+    """(splits, time factor of a split unit vs a whole tile) for the T tiles the last chunk feeds: as
+    many K splits as leave one unit per worker (and the GEMM allows), counting each unit's share of the
+    split-K reduction as mkernel.gemm's model does; (1, 1.0) when no split is shorter."""
+    best = (1, 1.0)
+    if T <= 0 or K <= 0 or cfg.id not in _FUSED_CONFIGS:
+        return best
+    bn = cfg.tile_n("nk")
+    partial_k = G.SPLIT_REDUCE_COST * cfg.bm * bn * 4 / ((cfg.bm + bn) * 2)
+    for sp in range(2, min(G._max_splits(cfg, T, K, "nk"), workers // T) + 1):
+        f = (math.ceil(math.ceil(K / 64) / sp) * 64 + partial_k) / K
+        if f < best[1]:
+            best = (sp, f)
+    return best
 
 
 def _fused_finish(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, tiles_of, workers: int, tile_time: float,
@@ -374,10 +403,21 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
             arrive.append((model.ce_start_latency, m * row_bytes / model.ce_link_bw + ops))
         t_comm = max(tl + (P - 1) * tp for tl, tp in arrive)
         per_shard = lambda m: -(-m // cfg.bm) * -(-N // cfg.bn)  # noqa: E731
-        t = max(_stream_finish(m_sizes, arrive, per_shard, w, tt), t_gemm) + model.launch_latency
+        t_stream = _stream_finish(m_sizes, arrive, per_shard, w, tt)
+        if sp == 1 and tail_split is not False:
+            # Transfer-bound: the last chunk lands near the end and its tiles then take a whole tile's
+            # time on a few SMs -- split them along K over the idle workers instead.
+            T = _last_chunk_tiles(m_sizes, N, cfg, cr_ce)
+            sp_t, f = _last_chunk_split(cfg, T, K, w) if T < tiles else (1, 1.0)
+            t_split = _stream_finish(m_sizes, arrive, per_shard, w, tt, last_tail=tt * f)
+            margin = 0.0 if tail_split else AG_TAIL_SPLIT_MIN_GAIN
+            if sp_t > 1 and max(t_split, t_gemm) < (1 - margin) * max(t_stream, t_gemm):
+                sp, sf, t_stream = sp_t, tiles - T, t_split
+        t = max(t_stream, t_gemm) + model.launch_latency
         if gathered:  # the gathered A is copied out of the workspace after the GEMM
             t += M * row_bytes / model.hbm_copy_bw + model.launch_latency
-        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), cr_ce, (sp, sf)
+        units = sf + (tiles - sf) * sp if sp > 1 else tiles  # (the grid: one worker per unit at most)
+        return t, t_comm, t_gemm, cfg, min(w, max(units, 1)), cr_ce, (sp, sf)
 
     base = dict(m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
                 predicted_allgather=t_ag, predicted_gemm_alone=t_gu, gather_blocks=g_blocks)

@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 
+from mkernel import gemm_engine as G
 from mkernel import runtime
 from mkernel.arrays import DeviceArray
 
@@ -46,7 +47,10 @@ def test_plan_last_wave_split(monkeypatch):
     off = agm.plan([512, 512], 26624, 16384, 2, 132, tail_split=False)
     assert off.splits == 1 and off.predicted_gemm > p.predicted_gemm
     assert agm.plan([512, 512], 26624, 256, 2, 132, tail_split=True, force_path="fused_ce").splits == 1
-    assert agm.plan([64, 64], 512, 16384, 2, 132, force_path="fused_ce").splits == 1  # fewer tiles than SMs
+    # fewer tiles than SMs: no whole-wave split, but the last shard's 4 tiles (transfer-bound) split 16 ways
+    tiny = agm.plan([64, 64], 512, 16384, 2, 132, force_path="fused_ce")
+    assert (tiny.splits, tiny.split_from) == (16, 4), tiny.describe()
+    assert agm.plan([64, 64], 512, 16384, 2, 132, force_path="fused_ce", tail_split=False).splits == 1
     for v, want in (("", None), ("auto", None), ("0", False), ("1", True)):
         monkeypatch.setenv("MKERNEL_AG_GEMM_TAIL_SPLIT", v)
         assert agm._tail_split_env() is want
@@ -180,3 +184,24 @@ def test_call_digest_and_layout_for_signatures():
         L = agm._layout(P, [1000] * P, 128, 16384)
         assert L.consumed_off + 4 * 8 * P <= L.flags_off and L.flags_off % 256 == 0
         assert L.flags_off + 8 * P * L.nch_stride <= L.value_off < L.data_off
+
+
+def test_last_chunk_split_when_transfer_bound():
+    """Copy-engine plans of transfer-bound shapes split the tiles the last chunk feeds (whole raster
+    groups from its first row band to the shard's end) along K over the idle workers; compute-bound
+    shapes keep their plan; MKERNEL_AG_GEMM_TAIL_SPLIT=0 (tail_split=False) turns it off."""
+    cfg3, cfg2 = G.CONFIGS[3], G.CONFIGS[2]
+    assert agm._last_chunk_tiles([8192, 8192], 1024, cfg3, 2048) == 16 * 4  # the last 2048 rows x 4 columns
+    # 1500 rows: last chunk from band 8 (group 8) to band 11; 2600 rows: band 16 (group 16) to 20; 3 columns
+    assert agm._last_chunk_tiles([1500, 2600], 300, cfg2, 1024) == max(4, 5) * 3
+    assert agm._last_chunk_tiles([1500, 0], 300, cfg2, 512) == (12 - 8) * 3  # band 8's group starts at 8
+    p = agm.plan([8192, 8192], 1024, 16384, 2, 132)  # mKernel's sweep M = K = 16384: transfer-bound
+    tiles = 2 * 64 * 4
+    assert (p.path, p.config, p.splits, p.split_from) == ("fused_ce", 3, 2, tiles - 64), p.describe()
+    off = agm.plan([8192, 8192], 1024, 16384, 2, 132, tail_split=False)
+    assert off.splits == 1 and p.predicted_fused < 0.95 * off.predicted_fused
+    sp, f = agm._last_chunk_split(cfg3, 64, 16384, 131)  # 64 tiles on 131 workers: 2 splits
+    assert sp == 2 and 0.5 < f < 0.6
+    assert agm._last_chunk_split(cfg3, 64, 512, 131)[0] == 1  # short K: the reduction costs more than it saves
+    q = agm.plan([4096, 4096], 5120, 8192, 2, 132)  # llama 70B qkv M=8192: compute-bound
+    assert q.path == "fused_ce" and q.splits == 1, q.describe()

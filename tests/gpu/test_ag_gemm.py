@@ -165,6 +165,21 @@ def test_last_wave_split(ctx, shared_rng, monkeypatch, layout, config, path):
             assert plan.splits > 1, plan.describe()
 
 
+@pytest.mark.parametrize("spec", [lambda r, P: 2048, lambda r, P: 1500 + 1100 * (r % 2)], ids=["equal", "unequal"])
+def test_last_chunk_split(ctx, shared_rng, spec):
+    """Transfer-bound shapes (little compute per gathered byte): the copy-engine plan splits the tiles
+    the last chunk feeds along K over the idle workers; three calls with new data, against numpy."""
+    m_sizes = _ms(spec, ctx.local_size)
+    N, K = 300, 4096
+    for it in range(3):
+        plan = _run_case(ctx, shared_rng, m_sizes, N, K, b_layout="nk", what=f"last-chunk split call {it}")
+    if ctx.local_size > 1:
+        want = agm.plan(m_sizes, N, K, 2, ctx.sm_count)
+        assert (plan.path, plan.splits, plan.split_from) == (want.path, want.splits, want.split_from), plan.describe()
+        if ctx.sm_count >= 120:  # H100/H200
+            assert plan.path == "fused_ce" and plan.splits > 1, plan.describe()
+
+
 @pytest.mark.parametrize("path", ["fused", "fused_ce"])
 def test_unaligned_shard(ctx, shared_rng, path):
     """a_shard 8 bytes past a 16-byte boundary: TMA cannot read it in place, so its rows go through the
