@@ -430,6 +430,9 @@ def all_gather(ctx, x, out=None, *, stream=None):
     ``x``: ``[n, ...]`` on every local rank (same shape and dtype everywhere);
     ``out``: ``[size * n, ...]``, allocated when None; rank j's ``x`` lands in rows
     ``[j*n, (j+1)*n)`` on every rank.  ``x`` may be this rank's own rows of ``out`` (in place).
+    Zero-copy: when ``out`` is the same view of a symmetric buffer on every rank
+    (``ctx.alloc_symmetric(nbytes).array(shape, dtype, offset)``) and the call takes the copy-engine
+    path (large messages), the peers' copy engines write straight into it (no staging, no local copy).
     Returns ``out``.
     """
     what = "mkernel.all_gather"
