@@ -81,10 +81,6 @@ IN_DTYPES = ("bfloat16", "float16")
 MAXP = 16  # local ranks (the kernel keeps the source rank in 4 bits of the tile id)
 GATHER_THREADS = 512
 RELEASE_THREADS = 128
-# Side streams the copy-engine path spreads its chunks over (chunk c on stream c % CE_STREAMS; see
-# collectives.CE_STREAMS): 2 measured no gain (405B mlp_up M=8192 10.354 vs 10.403 ms, within run
-# noise).  MKERNEL_AG_CE_STREAMS overrides (every rank alike).
-CE_STREAMS = max(1, int(os.environ.get("MKERNEL_AG_CE_STREAMS", 1)))
 _FUSED_CONFIGS = (1, 2, 3, 4)  # 0 is the debug config (config=0 forces it); 5's tile depends on the B layout
 
 for _i in IN_DTYPES:
@@ -838,12 +834,11 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     return run_split
 
 
-def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool, lanes: int | None = None) -> list:
+def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> list:
     """The side stream's copies for this rank, in order: (dst, src, bytes).  Local chunks first (our
     GEMM starts on them; none when the GEMM reads them in place: local_map), then every chunk to each
     peer in rank-rotated order (me+1 first); each data copy is followed by the copy of the flag value
-    into the chunk's ready flag at the destination.  ``lanes``: split into that many lanes by chunk
-    (runtime.split_lanes: chunk c in lane c % lanes, for side streams side by side)."""
+    into the chunk's ready flag at the destination."""
     p, L, P = sig.plan, sig.layout, sig.P
     cr, m = p.chunk_rows, sig.offs[me + 1] - sig.offs[me]
     base = sig.offs[me] * row_bytes
@@ -854,19 +849,18 @@ def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool, lanes
         ws_dst = ws.ptr if j == 0 else ws.peer_ptr(dst)
         for c in range(-(-m // cr)):
             off, n = c * cr * row_bytes, min(cr, m - c * cr) * row_bytes
-            out.append(((ws_dst + L.data_off + base + off, A.ptr + off, n), c))
-            out.append(((ws_dst + L.flags_off + 8 * (me * L.nch_stride + c), value, 8), c))
-    return [cp for cp, _ in out] if lanes is None else runtime.split_lanes(out, lanes)
+            out.append((ws_dst + L.data_off + base + off, A.ptr + off, n))
+            out.append((ws_dst + L.flags_off + 8 * (me * L.nch_stride + c), value, 8))
+    return out
 
 
 def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, comm, dt, out_dtype, row_bytes):
     """The copy-engine path: GEMM on the caller's stream, copies on ctx.side_stream() (fork/join)."""
     me = ctx.local_rank
     begin = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_ce_begin")
-    lanes = [[(cu.CUdeviceptr(d), cu.CUdeviceptr(s_), n) for d, s_, n in lane]
-             for lane in _ce_copies(sig, ws, A, me, row_bytes, bool(args.local_map), lanes=CE_STREAMS)]
-    lanes = [lane for lane in lanes if lane] or [[]]
-    fork = runtime.ForkedCopies([ctx.side_stream(i) for i in range(len(lanes))])
+    copies = [(cu.CUdeviceptr(d), cu.CUdeviceptr(s_), n)
+              for d, s_, n in _ce_copies(sig, ws, A, me, row_bytes, bool(args.local_map))]
+    fork = runtime.ForkedCopies(ctx.side_stream())
     bargs = [comm, args]
     L = sig.layout
     if GA is not None:
@@ -887,7 +881,7 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
         return [g for g in parts if g[2] > 0]
     # the begin kernel runs whenever there are peers, even with no rows of ours to send (it announces
     # the call, which the peers check before they push to us)
-    side_work = bool(lanes[0]) or sig.P > 1
+    side_work = bool(copies) or sig.P > 1
 
     def start(side):
         begin.launch(1, 32, bargs, stream=side)
@@ -896,7 +890,7 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
         s = cu.CUstream(runtime.stream_handle(stream))
         if side_work:
             fork.fork(s, start)
-            fork.copies(lanes)
+            fork.copies(copies)
         for k, g, blk, a in pre:
             k.launch(g, blk, a, stream=stream)
         kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem)

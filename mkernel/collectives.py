@@ -201,12 +201,6 @@ _CE_ENV = os.environ.get("MKERNEL_COLL_CE_MIN_BYTES")
 CE_MIN_BYTES = ({op: int(_CE_ENV) for op in ("all_gather", "reduce_scatter", "all_reduce")} if _CE_ENV else
                 {"all_gather": 256 << 20, "reduce_scatter": 64 << 20, "all_reduce": 64 << 20})
 CE_BLOCKS = int(os.environ.get("MKERNEL_COLL_CE_BLOCKS", 0))  # receiving blocks; 0: all SMs but one
-# Side streams the chunks are spread over (chunk c on stream c % CE_STREAMS).  Every copy and flag copy
-# costs the copy engine a few us between transfers (2x H200, 512 MiB to the peer: one copy 1.409 ms,
-# 11 copies + 11 flag copies 1.459, 32 + 32 1.574), but a second stream does not fill the gaps: it
-# lost on every op (A/B twice, busbw at 1 GiB, 1 vs 2 streams: AG 335/336 vs 324/321, RS 351/352 vs
-# 301/297, AR 365/366 vs 301/300 GB/s; docs/collectives.md N+5).  MKERNEL_COLL_CE_STREAMS overrides.
-CE_STREAMS = max(1, int(os.environ.get("MKERNEL_COLL_CE_STREAMS", 1)))
 # All-reduce on the copy engines with at most this many local ranks: one-shot (every rank pushes its
 # whole buffer, every rank reduces it all: one copy-engine round; the same bytes per link direction
 # as reduce-scatter + all-gather when P = 2, more above).
@@ -297,7 +291,7 @@ def _direct_key(direct) -> tuple:
 
 
 def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of, sent_flags: bool = False,
-               chunk_major: bool = False, lanes: int | None = None, dst_of=None) -> list:
+               chunk_major: bool = False, dst_of=None) -> list:
     """The side stream's copies of one phase: for each peer (rank-rotated, me+1 first) and chunk, the
     data into the peer's slot[phase][me], then the call number into its ready[phase][me][chunk].
     Peer-major (every chunk to me+1, then to me+2, ...) for gathers, whose receivers take one source
@@ -306,10 +300,7 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
     the same).  sent_flags: after every peer got chunk c, the call number into our own
     ready[phase][me][c] too (an in-place one-shot all-reduce waits for it before overwriting its input).
     ``dst_of(dst)``: where the data for rank ``dst`` goes, as mapped here (default: its slot for us;
-    a zero-copy all-gather: our rows of its symmetric ``out``).
-    ``lanes``: the copies split into that many lanes by chunk (chunk c in lane c % lanes, every peer's
-    push of a chunk and its flags in one lane: runtime.ForkedCopies runs the lanes side by side);
-    None: one flat list."""
+    a zero-copy all-gather: our rows of its symmetric ``out``)."""
     value = cu.CUdeviceptr(ws.ptr + CE_VALUE_OFF)
     base = L.data1_off if phase else L.data0_off
 
@@ -317,18 +308,18 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
         return cu.CUdeviceptr(ws.peer_ptr(owner, L.flags_off + 8 * ((phase * P + me) * L.nchunks + c)))
     pairs = [(j, c) for c in range(L.nchunks) for j in range(1, P)] if chunk_major else \
         [(j, c) for j in range(1, P) for c in range(L.nchunks)]
-    out = []  # (copy, chunk)
+    out = []
     last_of_chunk = {c: i for i, (_, c) in enumerate(pairs)}  # the chunk's last push in this order
     for i, (j, c) in enumerate(pairs):
         dst = (me + j) % P
         off, n = ce_chunk(L, bytes_of(dst), c)
         if n:
             to = dst_of(dst) if dst_of is not None else ws.peer_ptr(dst, base + me * L.slot_bytes)
-            out.append(((cu.CUdeviceptr(to + off), cu.CUdeviceptr(src_of(dst) + off), n), c))
-        out.append(((flag(dst, c), value, 8), c))
+            out.append((cu.CUdeviceptr(to + off), cu.CUdeviceptr(src_of(dst) + off), n))
+        out.append((flag(dst, c), value, 8))
         if sent_flags and i == last_of_chunk[c]:
-            out.append(((flag(me, c), value, 8), c))
-    return [cp for cp, _ in out] if lanes is None else runtime.split_lanes(out, lanes)
+            out.append((flag(me, c), value, 8))
+    return out
 
 
 def _ce_run(ctx, op: str, dtype, message_bytes: int, phases: int, x: DeviceArray, o: DeviceArray,
@@ -362,31 +353,28 @@ def _ce_bind(ctx, op: str, dtype, L: CollLayout, ws, x: DeviceArray, o: DeviceAr
     grid = max(1, min(ctx.sm_count - 1, CE_BLOCKS or ctx.sm_count))
     head = [comm, ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr)]
     tail = [ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
-    nl = min(CE_STREAMS, L.nchunks)
-    later = None  # all-reduce: (copy lanes, args) of phase 1
+    later = None  # all-reduce: (copies, args) of phase 1
     if op == "all_gather":
         dst_of = None if direct is None else (lambda d: direct[0].peer_ptr(d, direct[1] + me * x.nbytes))
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes, lanes=nl, dst_of=dst_of)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: x.nbytes, dst_of=dst_of)
         args = head + [ctypes.c_uint64(x.nbytes)] + tail
     elif op == "reduce_scatter":
         pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * count * isz, lambda d: count * isz,
-                            chunk_major=True, lanes=nl)
+                            chunk_major=True)
         args = head + [ctypes.c_uint64(count)] + tail
     elif shard == count:  # one-shot all-reduce: the whole buffer to every peer, reduced everywhere
         pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr, lambda d: count * isz, sent_flags=x.ptr == o.ptr,
-                            chunk_major=True, lanes=nl)
+                            chunk_major=True)
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(count), ctypes.c_int32(2)] + tail
     else:  # all_reduce: reduce-scatter of shards, then the owners' shards to every peer
         def shard_bytes(r):
             return max(0, min(shard, count - r * shard)) * isz
-        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes, chunk_major=True,
-                            lanes=nl)
+        pushes = _ce_pushes(ws, L, P, me, 0, lambda d: x.ptr + d * shard * isz, shard_bytes, chunk_major=True)
         args = head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(0)] + tail
-        later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me),
-                            lanes=nl),
+        later = (_ce_pushes(ws, L, P, me, 1, lambda d: o.ptr + me * shard * isz, lambda d: shard_bytes(me)),
                  head + [ctypes.c_uint64(count), ctypes.c_uint64(shard), ctypes.c_int32(1)] + tail)
     bargs = [comm, ctypes.c_uint64(ws.ptr), ctypes.c_uint64(ws.peer_table), L]
-    fork = runtime.ForkedCopies([ctx.side_stream(i) for i in range(nl)])
+    fork = runtime.ForkedCopies(ctx.side_stream())
 
     def start(side):
         begin.launch(1, 32, bargs, stream=side)

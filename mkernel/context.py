@@ -86,7 +86,7 @@ class Context:
         self._closers: list = []  # close() hooks of op state (e.g. inter-node proxies), run first
         self._checks: list = []   # check() hooks raising host-side failures (e.g. a proxy's)
         self._closed = False
-        self._side: list = []  # side_stream(i)
+        self._side = None  # side_stream()
         self._comm_cache: dict = {}
 
     # ------------------------------------------------------------------ kernel arguments
@@ -242,14 +242,13 @@ class Context:
         self._ws_gen += 1
         return ws
 
-    def side_stream(self, i: int = 0) -> int:
-        """This rank's side stream ``i`` (non-blocking, created on first use, destroyed by close()):
-        ops fork work onto side streams (e.g. copy-engine transfers) and join them back with events,
-        so the caller only ever sees its own stream; inside a CUDA graph capture the fork/join is
-        captured too."""
-        while len(self._side) <= i:
-            self._side.append(check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)))
-        return int(self._side[i])
+    def side_stream(self) -> int:
+        """This rank's side stream (non-blocking, created on first use, destroyed by close()): ops
+        fork work onto it (e.g. copy-engine transfers) and join it back with events, so the caller
+        only ever sees its own stream; inside a CUDA graph capture the fork/join is captured too."""
+        if self._side is None:
+            self._side = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        return int(self._side)
 
     def barrier(self) -> None:
         self.world.Barrier()
@@ -273,9 +272,9 @@ class Context:
                 ws.free()
         self._workspaces.clear()
         self._ws_gen += 1
-        for side in self._side:
-            check(cu.cuStreamDestroy(side))
-        self._side.clear()
+        if self._side is not None:
+            check(cu.cuStreamDestroy(self._side))
+            self._side = None
         check(cu.cuMemFreeHost(self._err_host))
 
     def __enter__(self):

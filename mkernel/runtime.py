@@ -33,7 +33,6 @@ __all__ = [
     "check", "cuda_src_dir", "include_dirs", "nvrtc_version", "compile_module", "Module", "Kernel",
     "stream_handle", "current_arch", "register_specialization", "registered_specializations",
     "device_attribute", "precompile", "precompile_source", "round_up", "copy_async", "Events", "ForkedCopies",
-    "split_lanes",
 ]
 
 
@@ -472,52 +471,32 @@ def copy_async(copies, stream) -> None:
 
 
 class ForkedCopies:
-    """Lanes of copies forked from a caller's stream onto side streams and joined back to it.
+    """Copies forked from a caller's stream onto a side stream and joined back to it (the copy-engine
+    paths of the collectives and AllGather+GEMM).  ``fork(s, begin)``: the side stream starts after
+    ``s``'s work so far, first ``begin(side)`` (a launch), then the copies of ``copies(list)`` in order
+    (a flag copied after its data lands after it).  ``resume(s)``: later copies start after ``s``'s work
+    so far too.  ``join(s)``: ``s`` waits for the side stream.  Inside a graph capture the events
+    become dependencies."""
 
-    ``sides``: side stream handles (``ctx.side_stream(i)``); lane i runs in order on side i (so a
-    flag copied after its data lands after it), the lanes side by side (several copy engines).
-    ``fork(s, begin)``: the sides start after ``s``'s work so far; ``begin(side0)`` (a launch) runs on
-    side 0 before any lane.  ``resume(s)``: later lanes start after ``s``'s work so far too.
-    ``join(s)``: ``s`` waits for every side.  Inside a graph capture the events become dependencies."""
-
-    def __init__(self, sides):
-        self.sides = [cu.CUstream(int(h)) for h in sides]
-        self._ev = Events("fork", "begun", *(f"join{i}" for i in range(len(self.sides))))
-        self._joins = [getattr(self._ev, f"join{i}") for i in range(len(self.sides))]
+    def __init__(self, side):
+        self.side = cu.CUstream(int(side))
+        self._ev = Events("fork", "join")
 
     def fork(self, s, begin=None) -> None:
-        check(cu.cuEventRecord(self._ev.fork, s))
-        check(cu.cuStreamWaitEvent(self.sides[0], self._ev.fork, 0))
-        ev = self._ev.fork
+        self.resume(s)
         if begin is not None:
-            begin(self.sides[0])
-            if len(self.sides) > 1:
-                check(cu.cuEventRecord(self._ev.begun, self.sides[0]))
-                ev = self._ev.begun
-        for side in self.sides[1:]:
-            check(cu.cuStreamWaitEvent(side, ev, 0))
+            begin(self.side)
 
     def resume(self, s) -> None:
         check(cu.cuEventRecord(self._ev.fork, s))
-        for side in self.sides:
-            check(cu.cuStreamWaitEvent(side, self._ev.fork, 0))
+        check(cu.cuStreamWaitEvent(self.side, self._ev.fork, 0))
 
-    def copies(self, lanes) -> None:
-        for side, lane in zip(self.sides, lanes):
-            copy_async(lane, side)
+    def copies(self, copies) -> None:
+        copy_async(copies, self.side)
 
     def join(self, s) -> None:
-        for side, ev in zip(self.sides, self._joins):
-            check(cu.cuEventRecord(ev, side))
-            check(cu.cuStreamWaitEvent(s, ev, 0))
-
-
-def split_lanes(tagged, n: int) -> list:
-    """``n`` lanes of ``(copy, key)`` pairs: lane ``key % n``, each lane in the given order."""
-    lanes = [[] for _ in range(max(1, n))]
-    for copy, key in tagged:
-        lanes[key % len(lanes)].append(copy)
-    return lanes
+        check(cu.cuEventRecord(self._ev.join, self.side))
+        check(cu.cuStreamWaitEvent(s, self._ev.join, 0))
 
 
 def _launch_config(grid, block, smem: int, hstream: int, cooperative: bool, cluster) -> "cu.CUlaunchConfig":

@@ -297,35 +297,9 @@ def test_eager_fast_path_replays_identical_calls(env, monkeypatch):
     assert C._fast_key(ctx, "all_reduce", CAI(), o, 5) is None and C._fast_key(ctx, "all_reduce", x, None, 5) is None
 
 
-@pytest.mark.parametrize("chunk_major,sent", [(False, False), (True, True)])
-def test_ce_pushes_in_lanes(chunk_major, sent):
-    """Lanes (side streams) split the pushes by chunk: chunk c (every peer's push of it and its flags)
-    in lane c % n, each lane in the one-stream order, nothing lost or repeated."""
-    P, me = 3, 2
-    L, _ = C._ce_layout(P, 9 << 20, 1)
-    flat = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, lambda d: 9 << 20, sent_flags=sent, chunk_major=chunk_major)
-    key = [(int(d), int(s), n) for d, s, n in flat]
-    for n in (1, 2, 3):
-        lanes = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, lambda d: 9 << 20, sent_flags=sent,
-                             chunk_major=chunk_major, lanes=n)
-        assert len(lanes) == n
-        got = [[(int(d), int(s), k) for d, s, k in lane] for lane in lanes]
-        assert sorted(x for lane in got for x in lane) == sorted(key)
-        for i, lane in enumerate(got):
-            assert lane == [x for x in key if x in lane]  # the one-stream order, restricted to the lane
-            for d, _, k in lane:
-                if k != 8:  # a data copy: its chunk (offset in the slot) belongs to this lane
-                    off = (d % (1 << 44)) - L.data0_off - me * L.slot_bytes
-                    c = next(c for c in range(L.nchunks) if C.ce_chunk(L, 9 << 20, c)[0] == off)
-                    assert c % n == i
-                else:  # a flag: its index likewise
-                    c = ((d % (1 << 44)) - L.flags_off) // 8 % L.nchunks
-                    assert c % n == i
-
-
 def test_forked_copies_order(monkeypatch):
-    """fork: side 0 waits for the caller, runs begin, the other sides wait for begin; resume: every side
-    waits for the caller again; join: the caller waits for every side."""
+    """fork: the side stream waits for the caller, then runs begin, then the copies in order; resume:
+    it waits for the caller again; join: the caller waits for it."""
     from mkernel import runtime as R
     log = []
 
@@ -351,22 +325,19 @@ def test_forked_copies_order(monkeypatch):
     monkeypatch.setattr(R, "cu", FakeCu)
     monkeypatch.setattr(R, "Events", FakeEvents)
     monkeypatch.setattr(R, "copy_async", lambda copies, side: log.append(("copies", side, tuple(copies))))
-    f = R.ForkedCopies([11, 12, 13])
-    s0, s1, s2 = ("stream", 11), ("stream", 12), ("stream", 13)
-    f.fork("caller", lambda side: log.append(("begin", side)))
-    assert log == [("record", "fork", "caller"), ("wait", s0, "fork"), ("begin", s0), ("record", "begun", s0),
-                   ("wait", s1, "begun"), ("wait", s2, "begun")]
-    log.clear()
-    f.copies([["a"], ["b"], []])
+    f = R.ForkedCopies(11)
+    side = ("stream", 11)
+    f.fork("caller", lambda sd: log.append(("begin", sd)))
+    f.copies(["a", "b"])
     f.resume("caller")
+    f.copies(["c"])
     f.join("caller")
-    assert log == [("copies", s0, ("a",)), ("copies", s1, ("b",)), ("copies", s2, ()),
-                   ("record", "fork", "caller"), ("wait", s0, "fork"), ("wait", s1, "fork"), ("wait", s2, "fork"),
-                   ("record", "join0", s0), ("wait", "caller", "join0"), ("record", "join1", s1),
-                   ("wait", "caller", "join1"), ("record", "join2", s2), ("wait", "caller", "join2")]
+    assert log == [("record", "fork", "caller"), ("wait", side, "fork"), ("begin", side), ("copies", side, ("a", "b")),
+                   ("record", "fork", "caller"), ("wait", side, "fork"), ("copies", side, ("c",)),
+                   ("record", "join", side), ("wait", "caller", "join")]
     log.clear()
-    R.ForkedCopies([11]).fork("caller")  # one side, no begin
-    assert log == [("record", "fork", "caller"), ("wait", s0, "fork")]
+    R.ForkedCopies(11).fork("caller")  # no begin
+    assert log == [("record", "fork", "caller"), ("wait", side, "fork")]
 
 
 def test_zero_copy_all_gather_into_symmetric_out(env, monkeypatch):
