@@ -285,15 +285,14 @@ def _last_chunk_tiles(m_sizes, N: int, cfg, chunk_rows: int) -> int:
 
 def _last_chunk_split(cfg, T: int, K: int, workers: int) -> tuple[int, float]:
     """(splits, time factor of a split unit vs a whole tile) for the T tiles the last chunk feeds: as
-    many K splits as leave one unit per worker (and the GEMM allows), counting each unit's share of the
-    split-K reduction as mkernel.gemm's model does; (1, 1.0) when no split is shorter."""
+    many K splits as leave one unit per worker (and the GEMM allows), by mkernel.gemm's cost model
+    (each unit's share of the split-K reduction counted); (1, 1.0) when no split is shorter."""
     best = (1, 1.0)
     if T <= 0 or K <= 0 or cfg.id not in _FUSED_CONFIGS:
         return best
-    bn = cfg.tile_n("nk")
-    partial_k = G.SPLIT_REDUCE_COST * cfg.bm * bn * 4 / ((cfg.bm + bn) * 2)
+    whole = G.config_cost(cfg, T, workers, K, "nk")
     for sp in range(2, min(G._max_splits(cfg, T, K, "nk"), workers // T) + 1):
-        f = (math.ceil(math.ceil(K / 64) / sp) * 64 + partial_k) / K
+        f = G.config_cost(cfg, T, workers, K, "nk", sp) / whole  # (one wave either way: T * sp <= workers)
         if f < best[1]:
             best = (sp, f)
     return best
@@ -412,8 +411,8 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         t = max(t_stream, t_gemm) + model.launch_latency
         if gathered:  # the gathered A is copied out of the workspace after the GEMM
             t += M * row_bytes / model.hbm_copy_bw + model.launch_latency
-        units = sf + (tiles - sf) * sp if sp > 1 else tiles  # (the grid: one worker per unit at most)
-        return t, t_comm, t_gemm, cfg, min(w, max(units, 1)), cr_ce, (sp, sf)
+        # (the grid: one worker per scheduler unit at most)
+        return t, t_comm, t_gemm, cfg, min(w, max(G._units(tiles, sp, sf), 1)), cr_ce, (sp, sf)
 
     base = dict(m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
                 predicted_allgather=t_ag, predicted_gemm_alone=t_gu, gather_blocks=g_blocks)
@@ -738,13 +737,13 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     isz = A.dtype.itemsize
     ldc = O.strides[0] if M_total > 1 else N
     args = AgArgs()
-    args.a_shard, args.ws, args.peers, args.c = A.ptr, ws.ptr, ws.peer_table, O.ptr
+    args.a_shard, args.ws, args.peers = A.ptr, ws.ptr, ws.peer_table
     args.gathered_out = GA.ptr if GA is not None else None
     args.row_bytes, args.data_off, args.flags_off, args.consumed_off = K * isz, L.data_off, L.flags_off, L.consumed_off
     args.ldc = ldc
     args.M_total, args.N, args.K = M_total, N, K
     args.chunk_rows, args.nch_stride = p.chunk_rows, L.nch_stride
-    args.group_m, args.c_vec_ok = G.GROUP_M, G._vec_ok(O, ldc, M_total)
+    args.group_m = G.GROUP_M
     args.P, args.me, args.ce_value_off = P, me, L.value_off
     for j, o in enumerate(sig.offs):
         args.offs[j] = o
@@ -789,7 +788,7 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
     args.local_map = int(M_me > 0 and A.ptr % 16 == 0)
     tmal = encode_tiled(A.ptr, dt, (K, M_me), (K * isz,), (64, cfg.bm)) if args.local_map else tma
     tmb, pre, keep = G.b_operand(B, K, N, b_layout, cfg, dt, out_dtype, dev)
-    tmc, args.c_tma = G.c_map(O, M_total, N, ldc, cfg, tma)
+    tmc = G.point_out(args, O, M_total, N, ldc, cfg, tma)  # (only the fused kernel writes C itself)
     grid = p.comm_sms + p.workers
     kargs = [tma, tmb, tmal, tmc, comm, args]
     keep = tuple(keep)
@@ -802,9 +801,7 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
             return kargs if a2 is args else [tma, tmb, tmal, tmc, comm, a2]
         if a2 is args:
             a2 = AgArgs.from_buffer_copy(args)
-        a2.c, a2.c_vec_ok = O2.ptr, G._vec_ok(O2, ldc, M_total)
-        tmc2, a2.c_tma = G.c_map(O2, M_total, N, ldc, cfg, tma)
-        return [tma, tmb, tmal, tmc2, comm, a2]
+        return [tma, tmb, tmal, G.point_out(a2, O2, M_total, N, ldc, cfg, tma), comm, a2]
     tiles = _fused_tiles([sig.offs[j + 1] - sig.offs[j] for j in range(P)], N, cfg)
     args.splits, args.split_from = 1, tiles  # (no split-K: every unit a whole tile, mk_split_unit)
     if p.splits > 1:  # split-K of the last wave: fp32 partial slots, counters (zero; the kernel keeps them so)

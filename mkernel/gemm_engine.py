@@ -605,11 +605,17 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
         if O2.ptr == o_ptr:
             return plan.args
         a2 = _GemmArgs.from_buffer_copy(args)
-        a2.c, a2.c_vec_ok = O2.ptr, _vec_ok(O2, ldc, M)
-        tmc2, a2.c_tma = c_map(O2, M, N, ldc, cfg, tma)
-        return [tma, tmb, tmc2, a2]
+        return [tma, tmb, point_out(a2, O2, M, N, ldc, cfg, tma), a2]
     plan.with_out = with_out
     return plan
+
+
+def point_out(args, O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, tma_a) -> object:
+    """Point a launch-argument struct's output fields (``c``, ``c_vec_ok``, ``c_tma``: the plain GEMM's
+    and the fused kernels' alike) at ``O`` (in place); returns O's C tensor map."""
+    args.c, args.c_vec_ok = O.ptr, _vec_ok(O, ldc, M)
+    tmc, args.c_tma = c_map(O, M, N, ldc, cfg, tma_a)
+    return tmc
 
 
 def _units(tiles: int, splits: int, split_from: int) -> int:
