@@ -385,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 }
 
 // Opens call e of the copy-engine path on the side stream (one warp; see the top of this file): announces
-// the call, checks every peer's announcement of it (same signature), then mk_ce_begin.  On a timeout or
+// the call, then mk_ce_begin, which checks every peer's announcement of it (same signature).  On a timeout or
 // a mismatch the flag value is left at e-1, so the peers' GEMMs stop too instead of reading rows that
 // were never sent.
 extern "C" __global__ void __launch_bounds__(32, 1)
@@ -394,11 +394,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
   const AgWs w(c, a);
   const mk_u64 e = mk_epoch_begin(w.epoch_state());
   w.announce(c, e, threadIdx.x, 32);
-  bool ok = true;
-  for (int j = threadIdx.x; j < w.P; j += 32)
-    if (j != w.me) ok = ok && w.same_call(c, e, j);
-  if (!__all_sync(0xffffffffu, ok)) return;
-  mk_ce_begin(c, w.epoch_state(), w.consumed(0), (mk_u64*)(a.ws + a.ce_value_off));
+  mk_ce_begin(c, e, w.consumed(0), (mk_u64*)(a.ws + a.ce_value_off), true);
 }
 
 // Closes a deferred call (after the GEMM that read the gathered buffer): tell every peer, commit.

@@ -328,13 +328,7 @@ mk_coll_ce_begin(MkComm c, char* ws, const mk_u64* __restrict__ peers, CollLayou
   const Ws w = make_ws(c, ws, peers, L);
   const mk_u64 e = mk_epoch_begin(w.epoch_state());
   announce_call(c, w, e, threadIdx.x, 32);  // (the receivers check it)
-  if (L.direct) {
-    bool ok = true;
-    for (int j = threadIdx.x; j < w.P; j += 32)
-      if (j != w.me) ok = ok && same_call(c, w, e, j);
-    if (!__all_sync(0xffffffffu, ok)) return;
-  }
-  mk_ce_begin(c, w.epoch_state(), w.consumed(0), (mk_u64*)(ws + MK_COLL_CE_VALUE_OFF));
+  mk_ce_begin(c, e, w.consumed(0), (mk_u64*)(ws + MK_COLL_CE_VALUE_OFF), L.direct != 0);
 }
 
 // This block's share [lo, hi) of a chunk of `len` bytes (16-byte multiples, so vector copies stay

@@ -240,16 +240,23 @@ MK_DEVICE void mk_epoch_commit(MkEpochState* s, mk_u64 epoch) {
   }
 }
 
-// Start of a copy-engine transfer (one warp, on the side stream, before the copies): the call number
-// e (the previous call committed its epoch before the fork event this stream waited on); wait until
-// every local peer j consumed call e-1 (consumed[j] in our memory, written by j); then write e into
-// `value`, the source of the copy engine's flag writes.  A timeout leaves `value` at e-1, so the
-// peers' waits for this call's flags time out too instead of reading data that was never sent.
-MK_DEVICE void mk_ce_begin(const MkComm& c, const MkEpochState* st, const mk_u64* consumed, mk_u64* value) {
-  const mk_u64 e = mk_epoch_begin(st);
+// Start of a copy-engine transfer (one warp, on the side stream, before the copies) of call `e` (the
+// previous call committed its epoch before the fork event this stream waited on).  `header`: this
+// rank's per-call workspace header, u64 consumed[P], entered[P], sig[P][2], written by the peers
+// (collectives.cu and ag_gemm.cu lay it out alike).  With `check_peers`, first wait until every local
+// peer j announced call e with our signature (mk_same_call) -- where the copy engines write memory a
+// peer may still read until its call starts, and so that a peer making another call gets nothing;
+// then wait until every j consumed call e-1; then write e into `value`, the source of the copy
+// engine's flag writes.  A timeout or mismatch leaves `value` at e-1, so the peers' waits for this
+// call's flags stop too instead of reading data that was never sent.
+MK_DEVICE void mk_ce_begin(const MkComm& c, mk_u64 e, const mk_u64* header, mk_u64* value, bool check_peers) {
+  const int P = c.local_size;
   bool ok = true;
-  for (int j = threadIdx.x; j < c.local_size; j += 32)
-    if (j != c.local_rank) ok = ok && mk_wait_geq(c, consumed + j, e - 1, MK_LOCAL_PEER(j), -1 - j);
+  for (int j = threadIdx.x; j < P; j += 32)
+    if (j != c.local_rank)
+      ok = ok &&
+           (!check_peers || mk_same_call(c, header + P + j, header + 2 * P + 2 * j, e, MK_LOCAL_PEER(j), -1000 - j)) &&
+           mk_wait_geq(c, header + j, e - 1, MK_LOCAL_PEER(j), -1 - j);
   if (!__all_sync(0xffffffffu, ok)) return;
   if (threadIdx.x == 0) *value = e;
 }
