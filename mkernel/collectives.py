@@ -156,7 +156,7 @@ def _fast_key(ctx, op: str, x, out, stream):
         return None
     return (op, x.ptr, x.shape, x.strides, x.dtype.name, x.device, out.ptr, out.shape, out.strides, out.dtype.name,
             out.device, out.readonly, stream_handle(stream), os.environ.get("MKERNEL_COLL_CE"),
-            getattr(ctx, "_ws_gen", 0))
+            ctx._ws_gen)
 
 
 def _fast_run(ctx, key) -> bool:

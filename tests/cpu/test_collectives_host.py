@@ -15,6 +15,7 @@ from mkernel.arrays import DeviceArray
 class FakeCtx:
     device, size, local_size, rank, local_rank, num_nodes, sm_count = 0, 2, 2, 0, 0, 1, 132
     world = object()
+    _ws_gen = 0  # Context's workspace generation
 
     def __init__(self):
         self.agreed = []
