@@ -3,18 +3,18 @@ on the quick shapes of bench/ag_gemm.py, timed with CUDA events (no torch).  For
 kernel defines through MKERNEL_DEFINES, docs/ag_gemm.md); bench/ag_gemm.py is the benchmark.
 
     mpirun -np 2 python bench/ag_probe.py
-PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes
+PROBE_SM=1 adds the SM-communication path at the model's split; PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes
 (or "M:N_all:K" for any); PROBE_CE="3:0,3:1,4:auto" adds copy-engine variants, each CONFIG:TAIL_SPLIT
-(TAIL_SPLIT as MKERNEL_AG_GEMM_TAIL_SPLIT: 0, 1 or auto).  PROBE_BATCHES (default 5) timed batches per
-variant; PROBE_STAMPS=1 prints each variant's wall-clock span (to line up with an nvidia-smi log).
-PROBE_NO_COPIES=1 drops the copy-engine path's copies (timing only: with MKERNEL_DEFINES=
+(TAIL_SPLIT as MKERNEL_AG_GEMM_TAIL_SPLIT: 0, 1 or auto); "auto:0" is the automatic copy-engine plan
+without any split-K.  PROBE_NO_COPIES=1 drops the copy-engine path's copies (timing only: with MKERNEL_DEFINES=
 MK_AG_TIMING_NO_WAIT=1 the fused kernel is then the bare GEMM inside the fused kernel).
-One line per (shape, variant): median us per call (max over ranks) and overlap efficiency
-max(gemm alone, all-gather alone) / time.
+Everything of a shape (our GEMM alone, forced to config 3 too, our all-gather alone, each ag_gemm variant)
+is timed in alternating rounds (PROBE_ROUNDS, default 9; one batch of calls each per round), so clocks
+drifting under the power cap hit all alike.  One line per shape: median us per call (max over ranks) and
+overlap efficiency max(gemm alone, all-gather alone) / time.
 """
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ SHAPES = {  # name: (M_total, N over all ranks, K)
     "mlp70_1k": (1024, 28672, 8192),
     "qkv70_16k": (16384, 10240, 8192),
     "qkv405_16k": (16384, 18432, 16384),
+    "sweep16k": (16384, 2048, 16384),
     "sweep32k": (32768, 4096, 32768),
 }
 
@@ -57,26 +58,6 @@ def main():
     extra = [int(x) for x in os.environ.get("PROBE_COMM_SMS", "").split(",") if x.strip()]
     tag = os.environ.get("MKERNEL_DEFINES", "") or "default"
 
-    stamps = os.environ.get("PROBE_STAMPS") == "1"  # print wall-clock spans (to line up with nvidia-smi logs)
-
-    def timed(fn, est_us, label=""):
-        batch = int(min(20, max(2, 4000 // max(est_us, 1))))
-        fn()
-        ctx.synchronize(s)
-        t0 = time.time()
-        times = []
-        for _ in range(int(os.environ.get("PROBE_BATCHES", 5))):
-            ctx.world.Barrier()
-            check(cu.cuEventRecord(e0, stream))
-            for _ in range(batch):
-                fn()
-            check(cu.cuEventRecord(e1, stream))
-            ctx.synchronize(s)
-            times.append(check(cu.cuEventElapsedTime(e0, e1)) / batch * 1e3)
-        if stamps and ctx.rank == 0:
-            print(f"span {t0:.3f} {time.time():.3f} {label}", flush=True)
-        return ctx.world.allreduce(float(np.median(times)), op=MPI.MAX)
-
     ce_variants = [v.split(":") for v in os.environ.get("PROBE_CE", "").split(",") if v.strip()]
     for name in names:
         M, N_all, K = SHAPES[name] if name in SHAPES else (int(x) for x in name.split(":"))
@@ -88,26 +69,42 @@ def main():
         full = DeviceArray.empty((M, K), "bfloat16")
         est = 2.0 * M * N * K / 600e12 * 1e6
         mkernel.all_gather(ctx, a, full, stream=s)  # the GEMM's A holds data (zeros run faster)
-        t_gemm = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s), est, f"{name} gemm")
-        t_ag = timed(lambda: mkernel.all_gather(ctx, a, full, stream=s), est, f"{name} all_gather")
-        t_g3 = timed(lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s, config=3), est, f"{name} gemm c3")
-        floor = max(t_gemm, t_ag)
-        rows = []
-        # automatic plan; copy engines; -1: fused at the model's split; forced splits; CE config variants
-        variants = [None, "ce", -1, *extra, *ce_variants]
+        # the GEMM alone, the all-gather alone, then the ag_gemm variants (automatic plan; -1: SM path at
+        # the model's split; forced splits; copy-engine variants), timed in alternating rounds
+        variants = [None, *([-1] if os.environ.get("PROBE_SM") == "1" else []), *extra, *ce_variants]
+        calls = [("gemm", lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s)),
+                 ("gemm_c3", lambda: mkernel.gemm(full, w, out, b_layout="nk", stream=s, config=3)),
+                 ("all_gather", lambda: mkernel.all_gather(ctx, a, full, stream=s))]
         for cs in variants:
             kw, env = dict(comm_sms=cs), "auto"
             if isinstance(cs, list):
-                kw, env = dict(path="fused_ce", config=int(cs[0])), cs[1]
+                kw = dict(path="fused_ce", config=int(cs[0])) if cs[0] not in ("", "auto") else dict(path="fused_ce")
+                env = cs[1]
             elif cs == -1:
                 kw = dict(comm_sms=agm.last_plan.fused_comm_sms)
-            elif cs == "ce":
-                kw = dict(path="fused_ce")
-            os.environ["MKERNEL_AG_GEMM_TAIL_SPLIT"] = env
-            t = timed(lambda kw=kw: agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, **kw), est, f"{name} {cs}")
+
+            def call(kw=kw, env=env):
+                os.environ["MKERNEL_AG_GEMM_TAIL_SPLIT"] = env
+                agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, **kw)
+            call()  # first call of the plan (signature exchange, workspace) outside the timing
             p = agm.last_plan
-            split = f"/c{p.config}" + (f"/split{p.splits}@{p.split_from}" if p.splits > 1 else "")
-            rows.append((f"{p.path}/{p.comm_sms}{split}", t))
+            split = f"/c{p.config}/cr{p.chunk_rows}" + (f"/split{p.splits}@{p.split_from}" if p.splits > 1 else "")
+            calls.append((f"{p.path}/{p.comm_sms}{split}", call))
+        batch = int(min(20, max(2, 4000 // max(est, 1))))
+        per = [[] for _ in calls]
+        for _ in range(int(os.environ.get("PROBE_ROUNDS", 9))):
+            for j, (_, fn) in enumerate(calls):
+                ctx.synchronize(s)
+                ctx.world.Barrier()
+                check(cu.cuEventRecord(e0, stream))
+                for _ in range(batch):
+                    fn()
+                check(cu.cuEventRecord(e1, stream))
+                ctx.synchronize(s)
+                per[j].append(check(cu.cuEventElapsedTime(e0, e1)) / batch * 1e3)
+        rows = [(label, ctx.world.allreduce(float(np.median(t)), op=MPI.MAX)) for (label, _), t in zip(calls, per)]
+        (_, t_gemm), (_, t_g3), (_, t_ag), rows = rows[0], rows[1], rows[2], rows[3:]
+        floor = max(t_gemm, t_ag)
         os.environ["MKERNEL_AG_GEMM_TAIL_SPLIT"] = "auto"
         if ctx.rank == 0:
             print(f"[{tag}] {name:8s} M={M} N/P={N} K={K}: gemm {t_gemm:8.1f} us (config 3: {t_g3:8.1f})  "

@@ -140,7 +140,8 @@ class CostModel:
     ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
     ce_op_latency: float = 2e-6     # s per copy-engine operation (data or flag copy)
     ce_start_latency: float = 20e-6  # s from the call to the first copy moving (fork, begin kernel, first op)
-    ce_chunks: int = 4              # chunks (ready flags) per shard
+    ce_chunks: int = 4              # chunks (ready flags) per shard: the planner tries ce_chunks,
+    ce_chunks_max: int = 16         # 2 * ce_chunks, ... up to ce_chunks_max (docs/ag_gemm.md)
     ce_gemm_slowdown: float = 1.02  # the GEMM beside incoming NVLink traffic (L2 / HBM sharing)
     ce_min_bytes: int = 8 << 20     # automatic plan: fused_ce only from this many gathered bytes (below,
                                     # the call is host-bound: fork/join and copy submissions cost more
@@ -271,30 +272,123 @@ def _stream_finish(m_sizes, arrive, tiles_of, workers: int, tile_time: float, la
     return worst
 
 
-def _last_chunk_tiles(m_sizes, N: int, cfg, chunk_rows: int) -> int:
-    """Tiles at the end of a rank's tile order (AgScheduler: shard by shard, each rasterized in groups
-    of GROUP_M row bands) from the raster group holding the first row band of a shard's last chunk to
-    the shard's end: the most over shards (whichever shard a rank takes last)."""
-    num_n, worst = -(-N // cfg.bn), 0
-    for m in m_sizes:
-        if m:
-            first_band = (m - 1) // chunk_rows * chunk_rows // cfg.bm
-            worst = max(worst, (-(-m // cfg.bm) - first_band // G.GROUP_M * G.GROUP_M) * num_n)
-    return worst
+def _raster_rows(num_m: int, num_n: int) -> np.ndarray:
+    """Tile-row index of every tile of one shard in the order the scheduler hands them out
+    (``mk_raster``: super-rows of GROUP_M tile-rows, column by column inside a super-row)."""
+    i = np.arange(num_m * num_n)
+    per_group = G.GROUP_M * num_n
+    gid = i // per_group
+    first = gid * G.GROUP_M
+    gsz = np.minimum(num_m - first, G.GROUP_M)
+    return first + (i - gid * per_group) % gsz
 
 
-def _last_chunk_split(cfg, T: int, K: int, workers: int) -> tuple[int, float]:
-    """(splits, time factor of a split unit vs a whole tile) for the T tiles the last chunk feeds: as
-    many K splits as leave one unit per worker (and the GEMM allows), by mkernel.gemm's cost model
-    (each unit's share of the split-K reduction counted); (1, 1.0) when no split is shorter."""
-    best = (1, 1.0)
-    if T <= 0 or K <= 0 or cfg.id not in _FUSED_CONFIGS:
-        return best
-    whole = G.config_cost(cfg, T, workers, K, "nk")
-    for sp in range(2, min(G._max_splits(cfg, T, K, "nk"), workers // T) + 1):
-        f = G.config_cost(cfg, T, workers, K, "nk", sp) / whole  # (one wave either way: T * sp <= workers)
-        if f < best[1]:
-            best = (sp, f)
+def _ce_ready_times(m_sizes, r: int, N: int, cfg, chunk_rows: int, row_bytes: int, model: CostModel) -> np.ndarray:
+    """When each tile of rank r's tile order (AgScheduler: its own shard, then ranks r-1, r-2, ...)
+    can start on the copy-engine path: its own rows at once (read in place); a peer's rows when the
+    last chunk they overlap has landed.  Sender s pushes its whole shard to s+1, then s+2, ... on one
+    copy-engine queue, each chunk followed by its flag copy, from ``ce_start_latency`` on."""
+    P, out = len(m_sizes), []
+    num_n = -(-N // cfg.bn)
+    for k in range(P):
+        s = (r - k) % P
+        m = m_sizes[s]
+        if not m:
+            continue
+        rows = _raster_rows(-(-m // cfg.bm), num_n)
+        if k == 0:
+            out.append(np.zeros(rows.size))
+            continue
+        nch = -(-m // chunk_rows)
+        sizes = np.minimum(chunk_rows, m - np.arange(nch) * chunk_rows) * row_bytes
+        landed = np.cumsum(sizes / model.ce_link_bw + 2 * model.ce_op_latency)  # chunk c has landed
+        t0 = model.ce_start_latency + (k - 1) * landed[-1]  # after the shard went to k-1 other peers
+        last_chunk = (np.minimum((rows + 1) * cfg.bm, m) - 1) // chunk_rows
+        out.append(t0 + landed[last_chunk])
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def _ce_finish(ready: np.ndarray, workers: int, tile_time: float, unit_time: float, splits: int,
+               split_from: int) -> float:
+    """Finish time of the fused kernel's workers on one rank: tile i (in scheduler order) may start at
+    ``ready[i]``; tiles from ``split_from`` on are ``splits`` units of ``unit_time`` each (consecutive
+    unit ids), the others one unit of ``tile_time``; unit u runs on worker ``u % workers`` after that
+    worker's previous unit (the static round robin of mk_gemm.cuh's schedulers)."""
+    if splits > 1:
+        r = np.concatenate([ready[:split_from], np.repeat(ready[split_from:], splits)])
+        d = np.concatenate([np.full(split_from, tile_time), np.full((ready.size - split_from) * splits, unit_time)])
+    else:
+        r, d = ready, np.full(ready.size, tile_time)
+    pad = -r.size % workers
+    r = np.concatenate([r, np.zeros(pad)]).reshape(-1, workers)
+    d = np.concatenate([d, np.zeros(pad)]).reshape(-1, workers)
+    fin = np.zeros(workers)
+    for rr, dd in zip(r, d):
+        fin = np.maximum(fin, rr) + dd
+    return float(fin.max()) if fin.size else 0.0
+
+
+_SPLIT_OPTIONS = (2, 3, 4, 6, 8, 12, 16)  # split factors the copy-engine plan tries for the tiles it splits
+
+
+def _suffix_starts(m_last: int, tiles: int, N: int, cfg) -> list:
+    """split_from candidates for splitting the end of a rank's tile order: the start of each raster
+    group (GROUP_M tile-rows) of the last shard, latest first (the tiles its later chunks feed); the
+    caller adds 0 (every tile split: problems with fewer tiles than workers)."""
+    num_m, num_n = -(-m_last // cfg.bm), -(-N // cfg.bn)
+    groups = -(-num_m // G.GROUP_M)
+    return [tiles - (num_m - g * G.GROUP_M) * num_n for g in range(groups - 1, -1, -1)]
+
+
+def _ce_plan(m_sizes, N: int, K: int, cfg, workers: int, row_bytes: int, sms: int, model: CostModel,
+             tail_split: bool | None, base_split: tuple) -> tuple:
+    """(finish time, chunk_rows, splits, split_from) of the copy-engine path for tile config ``cfg``:
+    the fused kernel's timeline simulated tile by tile (_ce_ready_times, _ce_finish) on the slowest
+    rank, over the chunk counts ``ce_chunks * 2^i <= ce_chunks_max`` and split plans: none, the
+    GEMM's last-wave split ``base_split``, and -- where the simulated timeline is transfer-bound --
+    splitting along K every tile from a raster-group start of the last shard on (the tiles its later
+    chunks feed, which otherwise take a whole tile's K on few SMs while the others idle), or every
+    tile.  A split
+    plan other than ``base_split`` must beat it by AG_TAIL_SPLIT_MIN_GAIN (``tail_split`` True: any
+    gain; False: no split at all)."""
+    P = len(m_sizes)
+    tt = _tile_time(cfg, K, sms, model) * model.ce_gemm_slowdown
+    whole = G.config_cost(cfg, 1, 1, K, "nk")
+    tiles = _fused_tiles(m_sizes, N, cfg)
+    ranks = [r for r in range(P) if m_sizes[r] or tiles]
+    # the shard each rank takes last (rank r: r+1's); the suffix candidates are per rank, the plan one
+    # for all: take the candidates of the rank with the longest last shard's tile run
+    m_last = max((m_sizes[(r + 1) % P] for r in range(P)), default=0)
+    chunk_opts = []
+    n = max(1, model.ce_chunks)
+    while True:
+        model_n = model.__class__(**{**model.__dict__, "ce_chunks": n})
+        chunk_opts.append(ce_chunk_rows(m_sizes, model_n))
+        if n * 2 > max(model.ce_chunks_max, model.ce_chunks):
+            break
+        n *= 2
+    chunk_opts = sorted(set(chunk_opts), reverse=True)  # fewest chunks first (the default)
+    def finish(cr, sp, sf):
+        unit = tt * G.config_cost(cfg, 1, sp, K, "nk", sp) / whole if sp > 1 else tt  # one unit of sp
+        return max(_ce_finish(_ce_ready_times(m_sizes, r, N, cfg, cr, row_bytes, model), workers, tt, unit, sp, sf)
+                   for r in ranks)
+    b_sp, b_sf = base_split if tail_split is not False else (1, tiles)
+    base = (finish(chunk_opts[0], b_sp, b_sf), chunk_opts[0], b_sp, b_sf)
+    if tail_split is False or tiles == 0:
+        return base
+    margin = 0.0 if tail_split else AG_TAIL_SPLIT_MIN_GAIN
+    # nothing to win where the GEMM bounds the call: the work per worker is (nearly) all of it
+    if base[0] <= math.ceil(tiles / workers) * tt * (1 + margin / 2):
+        return base
+    best = base
+    max_sp = G._max_splits(cfg, tiles, K, "nk")
+    for cr in chunk_opts:
+        cands = [(1, tiles)] + [(sp, sf) for sf in _suffix_starts(m_last, tiles, N, cfg) + [0]
+                                for sp in _SPLIT_OPTIONS if sp <= min(max_sp, G._max_splits(cfg, tiles - sf, K, "nk"))]
+        for sp, sf in cands:
+            t = finish(cr, sp, sf)
+            if t < best[0] and t < (1 - margin) * base[0]:
+                best = (t, cr, sp, sf)
     return best
 
 
@@ -385,30 +479,17 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         w = sms - 1  # one SM stays free for the side stream's begin kernel
         cfg = G.CONFIGS[config] if config is not None else G.choose_config(
             lambda c: _fused_tiles(m_sizes, N, c), w, candidates=_FUSED_CONFIGS)
-        cr_ce = ce_chunk_rows(m_sizes, model)
         tiles = _fused_tiles(m_sizes, N, cfg)
-        tt = _tile_time(cfg, K, sms, model) * model.ce_gemm_slowdown
         sp, sf, gain = _split_gain(cfg, tiles, K, w, tail_split)
         t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown * gain
         # A rank reads its own rows in place (an A shard 16 bytes aligned, the usual case: no local
         # copy first), so the copy engines start on the peers' shards at once.
-        arrive = []
-        for m in m_sizes:
-            ops = 2 * (-(-m // cr_ce)) * model.ce_op_latency
-            arrive.append((model.ce_start_latency, m * row_bytes / model.ce_link_bw + ops))
-        t_comm = max(tl + (P - 1) * tp for tl, tp in arrive)
-        per_shard = lambda m: -(-m // cfg.bm) * -(-N // cfg.bn)  # noqa: E731
-        t_stream = _stream_finish(m_sizes, arrive, per_shard, w, tt)
-        if sp == 1 and tail_split is not False:
-            # Transfer-bound: the last chunk lands near the end and its tiles then take a whole tile's
-            # time on a few SMs -- split them along K over the idle workers instead.
-            T = _last_chunk_tiles(m_sizes, N, cfg, cr_ce)
-            sp_t, f = _last_chunk_split(cfg, T, K, w) if T < tiles else (1, 1.0)
-            t_split = _stream_finish(m_sizes, arrive, per_shard, w, tt, last_tail=tt * f)
-            margin = 0.0 if tail_split else AG_TAIL_SPLIT_MIN_GAIN
-            if sp_t > 1 and max(t_split, t_gemm) < (1 - margin) * max(t_stream, t_gemm):
-                sp, sf, t_stream = sp_t, tiles - T, t_split
-        t = max(t_stream, t_gemm) + model.launch_latency
+        cr_ce = ce_chunk_rows(m_sizes, model)
+        t_comm = model.ce_start_latency + max(
+            (P - 1) * (m * row_bytes / model.ce_link_bw + 2 * (-(-m // cr_ce)) * model.ce_op_latency)
+            for m in m_sizes)
+        t_sim, cr_ce, sp, sf = _ce_plan(m_sizes, N, K, cfg, w, row_bytes, sms, model, tail_split, (sp, sf))
+        t = t_sim + model.launch_latency
         if gathered:  # the gathered A is copied out of the workspace after the GEMM
             t += M * row_bytes / model.hbm_copy_bw + model.launch_latency
         # (the grid: one worker per scheduler unit at most)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import pytest
 
 from mkernel import gemm_engine as G
@@ -47,9 +48,10 @@ def test_plan_last_wave_split(monkeypatch):
     off = agm.plan([512, 512], 26624, 16384, 2, 132, tail_split=False)
     assert off.splits == 1 and off.predicted_gemm > p.predicted_gemm
     assert agm.plan([512, 512], 26624, 256, 2, 132, tail_split=True, force_path="fused_ce").splits == 1
-    # fewer tiles than SMs: no whole-wave split, but the last shard's 4 tiles (transfer-bound) split 16 ways
+    # fewer tiles than SMs: no whole-wave split, but every tile (8 of 64 x 128, K = 16384) split 16 ways
+    # over the idle workers: the own shard's tiles would otherwise bound the call
     tiny = agm.plan([64, 64], 512, 16384, 2, 132, force_path="fused_ce")
-    assert (tiny.splits, tiny.split_from) == (16, 4), tiny.describe()
+    assert (tiny.splits, tiny.split_from) == (16, 0), tiny.describe()
     assert agm.plan([64, 64], 512, 16384, 2, 132, force_path="fused_ce", tail_split=False).splits == 1
     for v, want in (("", None), ("auto", None), ("0", False), ("1", True)):
         monkeypatch.setenv("MKERNEL_AG_GEMM_TAIL_SPLIT", v)
@@ -179,22 +181,50 @@ def test_call_digest_and_layout_for_signatures():
         assert L.flags_off + 8 * P * L.nch_stride <= L.value_off < L.data_off
 
 
-def test_last_chunk_split_when_transfer_bound():
-    """Copy-engine plans of transfer-bound shapes split the tiles the last chunk feeds (whole raster
-    groups from its first row band to the shard's end) along K over the idle workers; compute-bound
-    shapes keep their plan; MKERNEL_AG_GEMM_TAIL_SPLIT=0 (tail_split=False) turns it off."""
-    cfg3, cfg2 = G.CONFIGS[3], G.CONFIGS[2]
-    assert agm._last_chunk_tiles([8192, 8192], 1024, cfg3, 2048) == 16 * 4  # the last 2048 rows x 4 columns
-    # 1500 rows: last chunk from band 8 (group 8) to band 11; 2600 rows: band 16 (group 16) to 20; 3 columns
-    assert agm._last_chunk_tiles([1500, 2600], 300, cfg2, 1024) == max(4, 5) * 3
-    assert agm._last_chunk_tiles([1500, 0], 300, cfg2, 512) == (12 - 8) * 3  # band 8's group starts at 8
-    p = agm.plan([8192, 8192], 1024, 16384, 2, 132)  # mKernel's sweep M = K = 16384: transfer-bound
-    tiles = 2 * 64 * 4
-    assert (p.path, p.config, p.splits, p.split_from) == ("fused_ce", 3, 2, tiles - 64), p.describe()
+def test_raster_rows_follow_mk_raster():
+    """The simulated tile order is the scheduler's: super-rows of GROUP_M tile rows, column by column
+    inside one, the last super-row shorter."""
+    rows = agm._raster_rows(10, 3)  # GROUP_M = 8: rows 0-7 for each of 3 columns, then rows 8-9
+    assert list(rows) == list(range(8)) * 3 + [8, 9] * 3
+
+
+def test_ce_ready_times():
+    """Own rows at once; a peer's tile when the last chunk its rows overlap has landed; with 3 ranks the
+    second peer's shard comes after its sender pushed a whole shard to its first destination."""
+    m = agm.CostModel(ce_link_bw=1e9, ce_op_latency=0.0, ce_start_latency=1.0)
+    cfg = G.CONFIGS[2]  # 128 x 128
+    rb = 1000  # bytes per row: a chunk of 256 rows takes 256 us at 1 GB/s
+    r = agm._ce_ready_times([256, 512], 0, 128, cfg, 256, rb, m)
+    assert list(r[:2]) == [0.0, 0.0]  # own 2 tiles
+    assert np.allclose(r[2:], [1 + 256e-6, 1 + 256e-6, 1 + 512e-6, 1 + 512e-6])  # 4 row bands, 2 chunks
+    r3 = agm._ce_ready_times([128, 256, 128], 0, 128, cfg, 128, rb, m)  # order: own, rank 2, rank 1
+    assert np.allclose(r3, [0.0, 1 + 128e-6, 1 + 256e-6 + 128e-6, 1 + 256e-6 + 256e-6])
+
+
+def test_ce_finish_static_round_robin():
+    """Unit u runs on worker u % workers after that worker's previous unit; split tiles are `splits`
+    consecutive units."""
+    ready = np.array([0.0, 0.0, 5.0])
+    assert agm._ce_finish(ready, 2, 1.0, 1.0, 1, 3) == 6.0  # worker 0: tile 0, then tile 2 at 5
+    assert abs(agm._ce_finish(ready, 2, 1.0, 0.6, 2, 2) - 5.6) < 1e-12  # tile 2's halves on both workers
+    assert agm._ce_finish(ready, 8, 1.0, 1.0, 1, 3) == 6.0
+
+
+def test_transfer_bound_plan_splits_the_late_tiles():
+    """mKernel's sweep point M = K = 16384 (N = 1024 per rank) is transfer-bound: the peer's rows land
+    over ~0.7 ms and each 128 x 256 tile takes ~0.2 ms of one SM, so the tiles of the late chunks are
+    split along K over the workers (more, smaller chunks at the end); the plan must be predicted well
+    below the unsplit one.  Compute-bound shapes keep 4 chunks and no split;
+    MKERNEL_AG_GEMM_TAIL_SPLIT=0 (tail_split=False) turns every split off."""
+    p = agm.plan([8192, 8192], 1024, 16384, 2, 132)
     off = agm.plan([8192, 8192], 1024, 16384, 2, 132, tail_split=False)
-    assert off.splits == 1 and p.predicted_fused < 0.95 * off.predicted_fused
-    sp, f = agm._last_chunk_split(cfg3, 64, 16384, 131)  # 64 tiles on 131 workers: 2 splits
-    assert sp == 2 and 0.5 < f < 0.6
-    assert agm._last_chunk_split(cfg3, 64, 512, 131)[0] == 1  # short K: the reduction costs more than it saves
+    tiles = 2 * 64 * 4
+    assert p.path == "fused_ce" and p.config == 3 and p.splits > 1, p.describe()
+    assert tiles // 2 <= p.split_from < tiles and p.workers == 131  # only the peer's (last) shard
+    assert off.splits == 1 and off.chunk_rows == agm.ce_chunk_rows([8192, 8192]) == 2048
+    assert p.predicted_fused < 0.93 * off.predicted_fused, (p.describe(), off.describe())
     q = agm.plan([4096, 4096], 5120, 8192, 2, 132)  # llama 70B qkv M=8192: compute-bound
-    assert q.path == "fused_ce" and q.splits == 1, q.describe()
+    assert q.path == "fused_ce" and q.splits == 1 and q.chunk_rows == 1024, q.describe()
+    # chunk counts beyond the default only when the model allows them
+    m4 = agm.CostModel(ce_chunks_max=4)
+    assert agm.plan([8192, 8192], 1024, 16384, 2, 132, model=m4).chunk_rows == 2048

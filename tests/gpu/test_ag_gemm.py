@@ -152,7 +152,9 @@ def test_last_wave_split(ctx, shared_rng, monkeypatch, layout, config, path):
     ragged N; three calls with new data (the split-K counters return to zero after each)."""
     monkeypatch.setenv("MKERNEL_AG_GEMM_TAIL_SPLIT", "1")
     m_sizes = _ms(lambda r, P: 700 + 17 * r, ctx.local_size)
-    N, K = 3000, 4096
+    # N per config such that, on 2 x H200, 144-540 tiles on ~130 workers leave a last wave the plan splits
+    # on both paths (the copy-engine plan simulates the arrivals: where they bound the end, no split)
+    N, K = {2: 3000, 3: 6000, 4: 9000}[config], 4096
     kw = dict(comm_sms=4) if path == "fused" else dict(path=path)
     for it in range(3):
         plan = _run_case(ctx, shared_rng, m_sizes, N, K, b_layout=layout, config=config,
@@ -161,7 +163,7 @@ def test_last_wave_split(ctx, shared_rng, monkeypatch, layout, config, path):
         want = agm.plan(m_sizes, N, K, 2, ctx.sm_count, config=config, tail_split=True,
                         **({"comm_sms": 4} if path == "fused" else {"force_path": path}))
         assert (plan.path, plan.splits, plan.split_from) == (path, want.splits, want.split_from), plan.describe()
-        if ctx.sm_count >= 120:  # H100/H200: 144-288 tiles on ~130 workers leave a partial last wave
+        if ctx.sm_count == 132 and ctx.local_size == 2:  # the N above were picked for 2 x H200
             assert plan.splits > 1, plan.describe()
 
 
@@ -178,6 +180,20 @@ def test_last_chunk_split(ctx, shared_rng, spec):
         assert (plan.path, plan.splits, plan.split_from) == (want.path, want.splits, want.split_from), plan.describe()
         if ctx.sm_count >= 120:  # H100/H200
             assert plan.path == "fused_ce" and plan.splits > 1, plan.describe()
+
+
+def test_every_tile_split(ctx, shared_rng):
+    """Fewer tiles than workers with a long K (64 rows per rank, K = 16384, copy engines forced): the plan
+    splits every tile along K, the own shard's too (split_from = 0); three calls against numpy."""
+    m_sizes = _ms(lambda r, P: 64, ctx.local_size)
+    for it in range(3):
+        plan = _run_case(ctx, shared_rng, m_sizes, 512, 16384, b_layout="nk", path="fused_ce",
+                         what=f"every tile split call {it}")
+    if ctx.local_size > 1:
+        want = agm.plan(m_sizes, 512, 16384, 2, ctx.sm_count, force_path="fused_ce")
+        assert (plan.splits, plan.split_from) == (want.splits, want.split_from), plan.describe()
+        if ctx.sm_count >= 120:
+            assert plan.splits > 1 and plan.split_from == 0, plan.describe()
 
 
 @pytest.mark.parametrize("path", ["fused", "fused_ce"])
