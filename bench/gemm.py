@@ -11,7 +11,8 @@ Timing: inputs are torch tensors (random normal), handed to mkernel once as Devi
 (zero-copy); enough input sets to exceed 2x L2 are rotated so every call reads from HBM.  Each
 library is captured into a CUDA graph of `batch` back-to-back calls (no Python launch overhead in
 the timing; ``--eager`` times plain launches instead), replayed after a warm-up, timed with CUDA
-events; the reported time is the median per-call time over the replays.  Each shape is first
+events, mkernel's and cuBLAS's replays alternating (so clock changes under the power cap hit both
+alike); the reported time is the median per-call time over the replays.  Each shape is first
 checked: mkernel's result must match torch's to a relative Frobenius error < 1e-2.
 
 Reports TFLOP/s (2*M*N*K / t), the ratio to cuBLAS, mkernel's tile config, registers per thread
@@ -165,8 +166,8 @@ def main():
 
         est_ms = flop / 600e12 * 1e3  # ~600 TFLOP/s guess, to size batches to ~50 ms
         batch = max(nsets, min(200, int(math.ceil(50.0 / max(est_ms, 1e-3) / nsets)) * nsets))
-        t_ours = _time(ours, nsets, batch, reps, args.eager)
-        t_theirs = _time(theirs, nsets, batch, reps, args.eager)
+        t_ours, t_theirs = _time_alternating([_runner(ours, nsets, batch, args.eager),
+                                              _runner(theirs, nsets, batch, args.eager)], batch, reps)
         info = G.describe(M, N, K, b_layout=layout, config=args.config)
         sweep = {}
         if args.sweep:
@@ -268,8 +269,9 @@ def write_report(out: Path, results, device: str, compile_s, reps: int, quick: b
     _plot(out / "gemm_bench.png", results, device)
 
 
-def _time(fn, nsets, batch, reps, eager):
-    """Median seconds per call over `reps` replays of `batch` calls (rotating over nsets inputs)."""
+def _runner(fn, nsets, batch, eager):
+    """A callable that runs `batch` calls of fn (rotating over nsets inputs): a CUDA graph replay, or
+    eager launches where capture fails (or with --eager)."""
     import torch
 
     for i in range(nsets):  # warm-up / plan building outside any capture
@@ -296,15 +298,29 @@ def _time(fn, nsets, batch, reps, eager):
     run = graph.replay if graph is not None else (lambda: [fn(j % nsets) for j in range(batch)])
     run()
     torch.cuda.synchronize()
-    times = []
+    return run
+
+
+def _time_alternating(runs, batch, reps):
+    """Median seconds per call of each runner, timed in alternating rounds (one replay each per round),
+    so clocks drifting under the power cap affect them alike."""
+    import torch
+
+    times = [[] for _ in runs]
     for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        run()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3 / batch)
-    return statistics.median(times)
+        for j, run in enumerate(runs):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            run()
+            e1.record()
+            e1.synchronize()
+            times[j].append(e0.elapsed_time(e1) / 1e3 / batch)
+    return [statistics.median(t) for t in times]
+
+
+def _time(fn, nsets, batch, reps, eager):
+    """Median seconds per call over `reps` replays of `batch` calls (rotating over nsets inputs)."""
+    return _time_alternating([_runner(fn, nsets, batch, eager)], batch, reps)[0]
 
 
 def _plot(path, results, device):
