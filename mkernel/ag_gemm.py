@@ -62,7 +62,7 @@ import sys
 import threading
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -81,7 +81,7 @@ IN_DTYPES = ("bfloat16", "float16")
 MAXP = 16  # local ranks (the kernel keeps the source rank in 4 bits of the tile id)
 GATHER_THREADS = 512
 RELEASE_THREADS = 128
-_FUSED_CONFIGS = (1, 2, 3, 4)  # 0 is the debug config (config=0 forces it); 5's tile depends on the B layout
+_FUSED_CONFIGS = (1, 2, 3, 4, 5)  # 0 is the debug config (config=0 forces it); 5: 128x224 with B "nk" only
 
 for _i in IN_DTYPES:
     for _o in (_i, "float32"):
@@ -413,6 +413,16 @@ def ce_chunk_rows(m_sizes, model: CostModel = MODEL) -> int:
     return max(128, 1 << (want - 1).bit_length())
 
 
+def tile_config(config: int, b_layout: str):
+    """The fused kernel's tile config ``config`` as it runs with ``b_layout``: config 5 is 128x224 with B
+    "nk" and config 3's 128x256 with "kn" (MN-major tiles are whole 64-column chunks), so the planner
+    and the launch see the tile width the kernel uses."""
+    cfg = G.CONFIGS[config]
+    if b_layout == "kn" and cfg.bn_kn is not None:
+        cfg = replace(cfg, bn=cfg.bn_kn, bn_kn=None)
+    return cfg
+
+
 def _fused_tiles(m_sizes, N: int, cfg) -> int:
     return sum(-(-m // cfg.bm) for m in m_sizes) * -(-N // cfg.bn)
 
@@ -439,10 +449,11 @@ def _split_gain(cfg, tiles: int, K: int, workers: int, tail_split: bool | None =
 
 def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | None = None,
          gathered: bool = False, force_path: str | None = None, config: int | None = None,
-         tail_split: bool | None = None, model: CostModel = MODEL) -> AgPlan:
+         tail_split: bool | None = None, b_layout: str = "kn", model: CostModel = MODEL) -> AgPlan:
     """The plan for gathering shards of ``m_sizes`` rows (one per local rank) of K columns and
-    multiplying by an [K, N] operand on a GPU of ``sms`` SMs.  Pure function of its arguments (every
-    rank computes the same plan from the values they exchanged)."""
+    multiplying by an [K, N] operand on a GPU of ``sms`` SMs.  ``b_layout``: "nk" when every rank's B
+    is [N, K] (then config 5's 224-wide tile is a candidate), else "kn".  Pure function of its
+    arguments (every rank computes the same plan from the values they exchanged)."""
     m_sizes = tuple(int(m) for m in m_sizes)
     P = len(m_sizes)
     M = sum(m_sizes)
@@ -453,18 +464,19 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     g_blocks = max(1, min(sms, nch_max, model.max_comm_sms))  # many spinning blocks hurt (docs/collectives.md)
     t_ag = (_comm_time(m_sizes, row_bytes, g_blocks, cr, gathered, model) + 2 * model.launch_latency
             if P > 1 else (M * row_bytes / model.hbm_copy_bw if gathered else 0.0))
-    # mkernel.gemm's own plan for the gathered problem (any config, split-K; "kn" leaves out config 5,
-    # whose "nk" tile is only a little better)
-    cfg_u, sp_u, sf_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), "kn", sms)
-    n_split = G._tiles(cfg_u, M, N, "kn") - sf_u if sp_u > 1 else 0
-    t_gu = (_gemm_time(G._tiles(cfg_u, M, N, "kn") - n_split, sms, cfg_u, K, sms, model)
-            + _gemm_time(n_split * sp_u, sms, cfg_u, -(-K // sp_u), sms, model) + model.launch_latency)
+    # mkernel.gemm's own plan for the gathered problem (any config, split-K)
+    cfg_u, sp_u, sf_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), b_layout, sms)
+    n_split = G._tiles(cfg_u, M, N, b_layout) - sf_u if sp_u > 1 else 0
+    cfg_u_tile = replace(cfg_u, bn=cfg_u.tile_n(b_layout), bn_kn=None)
+    t_gu = (_gemm_time(G._tiles(cfg_u, M, N, b_layout) - n_split, sms, cfg_u_tile, K, sms, model)
+            + _gemm_time(n_split * sp_u, sms, cfg_u_tile, -(-K // sp_u), sms, model) + model.launch_latency)
     t_unfused = t_ag + t_gu
 
     def fused_at(n: int):
         w = sms - n
-        cfg = G.CONFIGS[config] if config is not None else G.choose_config(
-            lambda c: _fused_tiles(m_sizes, N, c), w, candidates=_FUSED_CONFIGS)
+        cfg = tile_config(config if config is not None else G.choose_config(
+            lambda c: _fused_tiles(m_sizes, N, tile_config(c.id, b_layout)), w, layout=b_layout,
+            candidates=_FUSED_CONFIGS).id, b_layout)
         tiles = _fused_tiles(m_sizes, N, cfg)
         tt = _tile_time(cfg, K, sms, model)
         t_comm = _comm_time(m_sizes, row_bytes, n, cr, gathered, model)
@@ -477,8 +489,9 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
 
     def fused_ce():
         w = sms - 1  # one SM stays free for the side stream's begin kernel
-        cfg = G.CONFIGS[config] if config is not None else G.choose_config(
-            lambda c: _fused_tiles(m_sizes, N, c), w, candidates=_FUSED_CONFIGS)
+        cfg = tile_config(config if config is not None else G.choose_config(
+            lambda c: _fused_tiles(m_sizes, N, tile_config(c.id, b_layout)), w, layout=b_layout,
+            candidates=_FUSED_CONFIGS).id, b_layout)
         tiles = _fused_tiles(m_sizes, N, cfg)
         sp, sf, gain = _split_gain(cfg, tiles, K, w, tail_split)
         t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown * gain
@@ -559,12 +572,15 @@ PATHS = ("fused", "fused_ce", "unfused")
 FUSED_AUTO = os.environ.get("MKERNEL_AG_GEMM_FUSED_AUTO", "0") == "1"
 
 
-def _agree(ctx, dtype: str, M: int, K: int, N: int, comm_sms, gathered: bool, force, config, m_sizes):
+def _agree(ctx, dtype: str, M: int, K: int, N: int, comm_sms, gathered: bool, force, config, m_sizes,
+           b_layout: str = "kn"):
     """Exchange every rank's call signature.  Returns (M of every local rank, max N, any rank wants the
-    gathered A, P); raises ValueError on every rank when they disagree."""
+    gathered A, P, "nk" if every rank's B is [N, K] else "kn"); raises ValueError on every rank when
+    they disagree."""
     msz_hash = 0 if m_sizes is None else (hash(tuple(m_sizes)) & ((1 << 62) - 1)) + 1
     mine = np.array([G._CODE[dtype], M, K, N, -1 if comm_sms is None else comm_sms, int(gathered),
-                     _FORCE.get(force, 3), -1 if config is None else config, msz_hash], dtype=np.int64)
+                     _FORCE.get(force, 3), -1 if config is None else config, msz_hash, int(b_layout == "nk")],
+                    dtype=np.int64)
     allv = ctx.bounded_allgather(mine, "mkernel.ag_gemm's signature exchange", ctx.node_comm)
     P = allv.shape[0]
     problems = []
@@ -576,9 +592,13 @@ def _agree(ctx, dtype: str, M: int, K: int, N: int, comm_sms, gathered: bool, fo
     ms = tuple(int(v) for v in allv[:, 1])
     if m_sizes is not None and tuple(m_sizes) != ms:
         problems.append(f"m_sizes={list(m_sizes)} but the ranks hold shards of {list(ms)} rows")
+    all_nk = bool(allv[:, 9].all())
+    if config is not None and G.CONFIGS[config].bn_kn is not None and allv[:, 9].any() and not all_nk:
+        problems.append(f"config {config} runs a tile whose width depends on b_layout, and the ranks' layouts "
+                        f"differ ({['nk' if v else 'kn' for v in allv[:, 9]]})")
     if problems:
         raise ValueError("mkernel.ag_gemm: ranks disagree on the call: " + "; ".join(problems))
-    return ms, int(allv[:, 3].max()), bool(allv[:, 5].any()), P
+    return ms, int(allv[:, 3].max()), bool(allv[:, 5].any()), P, "nk" if all_nk else "kn"
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,13 +760,14 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     # ---- the agreed signature (exchanged on first use) -----------------------------------------
     dev = ctx.device
     sms = ctx.sm_count
-    skey = (ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config, m_sizes, tail_split)
+    skey = (ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config, m_sizes, tail_split, b_layout)
     sig = _lru_get(_sigs, skey)
     if sig is None:
-        ms, n_max, any_gathered, _ = _agree(ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config,
-                                            m_sizes) if P > 1 else ((M_r,), N, GA is not None, 1)
+        ms, n_max, any_gathered, _, layout_all = _agree(
+            ctx, dt, M_r, K, N, comm_sms, GA is not None, force, config, m_sizes, b_layout
+        ) if P > 1 else ((M_r,), N, GA is not None, 1, b_layout)
         p = plan(ms, n_max, K, isz, sms, comm_sms=comm_sms, gathered=any_gathered, force_path=force,
-                 config=config, tail_split=tail_split)
+                 config=config, tail_split=tail_split, b_layout=layout_all)
         layout = _layout(P, ms, p.chunk_rows, K * isz) if P > 1 and sum(ms) > 0 and K > 0 else None
         offs = tuple(int(x) for x in np.concatenate([[0], np.cumsum(ms)]))
         sig = _Sig(p, layout, offs, P, call_digest(dt, ms, K, n_max, any_gathered, p))
@@ -883,11 +904,13 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         if a2 is args:
             a2 = AgArgs.from_buffer_copy(args)
         return [tma, tmb, tmal, G.point_out(a2, O2, M_total, N, ldc, cfg, tma), comm, a2]
-    tiles = _fused_tiles([sig.offs[j + 1] - sig.offs[j] for j in range(P)], N, cfg)
+    tcfg = tile_config(p.config, b_layout)  # the tile the kernel runs (config 5: 224 or 256 wide)
+    tiles = _fused_tiles([sig.offs[j + 1] - sig.offs[j] for j in range(P)], N, tcfg)
     args.splits, args.split_from = 1, tiles  # (no split-K: every unit a whole tile, mk_split_unit)
-    if p.splits > 1:  # split-K of the last wave: fp32 partial slots, counters (zero; the kernel keeps them so)
-        n_split = tiles - p.split_from
-        sk_ws, args.partials, args.counters = G.split_workspace(n_split, cfg.bm * cfg.bn, dev)
+    # split-K (fp32 running sums and counters, zero; the kernel keeps them so).  (A rank whose N is below
+    # the agreed maximum has fewer tiles than the plan counted: it splits from the same unit on, if any.)
+    if p.splits > 1 and p.split_from < tiles:
+        sk_ws, args.partials, args.counters = G.split_workspace(tiles - p.split_from, tcfg.bm * tcfg.bn, dev)
         args.splits, args.split_from = p.splits, p.split_from
         keep += (sk_ws,)
 

@@ -228,3 +228,19 @@ def test_transfer_bound_plan_splits_the_late_tiles():
     # chunk counts beyond the default only when the model allows them
     m4 = agm.CostModel(ce_chunks_max=4)
     assert agm.plan([8192, 8192], 1024, 16384, 2, 132, model=m4).chunk_rows == 2048
+
+
+def test_config5_only_when_every_b_is_nk():
+    """Llama-3-70B mlp_up at M = 1024 over 2 GPUs (N = 14336 = 64 x 224 per rank): with every rank's
+    weights [N, K] the fused kernel takes config 5's 128 x 224 tile (512 tiles: 4 waves on 131 workers,
+    where 128 x 192 needs 5) and fusion pays; with "kn" config 5 is config 3's tile and not offered."""
+    nk = agm.plan([512, 512], 14336, 8192, 2, 132, b_layout="nk")
+    assert (nk.path, nk.config) == ("fused_ce", 5), nk.describe()
+    kn = agm.plan([512, 512], 14336, 8192, 2, 132, b_layout="kn")
+    assert kn.config != 5, kn.describe()
+    assert agm.tile_config(5, "nk").bn == 224 and agm.tile_config(5, "kn").bn == 256
+    assert agm.tile_config(3, "kn") is G.CONFIGS[3]
+    # forced config 5 with "kn": the plan counts config 3's tile width (what the kernel runs)
+    f = agm.plan([700, 717], 3000, 4096, 2, 132, config=5, b_layout="kn", force_path="fused_ce", tail_split=True)
+    t = agm._fused_tiles([700, 717], 3000, agm.tile_config(5, "kn"))
+    assert t == 12 * 12 and f.split_from <= t, f.describe()

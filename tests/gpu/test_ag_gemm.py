@@ -134,7 +134,7 @@ def test_shapes(ctx, shared_rng, case):
 
 @pytest.mark.parametrize("path", ["fused", "fused_ce"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
-@pytest.mark.parametrize("config", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("config", [0, 1, 2, 3, 4, 5])
 def test_fused_every_config(ctx, shared_rng, layout, config, path):
     """Every tile config of the fused kernel, ragged M (tiles end inside a shard) and N."""
     m_sizes = _ms(lambda r, P: 150 + 50 * r, ctx.local_size)
@@ -180,6 +180,18 @@ def test_last_chunk_split(ctx, shared_rng, spec):
         assert (plan.path, plan.splits, plan.split_from) == (want.path, want.splits, want.split_from), plan.describe()
         if ctx.sm_count >= 120:  # H100/H200
             assert plan.path == "fused_ce" and plan.splits > 1, plan.describe()
+
+
+def test_mixed_b_layouts(ctx, shared_rng):
+    """Ranks may hold their weights in different layouts ([K, N] on even ranks, [N, K] on odd ones): the
+    plan is then made for "kn" (no 224-wide tile) on every rank; against numpy on both paths."""
+    m_sizes = _ms(lambda r, P: 600 + 30 * r, ctx.local_size)
+    layout = "nk" if ctx.local_rank % 2 else "kn"
+    for path in ("fused_ce", "unfused"):
+        plan = _run_case(ctx, shared_rng, m_sizes, 1344, 512, b_layout=layout, path=path,
+                         what=f"mixed layouts {path}")
+        if ctx.local_size > 1:
+            assert plan.path == path and plan.config != 5, plan.describe()
 
 
 def test_every_tile_split(ctx, shared_rng):
@@ -357,6 +369,11 @@ def test_bad_inputs_raise_before_launch(ctx):
             agm.ag_gemm(ctx, DeviceArray.empty((37, K), "bfloat16"), DeviceArray.empty((K, 40), "bfloat16"))
         with pytest.raises(ValueError, match="disagree"):
             agm.ag_gemm(ctx, a, b, comm_sms=2 + ctx.local_rank)
+        # config 5's tile is 224 wide with B [N, K] and 256 with [K, N]: forced with mixed layouts
+        bt = DeviceArray.empty((48, 64), "bfloat16")
+        with pytest.raises(ValueError, match="layouts differ"):
+            agm.ag_gemm(ctx, a, bt if ctx.local_rank % 2 else b, out, config=5,
+                        b_layout="nk" if ctx.local_rank % 2 else "kn")
     w, _ = on_other_device(ctx.device, (32, 64), "bfloat16")
     if w is not None:
         with pytest.raises(ValueError, match="cuda:"):
