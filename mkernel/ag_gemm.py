@@ -472,11 +472,17 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
             + _gemm_time(n_split * sp_u, sms, cfg_u_tile, -(-K // sp_u), sms, model) + model.launch_latency)
     t_unfused = t_ag + t_gu
 
+    def fused_config(workers: int):
+        """The fused kernel's tile config (forced, or the heuristic's for ``workers`` GEMM blocks), with
+        the tile width it runs under the agreed layout."""
+        cid = config if config is not None else G.choose_config(
+            lambda c: _fused_tiles(m_sizes, N, tile_config(c.id, b_layout)), workers, layout=b_layout,
+            candidates=_FUSED_CONFIGS).id
+        return tile_config(cid, b_layout)
+
     def fused_at(n: int):
         w = sms - n
-        cfg = tile_config(config if config is not None else G.choose_config(
-            lambda c: _fused_tiles(m_sizes, N, tile_config(c.id, b_layout)), w, layout=b_layout,
-            candidates=_FUSED_CONFIGS).id, b_layout)
+        cfg = fused_config(w)
         tiles = _fused_tiles(m_sizes, N, cfg)
         tt = _tile_time(cfg, K, sms, model)
         t_comm = _comm_time(m_sizes, row_bytes, n, cr, gathered, model)
@@ -489,9 +495,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
 
     def fused_ce():
         w = sms - 1  # one SM stays free for the side stream's begin kernel
-        cfg = tile_config(config if config is not None else G.choose_config(
-            lambda c: _fused_tiles(m_sizes, N, tile_config(c.id, b_layout)), w, layout=b_layout,
-            candidates=_FUSED_CONFIGS).id, b_layout)
+        cfg = fused_config(w)
         tiles = _fused_tiles(m_sizes, N, cfg)
         sp, sf, gain = _split_gain(cfg, tiles, K, w, tail_split)
         t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown * gain
