@@ -258,11 +258,15 @@ template <int BM, int BN> struct AgScheduler {
 // TMA (async proxy) reads.  Lane l of the producer warp watches chunk first+l (a tile overlaps at most
 // BM / chunk_rows + 1 <= 32 chunks: the host keeps chunk_rows >= 8), so the wait costs the 40-register
 // producer one flag per lane instead of a loop.  Times out like mk_wait_geq (error record, false).
+// Copy-engine path (n_comm = 0): a sender's chunks land in order (one copy-engine queue), so when the
+// wait finds the shard's last chunk landed too, every later tile of that shard skips the wait (and its
+// proxy fence): `landed` has bit src set (this producer warp's own state).
 template <int BM> struct AgWaitRows {
   const MkComm* c;
   const AgArgs* a;
   const MkTensorMap* tm_local;  // this rank's a_shard (used when a->local_map)
   mk_u64 epoch;
+  mutable unsigned landed = 0;  // sources whose whole shard this warp saw landed (copy-engine path)
   // This rank's rows come straight from a_shard when it has a tensor map; the others from the workspace.
   MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const {
     const int me = a->me;
@@ -279,21 +283,28 @@ template <int BM> struct AgWaitRows {
 #ifdef MK_AG_TIMING_NO_WAIT
     return true;  // timing experiment only (docs/ag_gemm.md): the GEMM without its waits; wrong output
 #endif
-    const int lane = threadIdx.x & 31;
     const int src = tile_m & 15;
+    if ((landed >> src) & 1u) return true;  // (fenced when it was seen)
+    const int lane = threadIdx.x & 31;
     const int r0 = (tile_m >> 4) * BM;
-    const int r1 = min(r0 + BM, a->offs[src + 1] - a->offs[src]);  // exclusive, > r0
+    const int rows = a->offs[src + 1] - a->offs[src];
+    const int r1 = min(r0 + BM, rows);  // exclusive, > r0
     const int CR = a->chunk_rows;
     const int first = r0 / CR, n = (r1 - 1) / CR - first + 1;
-    const int idx = src * a->nch_stride + first + (lane < n ? lane : 0);
+    // lanes [0, n) watch the tile's chunks; on the copy-engine path lane 31 (n <= 31 there: chunk_rows
+    // >= 128 >= BM) also peeks at the shard's last chunk, without waiting for it
+    const bool peek = a->n_comm == 0 && lane == 31;
+    const int idx = src * a->nch_stride + (peek ? (rows - 1) / CR : first + (lane < n ? lane : 0));
     const mk_u64* flag = (const mk_u64*)(a->ws + a->flags_off) + idx;
+    bool whole = false;
     // Polls like mk_wait_geq (mk_signal.cuh: back-off, the error record read about every millisecond),
     // written out with lane 0's clock so it fits the 40-register producer (MkPoll's state spills).
     unsigned t0 = 0, spins = 0;  // time in units of 1.024 us
     while (true) {
       const mk_u64 v = mk_ld_acquire(flag);
       const bool ready = (mk_i64)(v - epoch) >= 0;
-      if (__all_sync(0xffffffffu, ready)) break;
+      whole = __shfl_sync(0xffffffffu, ready, 31);
+      if (__all_sync(0xffffffffu, ready || peek)) break;
 #if MK_POLL_SLEEP_MAX_NS > 0
       __nanosleep(MK_POLL_SLEEP_MAX_NS);
 #endif
@@ -302,7 +313,7 @@ template <int BM> struct AgWaitRows {
         if (spins == 8) {
           t0 = now;
         } else if (now - t0 > (unsigned)(c->timeout_ns >> 10)) {
-          const unsigned late = __ballot_sync(0xffffffffu, !ready);
+          const unsigned late = __ballot_sync(0xffffffffu, !ready && !peek);
           if (lane == __ffs(late) - 1)
             mk_report(*c, MK_ERR_TIMEOUT, MK_LOCAL_PEER(src), idx, epoch, v, (mk_u64)(now - t0) << 10);
           return false;
@@ -314,6 +325,7 @@ template <int BM> struct AgWaitRows {
     }
     __syncwarp();  // memory ordering among the lanes: every lane's acquire precedes lane 0's loads
     asm volatile("fence.proxy.async.global;" ::: "memory");
+    if (a->n_comm == 0 && whole) landed |= 1u << src;
     return true;
   }
 };
