@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import markdown_table, select_shapes, setup_env, write_json  # noqa: E402
+from _common import markdown_table, select_shapes, setup_env, time_interleaved, write_json  # noqa: E402
 
 LLAMA3_70B = {  # hidden 8192, ffn 28672, 64 q heads / 8 kv heads, head dim 128
     "llama70b.qkv": (10240, 8192),
@@ -302,20 +302,11 @@ def _runner(fn, nsets, batch, eager):
 
 
 def _time_alternating(runs, batch, reps):
-    """Median seconds per call of each runner, timed in alternating rounds (one replay each per round),
-    so clocks drifting under the power cap affect them alike."""
-    import torch
-
-    times = [[] for _ in runs]
-    for _ in range(reps):
-        for j, run in enumerate(runs):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            run()
-            e1.record()
-            e1.synchronize()
-            times[j].append(e0.elapsed_time(e1) / 1e3 / batch)
-    return [statistics.median(t) for t in times]
+    """Median seconds per call of each runner (`batch` calls a run), timed in alternating rounds
+    (_common.time_interleaved: one replay each per round), so clocks drifting under the power cap
+    affect them alike."""
+    stats = time_interleaved({j: run for j, run in enumerate(runs)}, warmup=0, rounds=reps)
+    return [stats[j]["median_ms"] / 1e3 / batch for j in range(len(runs))]
 
 
 def _time(fn, nsets, batch, reps, eager):

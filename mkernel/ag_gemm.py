@@ -71,6 +71,7 @@ from . import gemm_engine as G
 from . import runtime
 from .arrays import DeviceArray, as_device_array
 from .runtime import check, round_up
+from .signals import call_header_bytes
 from .tensormap import encode_tiled
 
 
@@ -249,13 +250,13 @@ def _comm_time(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, gathered: 
     return worst
 
 
-def _stream_finish(m_sizes, arrive, tiles_of, workers: int, tile_time: float, last_tail: float | None = None) -> float:
+def _stream_finish(m_sizes, arrive, tiles_of, workers: int, tile_time: float) -> float:
     """Streaming timeline of a fused kernel on the slowest rank.
 
     Rank r consumes shards r, r-1, ... (k = 0 .. P-1); rank s sends to s+1, s+2, ... in turn, so
     shard r-k reaches r at ``t_local + k * t_push`` of its sender (``arrive[s] = (t_local, t_push)``).
     Shard k's GEMM can finish neither before the previous shard's (compute bound) nor before its last
-    chunk landed plus one tile (the last shard: plus ``last_tail``, when its last tiles are split).
+    chunk landed plus one tile.
     """
     P = len(m_sizes)
     worst = 0.0
@@ -266,8 +267,7 @@ def _stream_finish(m_sizes, arrive, tiles_of, workers: int, tile_time: float, la
             t_local, t_push = arrive[s]
             arr = t_local + k * t_push
             g = tiles_of(m_sizes[s]) / workers * tile_time
-            tail = last_tail if (last_tail is not None and k == P - 1) else tile_time
-            f = max(f + g, arr + (tail if m_sizes[s] else 0.0))
+            f = max(f + g, arr + (tile_time if m_sizes[s] else 0.0))
         worst = max(worst, f)
     return worst
 
@@ -348,30 +348,26 @@ def _ce_plan(m_sizes, N: int, K: int, cfg, workers: int, row_bytes: int, sms: in
     GEMM's last-wave split ``base_split``, and -- where the simulated timeline is transfer-bound --
     splitting along K every tile from a raster-group start of the last shard on (the tiles its later
     chunks feed, which otherwise take a whole tile's K on few SMs while the others idle), or every
-    tile.  A split
-    plan other than ``base_split`` must beat it by AG_TAIL_SPLIT_MIN_GAIN (``tail_split`` True: any
-    gain; False: no split at all)."""
+    tile.  A split plan other than ``base_split`` must beat it by AG_TAIL_SPLIT_MIN_GAIN
+    (``tail_split`` True: any gain; False: no split at all)."""
     P = len(m_sizes)
     tt = _tile_time(cfg, K, sms, model) * model.ce_gemm_slowdown
     whole = G.config_cost(cfg, 1, 1, K, "nk")
     tiles = _fused_tiles(m_sizes, N, cfg)
-    ranks = [r for r in range(P) if m_sizes[r] or tiles]
     # the shard each rank takes last (rank r: r+1's); the suffix candidates are per rank, the plan one
     # for all: take the candidates of the rank with the longest last shard's tile run
     m_last = max((m_sizes[(r + 1) % P] for r in range(P)), default=0)
-    chunk_opts = []
-    n = max(1, model.ce_chunks)
-    while True:
-        model_n = model.__class__(**{**model.__dict__, "ce_chunks": n})
-        chunk_opts.append(ce_chunk_rows(m_sizes, model_n))
-        if n * 2 > max(model.ce_chunks_max, model.ce_chunks):
-            break
-        n *= 2
-    chunk_opts = sorted(set(chunk_opts), reverse=True)  # fewest chunks first (the default)
+    counts = [max(1, model.ce_chunks)]
+    while counts[-1] * 2 <= model.ce_chunks_max:
+        counts.append(counts[-1] * 2)
+    chunk_opts = sorted({ce_chunk_rows(m_sizes, n) for n in counts}, reverse=True)  # fewest chunks first
+    ready = {}  # chunk_rows -> every rank's tile start times (they depend on the chunking only)
+
     def finish(cr, sp, sf):
+        if cr not in ready:
+            ready[cr] = [_ce_ready_times(m_sizes, r, N, cfg, cr, row_bytes, model) for r in range(P)]
         unit = tt * G.config_cost(cfg, 1, sp, K, "nk", sp) / whole if sp > 1 else tt  # one unit of sp
-        return max(_ce_finish(_ce_ready_times(m_sizes, r, N, cfg, cr, row_bytes, model), workers, tt, unit, sp, sf)
-                   for r in ranks)
+        return max(_ce_finish(rt, workers, tt, unit, sp, sf) for rt in ready[cr])
     b_sp, b_sf = base_split if tail_split is not False else (1, tiles)
     base = (finish(chunk_opts[0], b_sp, b_sf), chunk_opts[0], b_sp, b_sf)
     if tail_split is False or tiles == 0:
@@ -405,11 +401,11 @@ def _fused_finish(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, tiles_o
     return _stream_finish(m_sizes, arrive, tiles_of, workers, tile_time)
 
 
-def ce_chunk_rows(m_sizes, model: CostModel = MODEL) -> int:
+def ce_chunk_rows(m_sizes, chunks: int = MODEL.ce_chunks) -> int:
     """Rows per ready flag on the copy-engine path: a power of two >= 128 (whole tiles), about
-    ``ce_chunks`` chunks for the largest shard."""
+    ``chunks`` chunks for the largest shard."""
     m_max = max(m_sizes) if len(m_sizes) else 0
-    want = max(1, -(-m_max // model.ce_chunks))
+    want = max(1, -(-m_max // max(1, chunks)))
     return max(128, 1 << (want - 1).bit_length())
 
 
@@ -467,7 +463,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     # mkernel.gemm's own plan for the gathered problem (any config, split-K)
     cfg_u, sp_u, sf_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), b_layout, sms)
     n_split = G._tiles(cfg_u, M, N, b_layout) - sf_u if sp_u > 1 else 0
-    cfg_u_tile = replace(cfg_u, bn=cfg_u.tile_n(b_layout), bn_kn=None)
+    cfg_u_tile = tile_config(cfg_u.id, b_layout)
     t_gu = (_gemm_time(G._tiles(cfg_u, M, N, b_layout) - n_split, sms, cfg_u_tile, K, sms, model)
             + _gemm_time(n_split * sp_u, sms, cfg_u_tile, -(-K // sp_u), sms, model) + model.launch_latency)
     t_unfused = t_ag + t_gu
@@ -499,13 +495,12 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         tiles = _fused_tiles(m_sizes, N, cfg)
         sp, sf, gain = _split_gain(cfg, tiles, K, w, tail_split)
         t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown * gain
+        t_sim, cr_ce, sp, sf = _ce_plan(m_sizes, N, K, cfg, w, row_bytes, sms, model, tail_split, (sp, sf))
         # A rank reads its own rows in place (an A shard 16 bytes aligned, the usual case: no local
         # copy first), so the copy engines start on the peers' shards at once.
-        cr_ce = ce_chunk_rows(m_sizes, model)
         t_comm = model.ce_start_latency + max(
             (P - 1) * (m * row_bytes / model.ce_link_bw + 2 * (-(-m // cr_ce)) * model.ce_op_latency)
             for m in m_sizes)
-        t_sim, cr_ce, sp, sf = _ce_plan(m_sizes, N, K, cfg, w, row_bytes, sms, model, tail_split, (sp, sf))
         t = t_sim + model.launch_latency
         if gathered:  # the gathered A is copied out of the workspace after the GEMM
             t += M * row_bytes / model.hbm_copy_bw + model.launch_latency
@@ -626,7 +621,7 @@ def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
     """The workspace (cuda_src/ag_gemm.cu has the picture)."""
     nch = max([-(-m // chunk_rows) for m in m_sizes] + [1])
     consumed_off = 64
-    flags_off = round_up(consumed_off + 4 * 8 * P, 256)  # consumed[P], entered[P], sig[P][2]
+    flags_off = round_up(consumed_off + call_header_bytes(P), 256)
     value_off = flags_off + 8 * P * nch
     data_off = round_up(value_off + 8, 4096)
     return _Layout(consumed_off, flags_off, value_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)

@@ -26,6 +26,7 @@ from cuda.bindings import driver as cu
 from . import internode, runtime
 from .arrays import DeviceArray, as_device_array, dtype_of, require
 from .runtime import round_up, stream_handle
+from .signals import call_header_bytes
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks", "use_copy_engines",
            "copy_engine_path"]
@@ -107,7 +108,7 @@ def _workspace_layout(P: int, slot_bytes: int, chunk: int, nchunks: int, phases:
     ready[2][P][nchunks], then ``phases`` x P receive slots of ``slot_bytes``."""
     L = CollLayout()
     L.consumed_off = 64
-    L.flags_off = round_up(L.consumed_off + 4 * 8 * P, 256)
+    L.flags_off = round_up(L.consumed_off + call_header_bytes(P), 256)
     L.data0_off = round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
     L.data1_off = L.data0_off + P * slot_bytes
     L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks

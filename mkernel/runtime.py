@@ -597,7 +597,7 @@ class Kernel:
 
 
 class PreparedLaunch:
-    """One kernel launch, packed (Kernel.prepare): ``run()`` submits it.  It keeps its argument objects
+    """One kernel launch, packed (Kernel.prepare): calling it submits it.  It keeps its argument objects
     alive and reads their values at each call (a ctypes struct changed in place, e.g. a new timeout in
     an MkComm, is seen).  Raises if another CUDA context is current than the one it was prepared in."""
 

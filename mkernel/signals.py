@@ -9,7 +9,7 @@ import ctypes
 from .errors import CommError, CommMismatch, CommTimeout
 
 __all__ = ["OPS", "op_name", "MkComm", "MkErrorRecord", "ErrorRecordView", "MK_OK", "MK_ERR_TIMEOUT",
-           "MK_ERR_MISMATCH", "MK_ERR_PROXY"]
+           "MK_ERR_MISMATCH", "MK_ERR_PROXY", "call_header_bytes"]
 
 MK_OK, MK_ERR_TIMEOUT, MK_ERR_MISMATCH, MK_ERR_PROXY = 0, 1, 2, 3
 LOCAL_PEER_BIT = 0x40000000  # MK_LOCAL_PEER(j): the kernel named a peer by local rank
@@ -53,6 +53,13 @@ class MkComm(ctypes.Structure):
 
 
 assert ctypes.sizeof(MkErrorRecord) == 48 and ctypes.sizeof(MkComm) == 48
+
+
+def call_header_bytes(P: int) -> int:
+    """Bytes of a communicating op's per-call workspace header for P local ranks: u64 consumed[P],
+    entered[P], sig[P][2], written by the peers (mk_signal.cuh mk_ce_begin; the collectives and
+    AllGather+GEMM lay it out alike)."""
+    return 4 * 8 * P
 
 
 class ErrorRecordView:

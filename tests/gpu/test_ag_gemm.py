@@ -170,7 +170,7 @@ def test_last_wave_split(ctx, shared_rng, monkeypatch, layout, config, path):
 @pytest.mark.parametrize("spec", [lambda r, P: 2048, lambda r, P: 1500 + 1100 * (r % 2)], ids=["equal", "unequal"])
 def test_last_chunk_split(ctx, shared_rng, spec):
     """Transfer-bound shapes (little compute per gathered byte): the copy-engine plan splits the tiles
-    the last chunk feeds along K over the idle workers; three calls with new data, against numpy."""
+    the late chunks feed along K over the idle workers; three calls with new data, against numpy."""
     m_sizes = _ms(spec, ctx.local_size)
     N, K = 300, 4096
     for it in range(3):
