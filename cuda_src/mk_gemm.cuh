@@ -49,6 +49,7 @@
 #pragma once
 #include "mk_common.cuh"
 #include "mk_tma.cuh"
+#include "mk_trace.cuh"
 #include "mk_wgmma.cuh"
 
 // ---- configuration --------------------------------------------------------------------------------
@@ -327,6 +328,7 @@ template <int BM, int BN> struct MkGroupedScheduler {
 
 // ---- producer hooks -----------------------------------------------------------------------------------
 struct MkNoWait {
+  static constexpr bool kPrefill = true;  // never waits: loads may be issued before the block barrier
   MK_DEVICE bool before_load(int, int, int, int, bool) const { return true; }
   MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const {
     a_row = t.row0;
@@ -548,9 +550,22 @@ MK_DEVICE void mk_gemm_mma_kblock(float (&acc)[Cfg::BN / 2], mk_u32 a_addr, mk_u
   mk_wgmma_commit();
 }
 
+// Hook::kPrefill (optional, default false): before_load never waits and always returns true, so the
+// producer may issue the first unit's first ring of loads before the block barrier (MkNoWait).
+template <class H, class = void> struct MkHookPrefill {
+  static constexpr bool value = false;
+};
+template <class H> struct MkHookPrefill<H, decltype((void)H::kPrefill)> {
+  static constexpr bool value = H::kPrefill;
+};
+static_assert(MkHookPrefill<MkNoWait>::value && !MkHookPrefill<MkTile>::value, "hook trait");
+
 // Barrier setup shared by both loops; every thread of the block calls it (one __syncthreads).
-template <class Cfg>
-MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, const MkTensorMap* tmB) {
+// prefill(): called by thread 0 (the producer's issuing lane) once the barriers are initialised and
+// fenced, before the block barrier: the first loads' latency overlaps the rest of the prologue.
+template <class Cfg, class Prefill>
+MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, const MkTensorMap* tmB,
+                             Prefill&& prefill) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::STAGES; ++s) {
       mk_mbar_init(sm.full(s), 1);
@@ -565,6 +580,7 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
     mk_mbar_init_fence();
     mk_tma_prefetch_desc(tmA);
     mk_tma_prefetch_desc(tmB);
+    prefill();
   }
   __syncthreads();
   // clusters: the peer's barriers are initialised before anyone multicasts into them or arrives
@@ -611,7 +627,7 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
-  mk_gemm_setup<Cfg>(sm, tmA, tmB);
+  mk_gemm_setup<Cfg>(sm, tmA, tmB, [] {});
 
   if (tid < 128) {
     // ================= producer warpgroup =================
@@ -706,15 +722,40 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   const int lane = tid & 31;
   const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
 
-  mk_gemm_setup<Cfg>(sm, tmA, tmB);
+  if (tid == 0) {
+    MK_TRACE(0);
+    MK_TRACE_NS(1);
+  }
+  // Prefill (hooks that never wait, no clusters: a multicast needs the peer's barriers): thread 0
+  // issues the first unit's first min(STAGES, its K blocks) loads into ring slots 0.. (phase 0, whose
+  // empty-barrier waits pass at once) before the block barrier; the producer loop skips them.
+  constexpr bool kPrefill = MkHookPrefill<Hook>::value && Cfg::CLUSTER_N == 1 && Cfg::CLUSTER_K == 1;
+  int prefilled = 0;
+  mk_gemm_setup<Cfg>(sm, tmA, tmB, [&] {
+    if constexpr (kPrefill) {
+      Sched first = sched;
+      first.init(worker_id, num_workers);
+      MkTile t0;
+      if (first.next(t0)) {
+        int lo, hi;
+        mk_tile_kblocks(t0, nkb, lo, hi);
+        prefilled = min(hi - lo, Cfg::STAGES);
+        MK_TRACE(3);
+        for (int i = 0; i < prefilled; ++i) mk_gemm_issue_loads<Cfg>(sm, i, hook, tmA, tmB, t0, lo + i);
+      }
+    }
+  });
+  if (tid == 0) MK_TRACE(2);
 
   if (tid < 128) {
     // ================= producer warpgroup =================
     if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     if (tid >= 32) return true;
+    if constexpr (kPrefill) prefilled = __shfl_sync(0xffffffffu, prefilled, 0);  // (set by thread 0 = lane 0)
     sched.init(worker_id, num_workers);
     int stage = 0;
     mk_u32 phase = 0;
+    int issued = prefilled;  // (trace only: event 3 is the first issue, prefilled or not)
     MkTile t;
     while (sched.next(t)) {
       int kb_lo, kb_hi;
@@ -728,8 +769,16 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
           __syncwarp();
           return false;
         }
-        mk_mbar_wait(sm.empty(stage), phase ^ 1);
-        if (lane == 0) mk_gemm_issue_loads<Cfg>(sm, stage, hook, tmA, tmB, t, kb);
+        if (kPrefill && prefilled > 0) {  // issued before the block barrier (the first unit's first K blocks)
+          --prefilled;
+        } else {
+          mk_mbar_wait(sm.empty(stage), phase ^ 1);
+          if (lane == 0) {
+            MK_TRACE_IF(3, issued++ == 0);
+            mk_gemm_issue_loads<Cfg>(sm, stage, hook, tmA, tmB, t, kb);
+            MK_TRACE(4);
+          }
+        }
         __syncwarp();
         if (++stage == Cfg::STAGES) {
           stage = 0;
@@ -761,6 +810,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   int stage = 0;
   mk_u32 phase = 0;
   bool aborted = false;
+  int units = 0;  // (trace only)
   MkTile t;
   while (sched.next(t)) {
     int prev = -1;
@@ -777,6 +827,10 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
       if (*sm.abort_flag()) {
         aborted = true;
         break;
+      }
+      if (tid == 128 && kb == kb_lo) {
+        MK_TRACE_IF(5, units == 0);
+        MK_TRACE(13);
       }
       mk_gemm_mma_kblock<Cfg>(acc, mk_smem_addr(sm.a(stage)) + slab * 64 * 128, mk_smem_addr(sm.b(stage)), kb > kb_lo);
       if constexpr (Cfg::PIPELINED) {
@@ -799,15 +853,28 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
       mk_wgmma_fence_regs(acc);
       if (!aborted && prev >= 0 && lane == 0) mk_gemm_release<Cfg>(sm.empty(prev));
     }
+    if (tid == 128) {
+      MK_TRACE_IF(6, units == 0);
+      MK_TRACE(14);
+    }
     if (aborted) break;
     if (Cfg::CLUSTER_N > 1 && t.cols <= 0) continue;  // a cluster's half right of N: nothing to store
     epi.template store<Cfg::BN>(t, slab, acc);
+    if (tid == 128) {
+      MK_TRACE(9);
+      MK_TRACE_COUNT(12);
+    }
+    MK_TRACE_STMT(++units);
     if constexpr (Epi::kTileDone) {
       mk_named_barrier_sync(1, 128 * Cfg::NC);
       if (tid == 128) epi.tile_done(t);
     }
   }
   if constexpr (Epi::kDrain) epi.drain();
+  if (tid == 128) {
+    MK_TRACE(10);
+    MK_TRACE_NS(11);
+  }
   return !aborted;
 }
 
@@ -861,10 +928,13 @@ template <class Inner, int NC> struct MkSplitKEpilogue {
                    : "memory");
     }
     __threadfence();  // this thread's additions are performed device-wide before the tile's count
+    if (ct == 0) MK_TRACE(7);
     mk_named_barrier_sync(1, NT);
     if (ct == 0) last = atomicAdd(counters + tile, 1) == t.splits - 1;
     mk_named_barrier_sync(1, NT);
+    if (ct == 0) MK_TRACE(8);
     if (!last) return;
+    if (ct == 0) MK_TRACE_COUNT(15);
     __threadfence();  // acquire: every unit's additions (counted before us) are visible
 #pragma unroll
     for (int i = 0; i < BN / 2; i += 4) {
