@@ -102,18 +102,12 @@ struct AgWs {
   MK_DEVICE MkEpochState* epoch_state() const { return (MkEpochState*)a->ws; }
   MK_DEVICE char* data() const { return a->ws + a->data_off; }
   MK_DEVICE char* peer_data(int j) const { return (char*)a->peers[j] + a->data_off; }
-  MK_DEVICE mk_u64* consumed(int j) const { return (mk_u64*)(a->ws + a->consumed_off) + j; }
-  MK_DEVICE mk_u64* peer_consumed(int owner, int j) const { return (mk_u64*)((char*)a->peers[owner] + a->consumed_off) + j; }
-  MK_DEVICE mk_u64* entered(int j) const { return consumed(P + j); }
-  MK_DEVICE mk_u64* sigs(int j) const { return consumed(2 * P + 2 * j); }  // [2]
+  // the per-call header (mk_signal.cuh MkCallHeader), ours and local rank `owner`'s
+  MK_DEVICE MkCallHeader header() const { return {(mk_u64*)(a->ws + a->consumed_off), P}; }
+  MK_DEVICE MkCallHeader peer_header(int owner) const { return {(mk_u64*)((char*)a->peers[owner] + a->consumed_off), P}; }
   // Announce call `epoch` to every peer (threads `lane` of `nlanes`).
   MK_DEVICE void announce(const MkComm& c, mk_u64 epoch, int lane, int nlanes) const {
-    for (int j = lane; j < P; j += nlanes)
-      if (j != me) mk_announce_call(c, peer_consumed(j, P + me), peer_consumed(j, 2 * P + 2 * me), epoch);
-  }
-  // One thread: peer j announced call `epoch` with our signature (before anything is pushed to it).
-  MK_DEVICE bool same_call(const MkComm& c, mk_u64 epoch, int j) const {
-    return mk_same_call(c, entered(j), sigs(j), epoch, MK_LOCAL_PEER(j), -1000 - j);
+    mk_announce_call(c, [&](int j) { return peer_header(j); }, epoch, lane, nlanes);
   }
   MK_DEVICE int flag_idx(int src, int ch) const { return src * a->nch_stride + ch; }
   MK_DEVICE mk_u64* ready(int src, int ch) const { return (mk_u64*)(a->ws + a->flags_off) + flag_idx(src, ch); }
@@ -152,7 +146,8 @@ MK_DEVICE bool ag_comm(const MkComm& c, const AgWs& w, mk_u64 epoch, int cb, int
     if (cb < nch) {  // dst announced this very call (same signature) and consumed our previous one
       int ok = 1;
       if (threadIdx.x == 0)
-        ok = w.same_call(c, epoch, dst) && mk_wait_geq(c, w.consumed(dst), epoch - 1, MK_LOCAL_PEER(dst), -1 - dst);
+        ok = mk_same_call(c, w.header(), epoch, dst) &&
+             mk_wait_geq(c, w.header().consumed(dst), epoch - 1, MK_LOCAL_PEER(dst), -1 - dst);
       if (!__syncthreads_and(ok)) return false;
     }
     for (int ch = cb; ch < nch; ch += ncb) {
@@ -201,7 +196,7 @@ MK_DEVICE void ag_finish(const AgWs& w, mk_u64 epoch, int tid0, int nthreads) {
     return;
   }
   for (int j = t; j < w.P; j += nthreads)
-    if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
+    if (j != w.me) mk_signal_set(w.peer_header(j).consumed(w.me), epoch);
   mk_named_barrier_sync(7, nthreads);
   if (t == 0) {
     s->arrived = 0;
@@ -406,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(32, 1)
   const AgWs w(c, a);
   const mk_u64 e = mk_epoch_begin(w.epoch_state());
   w.announce(c, e, threadIdx.x, 32);
-  mk_ce_begin(c, e, w.consumed(0), (mk_u64*)(a.ws + a.ce_value_off), true);
+  mk_ce_begin(c, e, w.header(), (mk_u64*)(a.ws + a.ce_value_off), true);
 }
 
 // Closes a deferred call (after the GEMM that read the gathered buffer): tell every peer, commit.
@@ -416,7 +411,7 @@ extern "C" __global__ void __launch_bounds__(128, 1)
   const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());
   for (int j = threadIdx.x; j < w.P; j += blockDim.x)
-    if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
+    if (j != w.me) mk_signal_set(w.peer_header(j).consumed(w.me), epoch);
   __syncthreads();
   mk_epoch_commit(w.epoch_state(), epoch);
 }

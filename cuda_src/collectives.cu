@@ -56,12 +56,9 @@ struct Ws {
 
   MK_DEVICE char* peer(int j) const { return (char*)peers[j]; }
   MK_DEVICE MkEpochState* epoch_state() const { return (MkEpochState*)base; }
-  MK_DEVICE mk_u64* consumed(int j) const { return (mk_u64*)(base + L.consumed_off) + j; }
-  MK_DEVICE mk_u64* peer_consumed(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + j; }
-  MK_DEVICE mk_u64* entered(int j) const { return (mk_u64*)(base + L.consumed_off) + P + j; }
-  MK_DEVICE mk_u64* peer_entered(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + P + j; }
-  MK_DEVICE mk_u64* sigs(int j) const { return (mk_u64*)(base + L.consumed_off) + 2 * P + 2 * j; }  // [2]
-  MK_DEVICE mk_u64* peer_sigs(int owner, int j) const { return (mk_u64*)(peer(owner) + L.consumed_off) + 2 * P + 2 * j; }
+  // the per-call header (mk_signal.cuh MkCallHeader), ours and local rank `owner`'s
+  MK_DEVICE MkCallHeader header() const { return {(mk_u64*)(base + L.consumed_off), P}; }
+  MK_DEVICE MkCallHeader peer_header(int owner) const { return {(mk_u64*)(peer(owner) + L.consumed_off), P}; }
   MK_DEVICE mk_u64 flag_idx(int phase, int src, int c) const { return ((mk_u64)phase * P + src) * L.nchunks + c; }
   MK_DEVICE mk_u64* ready(int phase, int src, int c) const { return (mk_u64*)(base + L.flags_off) + flag_idx(phase, src, c); }
   MK_DEVICE mk_u64* peer_ready(int owner, int phase, int src, int c) const {
@@ -107,7 +104,7 @@ MK_DEVICE void ce_chunk(const CollLayout& L, mk_u64 len, int c, mk_u64& off, mk_
 // Sender side: wait until `dst` consumed our previous call's data, write, then raise its flag.
 MK_DEVICE bool push_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int dst, int phase, int ci, const char* src,
                           mk_u64 off, mk_u64 n) {
-  if (!mk_block_wait_geq(c, w.consumed(dst), epoch - 1, MK_LOCAL_PEER(dst), -1 - dst)) return false;
+  if (!mk_block_wait_geq(c, w.header().consumed(dst), epoch - 1, MK_LOCAL_PEER(dst), -1 - dst)) return false;
   if (n) mk_block_copy(w.peer_slot(dst, phase, w.me) + off, src + off, n);
   __syncthreads();
   if (threadIdx.x == 0) mk_signal_set(w.peer_ready(dst, phase, w.me, ci), epoch);
@@ -116,8 +113,7 @@ MK_DEVICE bool push_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int dst, i
 
 // Start of a call on this rank: announce its signature to every peer (threads `lane` of `nlanes`).
 MK_DEVICE void announce_call(const MkComm& c, const Ws& w, mk_u64 epoch, int lane, int nlanes) {
-  for (int j = lane; j < w.P; j += nlanes)
-    if (j != w.me) mk_announce_call(c, w.peer_entered(j, w.me), w.peer_sigs(j, w.me), epoch);
+  mk_announce_call(c, [&](int j) { return w.peer_header(j); }, epoch, lane, nlanes);
 }
 
 // The call number, with block 0's first warp announcing the call to the peers.
@@ -127,17 +123,12 @@ MK_DEVICE mk_u64 begin_call(const MkComm& c, const Ws& w) {
   return epoch;
 }
 
-// Before reading anything `src` sent in call `epoch` (one thread): src announced call `epoch` with our
-// signature.  The wait is short: src announces before its first push.
-MK_DEVICE bool same_call(const MkComm& c, const Ws& w, mk_u64 epoch, int src) {
-  return mk_same_call(c, w.entered(src), w.sigs(src), epoch, MK_LOCAL_PEER(src), -1000 - src);
-}
-
-// Whole block: src's chunk ci of `phase` has landed (and src makes the same call as we do).
+// Whole block: src's chunk ci of `phase` has landed, and src makes the same call as we do (checked
+// before anything src sent is read; the wait is short: src announces before its first push).
 MK_DEVICE bool wait_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int src, int phase, int ci) {
   int ok = 1;
   if (threadIdx.x == 0)
-    ok = (src == w.me || same_call(c, w, epoch, src)) &&
+    ok = (src == w.me || mk_same_call(c, w.header(), epoch, src)) &&
          mk_wait_geq(c, w.ready(phase, src, ci), epoch, MK_LOCAL_PEER(src), (int)w.flag_idx(phase, src, ci));
   return __syncthreads_and(ok) != 0;
 }
@@ -146,7 +137,7 @@ MK_DEVICE bool wait_chunk(const MkComm& c, const Ws& w, mk_u64 epoch, int src, i
 MK_DEVICE void finish_call(const Ws& w, mk_u64 epoch) {
   if (mk_epoch_arrive(w.epoch_state(), gridDim.x)) {
     for (int j = threadIdx.x; j < w.P; j += blockDim.x)
-      if (j != w.me) mk_signal_set(w.peer_consumed(j, w.me), epoch);
+      if (j != w.me) mk_signal_set(w.peer_header(j).consumed(w.me), epoch);
     __syncthreads();
     mk_epoch_commit(w.epoch_state(), epoch);
   }
@@ -328,7 +319,7 @@ mk_coll_ce_begin(MkComm c, char* ws, const mk_u64* __restrict__ peers, CollLayou
   const Ws w = make_ws(c, ws, peers, L);
   const mk_u64 e = mk_epoch_begin(w.epoch_state());
   announce_call(c, w, e, threadIdx.x, 32);  // (the receivers check it)
-  mk_ce_begin(c, e, w.consumed(0), (mk_u64*)(ws + MK_COLL_CE_VALUE_OFF), L.direct != 0);
+  mk_ce_begin(c, e, w.header(), (mk_u64*)(ws + MK_COLL_CE_VALUE_OFF), L.direct != 0);
 }
 
 // This block's share [lo, hi) of a chunk of `len` bytes (16-byte multiples, so vector copies stay

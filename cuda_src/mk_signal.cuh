@@ -191,14 +191,37 @@ MK_DEVICE bool mk_warp_wait_geq(const MkComm& c, const mk_u64* flag, mk_u64 expe
 // announced `epoch` and compares: a different signature is MK_ERR_MISMATCH (the host raises
 // CommMismatch) -- the hole the host's first-call agreement leaves: a rank repeating an agreed call
 // while a peer makes another agreed one.
-MK_DEVICE void mk_announce_call(const MkComm& c, mk_u64* peer_entered, mk_u64* peer_sig_slots, mk_u64 epoch) {
-  mk_st_relaxed(peer_sig_slots + (epoch & 1), c.sig);
-  mk_signal_set(peer_entered, epoch);  // (fenced: the signature lands first)
+//
+// The per-call header of an op workspace (signals.call_header_bytes; collectives.cu and ag_gemm.cu
+// place it at their consumed_off): u64 consumed[P], entered[P], sig[P][2], entry j written by local
+// rank j into this rank's header -- consumed[j] = the last call whose data j finished reading,
+// entered[j] / sig[j][e & 1] = j's announcement of its call e.  A view of this rank's header or of a
+// peer's (as mapped here).
+struct MkCallHeader {
+  mk_u64* h;
+  int P;
+  MK_DEVICE mk_u64* consumed(int j) const { return h + j; }
+  MK_DEVICE mk_u64* entered(int j) const { return h + P + j; }
+  MK_DEVICE mk_u64* sigs(int j) const { return h + 2 * P + 2 * j; }  // [2]
+};
+
+// Announce call `epoch` to every local peer (threads `lane` of `nlanes`): into peer j's header
+// (`peer_header(j)`, an MkCallHeader), our entry.
+template <class PeerHeader>
+MK_DEVICE void mk_announce_call(const MkComm& c, PeerHeader&& peer_header, mk_u64 epoch, int lane, int nlanes) {
+  const int me = c.local_rank;
+  for (int j = lane; j < c.local_size; j += nlanes) {
+    if (j == me) continue;
+    const MkCallHeader ph = peer_header(j);
+    mk_st_relaxed(ph.sigs(me) + (epoch & 1), c.sig);
+    mk_signal_set(ph.entered(me), epoch);  // (fenced: the signature lands first)
+  }
 }
-MK_DEVICE bool mk_same_call(const MkComm& c, const mk_u64* entered, const mk_u64* sig_slots, mk_u64 epoch, int peer,
-                            int flag_index) {
-  if (!mk_wait_geq(c, entered, epoch, peer, flag_index)) return false;
-  const mk_u32 theirs = (mk_u32)mk_ld_acquire(sig_slots + (epoch & 1));
+// One thread: local peer j announced call `epoch` (in our header `h`) with our signature.
+MK_DEVICE bool mk_same_call(const MkComm& c, const MkCallHeader& h, mk_u64 epoch, int j) {
+  const int peer = MK_LOCAL_PEER(j), flag_index = -1000 - j;
+  if (!mk_wait_geq(c, h.entered(j), epoch, peer, flag_index)) return false;
+  const mk_u32 theirs = (mk_u32)mk_ld_acquire(h.sigs(j) + (epoch & 1));
   if (theirs == c.sig) return true;
   mk_report(c, MK_ERR_MISMATCH, peer, flag_index, c.sig, theirs, 0);
   return false;
@@ -241,22 +264,19 @@ MK_DEVICE void mk_epoch_commit(MkEpochState* s, mk_u64 epoch) {
 }
 
 // Start of a copy-engine transfer (one warp, on the side stream, before the copies) of call `e` (the
-// previous call committed its epoch before the fork event this stream waited on).  `header`: this
-// rank's per-call workspace header, u64 consumed[P], entered[P], sig[P][2], written by the peers
-// (collectives.cu and ag_gemm.cu lay it out alike).  With `check_peers`, first wait until every local
+// previous call committed its epoch before the fork event this stream waited on).  `h`: this rank's
+// per-call header (MkCallHeader).  With `check_peers`, first wait until every local
 // peer j announced call e with our signature (mk_same_call) -- where the copy engines write memory a
 // peer may still read until its call starts, and so that a peer making another call gets nothing;
 // then wait until every j consumed call e-1; then write e into `value`, the source of the copy
 // engine's flag writes.  A timeout or mismatch leaves `value` at e-1, so the peers' waits for this
 // call's flags stop too instead of reading data that was never sent.
-MK_DEVICE void mk_ce_begin(const MkComm& c, mk_u64 e, const mk_u64* header, mk_u64* value, bool check_peers) {
-  const int P = c.local_size;
+MK_DEVICE void mk_ce_begin(const MkComm& c, mk_u64 e, const MkCallHeader& h, mk_u64* value, bool check_peers) {
   bool ok = true;
-  for (int j = threadIdx.x; j < P; j += 32)
+  for (int j = threadIdx.x; j < c.local_size; j += 32)
     if (j != c.local_rank)
-      ok = ok &&
-           (!check_peers || mk_same_call(c, header + P + j, header + 2 * P + 2 * j, e, MK_LOCAL_PEER(j), -1000 - j)) &&
-           mk_wait_geq(c, header + j, e - 1, MK_LOCAL_PEER(j), -1 - j);
+      ok = ok && (!check_peers || mk_same_call(c, h, e, j)) &&
+           mk_wait_geq(c, h.consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
   if (!__all_sync(0xffffffffu, ok)) return;
   if (threadIdx.x == 0) *value = e;
 }

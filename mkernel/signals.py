@@ -57,8 +57,8 @@ assert ctypes.sizeof(MkErrorRecord) == 48 and ctypes.sizeof(MkComm) == 48
 
 def call_header_bytes(P: int) -> int:
     """Bytes of a communicating op's per-call workspace header for P local ranks: u64 consumed[P],
-    entered[P], sig[P][2], written by the peers (mk_signal.cuh mk_ce_begin; the collectives and
-    AllGather+GEMM lay it out alike)."""
+    entered[P], sig[P][2], written by the peers (mk_signal.cuh MkCallHeader, which the collectives'
+    and AllGather+GEMM's workspaces both use)."""
     return 4 * 8 * P
 
 
