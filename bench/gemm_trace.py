@@ -29,7 +29,7 @@ from gemm_profile import parse  # noqa: E402
 from mkernel import gemm_engine as G, runtime  # noqa: E402
 from mkernel.arrays import as_device_array  # noqa: E402
 
-EVENTS = 24
+EVENTS = 16  # cuda_src/mk_trace.cuh MK_TRACE_EVENTS
 COLD = os.environ.get("TRACE_COLD", "0") == "1"  # evict L2 (write 256 MiB) before every timed call
 FLUSH = None
 
@@ -102,10 +102,8 @@ def run(spec: str):
           f"first entry -> last exit {(ns1.max() - ns0.min()) / 1e3:.2f} us; units/block "
           f"{np.bincount(blocks[:, 12]).nonzero()[0].tolist()}; split tiles finished {int(blocks[:, 15].sum())}")
 
-    def phase(label, a_ev, b_ev, mask=None):
+    def phase(label, a_ev, b_ev):
         m = (blocks[:, a_ev] != 0) & (blocks[:, b_ev] != 0)
-        if mask is not None:
-            m &= mask
         if not m.any():
             return
         d = us(blocks[m, b_ev] - blocks[m, a_ev])

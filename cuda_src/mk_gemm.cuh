@@ -863,11 +863,11 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     if (aborted) break;
     if (Cfg::CLUSTER_N > 1 && t.cols <= 0) continue;  // a cluster's half right of N: nothing to store
     epi.template store<Cfg::BN>(t, slab, acc);
+    MK_TRACE_STMT(++units);
     if (tid == 128) {
       MK_TRACE(9);
-      MK_TRACE_COUNT(12);
+      MK_TRACE_VAL(12, units);
     }
-    MK_TRACE_STMT(++units);
     if constexpr (Epi::kTileDone) {
       mk_named_barrier_sync(1, 128 * Cfg::NC);
       if (tid == 128) epi.tile_done(t);
