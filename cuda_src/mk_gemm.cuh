@@ -563,7 +563,9 @@ template <class H> struct MkHookPrefill<H, decltype((void)H::kPrefill)> {
 };
 static_assert(MkHookPrefill<MkNoWait>::value && !MkHookPrefill<MkTile>::value, "hook trait");
 
-// Barrier setup shared by both loops; every thread of the block calls it (one __syncthreads).
+// Barrier setup shared by both loops; every thread of the block calls it (one __syncthreads).  Nothing
+// before it may touch global memory the previous kernel in the stream writes (programmatic
+// dependent launch: thread 0 waits for that kernel here).
 // prefill(): called by thread 0 (the producer's issuing lane) once the barriers are initialised and
 // fenced, before the block barrier: the first loads' latency overlaps the rest of the prologue.
 template <class Cfg, class Prefill>
@@ -583,6 +585,9 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
     mk_mbar_init_fence();
     mk_tma_prefetch_desc(tmA);
     mk_tma_prefetch_desc(tmB);
+    // Launched as a programmatic dependent: the previous kernel (which may write A, B, C or the
+    // split-K workspace) is complete from here on, for every thread past the block barrier below.
+    mk_grid_dependency_wait();
     prefill();
   }
   __syncthreads();
@@ -789,6 +794,9 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
         }
       }
     }
+    // every load of this block is issued: a dependent GEMM may start launching (its blocks wait for
+    // this grid to complete before they read anything)
+    if (lane == 0) mk_grid_launch_dependents();
     if constexpr (Cfg::CLUSTER_N > 1) {
       // Producer tail: every slot released by both blocks' consumers (the peer's remote arrivals on
       // our barriers have landed) before this block may exit.

@@ -442,13 +442,23 @@ class _Plan:
         if self.kernel is not None:
             args = self.args if out is None or self.with_out is None else self.with_out(out)
             self.kernel.launch(self.grid, self.cfg.threads, args, stream=stream, smem=self.cfg.smem,
-                               cluster=(self.cfg.cluster, 1, 1) if self.cfg.cluster > 1 else None)
+                               cluster=(self.cfg.cluster, 1, 1) if self.cfg.cluster > 1 else None,
+                               dependent=_pdl())
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _plans_lock = threading.Lock()
 _PLANS_MAX = 64
 _pinned: list = []  # plans with buffers that were captured into a CUDA graph (kept for the process's life)
+
+
+def _pdl() -> bool:
+    """GEMM kernels are programmatic dependent launches (``MKERNEL_GEMM_PDL``, default 1): a GEMM
+    may start launching while the previous kernel in its stream (e.g. the previous GEMM, which lets
+    dependents launch once it has issued its last loads) finishes; its blocks initialise their
+    barriers, then wait for that kernel to complete (griddepcontrol.wait) before anything else.
+    Kernels after a GEMM that are not launched this way wait for it to complete as usual."""
+    return os.environ.get("MKERNEL_GEMM_PDL", "1") != "0"
 
 
 def _clear_i32(ptr: int, n: int, stream) -> None:

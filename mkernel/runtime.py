@@ -499,7 +499,8 @@ class ForkedCopies:
         check(cu.cuStreamWaitEvent(s, self._ev.join, 0))
 
 
-def _launch_config(grid, block, smem: int, hstream: int, cooperative: bool, cluster) -> "cu.CUlaunchConfig":
+def _launch_config(grid, block, smem: int, hstream: int, cooperative: bool, cluster,
+                   dependent: bool = False) -> "cu.CUlaunchConfig":
     grid = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (int(grid), 1, 1)
     block = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (int(block), 1, 1)
     cfg = cu.CUlaunchConfig()
@@ -518,6 +519,11 @@ def _launch_config(grid, block, smem: int, hstream: int, cooperative: bool, clus
         at.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         cx, cy, cz = tuple(cluster) + (1,) * (3 - len(cluster))
         at.value.clusterDim.x, at.value.clusterDim.y, at.value.clusterDim.z = cx, cy, cz
+        attrs.append(at)
+    if dependent:  # programmatic dependent launch (the kernel waits: griddepcontrol.wait)
+        at = cu.CUlaunchAttribute()
+        at.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        at.value.programmaticStreamSerializationAllowed = 1
         attrs.append(at)
     cfg.attrs = attrs
     cfg.numAttrs = len(attrs)
@@ -566,22 +572,26 @@ class Kernel:
             self._smem_set[ctx] = smem
 
     def launch(self, grid, block, args: Iterable, *, stream=None, smem: int = 0,
-               cooperative: bool = False, cluster: tuple | None = None) -> None:
-        """Launch on ``stream``.  ``args`` are ctypes scalars/structures or bytes (structs by value)."""
-        self.prepare(grid, block, args, stream=stream, smem=smem, cooperative=cooperative, cluster=cluster).submit()
+               cooperative: bool = False, cluster: tuple | None = None, dependent: bool = False) -> None:
+        """Launch on ``stream``.  ``args`` are ctypes scalars/structures or bytes (structs by value).
+        ``dependent``: a programmatic dependent launch -- the kernel may start before the previous
+        kernel in the stream completes, and must itself wait (``griddepcontrol.wait``) before it
+        touches memory that kernel writes."""
+        self.prepare(grid, block, args, stream=stream, smem=smem, cooperative=cooperative, cluster=cluster,
+                     dependent=dependent).submit()
 
     def prepare(self, grid, block, args: Iterable, *, stream=None, smem: int = 0,
-                cooperative: bool = False, cluster: tuple | None = None) -> "PreparedLaunch":
+                cooperative: bool = False, cluster: tuple | None = None, dependent: bool = False) -> "PreparedLaunch":
         """The launch of :meth:`launch`, its configuration and parameter pointers packed once: calling
         the result launches (again and again, with the argument objects' current values)."""
         ctx, f = self._func()
         self._ensure_smem(ctx, f, smem)
         hstream = stream_handle(stream)
         key = (ctx, grid if isinstance(grid, int) else tuple(grid), block if isinstance(block, int) else tuple(block),
-               smem, hstream, cooperative, None if cluster is None else tuple(cluster))
+               smem, hstream, cooperative, None if cluster is None else tuple(cluster), bool(dependent))
         cfg = self._configs.get(key)
         if cfg is None:  # launch configurations are reused: ops launch the same shapes over and over
-            cfg = _launch_config(grid, block, smem, hstream, cooperative, cluster)
+            cfg = _launch_config(grid, block, smem, hstream, cooperative, cluster, dependent)
             if len(self._configs) >= 64:
                 self._configs.clear()
             self._configs[key] = cfg

@@ -58,9 +58,9 @@ class FakeKernel:
     def __init__(self, log, key):
         self.log, self.key = log, key
 
-    def launch(self, grid, block, args, *, stream=None, smem=0, cluster=None, **kw):
+    def launch(self, grid, block, args, *, stream=None, smem=0, cluster=None, dependent=False, **kw):
         self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=grid, block=block, args=args, smem=smem,
-                             cluster=cluster))
+                             cluster=cluster, dependent=dependent))
 
     def max_active_clusters(self, grid, block, smem, cluster):
         return 60  # (a GPU on which not every SM pairs up)
@@ -291,6 +291,23 @@ def test_cluster_k_config_launch(fake):
     assert launches[-1]["grid"] == 4  # one tile: one cluster
     with pytest.raises(ValueError, match="clusters"):
         G.grouped_gemm(a, empty((2, 1536, 7168), "bfloat16"), [0, 256, 512], b_layout="nk", config=9)
+
+
+def test_programmatic_dependent_launch(fake, monkeypatch):
+    """GEMM kernels are programmatic dependent launches unless MKERNEL_GEMM_PDL=0 (the launch
+    configuration, with the attribute, is built by runtime._launch_config)."""
+    launches, maps, empty = fake
+    a, b = empty((512, 1024), "bfloat16"), empty((1024, 768), "bfloat16")
+    G.gemm(a, b)
+    assert launches[-1]["dependent"] is True
+    monkeypatch.setenv("MKERNEL_GEMM_PDL", "0")
+    G.gemm(a, b)
+    assert launches[-1]["dependent"] is False
+    from cuda.bindings import driver as cu
+
+    cfg = G.runtime._launch_config(132, 384, 1024, 0, False, None, True)
+    assert cfg.numAttrs == 1 and cfg.attrs[0].id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert G.runtime._launch_config(132, 384, 1024, 0, False, None).numAttrs == 0
 
 
 def test_split_k_plans(fake):

@@ -430,3 +430,55 @@ def test_grouped_moe_like(rng):
     sizes = rng.multinomial(4096, np.ones(16) / 16)
     sizes[3] = 0
     run_grouped(rng, sizes, 2048, 1024, "nk", device_offsets=True)
+
+
+# ---- programmatic dependent launch -----------------------------------------------------------
+@pytest.mark.parametrize("graph", [False, True])
+def test_chained_gemms_read_the_previous_output(rng, graph):
+    """GEMMs are programmatic dependent launches: each of a chain x_{i+1} = x_i @ W_i (back to back on
+    one stream, no host sync; then the same chain captured in a CUDA graph and replayed) must read
+    x_i only after the previous GEMM finished writing it (every x_i is NaN-poisoned beforehand), on
+    plans with and without split-K."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check as ok
+
+    dims = [(512, 1536, 7168), (512, 7168, 1536), (128, 1536, 7168), (128, 4096, 1536), (128, 640, 4096)]
+    x0, x0v = rand(rng, (dims[0][0], dims[0][2]), "bfloat16")
+    # weights [N, K] scaled by 1/sqrt(K): every x_i stays O(1)
+    ws = [upload(rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k)), "bfloat16") for _, n, k in dims]
+    rows = [d[0] for d in dims]
+    xs = [x0]
+    for (m, n, k) in dims:
+        xs.append(poisoned((m, n), "bfloat16"))
+    # the M = 128 steps read the first 128 rows of the previous output
+    ins = [xs[0]] + [xs[i][:rows[i]] if rows[i] < xs[i].shape[0] else xs[i] for i in range(1, len(dims))]
+    stream = ok(cu.cuStreamCreate(cu.CUstreamFlags.CU_STREAM_NON_BLOCKING.value))
+
+    def chain():
+        for i in range(len(dims)):
+            G.gemm(ins[i], ws[i][0], xs[i + 1], b_layout="nk", stream=int(stream))
+
+    chain()  # plans (outside any capture)
+    ok(cu.cuStreamSynchronize(stream))
+    for x in xs[1:]:
+        x.fill_nan()
+    if graph:
+        ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        chain()
+        g = ok(cu.cuStreamEndCapture(stream))
+        ge = ok(cu.cuGraphInstantiate(g, 0))
+        ok(cu.cuGraphLaunch(ge, stream))
+    else:
+        chain()
+    ok(cu.cuStreamSynchronize(stream))
+    if graph:
+        ok(cu.cuGraphExecDestroy(ge))
+        ok(cu.cuGraphDestroy(g))
+    ok(cu.cuStreamDestroy(stream))
+    prev = x0v
+    for i, (m, n, k) in enumerate(dims):
+        got = download(xs[i + 1])
+        ref = prev[:m] @ ws[i][1].T
+        check(got, ref, f"chain step {i} ({m}x{n}x{k}, graph={graph})")
+        prev = got.astype(np.float64)
