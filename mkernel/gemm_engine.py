@@ -175,6 +175,10 @@ GROUP_M = 8  # rasterization super-row height (tiles)
 # session: config 1's single consumer warpgroup costs little when one 128-row band streams B --
 # moe_gate_up M=128 306 -> 337 TFLOP/s; docs/gemm.md)
 SMALL_M = 128
+# Programmatic dependent launch (see pdl_auto): on from this arithmetic intensity (flop per byte of A, B
+# and C) up; the M = 128 projections (HBM-bound, ~120) lost 2-3 us per call with it, every measured
+# shape of intensity >= 260 gained or stayed within noise.
+PDL_MIN_INTENSITY = 200
 
 
 class _GemmArgs(ctypes.Structure):
@@ -425,6 +429,7 @@ class _Plan:
     pinned: bool = False  # captured into a CUDA graph: never freed (see run)
     zero: "ClearBeforeFirstUse | None" = None  # split-K sums and counters
     with_out: object = None  # plain GEMM: O -> the launch arguments for another output of the same layout
+    pdl_auto: bool = False  # the automatic choice of a programmatic dependent launch (see _pdl)
 
     def run(self, stream, out=None):
         if self.keep and (not self.pinned or (self.zero is not None and self.zero.pending)):
@@ -443,7 +448,7 @@ class _Plan:
             args = self.args if out is None or self.with_out is None else self.with_out(out)
             self.kernel.launch(self.grid, self.cfg.threads, args, stream=stream, smem=self.cfg.smem,
                                cluster=(self.cfg.cluster, 1, 1) if self.cfg.cluster > 1 else None,
-                               dependent=_pdl())
+                               dependent=_pdl(self.pdl_auto))
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -452,13 +457,27 @@ _PLANS_MAX = 64
 _pinned: list = []  # plans with buffers that were captured into a CUDA graph (kept for the process's life)
 
 
-def _pdl() -> bool:
-    """GEMM kernels are programmatic dependent launches (``MKERNEL_GEMM_PDL``, default 1): a GEMM
-    may start launching while the previous kernel in its stream (e.g. the previous GEMM, which lets
-    dependents launch once it has issued its last loads) finishes; its blocks initialise their
-    barriers, then wait for that kernel to complete (griddepcontrol.wait) before anything else.
-    Kernels after a GEMM that are not launched this way wait for it to complete as usual."""
-    return os.environ.get("MKERNEL_GEMM_PDL", "1") != "0"
+def pdl_auto(M: int, N: int, K: int, groups: int = 1) -> bool:
+    """The automatic choice of a programmatic dependent launch for an M x N x K GEMM (grouped: M rows
+    in all over ``groups`` weights of N x K): on where its arithmetic intensity
+    ``2MNK / (2(MK + groups NK + MN))`` is at least PDL_MIN_INTENSITY flop per byte.
+    Measured (docs/gemm.md entry 20): PDL saves 1-2 us per call on the short compute-bound calls
+    (square1024 0.80 -> 0.91x cuBLAS, dsv3.kv_a M=512 0.87 -> 0.92) but cost 2-3 us per call on every
+    M = 128 projection (HBM-bound B streams, intensity ~120: moe_gate_up M=128 0.93 -> 0.82)."""
+    return 2.0 * M * N * K >= PDL_MIN_INTENSITY * 2.0 * (M * K + groups * N * K + M * N)
+
+
+def _pdl(auto: bool) -> bool:
+    """Launch a GEMM as a programmatic dependent (``MKERNEL_GEMM_PDL``: ``1`` always, ``0`` never,
+    unset / ``auto``: the plan's ``pdl_auto``): it may start launching while the previous kernel in
+    its stream (e.g. the previous GEMM, which lets dependents launch once it has issued its last
+    loads) finishes; its blocks initialise their barriers, then wait for that kernel to complete
+    (griddepcontrol.wait) before anything else.  Kernels after a GEMM that are not launched this way
+    wait for it to complete as usual."""
+    env = os.environ.get("MKERNEL_GEMM_PDL", "auto")
+    if env in ("0", "1"):
+        return env == "1"
+    return auto
 
 
 def _clear_i32(ptr: int, n: int, stream) -> None:
@@ -604,7 +623,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
         grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
-    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from)
+    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, pdl_auto=pdl_auto(M, N, K))
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
 
@@ -856,7 +875,7 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
     maps = [tma, tmb, tmc]
     grid = _grid(cfg, num_tiles(cfg), sms)
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
-    return _Plan(cfg, kernel, grid, [*maps, args], pre, keep)
+    return _Plan(cfg, kernel, grid, [*maps, args], pre, keep, pdl_auto=pdl_auto(T, N, K, G))
 
 
 @dataclass

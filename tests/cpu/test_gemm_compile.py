@@ -294,15 +294,25 @@ def test_cluster_k_config_launch(fake):
 
 
 def test_programmatic_dependent_launch(fake, monkeypatch):
-    """GEMM kernels are programmatic dependent launches unless MKERNEL_GEMM_PDL=0 (the launch
-    configuration, with the attribute, is built by runtime._launch_config)."""
+    """GEMM kernels are programmatic dependent launches where the plan's arithmetic intensity reaches
+    PDL_MIN_INTENSITY (MKERNEL_GEMM_PDL=1 / 0: always / never); the launch configuration, with the
+    attribute, is built by runtime._launch_config."""
     launches, maps, empty = fake
+    monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)
     a, b = empty((512, 1024), "bfloat16"), empty((1024, 768), "bfloat16")
-    G.gemm(a, b)
+    G.gemm(a, b)  # intensity 2*512*1024*768 / (2*(512*1024 + 1024*768 + 512*768)) = 237
+    assert launches[-1]["dependent"] is True
+    a128, w = empty((128, 8192), "bfloat16"), empty((8192, 8192), "bfloat16")
+    G.gemm(a128, w, b_layout="nk")  # ~124: an HBM-bound B stream
+    assert launches[-1]["dependent"] is False
+    monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")
+    G.gemm(a128, w, b_layout="nk")
     assert launches[-1]["dependent"] is True
     monkeypatch.setenv("MKERNEL_GEMM_PDL", "0")
     G.gemm(a, b)
     assert launches[-1]["dependent"] is False
+    assert G.pdl_auto(1024, 1024, 1024) and not G.pdl_auto(128, 4096, 7168)
+    assert G.pdl_auto(4096, 1024, 1024, groups=1) and not G.pdl_auto(4096, 1024, 1024, groups=64)
     from cuda.bindings import driver as cu
 
     cfg = G.runtime._launch_config(132, 384, 1024, 0, False, None, True)

@@ -434,7 +434,7 @@ def test_grouped_moe_like(rng):
 
 # ---- programmatic dependent launch -----------------------------------------------------------
 @pytest.mark.parametrize("graph", [False, True])
-def test_chained_gemms_read_the_previous_output(rng, graph):
+def test_chained_gemms_read_the_previous_output(rng, graph, monkeypatch):
     """GEMMs are programmatic dependent launches: each of a chain x_{i+1} = x_i @ W_i (back to back on
     one stream, no host sync; then the same chain captured in a CUDA graph and replayed) must read
     x_i only after the previous GEMM finished writing it (every x_i is NaN-poisoned beforehand), on
@@ -443,6 +443,7 @@ def test_chained_gemms_read_the_previous_output(rng, graph):
 
     from mkernel.runtime import check as ok
 
+    monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")  # every step a dependent launch (auto: only some)
     dims = [(512, 1536, 7168), (512, 7168, 1536), (128, 1536, 7168), (128, 4096, 1536), (128, 640, 4096)]
     x0, x0v = rand(rng, (dims[0][0], dims[0][2]), "bfloat16")
     # weights [N, K] scaled by 1/sqrt(K): every x_i stays O(1)
@@ -453,7 +454,7 @@ def test_chained_gemms_read_the_previous_output(rng, graph):
         xs.append(poisoned((m, n), "bfloat16"))
     # the M = 128 steps read the first 128 rows of the previous output
     ins = [xs[0]] + [xs[i][:rows[i]] if rows[i] < xs[i].shape[0] else xs[i] for i in range(1, len(dims))]
-    stream = ok(cu.cuStreamCreate(cu.CUstreamFlags.CU_STREAM_NON_BLOCKING.value))
+    stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
 
     def chain():
         for i in range(len(dims)):
