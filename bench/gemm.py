@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--config", type=int, default=None, help="force an mkernel tile config")
     ap.add_argument("--sweep", action="store_true",
                     help="also time every (non-debug) config per shape (calibrates the heuristic)")
+    ap.add_argument("--sweep-configs", type=lambda v: {int(x) for x in v.split(",")}, default=None,
+                    help="with --sweep: only these config ids (comma-separated)")
     ap.add_argument("--only", default="", help="comma-separated shapes to run: NAME (every M) or NAME@M")
     ap.add_argument("--replot", metavar="JSON", help="no GPU: rewrite the table and plot from an earlier run's JSON")
     args = ap.parse_args()
@@ -171,7 +173,8 @@ def main():
         info = G.describe(M, N, K, b_layout=layout, config=args.config)
         sweep = {}
         if args.sweep:
-            for cid in (c for c in sorted(G.CONFIGS) if not G.CONFIGS[c].debug):
+            for cid in (c for c in sorted(G.CONFIGS) if not G.CONFIGS[c].debug
+                        and (not args.sweep_configs or c in args.sweep_configs)):
                 if layout == "kn" and G.CONFIGS[cid].bn_kn is not None:
                     continue
 

@@ -518,9 +518,20 @@ MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
   }
 }
 
+#ifndef MK_GEMM_PROBE
+#define MK_GEMM_PROBE 0  // timing probes only (wrong results; docs/gemm.md "A model that fits"): 1 = no loads at
+                         // all (the consumers multiply whatever the ring holds), 2 = every K block loads K
+                         // block kb % 2 (A and B tiles stay in L2: the fill without HBM)
+#endif
 template <class Cfg, class Hook>
 MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const Hook& hook, const MkTensorMap* tmA_default,
                                    const MkTensorMap* tmB, const MkTile& t, int kb) {
+#if MK_GEMM_PROBE == 1
+  mk_mbar_arrive(sm.full(stage));
+  return;
+#elif MK_GEMM_PROBE == 2
+  kb &= 1;
+#endif
   int a_row;
   const MkTensorMap* tmA = hook.a_map(t, tmA_default, a_row);
   const int k0 = kb * Cfg::BK;
