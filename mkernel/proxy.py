@@ -267,22 +267,28 @@ class Proxy:
             time.sleep(50e-6)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Drain the ring, stop the thread, shut the transport down (collective).  Idempotent."""
+        """Drain the ring, stop the thread, shut the transport down (collective).  Idempotent.
+        ``timeout`` bounds the whole close (drain, thread stop and the transport's goodbyes share it),
+        so a dead peer costs at most that long here."""
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
         try:
             if self._thread is not None and self.error is None:
                 try:
-                    self.flush(timeout)
+                    self.flush(left())
                 except CommError:
                     pass
             self._stop.set()
             if self._thread is not None:
-                self._thread.join(timeout)
+                self._thread.join(left())
         finally:
             try:
-                self.transport.close(timeout=timeout)
+                self.transport.close(timeout=left())
             finally:
                 self.ring.free()
         self.check()
