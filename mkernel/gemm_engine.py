@@ -429,7 +429,7 @@ class _Plan:
     pinned: bool = False  # captured into a CUDA graph: never freed (see run)
     zero: "ClearBeforeFirstUse | None" = None  # split-K sums and counters
     with_out: object = None  # plain GEMM: O -> the launch arguments for another output of the same layout
-    pdl_auto: bool = False  # the automatic choice of a programmatic dependent launch (see _pdl)
+    dependent: bool = False  # a programmatic dependent launch (_pdl; MKERNEL_GEMM_PDL is in the plan key)
 
     def run(self, stream, out=None):
         if self.keep and (not self.pinned or (self.zero is not None and self.zero.pending)):
@@ -448,7 +448,7 @@ class _Plan:
             args = self.args if out is None or self.with_out is None else self.with_out(out)
             self.kernel.launch(self.grid, self.cfg.threads, args, stream=stream, smem=self.cfg.smem,
                                cluster=(self.cfg.cluster, 1, 1) if self.cfg.cluster > 1 else None,
-                               dependent=_pdl(self.pdl_auto))
+                               dependent=self.dependent)
 
 
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
@@ -468,8 +468,9 @@ def pdl_auto(M: int, N: int, K: int, groups: int = 1) -> bool:
 
 
 def _pdl(auto: bool) -> bool:
-    """Launch a GEMM as a programmatic dependent (``MKERNEL_GEMM_PDL``: ``1`` always, ``0`` never,
-    unset / ``auto``: the plan's ``pdl_auto``): it may start launching while the previous kernel in
+    """Whether a plan launches its GEMM as a programmatic dependent (``MKERNEL_GEMM_PDL``: ``1``
+    always, ``0`` never, unset / ``auto``: ``auto``, its pdl_auto; decided when the plan is built,
+    the variable is part of the plan key): the GEMM may start launching while the previous kernel in
     its stream (e.g. the previous GEMM, which lets dependents launch once it has issued its last
     loads) finishes; its blocks initialise their barriers, then wait for that kernel to complete
     (griddepcontrol.wait) before anything else.  Kernels after a GEMM that are not launched this way
@@ -623,7 +624,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
         grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
-    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, pdl_auto=pdl_auto(M, N, K))
+    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=_pdl(pdl_auto(M, N, K)))
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
 
@@ -662,7 +663,7 @@ def split_workspace(n_split: int, tile_elems: int, device: int):
 
 def _env_key():
     return (os.environ.get("MKERNEL_GEMM_CONFIG"), os.environ.get("MKERNEL_GEMM_CANDIDATES"),
-            os.environ.get("MKERNEL_GEMM_EPILOGUE"))
+            os.environ.get("MKERNEL_GEMM_EPILOGUE"), os.environ.get("MKERNEL_GEMM_PDL"))
 
 
 def c_map(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, fallback: bytes):
@@ -875,7 +876,7 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
     maps = [tma, tmb, tmc]
     grid = _grid(cfg, num_tiles(cfg), sms)
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
-    return _Plan(cfg, kernel, grid, [*maps, args], pre, keep, pdl_auto=pdl_auto(T, N, K, G))
+    return _Plan(cfg, kernel, grid, [*maps, args], pre, keep, dependent=_pdl(pdl_auto(T, N, K, G)))
 
 
 @dataclass
