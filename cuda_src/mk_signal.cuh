@@ -272,11 +272,12 @@ MK_DEVICE void mk_epoch_commit(MkEpochState* s, mk_u64 epoch) {
 // engine's flag writes.  A timeout or mismatch leaves `value` at e-1, so the peers' waits for this
 // call's flags stop too instead of reading data that was never sent.
 MK_DEVICE void mk_ce_begin(const MkComm& c, mk_u64 e, const MkCallHeader& h, mk_u64* value, bool check_peers) {
+  const int lane = threadIdx.x & 31;  // (any one warp of a block, not only warp 0)
   bool ok = true;
-  for (int j = threadIdx.x; j < c.local_size; j += 32)
+  for (int j = lane; j < c.local_size; j += 32)
     if (j != c.local_rank)
       ok = ok && (!check_peers || mk_same_call(c, h, e, j)) &&
            mk_wait_geq(c, h.consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
   if (!__all_sync(0xffffffffu, ok)) return;
-  if (threadIdx.x == 0) *value = e;
+  if (lane == 0) *value = e;
 }
