@@ -39,6 +39,7 @@ __all__ = ["CMD_DTYPE", "CMD_BYTES", "OP_NOP", "OP_WRITE", "OP_FLAG", "OP_BARRIE
 OP_NOP, OP_WRITE, OP_FLAG, OP_BARRIER = 0, 1, 2, 3
 NO_FLAG = (1 << 64) - 1
 CMD_BYTES = 64
+STOP_GRACE = 2.0  # s Proxy.close gives its own thread to stop, beyond the timeout for the peers
 
 # name -> (byte offset, numpy type); the single source of truth on the Python side
 LAYOUT = {
@@ -268,8 +269,11 @@ class Proxy:
 
     def close(self, timeout: float = 30.0) -> None:
         """Drain the ring, stop the thread, shut the transport down (collective).  Idempotent.
-        ``timeout`` bounds the whole close (drain, thread stop and the transport's goodbyes share it),
-        so a dead peer costs at most that long here."""
+        ``timeout`` bounds the waits for peers as a whole (the drain and the transport's goodbyes share
+        it), so a dead peer costs at most that long here; stopping this rank's own proxy thread may
+        take up to STOP_GRACE more.  A thread that does not stop keeps the transport and the ring (it
+        may be inside a transport call: freeing them under it would crash the process) and is
+        reported as a CommError."""
         if self._closed:
             return
         self._closed = True
@@ -277,20 +281,22 @@ class Proxy:
 
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
-        try:
-            if self._thread is not None and self.error is None:
-                try:
-                    self.flush(left())
-                except CommError:
-                    pass
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join(left())
-        finally:
+        if self._thread is not None and self.error is None:
             try:
-                self.transport.close(timeout=left())
-            finally:
-                self.ring.free()
+                self.flush(left())
+            except CommError:
+                pass
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(max(left(), STOP_GRACE))
+            if self._thread.is_alive():
+                self._fail(CommError(f"proxy rank {self.rank}: the proxy thread did not stop within "
+                                     f"{STOP_GRACE} s of close(); its transport and ring are left allocated"))
+                self.check()
+        try:
+            self.transport.close(timeout=left())
+        finally:
+            self.ring.free()
         self.check()
 
     def __enter__(self):
