@@ -249,7 +249,7 @@ def report(results, meta, out_dir: Path) -> str:
           "the median per-call time, every method of a shape timed in the same alternating rounds.  (a) NCCL all_gather_into_tensor + torch.matmul; (b) "
           "torch.ops.symm_mem.fused_all_gather_matmul; floor = max(our GEMM alone, our all_gather alone); "
           "(d) mkernel.ag_gemm (automatic plan); overlap eff = floor / (d); pred = the planner's prediction for "
-          "the path it chose (fused_ce: GEMM on all SMs but one, copy engines move the shards; unfused: our "
+          "the path it chose (fused_ce: GEMM on every SM, copy engines move the shards; unfused: our "
           "all-gather then our GEMM); (e) the other side of the planner's decision, forced.", "",
           C.markdown_table(headers, rows)]
     if symm_notes:

@@ -13,6 +13,8 @@
 //                                     [chunk*CR, chunk*CR + CR) of rank src into our gathered buffer
 //   [ce_value_off]  u64               copy-engine path: the current call number, the source of the
 //                                     copy engine's flag writes
+//   [ce_go_off]     u32               copy-engine path: 1 = the call is open, the side stream's copies may
+//                                     start (raised by the GEMM kernel, re-zeroed by the side stream)
 //   [data_off]      gathered A        M_total rows of row_bytes (16-byte multiple)
 //
 // Kernel mk_ag_gemm_{kn,nk} (cooperative, grid <= #SMs, one block per SM, Cfg::THREADS threads,
@@ -35,19 +37,21 @@
 // peers' pushes in step 3, which depend on nothing of ours); workers wait only for pushes; every block
 // is resident (cooperative launch).
 // Same call everywhere: every rank announces its call's signature (MkComm.sig, the host's digest of
-// the agreed call) to the peers at the start (block 0's first warp; on the copy-engine path the begin
-// kernel), and no ready flag of this call is raised for a peer before its announcement matched ours
-// (SM path: nothing is pushed; copy-engine path: the copies run but the flag value stays at e-1). A
-// mismatch is MK_ERR_MISMATCH, and the waits of both ranks stop on the error record: no rank ever
-// reads rows a peer sent for another call.
+// the agreed call) to the peers at the start (block 0's first warp; on the copy-engine path worker 0's
+// producer warp 1, ag_ce_open), and no ready flag of this call is raised for a peer before its
+// announcement matched ours (SM path: nothing is pushed; copy-engine path: the copies run but the flag
+// value stays at e-1). A mismatch is MK_ERR_MISMATCH, and the waits of both ranks stop on the error
+// record: no rank ever reads rows a peer sent for another call.
 //
 // Copy-engine path (mkernel/ag_gemm.py, path "fused_ce"): mk_ag_gemm_* runs with n_comm = 0 (every
-// block a GEMM worker, grid <= #SMs - 1) while a side stream moves the rows with the copy engines:
-// mk_ag_ce_begin (one warp: reads the call number e, waits until every peer consumed call e-1, writes
-// e into the flag-value slot), then cuMemcpyAsync of the local shard into our gathered buffer and of each
-// chunk into every peer's, each followed by a copy-engine write of e into the chunk's ready flags
-// (copied from the flag-value slot).  No SM is spent on communication; the free SM runs the begin
-// kernel even while the GEMM occupies the others.
+// block a GEMM worker, one per SM) while a side stream moves the rows with the copy engines.  The
+// side stream waits (cuStreamWaitValue32) for the word at ce_go_off, which worker 0's otherwise idle
+// producer warp 1 raises once it has opened the call (ag_ce_open: the call number e, every peer's
+// announcement of e and its consumption of e-1, e written into the flag-value slot); the side stream
+// re-zeroes the word, then runs cuMemcpyAsync of each chunk of the local shard into every peer's
+// gathered buffer (and into ours first when the GEMM cannot read it in place), each followed by a
+// copy-engine copy of e from the flag-value slot into the chunk's ready flag.  No SM is spent on
+// communication, and none is left idle.
 //
 // Kernel mk_ag_gather (the unfused fallback's gather; cooperative, blockDim 512, no dynamic smem):
 // every block is a communication block and also waits for every peer's rows; the epoch is left open
@@ -92,8 +96,9 @@ struct AgArgs {
   int* counters;         // split-K: [split tiles], zero between calls
   int splits;            // K splits of the tiles from split_from on (1: none)
   int split_from;        // tiles (in the workers' order) before this one are whole (no split: the tile count)
+  int ce_go_off;         // copy-engine path: byte offset of the u32 "copies may start" word (0: other paths)
 };
-static_assert(sizeof(AgArgs) == 232, "AgArgs layout changed: update mkernel/ag_gemm.py");
+static_assert(sizeof(AgArgs) == 240, "AgArgs layout changed: update mkernel/ag_gemm.py");
 
 struct AgWs {
   const AgArgs* a;
@@ -123,6 +128,23 @@ struct AgWs {
     return (mk_u64)min(a->chunk_rows, rows_of(r) - r0) * a->row_bytes;
   }
 };
+
+// Opens call `epoch` of the copy-engine path (one warp): announces the call to the peers, waits (with
+// the timeout) until each announced the same call and consumed our previous one, writes the call
+// number into the flag-value slot the copy engines copy into ready flags (left at epoch-1 on a timeout
+// or a mismatch, so the peers' GEMMs stop instead of reading rows that were never meant for them), then
+// raises the u32 at ce_go_off, on which the side stream waits (cuStreamWaitValue32) before its first
+// copy -- raised in every case, so the side stream never hangs.
+MK_DEVICE void ag_ce_open(const MkComm& c, const AgWs& w, mk_u64 epoch) {
+  const int lane = threadIdx.x & 31;
+  w.announce(c, epoch, lane, 32);
+  mk_ce_begin(c, epoch, w.header(), (mk_u64*)(w.a->ws + w.a->ce_value_off), true);
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence_system();
+    *(volatile unsigned*)(w.a->ws + w.a->ce_go_off) = 1u;
+  }
+}
 
 // ---- communication blocks -------------------------------------------------------------------------
 // Block `cb` of `ncb` handles chunks cb, cb+ncb, ... of this rank's shard.  All threads call it; the
@@ -262,6 +284,12 @@ template <int BM> struct AgWaitRows {
   const MkTensorMap* tm_local;  // this rank's a_shard (used when a->local_map)
   mk_u64 epoch;
   mutable unsigned landed = 0;  // sources whose whole shard this warp saw landed (copy-engine path)
+  // Copy-engine path: worker 0's idle producer warp 1 opens the call for the side stream's copies
+  // (ag_ce_open) while the GEMM runs -- no block or SM is set aside for it.
+  static constexpr bool kSideWork = true;
+  MK_DEVICE void side_work(int warp, int worker) const {
+    if (warp == 1 && worker == 0 && a->ce_go_off != 0) ag_ce_open(*c, AgWs(*c, *a), epoch);
+  }
   // This rank's rows come straight from a_shard when it has a tensor map; the others from the workspace.
   MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const {
     const int me = a->me;
@@ -389,19 +417,6 @@ extern "C" __global__ void __launch_bounds__(512, 1)
   if (blockIdx.x == 0 && threadIdx.x < 32) w.announce(c, epoch, threadIdx.x, 32);
   if (!ag_comm(c, w, epoch, blockIdx.x, gridDim.x)) return;
   ag_finish(w, epoch, 0, blockDim.x);
-}
-
-// Opens call e of the copy-engine path on the side stream (one warp; see the top of this file): announces
-// the call, then mk_ce_begin, which checks every peer's announcement of it (same signature).  On a timeout or
-// a mismatch the flag value is left at e-1, so the peers' GEMMs stop too instead of reading rows that
-// were never sent.
-extern "C" __global__ void __launch_bounds__(32, 1)
-    mk_ag_ce_begin(const __grid_constant__ MkComm c, const __grid_constant__ AgArgs a) {
-  // (this call's GEMM cannot commit before our local rows' flags, copied after this kernel, are raised)
-  const AgWs w(c, a);
-  const mk_u64 e = mk_epoch_begin(w.epoch_state());
-  w.announce(c, e, threadIdx.x, 32);
-  mk_ce_begin(c, e, w.header(), (mk_u64*)(a.ws + a.ce_value_off), true);
 }
 
 // Closes a deferred call (after the GEMM that read the gathered buffer): tell every peer, commit.

@@ -574,6 +574,17 @@ template <class H> struct MkHookPrefill<H, decltype((void)H::kPrefill)> {
 };
 static_assert(MkHookPrefill<MkNoWait>::value && !MkHookPrefill<MkTile>::value, "hook trait");
 
+// Hook::side_work(warp, worker_id) (optional, declared by `static constexpr bool kSideWork = true`):
+// run by warps 1..3 of the producer warpgroup -- idle in the tile loop -- after the block barrier, on
+// the producer's register budget, concurrently with the block's tiles (e.g. a fused kernel's call
+// bookkeeping that must not hold up the GEMM).  Not called in ping-pong configs.
+template <class H, class = void> struct MkHookSideWork {
+  static constexpr bool value = false;
+};
+template <class H> struct MkHookSideWork<H, decltype((void)H::kSideWork)> {
+  static constexpr bool value = H::kSideWork;
+};
+
 // Barrier setup shared by both loops; every thread of the block calls it (one __syncthreads).  Nothing
 // before it may touch global memory the previous kernel in the stream writes (programmatic
 // dependent launch: thread 0 waits for that kernel here).
@@ -769,7 +780,10 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   if (tid < 128) {
     // ================= producer warpgroup =================
     if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-    if (tid >= 32) return true;
+    if (tid >= 32) {
+      if constexpr (MkHookSideWork<Hook>::value) hook.side_work(tid >> 5, worker_id);
+      return true;
+    }
     if constexpr (kPrefill) prefilled = __shfl_sync(0xffffffffu, prefilled, 0);  // (set by thread 0 = lane 0)
     sched.init(worker_id, num_workers);
     int stage = 0;

@@ -7,7 +7,7 @@
 
 Three paths, one kernel source (``cuda_src/ag_gemm.cu``), one workspace protocol:
 
-* ``"fused_ce"`` (copy engines): the GEMM kernel runs on all SMs but one, on the caller's stream;
+* ``"fused_ce"`` (copy engines): the GEMM kernel runs on every SM, on the caller's stream;
   a side stream (``ctx.side_stream()``, forked and joined with events, so it is captured with the
   call in a CUDA graph) copies this rank's shard with the copy engines into the op's symmetric
   workspace (the gathered A) on every rank, chunk by chunk, each chunk followed by a copy-engine
@@ -107,10 +107,11 @@ class AgArgs(ctypes.Structure):
         ("c_tma", ctypes.c_int32),
         ("partials", ctypes.c_void_p), ("counters", ctypes.c_void_p),
         ("splits", ctypes.c_int32), ("split_from", ctypes.c_int32),
+        ("ce_go_off", ctypes.c_int32),
     ]
 
 
-assert ctypes.sizeof(AgArgs) == 232
+assert ctypes.sizeof(AgArgs) == 240
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,7 +141,10 @@ class CostModel:
     ce_link_bw: float = 370e9       # B/s the copy engines push to one peer (copy engine 382.7 GB/s measured)
     ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
     ce_op_latency: float = 2e-6     # s per copy-engine operation (data or flag copy)
-    ce_start_latency: float = 20e-6  # s from the call to the first copy moving (fork, begin kernel, first op)
+    ce_start_latency: float = 20e-6  # s from the call to the first copy moving (fork, the GEMM's worker 0
+                                     # opening the call, the side stream's wait, first op)
+    ce_free_sms: int = 0            # SMs the fused_ce GEMM leaves idle (until the ninth session 1: the
+                                    # side stream's begin kernel ran there; now the GEMM opens the call)
     ce_chunks: int = 4              # chunks (ready flags) per shard: the planner tries ce_chunks,
     ce_chunks_max: int = 16         # 2 * ce_chunks, ... up to ce_chunks_max (docs/ag_gemm.md)
     ce_gemm_slowdown: float = 1.02  # the GEMM beside incoming NVLink traffic (L2 / HBM sharing)
@@ -490,7 +494,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), split[:2]
 
     def fused_ce():
-        w = sms - 1  # one SM stays free for the side stream's begin kernel
+        w = sms - model.ce_free_sms  # every SM a GEMM worker (worker 0's idle warp opens the call)
         cfg = fused_config(w)
         tiles = _fused_tiles(m_sizes, N, cfg)
         sp, sf, gain = _split_gain(cfg, tiles, K, w, tail_split)
@@ -612,6 +616,7 @@ class _Layout:
     consumed_off: int
     flags_off: int
     value_off: int  # copy-engine path: the u64 the copy engines copy into ready flags
+    go_off: int  # copy-engine path: the u32 the side stream waits on before its copies
     data_off: int
     nch_stride: int
     total: int
@@ -623,8 +628,10 @@ def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
     consumed_off = 64
     flags_off = round_up(consumed_off + call_header_bytes(P), 256)
     value_off = flags_off + 8 * P * nch
-    data_off = round_up(value_off + 8, 4096)
-    return _Layout(consumed_off, flags_off, value_off, data_off, nch, data_off + max(1, sum(m_sizes)) * row_bytes)
+    go_off = value_off + 8
+    data_off = round_up(go_off + 8, 4096)
+    return _Layout(consumed_off, flags_off, value_off, go_off, data_off, nch,
+                   data_off + max(1, sum(m_sizes)) * row_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -914,6 +921,10 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
         keep += (sk_ws,)
 
     if p.path == "fused_ce":
+        if not args.local_map:
+            # this rank's rows are copied into the workspace first: a same-device copy the driver may
+            # run as a kernel, which must find an SM while the GEMM waits for those rows
+            grid = min(grid, ctx.sm_count - 1)
         run = _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, comm, dt, out_dtype,
                        K * isz)
     else:
@@ -957,12 +968,15 @@ def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> li
 def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, comm, dt, out_dtype, row_bytes):
     """The copy-engine path: GEMM on the caller's stream, copies on ctx.side_stream() (fork/join)."""
     me = ctx.local_rank
-    begin = _kernel(dt, out_dtype, sig.plan.config, "mk_ag_ce_begin")
     copies = [(cu.CUdeviceptr(d), cu.CUdeviceptr(s_), n)
               for d, s_, n in _ce_copies(sig, ws, A, me, row_bytes, bool(args.local_map))]
     fork = runtime.ForkedCopies(ctx.side_stream())
     bargs = [comm, args]
     L = sig.layout
+    # The GEMM kernel opens the call (worker 0's idle producer warp: ag_ce_open) and raises the word
+    # at go; the side stream waits for it, re-zeroes it, then copies.
+    args.ce_go_off = L.go_off
+    go = cu.CUdeviceptr(ws.ptr + L.go_off)
     if GA is not None:
         # The caller's copy of the gathered A is taken from the workspace after the GEMM, so the call
         # stays open until then (peers may refill the workspace once we signal consumed): the GEMM
@@ -979,23 +993,27 @@ def _bind_ce(ctx, sig, ws, A, GA, kern, grid, cfg, kargs_for, pre, keep, args, c
         parts = [(ga, ws.ptr + L.data_off, lo), (ga + lo, A.ptr, hi - lo),
                  (ga + hi, ws.ptr + L.data_off + hi, total - hi)]
         return [g for g in parts if g[2] > 0]
-    # the begin kernel runs whenever there are peers, even with no rows of ours to send (it announces
-    # the call, which the peers check before they push to us)
-    side_work = bool(copies) or sig.P > 1
+    # (the kernel opens the call whenever there are peers, even with no rows of ours to send: it
+    # announces the call, which the peers check before they push to us; P > 1 on this path)
 
     def start(side):
-        begin.launch(1, 32, bargs, stream=side)
+        check(cu.cuStreamWaitValue32(side, go, 1, cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ.value))
+        check(cu.cuStreamWriteValue32(side, go, 0, 0))
 
     def run_fused_ce(stream, out, ga, _keep=(keep, fork)):
         s = cu.CUstream(runtime.stream_handle(stream))
-        if side_work:
-            fork.fork(s, start)
-            fork.copies(copies)
-        for k, g, blk, a in pre:
-            k.launch(g, blk, a, stream=stream)
-        kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem)
-        if side_work:
+        fork.fork(s, start)
+        fork.copies(copies)
+        try:
+            for k, g, blk, a in pre:
+                k.launch(g, blk, a, stream=stream)
+            kern.launch(grid, cfg.threads, kargs_for(out, ga), stream=stream, smem=cfg.smem)
+        except BaseException:
+            # the kernel that raises the word never ran: release the side stream, or it waits forever
+            cu.cuStreamWriteValue32(s, go, 1, 0)
             fork.join(s)
+            raise
+        fork.join(s)
         if ga:
             runtime.copy_async(gathered_copies(ga), s)
             release.launch(1, RELEASE_THREADS, bargs, stream=stream)

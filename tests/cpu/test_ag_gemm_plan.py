@@ -16,7 +16,7 @@ agm = importlib.import_module("mkernel.ag_gemm")
 
 def test_plan_prefers_copy_engines_where_communication_matters():
     p = agm.plan([2048, 2048], 5120, 8192, 2, 132)  # Llama-3-70B qkv, M = 4096 over 2 GPUs
-    assert p.path == "fused_ce" and p.workers == 131 and p.comm_sms == 0, p.describe()
+    assert p.path == "fused_ce" and p.workers == 132 and p.comm_sms == 0, p.describe()
     assert p.chunk_rows >= 128 and p.chunk_rows & (p.chunk_rows - 1) == 0
     assert -(-2048 // p.chunk_rows) <= agm.MODEL.ce_chunks
     tiny = agm.plan([128, 128], 1024, 1024, 2, 132)
@@ -40,11 +40,11 @@ def test_plan_overrides():
 
 
 def test_plan_last_wave_split(monkeypatch):
-    """Llama-3-405B mlp_up at M = 1024 over 2 GPUs: 832 tiles of 128 x 256 on 131 workers leave a last
-    wave of 46 tiles, split in 2 along K; never with tail_split=False; K too short to pay for it: none."""
+    """Llama-3-405B mlp_up at M = 1024 over 2 GPUs: 832 tiles of 128 x 256 on 132 workers leave a last
+    wave of 40 tiles, split in 3 along K; never with tail_split=False; K too short to pay for it: none."""
     p = agm.plan([512, 512], 26624, 16384, 2, 132)
-    assert p.path == "fused_ce" and p.config == 3 and (p.splits, p.split_from) == (2, 786), p.describe()
-    assert "splits=2" in p.describe()
+    assert p.path == "fused_ce" and p.config == 3 and (p.splits, p.split_from) == (3, 792), p.describe()
+    assert "splits=3" in p.describe()
     off = agm.plan([512, 512], 26624, 16384, 2, 132, tail_split=False)
     assert off.splits == 1 and off.predicted_gemm > p.predicted_gemm
     assert agm.plan([512, 512], 26624, 256, 2, 132, tail_split=True, force_path="fused_ce").splits == 1
@@ -220,7 +220,7 @@ def test_transfer_bound_plan_splits_the_late_tiles():
     off = agm.plan([8192, 8192], 1024, 16384, 2, 132, tail_split=False)
     tiles = 2 * 64 * 4
     assert p.path == "fused_ce" and p.config == 3 and p.splits > 1, p.describe()
-    assert tiles // 2 <= p.split_from < tiles and p.workers == 131  # only the peer's (last) shard
+    assert tiles // 2 <= p.split_from < tiles and p.workers == 132  # only the peer's (last) shard
     assert off.splits == 1 and off.chunk_rows == agm.ce_chunk_rows([8192, 8192]) == 2048
     assert p.predicted_fused < 0.93 * off.predicted_fused, (p.describe(), off.describe())
     q = agm.plan([4096, 4096], 5120, 8192, 2, 132)  # llama 70B qkv M=8192: compute-bound
@@ -232,7 +232,7 @@ def test_transfer_bound_plan_splits_the_late_tiles():
 
 def test_config5_only_when_every_b_is_nk():
     """Llama-3-70B mlp_up at M = 1024 over 2 GPUs (N = 14336 = 64 x 224 per rank): with every rank's
-    weights [N, K] the fused kernel takes config 5's 128 x 224 tile (512 tiles: 4 waves on 131 workers,
+    weights [N, K] the fused kernel takes config 5's 128 x 224 tile (512 tiles: 4 waves on 132 workers,
     where 128 x 192 needs 5) and fusion pays; with "kn" config 5 is config 3's tile and not offered."""
     nk = agm.plan([512, 512], 14336, 8192, 2, 132, b_layout="nk")
     assert (nk.path, nk.config) == ("fused_ce", 5), nk.describe()
