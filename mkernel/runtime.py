@@ -473,7 +473,8 @@ def copy_async(copies, stream) -> None:
 class ForkedCopies:
     """Copies forked from a caller's stream onto a side stream and joined back to it (the copy-engine
     paths of the collectives and AllGather+GEMM).  ``fork(s, begin)``: the side stream starts after
-    ``s``'s work so far, first ``begin(side)`` (a launch), then the copies of ``copies(list)`` in order
+    ``s``'s work so far, first ``begin(side)`` (work enqueued on the side stream: a launch, or a stream
+    wait for a word the caller's kernel raises), then the copies of ``copies(list)`` in order
     (a flag copied after its data lands after it).  ``resume(s)``: later copies start after ``s``'s work
     so far too.  ``join(s)``: ``s`` waits for the side stream.  Inside a graph capture the events
     become dependencies."""
