@@ -2,7 +2,9 @@
 // each A shard multiplied as soon as it lands.  Host side: mkernel/ag_gemm.py; design: docs/ag_gemm.md.
 //
 // Local rank j holds A_j [M_j, K] (row-major, dense); the gathered A [M_total, K] lives in this op's
-// symmetric workspace, rows of rank j at row offs[j].  Workspace layout (same on every local rank):
+// symmetric workspace, rows of rank j at row offs[j].  Workspace layout (same on every local rank;
+// every offset before data_off depends on P only -- nch_stride is MAX_CHUNKS of mkernel/ag_gemm.py for
+// every call -- so no control word ever sits on bytes an earlier call of another shape wrote as data):
 //
 //   [0]             MkEpochState      this rank's call counter
 //   [consumed_off]  u64[P]            consumed[j] = last call whose gathered rows local rank j finished

@@ -8,7 +8,10 @@
 //                  u64[P]                 entered[j] = last call local rank j started (written by j)
 //                  u64[P][2]              sig[j][e & 1] = the signature of j's call e (written by j
 //                                         before entered[j] = e)
-//   [flags_off]    u64[2][P][nchunks]     ready[phase][src][chunk] = call that delivered that chunk
+//   [flags_off]    u64[2][P][flag_stride] ready[phase][src][chunk] = call that delivered that chunk
+//                                         (flag_stride = MAX_CHUNKS for every call: nothing before
+//                                         data0_off moves with the message size, so no flag ever sits
+//                                         on bytes an earlier, differently sized call left in a slot)
 //   [data0_off]    P slots of slot_bytes  phase-0 receive slots, slot j written by local rank j
 //   [data1_off]    P slots of slot_bytes  phase-1 slots (all-reduce's gather phase)
 //
@@ -45,7 +48,7 @@ struct CollLayout {
   int nchunks;         // chunks per slot (flags per source per phase)
   int tail_pieces;     // copy-engine path: the last chunk cut in this many pieces (ce_chunk); 0: none
   int direct;          // copy-engine all-gather into a symmetric `out`: peers copy straight into it
-  int pad_;
+  int flag_stride;     // flags per source per phase in the workspace (MAX_CHUNKS, the same for every call)
 };
 
 struct Ws {
@@ -59,7 +62,7 @@ struct Ws {
   // the per-call header (mk_signal.cuh MkCallHeader), ours and local rank `owner`'s
   MK_DEVICE MkCallHeader header() const { return {(mk_u64*)(base + L.consumed_off), P}; }
   MK_DEVICE MkCallHeader peer_header(int owner) const { return {(mk_u64*)(peer(owner) + L.consumed_off), P}; }
-  MK_DEVICE mk_u64 flag_idx(int phase, int src, int c) const { return ((mk_u64)phase * P + src) * L.nchunks + c; }
+  MK_DEVICE mk_u64 flag_idx(int phase, int src, int c) const { return ((mk_u64)phase * P + src) * L.flag_stride + c; }
   MK_DEVICE mk_u64* ready(int phase, int src, int c) const { return (mk_u64*)(base + L.flags_off) + flag_idx(phase, src, c); }
   MK_DEVICE mk_u64* peer_ready(int owner, int phase, int src, int c) const {
     return (mk_u64*)(peer(owner) + L.flags_off) + flag_idx(phase, src, c);

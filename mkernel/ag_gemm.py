@@ -80,6 +80,11 @@ __all__ = ["ag_gemm", "plan", "precompile", "AgPlan", "CostModel", "MODEL", "AgA
 SOURCE = "ag_gemm.cu"
 IN_DTYPES = ("bfloat16", "float16")
 MAXP = 16  # local ranks (the kernel keeps the source rank in 4 bits of the tile id)
+# Ready flags per source rank in the workspace, whatever the call: chunk rows are chosen so that no
+# shard has more chunks (chunk_rows_for, ce_chunk_rows).  The workspace's control words (epoch, call
+# header, flags, the copy-engine words) sit at the same offsets for every call, so bytes a call left
+# in the data region can never be read as another call's flag (_layout).
+MAX_CHUNKS = 1024
 GATHER_THREADS = 512
 RELEASE_THREADS = 128
 _FUSED_CONFIGS = (1, 2, 3, 4, 5)  # 0 is the debug config (config=0 forces it); 5: 128x224 with B "nk" only
@@ -214,12 +219,20 @@ def _pow2_floor(x: float) -> int:
 
 def chunk_rows_for(m_sizes, row_bytes: int, model: CostModel = MODEL) -> int:
     """Rows per ready flag: a power of two in [8, 8192], about ``chunk_target_bytes`` per chunk but
-    small enough that the largest shard has ``min_chunks`` chunks (so many blocks can push at once).
-    Depends only on values every rank agrees on."""
+    small enough that the largest shard has ``min_chunks`` chunks (so many blocks can push at once);
+    more than 8192 only where a shard would otherwise have more than ``MAX_CHUNKS`` chunks (the
+    workspace has flags for that many).  Depends only on values every rank agrees on."""
     m_max = max(m_sizes) if len(m_sizes) else 0
     target = _pow2_floor(model.chunk_target_bytes / max(row_bytes, 1))
     cap = _pow2_floor(max(1, m_max // model.min_chunks))
-    return int(min(8192, max(8, min(target, cap))))
+    return int(max(min(8192, max(8, min(target, cap))), _min_chunk_rows(m_max)))
+
+
+def _min_chunk_rows(m_max: int) -> int:
+    """The fewest rows per chunk (a power of two) that cut a shard of ``m_max`` rows into at most
+    ``MAX_CHUNKS`` chunks."""
+    want = max(1, -(-m_max // MAX_CHUNKS))
+    return 1 << (want - 1).bit_length()
 
 
 def _tile_time(cfg, K: int, sms: int, model: CostModel) -> float:
@@ -407,9 +420,9 @@ def _fused_finish(m_sizes, row_bytes: int, blocks: int, chunk_rows: int, tiles_o
 
 def ce_chunk_rows(m_sizes, chunks: int = MODEL.ce_chunks) -> int:
     """Rows per ready flag on the copy-engine path: a power of two >= 128 (whole tiles), about
-    ``chunks`` chunks for the largest shard."""
+    ``chunks`` chunks (at most ``MAX_CHUNKS``) for the largest shard."""
     m_max = max(m_sizes) if len(m_sizes) else 0
-    want = max(1, -(-m_max // max(1, chunks)))
+    want = max(1, -(-m_max // max(1, min(chunks, MAX_CHUNKS))))
     return max(128, 1 << (want - 1).bit_length())
 
 
@@ -623,14 +636,19 @@ class _Layout:
 
 
 def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
-    """The workspace (cuda_src/ag_gemm.cu has the picture)."""
+    """The workspace (cuda_src/ag_gemm.cu has the picture).  Every control word's offset depends on P
+    only: the workspace is shared by every call of the op, and a word that moved with the call's
+    shape could land on bytes an earlier call left in its data region -- rows read as a raised flag
+    (a GEMM reading rows that have not arrived), or a stale 1 as the copy engines' go word."""
     nch = max([-(-m // chunk_rows) for m in m_sizes] + [1])
+    if nch > MAX_CHUNKS:
+        raise AssertionError(f"ag_gemm: {nch} chunks per shard, the workspace has flags for {MAX_CHUNKS}")
     consumed_off = 64
     flags_off = round_up(consumed_off + call_header_bytes(P), 256)
-    value_off = flags_off + 8 * P * nch
+    value_off = flags_off + 8 * P * MAX_CHUNKS
     go_off = value_off + 8
     data_off = round_up(go_off + 8, 4096)
-    return _Layout(consumed_off, flags_off, value_off, go_off, data_off, nch,
+    return _Layout(consumed_off, flags_off, value_off, go_off, data_off, MAX_CHUNKS,
                    data_off + max(1, sum(m_sizes)) * row_bytes)
 
 

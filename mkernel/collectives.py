@@ -60,7 +60,14 @@ class CollLayout(ctypes.Structure):
                 ("data0_off", ctypes.c_uint64), ("data1_off", ctypes.c_uint64),
                 ("slot_bytes", ctypes.c_uint64), ("chunk_bytes", ctypes.c_uint64),
                 ("nchunks", ctypes.c_int32), ("tail_pieces", ctypes.c_int32),
-                ("direct", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+                ("direct", ctypes.c_int32), ("flag_stride", ctypes.c_int32)]
+
+
+# Ready flags per (phase, source) in a workspace, whatever the call (plan_chunks and plan_ce_chunks
+# never cut a slot into more chunks): the control words (epoch, call header, flags) sit at offsets that
+# depend on P only, so bytes an earlier call of another size left in the data region can never be read
+# as a raised flag (_workspace_layout).
+MAX_CHUNKS = 1024
 
 
 MIN_CHUNK = int(os.environ.get("MKERNEL_COLL_MIN_CHUNK", 32 * 1024))
@@ -71,7 +78,7 @@ def plan_chunks(slot_bytes: int, grid_max: int, min_chunk: int | None = None) ->
     """(chunk_bytes, nchunks): about two chunks per block, none smaller than ``min_chunk``."""
     min_chunk = MIN_CHUNK if min_chunk is None else min_chunk
     slot_bytes = max(slot_bytes, 16)
-    chunk = max(min_chunk, -(-slot_bytes // (2 * grid_max)))
+    chunk = max(min_chunk, -(-slot_bytes // (2 * grid_max)), -(-slot_bytes // MAX_CHUNKS))
     chunk = round_up(min(chunk, round_up(slot_bytes, 16)), 16)
     return chunk, -(-slot_bytes // chunk)
 
@@ -105,13 +112,16 @@ def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLa
 def _workspace_layout(P: int, slot_bytes: int, chunk: int, nchunks: int, phases: int) -> tuple[CollLayout, int]:
     """(layout, workspace bytes): epoch state (and the copy-engine path's call number) in the first 64
     bytes, consumed[P], entered[P], sig[P][2] (collectives.cu: the call signatures peers announce),
-    ready[2][P][nchunks], then ``phases`` x P receive slots of ``slot_bytes``."""
+    ready[2][P][MAX_CHUNKS] (the first ``nchunks`` of each row used), then ``phases`` x P receive
+    slots of ``slot_bytes``.  Everything before the slots depends on P only (see MAX_CHUNKS)."""
+    if not 0 < nchunks <= MAX_CHUNKS:
+        raise AssertionError(f"collectives: {nchunks} chunks per slot, the workspace has flags for {MAX_CHUNKS}")
     L = CollLayout()
     L.consumed_off = 64
     L.flags_off = round_up(L.consumed_off + call_header_bytes(P), 256)
-    L.data0_off = round_up(L.flags_off + 8 * 2 * P * nchunks, 4096)
+    L.data0_off = round_up(L.flags_off + 8 * 2 * P * MAX_CHUNKS, 4096)
     L.data1_off = L.data0_off + P * slot_bytes
-    L.slot_bytes, L.chunk_bytes, L.nchunks = slot_bytes, chunk, nchunks
+    L.slot_bytes, L.chunk_bytes, L.nchunks, L.flag_stride = slot_bytes, chunk, nchunks, MAX_CHUNKS
     return L, L.data0_off + phases * P * slot_bytes
 
 
@@ -189,7 +199,7 @@ CE_MIN_CHUNK = 2 << 20  # bytes per copy (and flag): fewer, larger copies keep t
 # 2026-11-30 fifth session, busbw GB/s at 512 MiB / 1 GiB; 16 chunks twice): all-gather 4: 329/339,
 # 8: 326/336, 16: 305-310/327-332, 32: 281/314; all-reduce 4: 334/338, 8: 347/354, 16: 339-342/353-358,
 # 32: 330/351.  MKERNEL_COLL_CE_MAX_CHUNKS overrides (every rank alike).
-CE_MAX_CHUNKS = int(os.environ.get("MKERNEL_COLL_CE_MAX_CHUNKS", 8))
+CE_MAX_CHUNKS = min(int(os.environ.get("MKERNEL_COLL_CE_MAX_CHUNKS", 8)), MAX_CHUNKS // 2)
 # Per-peer message bytes (AG: x, RS: out, AR: one shard) from which the copy engines carry the data.
 # Measured on 2x H200 (docs/collectives.md, same run, per-call us, copy engines vs SM pushes): the
 # copy-engine path costs ~50 us more per call (begin kernel, copy-engine and flag-copy latency, one
@@ -243,7 +253,7 @@ def _shard(n: int, P: int, itemsize: int) -> int:
 
 # The last chunk of a copy-engine slot goes in this many pieces (each its own copy and flag): the
 # receivers' local work on the last piece is all that is left exposed after the copy engines finish.
-CE_TAIL_PIECES = int(os.environ.get("MKERNEL_COLL_CE_TAIL_PIECES", 4))
+CE_TAIL_PIECES = min(int(os.environ.get("MKERNEL_COLL_CE_TAIL_PIECES", 4)), MAX_CHUNKS // 2)
 
 
 def plan_ce_chunks(slot_bytes: int) -> tuple[int, int, int]:
@@ -306,7 +316,7 @@ def _ce_pushes(ws, L: CollLayout, P: int, me: int, phase: int, src_of, bytes_of,
     base = L.data1_off if phase else L.data0_off
 
     def flag(owner, c):
-        return cu.CUdeviceptr(ws.peer_ptr(owner, L.flags_off + 8 * ((phase * P + me) * L.nchunks + c)))
+        return cu.CUdeviceptr(ws.peer_ptr(owner, L.flags_off + 8 * ((phase * P + me) * L.flag_stride + c)))
     pairs = [(j, c) for c in range(L.nchunks) for j in range(1, P)] if chunk_major else \
         [(j, c) for j in range(1, P) for c in range(L.nchunks)]
     out = []

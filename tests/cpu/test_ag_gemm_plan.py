@@ -181,6 +181,33 @@ def test_call_digest_and_layout_for_signatures():
         assert L.flags_off + 8 * P * L.nch_stride <= L.value_off < L.data_off
 
 
+@pytest.mark.parametrize("P", [2, 3, 8])
+def test_control_words_do_not_move_with_the_shape(P):
+    """Every call shares the op's workspace: the epoch, call header, ready flags, copy-engine value
+    and go word sit at offsets of P only, whatever the shapes, plans and paths, so none of them ever
+    lies on bytes an earlier call of another shape left in its data region (tests/gpu
+    test_stale_workspace_bytes_are_never_flags); no plan has more chunks per shard than there are
+    flags, even for shards far beyond 8192 x MAX_CHUNKS rows."""
+    layouts = []
+    for m in (1, 100, 1000, 16384, 1 << 20, 1 << 24, (1 << 31) // P - 1):
+        for K in (8, 1024, 8192):
+            ms = [m] * P
+            crs = [agm.chunk_rows_for(ms, K * 2)] + [agm.ce_chunk_rows(ms, n) for n in (4, 16, 1 << 20)]
+            if m <= 16384:  # (the planner simulates the copy-engine path tile by tile)
+                crs += [agm.plan(ms, 512, K, 2, 132, force_path=path).chunk_rows
+                        for path in ("fused_ce", "fused", "unfused")]
+            for cr in crs:
+                assert -(-m // cr) <= agm.MAX_CHUNKS, (m, K, cr)
+                layouts.append(agm._layout(P, ms, cr, K * 2))
+    control = {(L.consumed_off, L.flags_off, L.nch_stride, L.value_off, L.go_off, L.data_off) for L in layouts}
+    assert len(control) == 1, control
+    L = layouts[0]
+    assert L.flags_off + 8 * P * agm.MAX_CHUNKS <= L.value_off and L.value_off + 8 <= L.go_off
+    assert L.go_off + 4 <= L.data_off and L.data_off % 4096 == 0
+    with pytest.raises(AssertionError, match="chunks per shard"):
+        agm._layout(P, [agm.MAX_CHUNKS + 1] * P, 1, 16)
+
+
 def test_raster_rows_follow_mk_raster():
     """The simulated tile order is the scheduler's: super-rows of GROUP_M tile rows, column by column
     inside one, the last super-row shorter."""

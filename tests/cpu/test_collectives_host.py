@@ -116,9 +116,28 @@ def test_layout(slot):
     assert L.chunk_bytes % 16 == 0 and L.nchunks * L.chunk_bytes >= L.slot_bytes >= slot
     assert (L.nchunks - 1) * L.chunk_bytes < L.slot_bytes
     assert 1 <= grid <= min(L.nchunks, 132 if L.slot_bytes >= C.LARGE_SLOT_BYTES else C.SMALL_SLOT_BLOCKS)
-    assert L.data0_off % 4096 == 0 and L.flags_off + 8 * 2 * 2 * L.nchunks <= L.data0_off
+    assert L.data0_off % 4096 == 0 and L.flags_off + 8 * 2 * 2 * L.flag_stride <= L.data0_off
+    assert L.nchunks <= L.flag_stride == C.MAX_CHUNKS
     assert L.consumed_off + 8 * 4 * 2 <= L.flags_off  # consumed[P], entered[P], sig[P][2]
     assert total == L.data0_off + 2 * 2 * L.slot_bytes
+
+
+@pytest.mark.parametrize("P", [2, 3, 8])
+def test_control_words_do_not_move_with_the_size(P, monkeypatch):
+    """Every call of an op shares its workspace: the epoch, call header and flags sit at offsets of P
+    only, on the SM and the copy-engine path alike, so a flag never lies on bytes an earlier call of
+    another size left in its slots (tests/gpu test_stale_slot_bytes_are_never_flags); no plan cuts a
+    slot into more chunks than there are flags, even on a GPU with many SMs or with the copy-engine
+    chunking raised through the environment."""
+    slots = [16, 1000, 65536, 1 << 20, 5 << 20, 32 << 20, 1 << 30, (1 << 34) + 12345]
+    layouts = [C._layout(P, s, g, ph)[0] for s in slots for g in (8, 132, 1024) for ph in (1, 2)]
+    layouts += [C._ce_layout(P, s, ph)[0] for s in slots for ph in (1, 2)]
+    control = {(L.consumed_off, L.flags_off, L.data0_off, L.flag_stride) for L in layouts}
+    assert len(control) == 1, control
+    assert all(1 <= L.nchunks <= L.flag_stride for L in layouts)
+    monkeypatch.setattr(C, "CE_MAX_CHUNKS", C.MAX_CHUNKS // 2)
+    monkeypatch.setattr(C, "CE_TAIL_PIECES", C.MAX_CHUNKS // 2)
+    assert C._ce_layout(P, 1 << 40, 1)[0].nchunks <= C.MAX_CHUNKS
 
 
 def test_copy_engine_choice(env, monkeypatch):
@@ -181,7 +200,8 @@ def test_ce_layout(slot):
         off, n = C.ce_chunk(L, L.slot_bytes, L.nchunks - L.tail_pieces)
         assert n <= -(-L.chunk_bytes // L.tail_pieces) + 4096
     assert C.CE_VALUE_OFF + 8 <= L.consumed_off and L.consumed_off + 8 * 3 <= L.flags_off
-    assert L.flags_off + 8 * 2 * 3 * L.nchunks <= L.data0_off and L.data0_off % 4096 == 0
+    assert L.flags_off + 8 * 2 * 3 * L.flag_stride <= L.data0_off and L.data0_off % 4096 == 0
+    assert L.nchunks <= L.flag_stride == C.MAX_CHUNKS
     assert total == L.data0_off + 2 * 3 * L.slot_bytes
 
 
@@ -209,12 +229,12 @@ def test_ce_pushes():
             off, n = C.ce_chunk(L, sizes[dst], c)
             if n:
                 want.append((_Ws.peer_ptr(dst, L.data1_off + me * L.slot_bytes + off), (1000 * (dst + 1) << 20) + off, n))
-            want.append((_Ws.peer_ptr(dst, L.flags_off + 8 * ((1 * P + me) * L.nchunks + c)), value, 8))
+            want.append((_Ws.peer_ptr(dst, L.flags_off + 8 * ((1 * P + me) * L.flag_stride + c)), value, 8))
     assert got == want
     assert sum(n for _, _, n in got if n != 8) == sum(sizes.values())
     sent = C._ce_pushes(_Ws, L, P, me, 0, lambda d: 0, lambda d: sizes[d], sent_flags=True)
     own = [int(d) for d, _, _ in sent if _Ws.peer_ptr(me) <= int(d) < _Ws.peer_ptr(me + 1)]
-    assert own == [_Ws.peer_ptr(me, L.flags_off + 8 * (me * L.nchunks + c)) for c in range(L.nchunks)]
+    assert own == [_Ws.peer_ptr(me, L.flags_off + 8 * (me * L.flag_stride + c)) for c in range(L.nchunks)]
     last_peer = [i for i, (d, _, _) in enumerate(sent) if int(d) >= _Ws.peer_ptr(0) and int(d) < _Ws.peer_ptr(1)]
     assert min(i for i, (d, _, _) in enumerate(sent) if int(d) in own) > min(last_peer)  # after the last peer's chunk
 
@@ -374,7 +394,8 @@ def test_zero_copy_all_gather_into_symmetric_out(env, monkeypatch):
         j = (d >> 44) - 1
         assert j in (2, 0) and d - Buf.peer_ptr(j, 4096 + me * nb) == s - (1 << 30)  # our rows of j's out
     flags = [int(d) for d, _, n in flat if n == 8]
-    assert flags == [_Ws.peer_ptr(j, L.flags_off + 8 * (me * L.nchunks + c))
+    assert flags == [_Ws.peer_ptr(j, L.flags_off + 8 * (me * L.flag_stride + c))
                      for j in (2, 0) for c in range(L.nchunks)]
-    assert C.CollLayout.direct.offset == 56 and ctypes.sizeof(C.CollLayout) == 64  # collectives.cu's struct
+    assert C.CollLayout.direct.offset == 56 and C.CollLayout.flag_stride.offset == 60
+    assert ctypes.sizeof(C.CollLayout) == 64  # collectives.cu's struct
 

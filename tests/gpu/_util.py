@@ -64,6 +64,21 @@ def poisoned(shape, dtype: str) -> DeviceArray:
     return a
 
 
+def poison_workspace_tail(ctx, ws, offset: int) -> None:
+    """Every rank fills its symmetric workspace ``ws`` from byte ``offset`` to the end with 0xFF --
+    what a call of another size might leave in its data region; as a ready flag (u64 2**64 - 1) it
+    reads as raised for any call.  Between calls: every rank's work is done before and after."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check
+    ctx.synchronize()
+    ctx.world.Barrier()
+    if offset < ws.nbytes:
+        check(cu.cuMemsetD8(ws.ptr + offset, 0xFF, ws.nbytes - offset))
+    ctx.synchronize()
+    ctx.world.Barrier()
+
+
 def assert_close(got: np.ndarray, ref: np.ndarray, dtype: str, scale: np.ndarray | None = None, what: str = ""):
     """|got - ref| <= tol(dtype) * (|ref| + scale) elementwise; NaN never passes."""
     assert got.shape == ref.shape, (got.shape, ref.shape)

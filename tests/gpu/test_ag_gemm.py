@@ -16,7 +16,8 @@ from cuda.bindings import driver as cu
 from mkernel.arrays import DeviceArray
 from mkernel.runtime import check
 
-from _util import assert_missing_peer_times_out, download, on_other_device, poisoned, rel_fro, upload
+from _util import (assert_missing_peer_times_out, download, on_other_device, poison_workspace_tail, poisoned, rel_fro,
+                   upload)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -230,6 +231,33 @@ def test_m_sizes_argument(ctx, shared_rng):
     ctx.synchronize()
     A = np.concatenate([upload(s, "bfloat16")[1] for s in shards])
     assert rel_fro(download(out), A @ eb) < REL_TOL
+
+
+def test_stale_workspace_bytes_are_never_flags(ctx, shared_rng):
+    """Every call shares the op's workspace, so bytes a call left in its data region must never read as
+    a later call's ready flag or copy-engine go word, whatever the shapes: the control words sit at
+    offsets of P only (mkernel.ag_gemm MAX_CHUNKS).  Before every call each rank fills its workspace
+    from the previous call's first data byte to the end with 0xFF (as a flag: raised for any call).
+    The sequence: a last shard of 16384 x 8192 (the gather path cuts it into 256 chunks of 64 rows --
+    more flags than fitted before a 4 KiB data region when they moved with the shape) after a small
+    call of the same K; copy-engine calls of different chunk counts (the go word once moved with them:
+    a stale 1 let the copies start before the call was opened); the SM path between them."""
+    P = ctx.local_size
+    if P < 2:
+        pytest.skip("needs 2 or more local ranks")
+    small, big = [64] * (P - 1), 16384
+    seq = [(small + [big], 64, 8192, "unfused"), (small + [1000], 64, 8192, "unfused"),
+           (small + [big], 64, 8192, "unfused"), ([3000] * P, 256, 1024, "fused_ce"),
+           ([700 + 64 * r for r in range(P)], 128, 2048, "fused"), ([9000] * P, 256, 512, "fused_ce"),
+           ([1100] * P, 512, 1024, "fused_ce"), (small + [big], 64, 8192, "fused_ce")]
+    prev_data_off = None
+    for i, (ms, N, K, path) in enumerate(seq):
+        if prev_data_off is not None:
+            poison_workspace_tail(ctx, ctx._workspaces[("ag_gemm",)], prev_data_off)
+        kw = dict(comm_sms=4) if path == "fused" else dict(path=path)
+        plan = _run_case(ctx, shared_rng, ms, N, K, b_layout="nk", what=f"call {i} ({path}, M={ms}, K={K})", **kw)
+        assert plan.path == path, plan.describe()
+        prev_data_off = agm._layout(P, ms, plan.chunk_rows, K * 2).data_off
 
 
 def test_back_to_back_1000_calls(ctx, shared_rng):

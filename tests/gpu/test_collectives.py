@@ -15,7 +15,7 @@ from mkernel.arrays import DeviceArray
 from mkernel.runtime import check
 
 from _util import (assert_close, assert_missing_peer_times_out, check_all_reduce, download, on_other_device,
-                   poisoned, upload)
+                   poison_workspace_tail, poisoned, upload)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -106,6 +106,67 @@ def test_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
     monkeypatch.setenv("MKERNEL_COLL_CE", "0")
     for dtype, n in [("bfloat16", 131072 + 1), ("float16", 1_000_003), ("float32", 2_500_000)]:
         check_all_reduce(ctx, ctx.node_comm, shared_rng, n, dtype, "two-phase", in_place=True)
+
+
+def _sm_data_off(ctx, op: str, n: int, itemsize: int) -> int:
+    """Where the SM path's receive slots begin for ``op`` on ``n`` elements (x's size; all_gather and
+    all_reduce) or ``n`` output elements (reduce_scatter)."""
+    from mkernel import collectives as C
+
+    P = ctx.local_size
+    grid_max = min(ctx.sm_count, C.MAX_BLOCKS) if C.MAX_BLOCKS > 0 else ctx.sm_count
+    phases = 1
+    slot = n * itemsize
+    if op == "all_reduce" and not (n * itemsize <= C.one_shot_max_bytes(P)):
+        slot, phases = C._shard(n, P, itemsize) * itemsize, 2
+    return C._layout(P, slot, grid_max, phases)[0].data0_off
+
+
+def test_stale_slot_bytes_are_never_flags(ctx, shared_rng, monkeypatch):
+    """Every call of an op shares its workspace, so bytes a call left in its receive slots must never
+    read as a later call's ready flag, whatever the sizes: the control words sit at offsets of P only
+    (mkernel.collectives MAX_CHUNKS).  Before every call each rank fills the op's workspace from the
+    previous call's first slot byte to the end with 0xFF (as a flag: raised for any call).  SM path,
+    float32, sizes of 3 KiB to 32 MiB whose chunk counts differ (2 to 2 x #SMs: once, flag regions that
+    grew past the 4 KiB boundary where a smaller call's slots had begun); the all-reduce two-phase from
+    256 KiB so that both phases' flags are in use."""
+    from mkernel import collectives as C
+
+    P, me = ctx.local_size, ctx.local_rank
+    if P < 2:
+        pytest.skip("needs 2 or more local ranks")
+    monkeypatch.setenv("MKERNEL_COLL_CE", "0")
+    monkeypatch.setattr(C, "ONE_SHOT_MAX_BYTES_2RANKS", C.ONE_SHOT_MAX_BYTES)
+    prev = {}
+    for n in [(8 << 20) + 3, 4096, (8 << 20) + 3, (3 << 20) + 5, 777, 8 << 20]:
+        xs = shared_rng.standard_normal((P, n)).astype(np.float32)
+        x, _ = upload(xs[me], "float32")
+        ref = xs.astype(np.float64)
+        scale = np.abs(ref).sum(0) * 1e-3
+        m = max(1, n // P)
+        for op in ("all_gather", "reduce_scatter", "all_reduce"):
+            if op in prev:
+                poison_workspace_tail(ctx, ctx._workspaces[("collective", op)], prev[op])
+            what = f"{op} n={n}"
+            if op == "all_gather":
+                out = poisoned((P * n,), "float32")
+                mkernel.all_gather(ctx, x, out)
+                ctx.synchronize()
+                np.testing.assert_array_equal(download(out), ref.reshape(-1), err_msg=what)
+                prev[op] = _sm_data_off(ctx, op, n, 4)
+            elif op == "reduce_scatter":
+                out = poisoned((m,), "float32")
+                mkernel.reduce_scatter(ctx, x[:P * m], out)
+                ctx.synchronize()
+                assert_close(download(out), ref[:, me * m:(me + 1) * m].sum(0), "float32",
+                             scale[me * m:(me + 1) * m], what)
+                prev[op] = _sm_data_off(ctx, op, m, 4)
+            else:
+                out = poisoned((n,), "float32")
+                mkernel.all_reduce(ctx, x, out)
+                ctx.synchronize()
+                assert_close(download(out), ref.sum(0), "float32", scale, what)
+                prev[op] = _sm_data_off(ctx, op, n, 4)
 
 
 def test_all_reduce_in_place_and_2d(ctx, shared_rng):
