@@ -57,8 +57,10 @@ def _force(path):
 
 
 def _run_case(ctx, rng, m_sizes, N, K, *, dtype="bfloat16", b_layout="kn", comm_sms=None, gathered=False,
-              out_dtype=None, config=None, path=None, misaligned=False, what=""):
-    """misaligned: pass a_shard 8 bytes past a 16-byte boundary (TMA cannot read it in place)."""
+              out_dtype=None, config=None, path=None, misaligned=False, pass_m_sizes=False, what=""):
+    """misaligned: pass a_shard 8 bytes past a 16-byte boundary (TMA cannot read it in place).
+    pass_m_sizes: pass every rank's M_j (``m_sizes=``), as a caller must when ranks change M_j
+    independently."""
     me = ctx.local_rank
     shards, bs = _make(rng, m_sizes, N, K, dtype, b_layout)
     a, _ = upload(shards[me], dtype)
@@ -71,7 +73,8 @@ def _run_case(ctx, rng, m_sizes, N, K, *, dtype="bfloat16", b_layout="kn", comm_
     M = sum(m_sizes)
     out = poisoned((M, N), out_dtype or dtype)
     ga = poisoned((M, K), dtype) if gathered else None
-    res = agm.ag_gemm(ctx, a, b, out, gathered_a=ga, b_layout=b_layout, comm_sms=comm_sms, config=config, path=path)
+    res = agm.ag_gemm(ctx, a, b, out, gathered_a=ga, b_layout=b_layout, comm_sms=comm_sms, config=config, path=path,
+                      m_sizes=m_sizes if pass_m_sizes else None)
     ctx.synchronize()
     assert res is out
     plan = agm.last_plan
@@ -241,7 +244,9 @@ def test_stale_workspace_bytes_are_never_flags(ctx, shared_rng):
     The sequence: a last shard of 16384 x 8192 (the gather path cuts it into 256 chunks of 64 rows --
     more flags than fitted before a 4 KiB data region when they moved with the shape) after a small
     call of the same K; copy-engine calls of different chunk counts (the go word once moved with them:
-    a stale 1 let the copies start before the call was opened); the SM path between them."""
+    a stale 1 let the copies start before the call was opened); the SM path between them.  (Whether
+    a misplaced flag shows depends on timing -- the peer's rows usually land just after -- so the
+    deterministic guard is tests/cpu test_control_words_do_not_move_with_the_shape.)"""
     P = ctx.local_size
     if P < 2:
         pytest.skip("needs 2 or more local ranks")
@@ -255,7 +260,8 @@ def test_stale_workspace_bytes_are_never_flags(ctx, shared_rng):
         if prev_data_off is not None:
             poison_workspace_tail(ctx, ctx._workspaces[("ag_gemm",)], prev_data_off)
         kw = dict(comm_sms=4) if path == "fused" else dict(path=path)
-        plan = _run_case(ctx, shared_rng, ms, N, K, b_layout="nk", what=f"call {i} ({path}, M={ms}, K={K})", **kw)
+        plan = _run_case(ctx, shared_rng, ms, N, K, b_layout="nk", pass_m_sizes=True,
+                         what=f"call {i} ({path}, M={ms}, K={K})", **kw)
         assert plan.path == path, plan.describe()
         prev_data_off = agm._layout(P, ms, plan.chunk_rows, K * 2).data_off
 

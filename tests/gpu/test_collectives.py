@@ -129,7 +129,10 @@ def test_stale_slot_bytes_are_never_flags(ctx, shared_rng, monkeypatch):
     previous call's first slot byte to the end with 0xFF (as a flag: raised for any call).  SM path,
     float32, sizes of 3 KiB to 32 MiB whose chunk counts differ (2 to 2 x #SMs: once, flag regions that
     grew past the 4 KiB boundary where a smaller call's slots had begun); the all-reduce two-phase from
-    256 KiB so that both phases' flags are in use."""
+    256 KiB so that both phases' flags are in use.  (Whether a misplaced flag shows depends on timing:
+    the block that meets it has just waited for a real flag of the same peer, whose push of the
+    chunk is then under way; the deterministic guard is tests/cpu
+    test_control_words_do_not_move_with_the_size.)"""
     from mkernel import collectives as C
 
     P, me = ctx.local_size, ctx.local_rank
