@@ -402,7 +402,9 @@ def precompile_source(source: str, specs=None, *, arch: str | None = None, worke
 def precompile(specs, *, arch: str, workers: int | None = None) -> float:
     """Compile ``(source, defines)`` pairs for ``arch`` into the disk cache, in parallel worker
     processes (NVRTC is single-threaded per program); returns the summed NVRTC seconds (0 for cubins
-    already cached).  Later ``compile_module`` calls load them from disk."""
+    already cached).  Later ``compile_module`` calls load them from disk.  The workers are spawned
+    and import the main module: a script calling this must do so under ``if __name__ ==
+    "__main__":``; where the workers die anyway, it warns and compiles in this process."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
@@ -410,8 +412,16 @@ def precompile(specs, *, arch: str, workers: int | None = None) -> float:
     workers = workers or max(1, min(len(items), (os.cpu_count() or 2)))
     if workers == 1 or len(items) <= 1:
         return sum(_compile_one(it) for it in items)
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        return sum(ex.map(_compile_one, items))
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            return sum(ex.map(_compile_one, items))
+    except cf.process.BrokenProcessPool:
+        import warnings
+
+        warnings.warn("mkernel.precompile: the compile worker processes died (spawned workers import the main "
+                      "module: call precompile under `if __name__ == '__main__':`); compiling in this process",
+                      RuntimeWarning, stacklevel=2)
+        return sum(_compile_one(it) for it in items)
 
 
 # --------------------------------------------------------------------------------------------

@@ -120,3 +120,29 @@ def test_capture_relaxed_restores_and_tolerates_no_driver():
     with pytest.raises(KeyError):
         with runtime.capture_relaxed():
             raise KeyError("the body's error propagates")
+
+
+def test_precompile_falls_back_when_the_workers_die(monkeypatch):
+    """A script that calls precompile at import time kills its spawned workers (they import the main
+    module again): precompile warns and compiles in the calling process instead of raising."""
+    import concurrent.futures as cf
+
+    class DyingPool:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, items):
+            raise cf.process.BrokenProcessPool("a worker died")
+
+    done = []
+    monkeypatch.setattr(cf, "ProcessPoolExecutor", DyingPool)
+    monkeypatch.setattr(runtime, "_compile_one", lambda item: done.append(item[1]["X"]) or 1.5)
+    with pytest.warns(RuntimeWarning, match="__main__"):
+        total = runtime.precompile([("a.cu", {"X": 1}), ("b.cu", {"X": 2})], arch="sm_90a", workers=2)
+    assert total == 3.0 and done == [1, 2]
