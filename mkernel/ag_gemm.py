@@ -148,7 +148,7 @@ class CostModel:
     ce_op_latency: float = 2e-6     # s per copy-engine operation (data or flag copy)
     ce_start_latency: float = 20e-6  # s from the call to the first copy moving (fork, the GEMM's worker 0
                                      # opening the call, the side stream's wait, first op)
-    ce_free_sms: int = 0            # SMs the fused_ce GEMM leaves idle (until the ninth session 1: the
+    ce_free_sms: int = 0            # SMs the fused_ce GEMM leaves idle (until the tenth session 1: the
                                     # side stream's begin kernel ran there; now the GEMM opens the call)
     ce_chunks: int = 4              # chunks (ready flags) per shard: the planner tries ce_chunks,
     ce_chunks_max: int = 16         # 2 * ce_chunks, ... up to ce_chunks_max (docs/ag_gemm.md)
