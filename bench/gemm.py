@@ -133,18 +133,8 @@ def main():
     t_start = time.time()
     for name, M, N, K, layout in select_shapes(shapes(args.quick), args.only):
         flop = 2.0 * M * N * K
-        bytes_per_set = 2 * (M * K + N * K + M * N)
-        nsets = max(1, min(8, math.ceil(2 * l2 / bytes_per_set)))
-        if bytes_per_set * nsets > 40 << 30:
-            nsets = 1
-        gen = torch.Generator(device="cuda").manual_seed(1234)
-        A = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
-        if layout == "kn":
-            B = [torch.randn(K, N, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
-        else:
-            B = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
-        C = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
-        Cr = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
+        A, B, C, Cr = make_inputs(M, N, K, layout, l2)
+        nsets = len(A)
         dA = [as_device_array(x) for x in A]
         dB = [as_device_array(x) for x in B]
         dC = [as_device_array(x) for x in C]
@@ -166,8 +156,7 @@ def main():
         err = ((C[0].float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         ok = err < 1e-2
 
-        est_ms = flop / 600e12 * 1e3  # ~600 TFLOP/s guess, to size batches to ~50 ms
-        batch = max(nsets, min(200, int(math.ceil(50.0 / max(est_ms, 1e-3) / nsets)) * nsets))
+        batch = batch_for(flop, nsets)
         t_ours, t_theirs = _time_alternating([_runner(ours, nsets, batch, args.eager),
                                               _runner(theirs, nsets, batch, args.eager)], batch, reps)
         info = G.describe(M, N, K, b_layout=layout, config=args.config)
@@ -270,6 +259,31 @@ def write_report(out: Path, results, device: str, compile_s, reps: int, quick: b
     write_json(out / "gemm_bench.json", dict(device=device, compile_seconds=compile_s, results=results,
                                              meta=dict(reps=reps, quick=quick, eager=eager)))
     _plot(out / "gemm_bench.png", results, device)
+
+
+def make_inputs(M: int, N: int, K: int, layout: str, l2: int, seed: int = 1234):
+    """(A, B, C, C_ref): lists of as many bf16 input sets (random normal; B [K, N] "kn" or [N, K] "nk")
+    and outputs as it takes to exceed 2x L2 (at most 8; one where that would pass 40 GiB), so that
+    rotating over them makes every call read its inputs from HBM."""
+    import torch
+
+    bytes_per_set = 2 * (M * K + N * K + M * N)
+    nsets = max(1, min(8, math.ceil(2 * l2 / bytes_per_set)))
+    if bytes_per_set * nsets > 40 << 30:
+        nsets = 1
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    A = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
+    bshape = (K, N) if layout == "kn" else (N, K)
+    B = [torch.randn(*bshape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
+    C = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
+    Cr = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
+    return A, B, C, Cr
+
+
+def batch_for(flop: float, nsets: int) -> int:
+    """Calls per timed replay: ~50 ms of work at a guessed 600 TFLOP/s, a multiple of nsets, <= 200."""
+    est_ms = flop / 600e12 * 1e3
+    return max(nsets, min(200, int(math.ceil(50.0 / max(est_ms, 1e-3) / nsets)) * nsets))
 
 
 def _runner(fn, nsets, batch, eager):

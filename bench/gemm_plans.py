@@ -12,7 +12,6 @@ plans (us, ratio to cuBLAS); ERR marks a plan whose result is off (relative Frob
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ def main():
     setup_env()
     import torch
 
-    from gemm import DEEPSEEK_V3, LLAMA3_70B, _runner, _time_alternating
+    from gemm import DEEPSEEK_V3, LLAMA3_70B, _runner, _time_alternating, batch_for, make_inputs
     from mkernel import gemm_engine as G
     from mkernel.arrays import as_device_array
 
@@ -47,17 +46,13 @@ def main():
     for spec in args.shapes:
         name, m = spec.split("@")
         M, (N, K) = int(m), table[name]
-        nsets = max(1, min(8, math.ceil(2 * l2 / (2 * (M * K + N * K + M * N)))))
-        gen = torch.Generator(device="cuda").manual_seed(7)
-        A = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
-        B = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
-        C = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
-        Cr = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
+        A, B, C, Cr = make_inputs(M, N, K, "nk", l2)
+        nsets = len(A)
         dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
         plans = [(None, None)] + [(c, s) for c in cfgs for s in splits
                                   if s <= G.max_splits(G.CONFIGS[c], M, N, K, "nk")]
         flop = 2.0 * M * N * K
-        batch = max(nsets, min(200, int(math.ceil(50.0 / (flop / 600e12 * 1e3) / nsets)) * nsets))
+        batch = batch_for(flop, nsets)
         runs, labels = [], []
         for c, s in plans:
             def ours(i, c=c, s=s):

@@ -361,7 +361,6 @@ MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
                             const MkTensorMap* tmC, const MkComm& c, const AgArgs& a) {
   // the producer runs AgScheduler (split-K units) and the row waits: 48 registers, not 40
   typedef MkWithRegs<typename MkCfgSel<MK_GEMM_CONFIG, KN>::T, 48, 224> Cfg;
-  static_assert(!Cfg::PINGPONG, "ag_ce_open runs in the cooperative loop's idle producer warps");
   extern __shared__ unsigned char mk_smem[];
   const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());

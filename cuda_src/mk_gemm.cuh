@@ -577,7 +577,8 @@ static_assert(MkHookPrefill<MkNoWait>::value && !MkHookPrefill<MkTile>::value, "
 // Hook::side_work(warp, worker_id) (optional, declared by `static constexpr bool kSideWork = true`):
 // run by warps 1..3 of the producer warpgroup -- idle in the tile loop -- after the block barrier, on
 // the producer's register budget, concurrently with the block's tiles (e.g. a fused kernel's call
-// bookkeeping that must not hold up the GEMM).  Not called in ping-pong configs.
+// bookkeeping that must not hold up the GEMM).  Cooperative configs only (a ping-pong loop with such a
+// hook does not compile).
 template <class H, class = void> struct MkHookSideWork {
   static constexpr bool value = false;
 };
@@ -653,6 +654,7 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
                                     const Hook& hook, Epi& epi, unsigned char* smem_raw, int worker_id,
                                     int num_workers) {
   static_assert(Cfg::PINGPONG && Cfg::NC == 2 && Cfg::BM == 64, "ping-pong layout");
+  static_assert(!MkHookSideWork<Hook>::value, "Hook::side_work runs in the cooperative loop only");
   const MkGemmSmem<Cfg> sm(smem_raw);
   const int tid = threadIdx.x;
   const int lane = tid & 31;

@@ -71,7 +71,7 @@ from . import gemm_engine as G
 from . import runtime
 from .arrays import DeviceArray, as_device_array
 from .runtime import check, round_up
-from .signals import call_header_bytes
+from .signals import MAX_CHUNKS, workspace_control
 from .tensormap import encode_tiled
 
 
@@ -80,11 +80,6 @@ __all__ = ["ag_gemm", "plan", "precompile", "AgPlan", "CostModel", "MODEL", "AgA
 SOURCE = "ag_gemm.cu"
 IN_DTYPES = ("bfloat16", "float16")
 MAXP = 16  # local ranks (the kernel keeps the source rank in 4 bits of the tile id)
-# Ready flags per source rank in the workspace, whatever the call: chunk rows are chosen so that no
-# shard has more chunks (chunk_rows_for, ce_chunk_rows).  The workspace's control words (epoch, call
-# header, flags, the copy-engine words) sit at the same offsets for every call, so bytes a call left
-# in the data region can never be read as another call's flag (_layout).
-MAX_CHUNKS = 1024
 GATHER_THREADS = 512
 RELEASE_THREADS = 128
 _FUSED_CONFIGS = (1, 2, 3, 4, 5)  # 0 is the debug config (config=0 forces it); 5: 128x224 with B "nk" only
@@ -641,11 +636,9 @@ def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
     shape could land on bytes an earlier call left in its data region -- rows read as a raised flag
     (a GEMM reading rows that have not arrived), or a stale 1 as the copy engines' go word."""
     nch = max([-(-m // chunk_rows) for m in m_sizes] + [1])
-    if nch > MAX_CHUNKS:
+    if nch > MAX_CHUNKS:  # (chunk_rows_for and ce_chunk_rows never cut a shard into more)
         raise AssertionError(f"ag_gemm: {nch} chunks per shard, the workspace has flags for {MAX_CHUNKS}")
-    consumed_off = 64
-    flags_off = round_up(consumed_off + call_header_bytes(P), 256)
-    value_off = flags_off + 8 * P * MAX_CHUNKS
+    consumed_off, flags_off, value_off = workspace_control(P, P)
     go_off = value_off + 8
     data_off = round_up(go_off + 8, 4096)
     return _Layout(consumed_off, flags_off, value_off, go_off, data_off, MAX_CHUNKS,

@@ -26,7 +26,7 @@ from cuda.bindings import driver as cu
 from . import internode, runtime
 from .arrays import DeviceArray, as_device_array, dtype_of, require
 from .runtime import round_up, stream_handle
-from .signals import call_header_bytes
+from .signals import MAX_CHUNKS, workspace_control
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "CollLayout", "plan_chunks", "use_copy_engines",
            "copy_engine_path"]
@@ -62,12 +62,6 @@ class CollLayout(ctypes.Structure):
                 ("nchunks", ctypes.c_int32), ("tail_pieces", ctypes.c_int32),
                 ("direct", ctypes.c_int32), ("flag_stride", ctypes.c_int32)]
 
-
-# Ready flags per (phase, source) in a workspace, whatever the call (plan_chunks and plan_ce_chunks
-# never cut a slot into more chunks): the control words (epoch, call header, flags) sit at offsets that
-# depend on P only, so bytes an earlier call of another size left in the data region can never be read
-# as a raised flag (_workspace_layout).
-MAX_CHUNKS = 1024
 
 
 MIN_CHUNK = int(os.environ.get("MKERNEL_COLL_MIN_CHUNK", 32 * 1024))
@@ -112,14 +106,14 @@ def _layout(P: int, slot_bytes: int, grid_max: int, phases: int) -> tuple[CollLa
 def _workspace_layout(P: int, slot_bytes: int, chunk: int, nchunks: int, phases: int) -> tuple[CollLayout, int]:
     """(layout, workspace bytes): epoch state (and the copy-engine path's call number) in the first 64
     bytes, consumed[P], entered[P], sig[P][2] (collectives.cu: the call signatures peers announce),
-    ready[2][P][MAX_CHUNKS] (the first ``nchunks`` of each row used), then ``phases`` x P receive
-    slots of ``slot_bytes``.  Everything before the slots depends on P only (see MAX_CHUNKS)."""
+    ready[2][P][MAX_CHUNKS] (the first ``nchunks`` of each row used; plan_chunks and plan_ce_chunks
+    never cut a slot into more), then ``phases`` x P receive slots of ``slot_bytes``.  Everything
+    before the slots depends on P only (signals.workspace_control)."""
     if not 0 < nchunks <= MAX_CHUNKS:
         raise AssertionError(f"collectives: {nchunks} chunks per slot, the workspace has flags for {MAX_CHUNKS}")
     L = CollLayout()
-    L.consumed_off = 64
-    L.flags_off = round_up(L.consumed_off + call_header_bytes(P), 256)
-    L.data0_off = round_up(L.flags_off + 8 * 2 * P * MAX_CHUNKS, 4096)
+    L.consumed_off, L.flags_off, end = workspace_control(P, 2 * P)
+    L.data0_off = round_up(end, 4096)
     L.data1_off = L.data0_off + P * slot_bytes
     L.slot_bytes, L.chunk_bytes, L.nchunks, L.flag_stride = slot_bytes, chunk, nchunks, MAX_CHUNKS
     return L, L.data0_off + phases * P * slot_bytes

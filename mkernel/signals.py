@@ -9,7 +9,7 @@ import ctypes
 from .errors import CommError, CommMismatch, CommTimeout
 
 __all__ = ["OPS", "op_name", "MkComm", "MkErrorRecord", "ErrorRecordView", "MK_OK", "MK_ERR_TIMEOUT",
-           "MK_ERR_MISMATCH", "MK_ERR_PROXY", "call_header_bytes"]
+           "MK_ERR_MISMATCH", "MK_ERR_PROXY", "call_header_bytes", "MAX_CHUNKS", "workspace_control"]
 
 MK_OK, MK_ERR_TIMEOUT, MK_ERR_MISMATCH, MK_ERR_PROXY = 0, 1, 2, 3
 LOCAL_PEER_BIT = 0x40000000  # MK_LOCAL_PEER(j): the kernel named a peer by local rank
@@ -60,6 +60,24 @@ def call_header_bytes(P: int) -> int:
     entered[P], sig[P][2], written by the peers (mk_signal.cuh MkCallHeader, which the collectives'
     and AllGather+GEMM's workspaces both use)."""
     return 4 * 8 * P
+
+
+# Ready flags per (source, phase) row in an op workspace, whatever the call: no op cuts a slot or a
+# shard into more chunks than this.
+MAX_CHUNKS = 1024
+
+
+def workspace_control(P: int, flag_rows: int) -> tuple[int, int, int]:
+    """``(consumed_off, flags_off, end)`` of an op workspace's control region: epoch state (and any
+    op-specific words) in the first 64 bytes, the per-call header (call_header_bytes) at consumed_off,
+    then ``flag_rows`` rows of MAX_CHUNKS u64 ready flags at flags_off (256-byte aligned), up to end.
+    Every offset depends on P and the op's row count only, never on a call's size: the workspace is
+    shared by all the op's calls, and a control word that moved with the size could sit on bytes an
+    earlier call left in its data region (read as a raised flag).  An op places its own fixed words
+    from ``end`` on, then its data."""
+    consumed_off = 64
+    flags_off = -(-(consumed_off + call_header_bytes(P)) // 256) * 256
+    return consumed_off, flags_off, flags_off + 8 * flag_rows * MAX_CHUNKS
 
 
 class ErrorRecordView:
