@@ -148,7 +148,15 @@ def time_stats(fn, warmup: int = 5, reps: int = 10, batch: int = 1, barrier=None
             "samples": samples, "host_ms": statistics.median(host), "reps": reps, "batch": batch, "graph": graph}
 
 
-def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1, barrier=None) -> dict:
+def gpu_lead_cycles(host_ms_per_batch: float, clock_ghz: float = 2.0) -> int:
+    """Cycles of a GPU-side delay that outlasts the host's submission of a batch whose calls take
+    ``host_ms_per_batch`` to submit (2x that, at least 50 us, at ``clock_ghz``; a slower clock only
+    lengthens the delay)."""
+    return int(max(0.05, 2.0 * host_ms_per_batch) * 1e-3 * clock_ghz * 1e9)
+
+
+def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1, barrier=None,
+                     host_lead: bool = False) -> dict:
     """Time several ways of doing the same work in alternating rounds, so they all see the same clocks:
     a GPU near its power or thermal limit drifts over seconds, and methods timed one after another
     inherit whatever state the previous left (e.g. a fused kernel timed right after a long NCCL run
@@ -158,13 +166,28 @@ def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1
     calls; then ``rounds`` rounds, each timing one batch of ``batch`` calls of every fn (the order
     rotates from round to round; device synchronized and ``barrier()`` before every batch).  Returns
     name -> ``time_stats``-style dict (``median_ms``, ``min_ms``, ``max_ms``, ``samples``, ``host_ms``).
+
+    ``host_lead``: enqueue a GPU-side delay (``torch.cuda._sleep``, sized by :func:`gpu_lead_cycles`
+    from the method's host submission time in the warm-up) before the start event, so the whole batch
+    is queued before the GPU reaches the start event and the interval is the GPU's time alone.
+    Without it, a small batch (1 call of a multi-millisecond op) also measures the host's submission
+    of its first call -- tens of us for an op that enqueues several launches and copies, which in a
+    real pipeline (or a CUDA graph) run ahead of the GPU.  Every method gets the same treatment;
+    ``host_ms`` still reports the submission time.
     """
     import torch
 
     names = list(fns)
+    lead = {}
     for name in names:
+        per_call = []
         for _ in range(warmup):
+            t0 = time.perf_counter()
             fns[name]()
+            per_call.append((time.perf_counter() - t0) * 1e3)
+        # the fastest warm-up submission (the first may still build something), times the batch
+        lead[name] = gpu_lead_cycles(min(per_call, default=0.05) * batch)
+        torch.cuda.synchronize()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = {n: [] for n in names}
@@ -175,6 +198,8 @@ def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1
             torch.cuda.synchronize()
             if barrier is not None:
                 barrier()
+            if host_lead:
+                torch.cuda._sleep(lead[name])
             t0 = time.perf_counter()
             start.record()
             for _ in range(batch):

@@ -21,7 +21,10 @@ square sweep M = K in {4096, 8192, 16384, 32768} with N/P = M/16 per rank.  ``--
 
 Every method's output is checked against (a) (relative Frobenius error < 1e-2) on the first call.
 Timing: CUDA events around batches of back-to-back calls on torch's current stream, an MPI barrier
-before every batch; the reported time is the max over ranks of each rank's median per-call time.
+before every batch, every method of a shape in the same alternating rounds; each batch starts behind a
+GPU-side delay longer than the host's submission of its calls (``host_lead``), so the events time the
+GPU alone (the host's submission time per call is reported beside); the reported time is the max over
+ranks of each rank's median per-call time.
 Reports time, TFLOP/s per GPU (2*M*(N/P)*K / t), speedups of (d) over (a) and (b), overlap efficiency
 max(T_gemm, T_allgather) / T_(d), the plan (path, comm SMs) and the model's predictions.  Writes
 ``<out>/ag_gemm_bench.{md,png,json}`` (default docs/).
@@ -44,6 +47,10 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import _common as C  # noqa: E402
 
 _f = C.fmt_or_na  # a number, or "n/a" for a baseline that did not run
+
+
+def _us(ms):
+    return None if ms is None else ms * 1e3
 
 C.setup_env()  # before torch is imported anywhere
 
@@ -198,7 +205,7 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
     stats = {}
     try:
         stats = C.time_interleaved({k: f for k, f in methods.items() if k in common}, rp["warmup"], rp["reps"],
-                                   rp["batch"], barrier=comm.Barrier)
+                                   rp["batch"], barrier=comm.Barrier, host_lead=True)
         ctx.check()
     except Exception as exc:  # noqa: BLE001
         rec["timing_note"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -206,6 +213,7 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
     for key in ("nccl", "ours", "allgather", "gemm", "symm", "forced"):
         # (``common`` and a timing failure are the same on every rank: collective either way)
         rec[key + "_ms"] = C.max_over_ranks(stats[key]["median_ms"], comm)[0] if key in stats else None
+        rec[key + "_host_ms"] = C.max_over_ranks(stats[key]["host_ms"], comm)[0] if key in stats else None
     # derived numbers
     t = {k: rec.get(k + "_ms") for k in ("nccl", "symm", "gemm", "allgather", "ours", "forced")}
     ok = lambda v: v is not None and v == v and v > 0  # noqa: E731
@@ -229,7 +237,7 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
 def report(results, meta, out_dir: Path) -> str:
     headers = ["shape", "M", "N/P", "K", "(a) NCCL+mm ms", "(b) torch symm ms", "gemm ms", "allgather ms",
                "floor ms", "(d) ours ms", "ours TFLOP/s/GPU", "vs (a)", "vs (b)", "overlap eff", "path (comm SMs)",
-               "pred ms", "(e) other path ms"]
+               "pred ms", "(e) other path ms", "host us/call (a) / (d)"]
     rows = []
     for r in results:
         p = r.get("plan", {})
@@ -241,12 +249,15 @@ def report(results, meta, out_dir: Path) -> str:
                      _f(r.get("allgather_ms"), ".3f"), _f(r.get("floor_ms"), ".3f"), _f(r.get("ours_ms"), ".3f"),
                      _f(r.get("ours_tflops"), ".0f"), _f(r.get("speedup_vs_nccl"), ".2f"),
                      _f(r.get("speedup_vs_symm"), ".2f"), _f(r.get("overlap_eff"), ".2f"), path, _f(pred, ".3f"),
-                     _f(r.get("forced_ms"), ".3f") + (f" ({r['forced_path']})" if "forced_path" in r else "")])
+                     _f(r.get("forced_ms"), ".3f") + (f" ({r['forced_path']})" if "forced_path" in r else ""),
+                     _f(_us(r.get("nccl_host_ms")), ".0f") + " / " + _f(_us(r.get("ours_host_ms")), ".0f")])
     symm_notes = sorted({r["symm_note"] for r in results if r.get("symm_note")})
     md = [f"# AllGather + GEMM benchmark ({meta['P']} x {meta['gpu']})", "",
           f"{meta['date']}, torch {meta['torch']}, NCCL {meta['nccl']}, {'--quick, ' if meta['quick'] else ''}"
           f"{meta['elapsed_s']:.0f} s.  bf16, weights [N, K] (b_layout='nk'); times are the max over ranks of "
-          "the median per-call time, every method of a shape timed in the same alternating rounds.  (a) NCCL all_gather_into_tensor + torch.matmul; (b) "
+          "the median per-call time, every method of a shape timed in the same alternating rounds, each batch "
+          "started behind a GPU-side delay that outlasts its submission (GPU time only: the host's submission "
+          "of the calls, shown in the last column, runs ahead of the GPU in a real pipeline).  (a) NCCL all_gather_into_tensor + torch.matmul; (b) "
           "torch.ops.symm_mem.fused_all_gather_matmul; floor = max(our GEMM alone, our all_gather alone); "
           "(d) mkernel.ag_gemm (automatic plan); overlap eff = floor / (d); pred = the planner's prediction for "
           "the path it chose (fused_ce: GEMM on every SM, copy engines move the shards; unfused: our "

@@ -52,6 +52,11 @@ static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,
               "one launch geometry per config (mkernel/gemm_engine.py: TileConfig.smem / threads)");
 
+#ifdef MK_EXPECT_SMEM  // (CPU tests: mkernel/gemm_engine.py's TileConfig.smem / threads for this config)
+static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MK_EXPECT_SMEM, "TileConfig.smem != SMEM_BYTES");
+static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MK_EXPECT_THREADS, "TileConfig.threads != THREADS");
+#endif
+
 typedef typename mk_type<MK_GEMM_OUT>::T MkOut;
 #define MK_THREADS (MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS)
 

@@ -30,9 +30,11 @@ def test_all_combinations_registered():
     f"in{d['MK_GEMM_IN']}-out{d['MK_GEMM_OUT']}-cfg{d['MK_GEMM_CONFIG']}" for _, d in SPECS])
 def test_compiles_clean(source, defines, tmp_path, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
-    mod = runtime.compile_module(source, defines, arch=ARCH)
-    usage = mod.resource_usage
     cfg = G.CONFIGS[defines["MK_GEMM_CONFIG"]]
+    # the host's launch geometry is the kernel's: a static_assert in mk_gemm_configs.cuh
+    mod = runtime.compile_module(source, {**defines, "MK_EXPECT_SMEM": cfg.smem, "MK_EXPECT_THREADS": cfg.threads},
+                                 arch=ARCH)
+    usage = mod.resource_usage
     for name in GEMM_KERNELS + ("mk_pad_copy_u16", "mk_pad_copy_u32"):
         assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
     for fn, u in usage.items():
