@@ -13,8 +13,9 @@
 //                                     e and its signature (mk_signal.cuh, "call signatures")
 //   [flags_off]     u64[P][nch_stride] ready[src][chunk] = call that delivered rows
 //                                     [chunk*CR, chunk*CR + CR) of rank src into our gathered buffer
-//   [ce_value_off]  u64               copy-engine path: the current call number, the source of the
-//                                     copy engine's flag writes
+//   [ce_value_off]  u64[AG_CE_VALUES] copy-engine path: the current call number, AG_CE_VALUES times: the
+//                                     source of the copy engine's flag writes (one copy raises the
+//                                     flags of up to AG_CE_VALUES consecutive chunks)
 //   [ce_go_off]     u32               copy-engine path: 1 = the call is open, the side stream's copies may
 //                                     start (raised by the GEMM kernel, re-zeroed by the side stream)
 //   [data_off]      gathered A        M_total rows of row_bytes (16-byte multiple)
@@ -50,9 +51,10 @@
 // side stream waits (cuStreamWaitValue32) for the word at ce_go_off, which worker 0's otherwise idle
 // producer warp 1 raises once it has opened the call (ag_ce_open: the call number e, every peer's
 // announcement of e and its consumption of e-1, e written into the flag-value slot); the side stream
-// re-zeroes the word, then runs cuMemcpyAsync of each chunk of the local shard into every peer's
-// gathered buffer (and into ours first when the GEMM cannot read it in place), each followed by a
-// copy-engine copy of e from the flag-value slot into the chunk's ready flag.  No SM is spent on
+// re-zeroes the word, then runs cuMemcpyAsync of the local shard into every peer's gathered buffer
+// (and into ours first when the GEMM cannot read it in place) in groups of consecutive chunks (the
+// planner's copy groups: large early, single chunks at the end), each group followed by one
+// copy-engine copy of e from the flag-value slots into its chunks' ready flags.  No SM is spent on
 // communication, and none is left idle.
 //
 // Kernel mk_ag_gather (the unfused fallback's gather; cooperative, blockDim 512, no dynamic smem):
@@ -67,6 +69,7 @@
 #include "mk_signal.cuh"
 
 #define MK_AG_MAXP 16  // local ranks; tile_m carries the source rank in its low 4 bits
+#define AG_CE_VALUES 64  // copy-engine path: flag-value slots (mkernel/ag_gemm.py CE_VALUES)
 #ifndef MK_AG_ERR_CHECK_SPINS
 #define MK_AG_ERR_CHECK_SPINS 2048  // a power of two: at MK_POLL_SLEEP_MAX_NS = 512, ~1 ms of polling
 #endif
@@ -140,7 +143,7 @@ struct AgWs {
 MK_DEVICE void ag_ce_open(const MkComm& c, const AgWs& w, mk_u64 epoch) {
   const int lane = threadIdx.x & 31;
   w.announce(c, epoch, lane, 32);
-  mk_ce_begin(c, epoch, w.header(), (mk_u64*)(w.a->ws + w.a->ce_value_off), true);
+  mk_ce_begin(c, epoch, w.header(), (mk_u64*)(w.a->ws + w.a->ce_value_off), true, AG_CE_VALUES);
   __syncwarp();
   if (lane == 0) {
     __threadfence_system();

@@ -268,10 +268,12 @@ MK_DEVICE void mk_epoch_commit(MkEpochState* s, mk_u64 epoch) {
 // per-call header (MkCallHeader).  With `check_peers`, first wait until every local
 // peer j announced call e with our signature (mk_same_call) -- where the copy engines write memory a
 // peer may still read until its call starts, and so that a peer making another call gets nothing;
-// then wait until every j consumed call e-1; then write e into `value`, the source of the copy
-// engine's flag writes.  A timeout or mismatch leaves `value` at e-1, so the peers' waits for this
-// call's flags stop too instead of reading data that was never sent.
-MK_DEVICE void mk_ce_begin(const MkComm& c, mk_u64 e, const MkCallHeader& h, mk_u64* value, bool check_peers) {
+// then wait until every j consumed call e-1; then write e into `value[0 .. nvalues)`, the source of the
+// copy engine's flag writes (several values: one copy raises that many consecutive flags).  A timeout
+// or mismatch leaves the values at e-1, so the peers' waits for this call's flags stop too instead of
+// reading data that was never sent.
+MK_DEVICE void mk_ce_begin(const MkComm& c, mk_u64 e, const MkCallHeader& h, mk_u64* value, bool check_peers,
+                           int nvalues = 1) {
   const int lane = threadIdx.x & 31;  // (any one warp of a block, not only warp 0)
   bool ok = true;
   for (int j = lane; j < c.local_size; j += 32)
@@ -279,5 +281,5 @@ MK_DEVICE void mk_ce_begin(const MkComm& c, mk_u64 e, const MkCallHeader& h, mk_
       ok = ok && (!check_peers || mk_same_call(c, h, e, j)) &&
            mk_wait_geq(c, h.consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
   if (!__all_sync(0xffffffffu, ok)) return;
-  if (lane == 0) *value = e;
+  for (int i = lane; i < nvalues; i += 32) value[i] = e;
 }

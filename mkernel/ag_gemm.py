@@ -140,13 +140,16 @@ class CostModel:
     # copy-engine path ("fused_ce")
     ce_link_bw: float = 370e9       # B/s the copy engines push to one peer (copy engine 382.7 GB/s measured)
     ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
-    ce_op_latency: float = 2e-6     # s per copy-engine operation (data or flag copy)
+    ce_op_latency: float = 3e-6     # s per copy-engine operation (data or flag copy; 256 MiB both ways on
+                                    # 2 x H200 in 1 / 8 / 16 copies: 696 / 724 / 754 us, each with a flag
+                                    # copy 697 / 744 / 794: docs/ag_gemm.md, eleventh session)
     ce_start_latency: float = 20e-6  # s from the call to the first copy moving (fork, the GEMM's worker 0
                                      # opening the call, the side stream's wait, first op)
     ce_free_sms: int = 0            # SMs the fused_ce GEMM leaves idle (until the tenth session 1: the
                                     # side stream's begin kernel ran there; now the GEMM opens the call)
     ce_chunks: int = 4              # chunks (ready flags) per shard: the planner tries ce_chunks,
-    ce_chunks_max: int = 16         # 2 * ce_chunks, ... up to ce_chunks_max (docs/ag_gemm.md)
+    ce_chunks_max: int = 64         # 2 * ce_chunks, ... up to ce_chunks_max (docs/ag_gemm.md), each with
+                                    # every copy grouping of CE_GROUP_OPTIONS
     ce_gemm_slowdown: float = 1.02  # the GEMM beside incoming NVLink traffic (L2 / HBM sharing)
     ce_min_bytes: int = 8 << 20     # automatic plan: fused_ce only from this many gathered bytes (below,
                                     # the call is host-bound: fork/join and copy submissions cost more
@@ -193,10 +196,13 @@ class AgPlan:
     fused_comm_sms: int = 0         # the model's best split, also when the unfused path was chosen
     splits: int = 1                 # fused paths: K splits of the tiles from split_from on (the last,
     split_from: int = 0             # partial wave of the workers' tile order; 1 = none)
+    ce_group_max: int = 1           # fused_ce: the largest copy group, in chunks (ce_copy_groups)
 
     def describe(self) -> str:
         us = lambda t: f"{t * 1e6:.1f}us" if math.isfinite(t) else "n/a"  # noqa: E731
         split = f" splits={self.splits} from tile {self.split_from}" if self.splits > 1 else ""
+        if self.path == "fused_ce" and self.ce_group_max > 1:
+            split += f" copy groups<={self.ce_group_max}"
         return (f"path={self.path} comm_sms={self.comm_sms} workers={self.workers} config={self.config}{split} "
                 f"chunk_rows={self.chunk_rows} P={self.P} M={list(self.m_sizes)} N={self.n_max} K={self.K} "
                 f"predicted fused={us(self.predicted_fused)} (comm {us(self.predicted_comm)}, gemm "
@@ -295,11 +301,54 @@ def _raster_rows(num_m: int, num_n: int) -> np.ndarray:
     return first + (i - gid * per_group) % gsz
 
 
-def _ce_ready_times(m_sizes, r: int, N: int, cfg, chunk_rows: int, row_bytes: int, model: CostModel) -> np.ndarray:
+# Copy-engine path: flag-value slots in the workspace (cuda_src/ag_gemm.cu AG_CE_VALUES): one flag copy
+# raises up to this many consecutive ready flags, so a copy of that many chunks costs two operations.
+CE_VALUES = 64
+# Copy groupings the planner tries (the largest group, in chunks; 1: every chunk its own copy).
+CE_GROUP_OPTIONS = (1, CE_VALUES)
+
+
+def ce_copy_groups(nch: int, gmax: int) -> list:
+    """Chunks per copy-engine copy of a shard cut into ``nch`` chunks, in order: from the end 1, 1, 2,
+    4, ... (doubling up to ``gmax``), then ``gmax`` each (the first group takes what is left).  Few,
+    large copies early (each copy and its flag copy cost an operation's latency) and single chunks
+    at the end, so the GEMM's work on the rows that land last -- all that is left after the
+    transfer -- is small.  ``gmax`` <= 1: every chunk its own copy."""
+    if nch <= 0:
+        return []
+    if gmax <= 1:
+        return [1] * nch
+    gmax = min(gmax, CE_VALUES)
+    out, total, g = [], 0, 1
+    while total < nch:
+        take = min(g, nch - total)
+        out.append(take)
+        total += take
+        if len(out) >= 2:
+            g = min(gmax, 2 * g)
+    return out[::-1]
+
+
+def _ce_landed(m: int, chunk_rows: int, gmax: int, row_bytes: int, model: CostModel) -> np.ndarray:
+    """Seconds after its first copy starts at which each chunk of an ``m``-row shard has landed (its
+    group's copy and flag copy done), on one copy-engine queue."""
+    nch = -(-m // chunk_rows)
+    sizes = np.minimum(chunk_rows, m - np.arange(nch) * chunk_rows) * row_bytes
+    out, t, c = np.zeros(nch), 0.0, 0
+    for g in ce_copy_groups(nch, gmax):
+        t += float(sizes[c:c + g].sum()) / model.ce_link_bw + 2 * model.ce_op_latency
+        out[c:c + g] = t
+        c += g
+    return out
+
+
+def _ce_ready_times(m_sizes, r: int, N: int, cfg, chunk_rows: int, row_bytes: int, model: CostModel,
+                    gmax: int = 1) -> np.ndarray:
     """When each tile of rank r's tile order (AgScheduler: its own shard, then ranks r-1, r-2, ...)
     can start on the copy-engine path: its own rows at once (read in place); a peer's rows when the
     last chunk they overlap has landed.  Sender s pushes its whole shard to s+1, then s+2, ... on one
-    copy-engine queue, each chunk followed by its flag copy, from ``ce_start_latency`` on."""
+    copy-engine queue in the copy groups of ``gmax`` (ce_copy_groups), each followed by its flag copy,
+    from ``ce_start_latency`` on."""
     P, out = len(m_sizes), []
     num_n = -(-N // cfg.bn)
     for k in range(P):
@@ -311,9 +360,7 @@ def _ce_ready_times(m_sizes, r: int, N: int, cfg, chunk_rows: int, row_bytes: in
         if k == 0:
             out.append(np.zeros(rows.size))
             continue
-        nch = -(-m // chunk_rows)
-        sizes = np.minimum(chunk_rows, m - np.arange(nch) * chunk_rows) * row_bytes
-        landed = np.cumsum(sizes / model.ce_link_bw + 2 * model.ce_op_latency)  # chunk c has landed
+        landed = _ce_landed(m, chunk_rows, gmax, row_bytes, model)  # chunk c has landed
         t0 = model.ce_start_latency + (k - 1) * landed[-1]  # after the shard went to k-1 other peers
         last_chunk = (np.minimum((rows + 1) * cfg.bm, m) - 1) // chunk_rows
         out.append(t0 + landed[last_chunk])
@@ -354,9 +401,10 @@ def _suffix_starts(m_last: int, tiles: int, N: int, cfg) -> list:
 
 def _ce_plan(m_sizes, N: int, K: int, cfg, workers: int, row_bytes: int, sms: int, model: CostModel,
              tail_split: bool | None, base_split: tuple) -> tuple:
-    """(finish time, chunk_rows, splits, split_from) of the copy-engine path for tile config ``cfg``:
-    the fused kernel's timeline simulated tile by tile (_ce_ready_times, _ce_finish) on the slowest
-    rank, over the chunk counts ``ce_chunks * 2^i <= ce_chunks_max`` and split plans: none, the
+    """(finish time, chunk_rows, splits, split_from, group_max) of the copy-engine path for tile config
+    ``cfg``: the fused kernel's timeline simulated tile by tile (_ce_ready_times, _ce_finish) on the
+    slowest rank, over the chunk counts ``ce_chunks * 2^i <= ce_chunks_max`` (each with the copy
+    grouping of CE_GROUP_OPTIONS that finishes first under the GEMM's own split) and split plans: none, the
     GEMM's last-wave split ``base_split``, and -- where the simulated timeline is transfer-bound --
     splitting along K every tile from a raster-group start of the last shard on (the tiles its later
     chunks feed, which otherwise take a whole tile's K on few SMs while the others idle), or every
@@ -373,15 +421,18 @@ def _ce_plan(m_sizes, N: int, K: int, cfg, workers: int, row_bytes: int, sms: in
     while counts[-1] * 2 <= model.ce_chunks_max:
         counts.append(counts[-1] * 2)
     chunk_opts = sorted({ce_chunk_rows(m_sizes, n) for n in counts}, reverse=True)  # fewest chunks first
-    ready = {}  # chunk_rows -> every rank's tile start times (they depend on the chunking only)
+    ready = {}  # (chunk_rows, group_max) -> every rank's tile start times (they depend on the copies only)
 
-    def finish(cr, sp, sf):
-        if cr not in ready:
-            ready[cr] = [_ce_ready_times(m_sizes, r, N, cfg, cr, row_bytes, model) for r in range(P)]
+    def finish(cr, sp, sf, gm=1):
+        if (cr, gm) not in ready:
+            ready[cr, gm] = [_ce_ready_times(m_sizes, r, N, cfg, cr, row_bytes, model, gm) for r in range(P)]
         unit = tt * G.config_cost(cfg, 1, sp, K, "nk", sp) / whole if sp > 1 else tt  # one unit of sp
-        return max(_ce_finish(rt, workers, tt, unit, sp, sf) for rt in ready[cr])
+        return max(_ce_finish(rt, workers, tt, unit, sp, sf) for rt in ready[cr, gm])
     b_sp, b_sf = base_split if tail_split is not False else (1, tiles)
-    base = (finish(chunk_opts[0], b_sp, b_sf), chunk_opts[0], b_sp, b_sf)
+    # each chunking's copy grouping: the one that finishes first with the GEMM's own split (ties: fewer
+    # copies -- the larger group)
+    group = {cr: min(CE_GROUP_OPTIONS, key=lambda gm: (finish(cr, b_sp, b_sf, gm), -gm)) for cr in chunk_opts}
+    base = (finish(chunk_opts[0], b_sp, b_sf, group[chunk_opts[0]]), chunk_opts[0], b_sp, b_sf, group[chunk_opts[0]])
     if tail_split is False or tiles == 0:
         return base
     margin = 0.0 if tail_split else AG_TAIL_SPLIT_MIN_GAIN
@@ -394,9 +445,9 @@ def _ce_plan(m_sizes, N: int, K: int, cfg, workers: int, row_bytes: int, sms: in
         cands = [(1, tiles)] + [(sp, sf) for sf in _suffix_starts(m_last, tiles, N, cfg) + [0]
                                 for sp in _SPLIT_OPTIONS if sp <= min(max_sp, G._max_splits(cfg, tiles - sf, K, "nk"))]
         for sp, sf in cands:
-            t = finish(cr, sp, sf)
+            t = finish(cr, sp, sf, group[cr])
             if t < best[0] and t < (1 - margin) * base[0]:
-                best = (t, cr, sp, sf)
+                best = (t, cr, sp, sf, group[cr])
     return best
 
 
@@ -507,17 +558,16 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         tiles = _fused_tiles(m_sizes, N, cfg)
         sp, sf, gain = _split_gain(cfg, tiles, K, w, tail_split)
         t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * model.ce_gemm_slowdown * gain
-        t_sim, cr_ce, sp, sf = _ce_plan(m_sizes, N, K, cfg, w, row_bytes, sms, model, tail_split, (sp, sf))
+        t_sim, cr_ce, sp, sf, gm = _ce_plan(m_sizes, N, K, cfg, w, row_bytes, sms, model, tail_split, (sp, sf))
         # A rank reads its own rows in place (an A shard 16 bytes aligned, the usual case: no local
         # copy first), so the copy engines start on the peers' shards at once.
         t_comm = model.ce_start_latency + max(
-            (P - 1) * (m * row_bytes / model.ce_link_bw + 2 * (-(-m // cr_ce)) * model.ce_op_latency)
-            for m in m_sizes)
+            (P - 1) * float(_ce_landed(m, cr_ce, gm, row_bytes, model)[-1]) for m in m_sizes if m)
         t = t_sim + model.launch_latency
         if gathered:  # the gathered A is copied out of the workspace after the GEMM
             t += M * row_bytes / model.hbm_copy_bw + model.launch_latency
         # (the grid: one worker per scheduler unit at most)
-        return t, t_comm, t_gemm, cfg, min(w, max(G._units(tiles, sp, sf), 1)), cr_ce, (sp, sf)
+        return t, t_comm, t_gemm, cfg, min(w, max(G._units(tiles, sp, sf), 1)), cr_ce, (sp, sf, gm)
 
     base = dict(m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
                 predicted_allgather=t_ag, predicted_gemm_alone=t_gu, gather_blocks=g_blocks)
@@ -564,7 +614,8 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     if path == "fused_ce":
         return AgPlan(path="fused_ce", comm_sms=0, workers=w_ce, config=cfg_ce.id, predicted_fused=t_ce,
                       predicted_comm=tc_ce, predicted_gemm=tg_ce, reason=reason, fused_comm_sms=n,
-                      chunk_rows=cr_ce, splits=split_ce[0], split_from=split_ce[1], **base)
+                      chunk_rows=cr_ce, splits=split_ce[0], split_from=split_ce[1], ce_group_max=split_ce[2],
+                      **base)
     return AgPlan(path="fused", comm_sms=n, workers=w, config=cfg.id, predicted_fused=t, predicted_comm=tc,
                   predicted_gemm=tg, reason=reason, fused_comm_sms=n, chunk_rows=cr, splits=split_sm[0],
                   split_from=split_sm[1], **base)
@@ -623,7 +674,7 @@ def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
 class _Layout:
     consumed_off: int
     flags_off: int
-    value_off: int  # copy-engine path: the u64 the copy engines copy into ready flags
+    value_off: int  # copy-engine path: CE_VALUES u64, the call number the copy engines copy into ready flags
     go_off: int  # copy-engine path: the u32 the side stream waits on before its copies
     data_off: int
     nch_stride: int
@@ -639,7 +690,7 @@ def _layout(P: int, m_sizes, chunk_rows: int, row_bytes: int) -> _Layout:
     if nch > MAX_CHUNKS:  # (chunk_rows_for and ce_chunk_rows never cut a shard into more)
         raise AssertionError(f"ag_gemm: {nch} chunks per shard, the workspace has flags for {MAX_CHUNKS}")
     consumed_off, flags_off, value_off = workspace_control(P, P)
-    go_off = value_off + 8
+    go_off = value_off + 8 * CE_VALUES
     data_off = round_up(go_off + 8, 4096)
     return _Layout(consumed_off, flags_off, value_off, go_off, data_off, MAX_CHUNKS,
                    data_off + max(1, sum(m_sizes)) * row_bytes)
@@ -958,21 +1009,25 @@ def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, 
 
 def _ce_copies(sig: _Sig, ws, A, me: int, row_bytes: int, local_map: bool) -> list:
     """The side stream's copies for this rank, in order: (dst, src, bytes).  Local chunks first (our
-    GEMM starts on them; none when the GEMM reads them in place: local_map), then every chunk to each
-    peer in rank-rotated order (me+1 first); each data copy is followed by the copy of the flag value
-    into the chunk's ready flag at the destination."""
+    GEMM starts on them; none when the GEMM reads them in place: local_map), then the shard to each
+    peer in rank-rotated order (me+1 first), in the plan's copy groups of consecutive chunks
+    (ce_copy_groups); each data copy is followed by one copy of the flag values into its chunks' ready
+    flags at the destination (consecutive u64: up to CE_VALUES of them per copy)."""
     p, L, P = sig.plan, sig.layout, sig.P
     cr, m = p.chunk_rows, sig.offs[me + 1] - sig.offs[me]
     base = sig.offs[me] * row_bytes
     value = ws.ptr + L.value_off
+    groups = ce_copy_groups(-(-m // cr), p.ce_group_max)
     out = []
     for j in range(1 if local_map else 0, P):
         dst = (me + j) % P
         ws_dst = ws.ptr if j == 0 else ws.peer_ptr(dst)
-        for c in range(-(-m // cr)):
-            off, n = c * cr * row_bytes, min(cr, m - c * cr) * row_bytes
+        c = 0
+        for g in groups:
+            off, n = c * cr * row_bytes, (min(m, (c + g) * cr) - c * cr) * row_bytes
             out.append((ws_dst + L.data_off + base + off, A.ptr + off, n))
-            out.append((ws_dst + L.flags_off + 8 * (me * L.nch_stride + c), value, 8))
+            out.append((ws_dst + L.flags_off + 8 * (me * L.nch_stride + c), value, 8 * g))
+            c += g
     return out
 
 

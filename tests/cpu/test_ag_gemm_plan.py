@@ -96,6 +96,47 @@ def test_ce_copies(local_map):
     assert L.value_off >= L.flags_off + 8 * P * L.nch_stride and L.data_off >= L.value_off + 8
 
 
+@pytest.mark.parametrize("nch,gmax,want", [(1, 64, [1]), (2, 64, [1, 1]), (5, 64, [1, 2, 1, 1]),
+                                           (8, 64, [4, 2, 1, 1]), (64, 16, [16, 16, 16, 8, 4, 2, 1, 1]),
+                                           (7, 1, [1] * 7), (0, 64, [])])
+def test_ce_copy_groups(nch, gmax, want):
+    assert agm.ce_copy_groups(nch, gmax) == want
+
+
+def test_ce_copy_groups_cover_every_chunk_once():
+    for nch in range(1, 300):
+        for gmax in (1, 2, 8, 64, 1000):
+            g = agm.ce_copy_groups(nch, gmax)
+            assert sum(g) == nch and min(g) >= 1 and max(g) <= min(max(gmax, 1), agm.CE_VALUES)
+            assert g[-1] == 1  # the rows that land last are one chunk: the least GEMM work after the transfer
+
+
+def test_ce_copies_in_groups():
+    """A grouped plan: one data copy per group of consecutive chunks, each followed by one flag copy of
+    as many consecutive ready flags, from the CE_VALUES flag-value slots."""
+    P, me, K = 2, 0, 64
+    m_sizes = (1000, 1000)
+    p = agm.plan(m_sizes, 512, K, 2, 132, force_path="fused_ce")
+    p.chunk_rows, p.ce_group_max = 128, 4
+    L = agm._layout(P, m_sizes, p.chunk_rows, K * 2)
+    sig = agm._Sig(p, L, (0, 1000, 2000), P)
+    A = DeviceArray(1 << 36, (1000, K), "bfloat16", None, 0, None)
+    copies = agm._ce_copies(sig, _Ws, A, me, K * 2, True)
+    groups = agm.ce_copy_groups(8, 4)
+    assert groups == [4, 2, 1, 1]
+    assert len(copies) == 2 * len(groups)
+    rb, c = K * 2, 0
+    for i, g in enumerate(groups):
+        dst, src, n = copies[2 * i]
+        assert dst == _Ws.peer_ptr(1) + L.data_off + c * 128 * rb and src == A.ptr + c * 128 * rb
+        assert n == (min(1000, (c + g) * 128) - c * 128) * rb
+        fdst, fsrc, fn = copies[2 * i + 1]
+        assert fdst == _Ws.peer_ptr(1) + L.flags_off + 8 * (me * L.nch_stride + c)
+        assert fsrc == _Ws.ptr + L.value_off and fn == 8 * g <= 8 * agm.CE_VALUES
+        c += g
+    assert c == 8 and L.value_off + 8 * agm.CE_VALUES <= L.go_off
+
+
 def test_env_defines(monkeypatch):
     monkeypatch.setenv("MKERNEL_DEFINES", "MK_A=1, MK_B ,")
     assert runtime._env_defines() == {"MK_A": "1", "MK_B": True}
@@ -202,7 +243,7 @@ def test_control_words_do_not_move_with_the_shape(P):
     control = {(L.consumed_off, L.flags_off, L.nch_stride, L.value_off, L.go_off, L.data_off) for L in layouts}
     assert len(control) == 1, control
     L = layouts[0]
-    assert L.flags_off + 8 * P * agm.MAX_CHUNKS <= L.value_off and L.value_off + 8 <= L.go_off
+    assert L.flags_off + 8 * P * agm.MAX_CHUNKS <= L.value_off and L.value_off + 8 * agm.CE_VALUES <= L.go_off
     assert L.go_off + 4 <= L.data_off and L.data_off % 4096 == 0
     with pytest.raises(AssertionError, match="chunks per shard"):
         agm._layout(P, [agm.MAX_CHUNKS + 1] * P, 1, 16)
@@ -271,3 +312,13 @@ def test_config5_only_when_every_b_is_nk():
     f = agm.plan([700, 717], 3000, 4096, 2, 132, config=5, b_layout="kn", force_path="fused_ce", tail_split=True)
     t = agm._fused_tiles([700, 717], 3000, agm.tile_config(5, "kn"))
     assert t == 12 * 12 and f.split_from <= t, f.describe()
+
+
+def test_ce_values_match_the_kernel():
+    """The flag-value slots the planner's copy groups rely on are the ones the kernel writes."""
+    import re
+    from pathlib import Path
+
+    src = (Path(agm.__file__).resolve().parent.parent / "cuda_src" / "ag_gemm.cu").read_text()
+    assert int(re.search(r"#define AG_CE_VALUES (\d+)", src).group(1)) == agm.CE_VALUES
+    assert max(agm.CE_GROUP_OPTIONS) <= agm.CE_VALUES
