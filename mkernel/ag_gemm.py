@@ -787,6 +787,13 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     ``ag_gemm.last_plan`` describes what ran.
     """
     what = "mkernel.ag_gemm"
+    fkey = _fast_key(ctx, a_shard, b, out, gathered_a, b_layout, stream, comm_sms, m_sizes, config, path)
+    hit = ctx.__dict__.get("_ag_fast", {}).get(fkey) if fkey is not None else None
+    if hit is not None:  # an identical earlier call: replay its bound launch (see _fast_key)
+        ctx.check()
+        _set_last(hit[1])
+        hit[0]()
+        return out
     ctx.check()
     A, B, M_r, K, N, _ = G.check_operands(a_shard, b, b_layout, what=what, a_name="a_shard", stream=stream)
     dt = A.dtype.name
@@ -891,13 +898,50 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     if bound is None:
         bound = _bind(ctx, sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K)
         _lru_put(_bindings, bkey, bound, _BINDINGS_MAX)
-    bound(stream, O, GA.ptr if GA is not None else 0)
-    if bound.buffers and not getattr(bound, "pinned", False) and runtime.is_capturing(stream):
-        # a graph replays the binding's buffers (B staging, split-K sums) after the LRU may have evicted it
-        bound.pinned = True
-        with _lock:
-            _pinned_bindings.append(bound)
+    ga_ptr = GA.ptr if GA is not None else 0
+
+    def run():
+        bound(stream, O, ga_ptr)
+        if bound.buffers and not getattr(bound, "pinned", False) and runtime.is_capturing(stream):
+            # a graph replays the binding's buffers (B staging, split-K sums) after the LRU may have
+            # evicted it
+            bound.pinned = True
+            with _lock:
+                _pinned_bindings.append(bound)
+    run()
+    if fkey is not None:
+        cache = ctx.__dict__.setdefault("_ag_fast", {})
+        if len(cache) >= _FAST_MAX:
+            cache.clear()
+        cache[fkey] = (run, p)
     return result
+
+
+# ---- eager fast path -------------------------------------------------------------------------------
+# A call repeated with the same mkernel DeviceArrays (a_shard, b, out, gathered_a), stream and options
+# replays the first call's bound launch: no argument checks, no signature or plan lookup, no binding
+# lookup -- at small M the call is bound by host time in eager mode (sweep M=K=4096 on 2 x H200: ~100 us
+# of host time per call against ~90 us of GPU time).  DeviceArrays are views whose fields are the call
+# (pointer, shape, strides, dtype, device); the key also holds the context's workspace generation (a
+# reallocated workspace invalidates every binding) and the environment the full path reads per call.
+# Foreign arrays (torch, CuPy, ...) and out=None always take the full path: their memory may move
+# under the same object, and out=None allocates.  ctx.check() still runs first (a failed peer raises).
+_FAST_MAX = 256
+
+
+def _fast_key(ctx, a_shard, b, out, gathered_a, b_layout, stream, comm_sms, m_sizes, config, path):
+    arrays = (a_shard, b, out) + (() if gathered_a is None else (gathered_a,))
+    if any(type(x) is not DeviceArray for x in arrays) or out.readonly:
+        return None
+    try:
+        hs = runtime.stream_handle(stream)
+        extra = (b_layout, hs, comm_sms, None if m_sizes is None else tuple(int(m) for m in m_sizes), config,
+                 path, os.environ.get("MKERNEL_AG_GEMM_PATH"), os.environ.get("MKERNEL_AG_GEMM_TAIL_SPLIT"),
+                 ctx._ws_gen)
+        hash(extra)
+    except (TypeError, ValueError):
+        return None  # (the full path reports bad arguments)
+    return tuple((x.ptr, x.shape, x.strides, x.dtype.name, x.device) for x in arrays) + extra
 
 
 def _bind(ctx, sig: _Sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K):

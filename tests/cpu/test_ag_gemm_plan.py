@@ -322,3 +322,35 @@ def test_ce_values_match_the_kernel():
     src = (Path(agm.__file__).resolve().parent.parent / "cuda_src" / "ag_gemm.cu").read_text()
     assert int(re.search(r"#define AG_CE_VALUES (\d+)", src).group(1)) == agm.CE_VALUES
     assert max(agm.CE_GROUP_OPTIONS) <= agm.CE_VALUES
+
+
+def test_fast_key(monkeypatch):
+    """The eager fast path's key: mkernel DeviceArrays only (foreign arrays and out=None take the full
+    path); any field of an array, the options, the environment read per call or the workspace
+    generation gives another key."""
+
+    class Ctx:
+        _ws_gen = 3
+
+    ctx = Ctx()
+    a = DeviceArray(1 << 36, (64, 128), "bfloat16", None, 0, None)
+    b = DeviceArray(1 << 37, (128, 256), "bfloat16", None, 0, None)
+    o = DeviceArray(1 << 38, (128, 256), "bfloat16", None, 0, None)
+    key = lambda *args, **kw: agm._fast_key(ctx, *args, **kw)  # noqa: E731
+    base = ("kn", None, None, None, None, None)
+    k0 = key(a, b, o, None, *base)
+    assert k0 is not None and k0 == key(a, b, o, None, *base)
+    assert key(a, b, None, None, *base) is None
+    assert key(np.zeros((64, 128)), b, o, None, *base) is None
+    assert key(a, b, DeviceArray(1 << 38, (128, 256), "bfloat16", None, 0, None, readonly=True), None, *base) is None
+    others = [key(DeviceArray((1 << 36) + 256, (64, 128), "bfloat16", None, 0, None), b, o, None, *base),
+              key(a, b, o, DeviceArray(1 << 39, (128, 128), "bfloat16", None, 0, None), *base),
+              key(a, b, o, None, "nk", None, None, None, None, None),
+              key(a, b, o, None, "kn", None, 0, None, None, None),
+              key(a, b, o, None, "kn", None, None, None, None, "fused_ce")]
+    monkeypatch.setenv("MKERNEL_AG_GEMM_TAIL_SPLIT", "0")
+    others.append(key(a, b, o, None, *base))
+    monkeypatch.delenv("MKERNEL_AG_GEMM_TAIL_SPLIT")
+    ctx._ws_gen = 4
+    others.append(key(a, b, o, None, *base))
+    assert len({k0, *others}) == len(others) + 1

@@ -301,6 +301,42 @@ def test_back_to_back_1000_calls(ctx, shared_rng):
             np.testing.assert_array_equal(h_ga[i], A, err_msg=f"call {i}: gathered_a")
 
 
+@pytest.mark.parametrize("path", ["fused_ce", "unfused", "fused"])
+def test_repeated_calls_replay_the_bound_launch(ctx, shared_rng, path):
+    """The eager fast path: the same DeviceArrays called again (new data copied into them in between)
+    replay the first call's bound launch -- right results every time, gathered_a included, last_plan
+    set; another output array takes the full path and is right too."""
+    P, me = ctx.local_size, ctx.local_rank
+    Mr, K, N = 200, 256, 320
+    M = Mr * P
+    a = DeviceArray.empty((Mr, K), "bfloat16")
+    b = DeviceArray.empty((K, N), "bfloat16")
+    out, ga = poisoned((M, N), "bfloat16"), poisoned((M, K), "bfloat16")
+    kw = _force(path) if path != "unfused" else dict(comm_sms=0)
+    for it in range(3):
+        A_all = shared_rng.standard_normal((P, Mr, K))
+        Bm = shared_rng.standard_normal((K, N))
+        src_a, _ = upload(A_all[me], "bfloat16")
+        src_b, eb = upload(Bm, "bfloat16")
+        a.copy_from(src_a)
+        b.copy_from(src_b)
+        ctx.synchronize()
+        out.fill_nan()
+        ga.fill_nan()
+        res = agm.ag_gemm(ctx, a, b, out, gathered_a=ga, **kw)
+        assert res is out and agm.last_plan.path == path, agm.last_plan.describe()
+        ctx.synchronize()
+        exact = np.concatenate([upload(A_all[r], "bfloat16")[1] for r in range(P)])
+        assert rel_fro(download(out), exact @ eb) < REL_TOL, f"{path} call {it}"
+        np.testing.assert_array_equal(download(ga), exact, err_msg=f"{path} call {it}: gathered_a")
+        if it == 0:
+            assert any(k[0][0] == a.ptr for k in ctx.__dict__.get("_ag_fast", {})), "first call not cached"
+    other = poisoned((M, N), "bfloat16")
+    agm.ag_gemm(ctx, a, b, other, **kw)
+    ctx.synchronize()
+    assert rel_fro(download(other), exact @ eb) < REL_TOL
+
+
 def test_graph_capture_replay(ctx, shared_rng):
     """Capture a fused, an unfused and a copy-engine call in one CUDA graph; replay 100 times with new
     inputs."""
