@@ -324,12 +324,13 @@ def test_repeated_calls_replay_the_bound_launch(ctx, shared_rng, path):
         out.fill_nan()
         ga.fill_nan()
         res = agm.ag_gemm(ctx, a, b, out, gathered_a=ga, **kw)
-        assert res is out and agm.last_plan.path == path, agm.last_plan.describe()
+        # (one rank: nothing to gather, a plain GEMM and a copy -- the full path every time)
+        assert res is out and agm.last_plan.path == (path if P > 1 else "unfused"), agm.last_plan.describe()
         ctx.synchronize()
         exact = np.concatenate([upload(A_all[r], "bfloat16")[1] for r in range(P)])
         assert rel_fro(download(out), exact @ eb) < REL_TOL, f"{path} call {it}"
         np.testing.assert_array_equal(download(ga), exact, err_msg=f"{path} call {it}: gathered_a")
-        if it == 0:
+        if it == 0 and P > 1:
             assert any(k[0][0] == a.ptr for k in ctx.__dict__.get("_ag_fast", {})), "first call not cached"
     other = poisoned((M, N), "bfloat16")
     agm.ag_gemm(ctx, a, b, other, **kw)
