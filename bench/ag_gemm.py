@@ -121,7 +121,7 @@ class TorchSymmMem:
         return outs[0]
 
 
-def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
+def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick, paths=()):
     from mkernel.arrays import as_device_array
 
     P, comm = ctx.local_size, ctx.world
@@ -200,6 +200,9 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
         prepare("forced", lambda: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, path=alt),
                 lambda: rel_err(torch, c_ours, c_ref))
         rec["forced_path"] = alt
+    for pth in paths:  # --paths: more forced paths, in the same rounds (JSON and stdout only)
+        prepare("path_" + pth, lambda pth=pth: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, path=pth),
+                lambda: rel_err(torch, c_ours, c_ref))
     # every rank times the same methods (their calls are collective)
     common = set.intersection(*[set(m) for m in comm.allgather(list(methods))])
     stats = {}
@@ -210,7 +213,7 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick):
     except Exception as exc:  # noqa: BLE001
         rec["timing_note"] = f"{type(exc).__name__}: {exc}"[:300]
         stats = {}
-    for key in ("nccl", "ours", "allgather", "gemm", "symm", "forced"):
+    for key in ("nccl", "ours", "allgather", "gemm", "symm", "forced", *("path_" + q for q in paths)):
         # (``common`` and a timing failure are the same on every rank: collective either way)
         rec[key + "_ms"] = C.max_over_ranks(stats[key]["median_ms"], comm)[0] if key in stats else None
         rec[key + "_host_ms"] = C.max_over_ranks(stats[key]["host_ms"], comm)[0] if key in stats else None
@@ -320,6 +323,8 @@ def main() -> int:
     ap.add_argument("--max-m", type=int, default=1 << 30, help="skip shapes with a larger total M")
     ap.add_argument("--min-m", type=int, default=0, help="skip shapes with a smaller total M")
     ap.add_argument("--only", default="", help="comma-separated shapes to run: NAME (every M) or NAME@M")
+    ap.add_argument("--paths", default="", help="comma-separated ag_gemm paths (fused, fused_ce, unfused) to "
+                    "time too, forced, in the same rounds: JSON (path_<name>_ms) and stdout only")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="no GPU: merge the results of earlier runs (their ag_gemm_bench.json) into one report")
     args = ap.parse_args()
@@ -352,11 +357,14 @@ def main() -> int:
     comm.Barrier()
     symm = TorchSymmMem(torch, dist)
     todo = [s for s in C.select_shapes(shapes(P, args.quick), args.only) if args.min_m <= s[1] <= args.max_m]
+    paths = tuple(q.strip() for q in args.paths.split(",") if q.strip())
+    if any(q not in agm.PATHS for q in paths):
+        raise SystemExit(f"--paths: each of {list(agm.PATHS)}, got {args.paths!r}")
     say(f"{P} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, {len(todo)} shapes; torch symm "
         f"mem: {'available' if symm.fn is not None else symm.reason}")
     results = []
     for name, M, N, K in todo:
-        rec = measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, args.quick)
+        rec = measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, args.quick, paths)
         results.append(rec)
         p = rec.get("plan", {})
         say(f"{name:20s} M={M:6d} N/P={N:6d} K={K:6d}: NCCL+mm {_f(rec.get('nccl_ms'), '8.3f')} | symm "
@@ -365,7 +373,8 @@ def main() -> int:
             f"{_f(rec.get('ours_tflops'), '4.0f')} TF/s x{_f(rec.get('speedup_vs_nccl'), '.2f')} "
             f"eff {_f(rec.get('overlap_eff'), '.2f')} {p.get('path')}({p.get('comm_sms')}) "
             f"{'; '.join(str(v) for k, v in rec.items() if k.endswith('_note') and k != 'symm_note')} "
-            f"[{time.monotonic() - t_start:.0f} s]")
+            + "".join(f"| {q} {_f(rec.get('path_' + q + '_ms'), '8.3f')} " for q in paths)
+            + f"[{time.monotonic() - t_start:.0f} s]")
     if ctx.rank == 0:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "P": P, "gpu": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
