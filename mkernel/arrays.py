@@ -436,6 +436,11 @@ class DeviceArray:
         self.readonly = bool(readonly)
         self._dl_device_type = KDL_CUDA
 
+    def call_key(self) -> tuple:
+        """What makes this view the same argument of an op call as another: pointer, shape, strides,
+        dtype, device and the read-only flag (the ops' eager fast paths key on it: runtime.fast_get)."""
+        return (self.ptr, self.shape, self.strides, self.dtype.name, self.device, self.readonly)
+
     # ---- basic properties ------------------------------------------------------------------
     @property
     def size(self) -> int:

@@ -148,39 +148,23 @@ def _launch(ctx, op: str, dtype, slot_bytes: int, phases: int, head_args: list, 
 # ---- eager fast path -------------------------------------------------------------------------------
 # A call repeated with the same mkernel DeviceArrays (x and out), stream and path settings, after a
 # first call that ran the SM kernel, replays that call's prepared launch: no argument checks, no plan,
-# no argument packing -- small collectives are bound by host time in eager mode.  DeviceArrays are
-# views whose fields are the call (pointer, shape, strides, dtype, device); the key also holds the
-# context's workspace generation (a reallocated workspace invalidates every prepared launch) and
-# MKERNEL_COLL_CE (read per call).  Foreign arrays (torch, CuPy, ...) always take the full path: their
-# memory may move under the same object.
-_FAST_MAX = 256
+# no argument packing (runtime.fast_get; the key holds MKERNEL_COLL_CE, read per call).
 
 
 def _fast_key(ctx, op: str, x, out, stream):
     if type(x) is not DeviceArray or type(out) is not DeviceArray:
         return None
-    return (op, x.ptr, x.shape, x.strides, x.dtype.name, x.device, out.ptr, out.shape, out.strides, out.dtype.name,
-            out.device, out.readonly, stream_handle(stream), os.environ.get("MKERNEL_COLL_CE"),
-            ctx._ws_gen)
+    return (op, x.call_key(), out.call_key(), stream_handle(stream), os.environ.get("MKERNEL_COLL_CE"), ctx._ws_gen)
 
 
 def _fast_run(ctx, key) -> bool:
     """Replay the prepared launch of an identical earlier call; False when there is none."""
-    run = ctx.__dict__.get("_coll_fast", {}).get(key) if key is not None else None
+    run = runtime.fast_get(ctx, key)
     if run is None:
         return False
     ctx.check()
     run()
     return True
-
-
-def _fast_put(ctx, key, run) -> None:
-    if key is None:
-        return
-    cache = ctx.__dict__.setdefault("_coll_fast", {})
-    if len(cache) >= _FAST_MAX:
-        cache.clear()
-    cache[key] = run
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,7 +434,7 @@ def all_gather(ctx, x, out=None, *, stream=None):
         _ce_run(ctx, "all_gather", _BYTES, x.nbytes, 1, x, o, x.nbytes, 0, stream, sig, direct)
         return out
     # byte-oriented: one kernel for every dtype
-    _fast_put(ctx, key, _launch(ctx, "all_gather", _BYTES, x.nbytes, 1,
+    runtime.fast_put(ctx, key, _launch(ctx, "all_gather", _BYTES, x.nbytes, 1,
                                 [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes)],
                                 stream, sig))
     return out
@@ -485,7 +469,7 @@ def reduce_scatter(ctx, x, out=None, *, stream=None):
     if ce:
         _ce_run(ctx, "reduce_scatter", x.dtype, o.nbytes, 1, x, o, o.size, 0, stream, sig)
         return out
-    _fast_put(ctx, key, _launch(ctx, "reduce_scatter", x.dtype, o.nbytes, 1,
+    runtime.fast_put(ctx, key, _launch(ctx, "reduce_scatter", x.dtype, o.nbytes, 1,
                                 [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(o.size)], stream, sig))
     return out
 
@@ -524,7 +508,7 @@ def all_reduce(ctx, x, out=None, *, stream=None):
         else:
             _ce_run(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 2, x, o, n, shard, stream, sig)
         return out
-    _fast_put(ctx, key, _launch(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 1 if one_shot else 2,
+    runtime.fast_put(ctx, key, _launch(ctx, "all_reduce", x.dtype, shard * x.dtype.itemsize, 1 if one_shot else 2,
                                 [ctypes.c_uint64(x.ptr), ctypes.c_uint64(o.ptr), ctypes.c_uint64(n),
                                  ctypes.c_uint64(shard), ctypes.c_int32(1 if one_shot else 0)], stream, sig))
     return out

@@ -468,6 +468,31 @@ class Events:
             pass
 
 
+# ---- eager fast paths --------------------------------------------------------------------------------
+# An op called again with the same mkernel DeviceArrays (DeviceArray.call_key), stream and settings
+# replays what its first call prepared: small calls are bound by host time in eager mode.  Each op
+# builds its key (None: take the full path -- foreign arrays, whose memory may move under the same
+# object) with its name first and the context's workspace generation in it (a reallocated workspace
+# invalidates every prepared call); the entries live on the context, at most FAST_MAX of them.
+FAST_MAX = 256
+
+
+def fast_get(ctx, key):
+    """What an op stored for ``key`` on context ``ctx`` (None: nothing, or ``key`` is None)."""
+    return None if key is None else ctx.__dict__.get("_fast_calls", {}).get(key)
+
+
+def fast_put(ctx, key, value) -> None:
+    """Store ``value`` for ``key`` on ``ctx`` (nothing when ``key`` is None; all entries are dropped when
+    there are FAST_MAX)."""
+    if key is None:
+        return
+    cache = ctx.__dict__.setdefault("_fast_calls", {})
+    if len(cache) >= FAST_MAX:
+        cache.clear()
+    cache[key] = value
+
+
 def copy_async(copies, stream) -> None:
     """``cuMemcpyAsync`` of every ``(dst, src, bytes)`` of ``copies``, in order, on ``stream`` (a
     ``CUstream`` or anything stream_handle takes); a stream's copies run in that order, which the
