@@ -178,16 +178,18 @@ def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1
     import torch
 
     names = list(fns)
-    lead = {}
+    lead = {}  # (host_lead) name -> delay cycles
     for name in names:
         per_call = []
         for _ in range(warmup):
             t0 = time.perf_counter()
             fns[name]()
             per_call.append((time.perf_counter() - t0) * 1e3)
-        # the fastest warm-up submission (the first may still build something), times the batch
-        lead[name] = gpu_lead_cycles(min(per_call, default=0.05) * batch)
-        torch.cuda.synchronize()
+        if host_lead:
+            # the fastest warm-up submission (the first may still build something), times the batch; the
+            # queue drained before the next method's warm-up, whose submissions must not wait on it
+            lead[name] = gpu_lead_cycles(min(per_call, default=0.05) * batch)
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = {n: [] for n in names}

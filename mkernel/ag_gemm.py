@@ -423,7 +423,7 @@ def _ce_plan(m_sizes, N: int, K: int, cfg, workers: int, row_bytes: int, sms: in
     chunk_opts = sorted({ce_chunk_rows(m_sizes, n) for n in counts}, reverse=True)  # fewest chunks first
     ready = {}  # (chunk_rows, group_max) -> every rank's tile start times (they depend on the copies only)
 
-    def finish(cr, sp, sf, gm=1):
+    def finish(cr, sp, sf, gm):
         if (cr, gm) not in ready:
             ready[cr, gm] = [_ce_ready_times(m_sizes, r, N, cfg, cr, row_bytes, model, gm) for r in range(P)]
         unit = tt * G.config_cost(cfg, 1, sp, K, "nk", sp) / whole if sp > 1 else tt  # one unit of sp
