@@ -201,7 +201,8 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick, paths=(
                 lambda: rel_err(torch, c_ours, c_ref))
         rec["forced_path"] = alt
     for pth in paths:  # --paths: more forced paths, in the same rounds (JSON and stdout only)
-        prepare("path_" + pth, lambda pth=pth: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, path=pth),
+        kw = dict(comm_sms=int(pth[6:])) if pth.startswith("fused@") else dict(path=pth)
+        prepare("path_" + pth, lambda kw=kw: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, **kw),
                 lambda: rel_err(torch, c_ours, c_ref))
     # every rank times the same methods (their calls are collective)
     common = set.intersection(*[set(m) for m in comm.allgather(list(methods))])
@@ -323,8 +324,8 @@ def main() -> int:
     ap.add_argument("--max-m", type=int, default=1 << 30, help="skip shapes with a larger total M")
     ap.add_argument("--min-m", type=int, default=0, help="skip shapes with a smaller total M")
     ap.add_argument("--only", default="", help="comma-separated shapes to run: NAME (every M) or NAME@M")
-    ap.add_argument("--paths", default="", help="comma-separated ag_gemm paths (fused, fused_ce, unfused) to "
-                    "time too, forced, in the same rounds: JSON (path_<name>_ms) and stdout only")
+    ap.add_argument("--paths", default="", help="comma-separated ag_gemm paths (fused, fused_ce, unfused, "
+                    "fused@N: the SM path with N communication SMs) to time too, forced, in the same rounds: JSON (path_<name>_ms) and stdout only")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="no GPU: merge the results of earlier runs (their ag_gemm_bench.json) into one report")
     args = ap.parse_args()
@@ -358,8 +359,8 @@ def main() -> int:
     symm = TorchSymmMem(torch, dist)
     todo = [s for s in C.select_shapes(shapes(P, args.quick), args.only) if args.min_m <= s[1] <= args.max_m]
     paths = tuple(q.strip() for q in args.paths.split(",") if q.strip())
-    if any(q not in agm.PATHS for q in paths):
-        raise SystemExit(f"--paths: each of {list(agm.PATHS)}, got {args.paths!r}")
+    if any(q not in agm.PATHS and not (q.startswith("fused@") and q[6:].isdigit()) for q in paths):
+        raise SystemExit(f"--paths: each of {list(agm.PATHS)} or fused@N (N comm SMs), got {args.paths!r}")
     say(f"{P} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, {len(todo)} shapes; torch symm "
         f"mem: {'available' if symm.fn is not None else symm.reason}")
     results = []

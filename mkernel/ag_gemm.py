@@ -137,6 +137,9 @@ class CostModel:
     min_chunks: int = 16            # the largest shard is cut into at least this many chunks
     comm_safety: float = 1.25       # push times are scaled by this (a late chunk stalls the GEMM)
     min_comm_sms: int = 4           # never fewer communication blocks (they also do the local copy)
+    chunks_per_block: int = 2       # SM paths: the largest shard has at least this many chunks per
+    min_chunk_bytes: int = 64 << 10  # pushing block, down to chunks of this many bytes
+    gather_small_blocks: int = 32   # unfused: gather blocks below 2 MiB shards (collectives.grid_for)
     # copy-engine path ("fused_ce")
     ce_link_bw: float = 370e9       # B/s the copy engines push to one peer (copy engine 382.7 GB/s measured)
     ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
@@ -218,14 +221,20 @@ def _pow2_floor(x: float) -> int:
     return 1 << (x.bit_length() - 1)
 
 
-def chunk_rows_for(m_sizes, row_bytes: int, model: CostModel = MODEL) -> int:
+def chunk_rows_for(m_sizes, row_bytes: int, model: CostModel = MODEL, blocks: int | None = None) -> int:
     """Rows per ready flag: a power of two in [8, 8192], about ``chunk_target_bytes`` per chunk but
-    small enough that the largest shard has ``min_chunks`` chunks (so many blocks can push at once);
-    more than 8192 only where a shard would otherwise have more than ``MAX_CHUNKS`` chunks (the
-    workspace has flags for that many).  Depends only on values every rank agrees on."""
+    small enough that the largest shard has ``min_chunks`` chunks (so many blocks can push at once)
+    and, given the ``blocks`` that push it, ``chunks_per_block`` chunks per block (so every block is
+    busy and rows land progressively) down to ``min_chunk_bytes`` per chunk; more than 8192 only where
+    a shard would otherwise have more than ``MAX_CHUNKS`` chunks (the workspace has flags for that
+    many).  Depends only on values every rank agrees on."""
     m_max = max(m_sizes) if len(m_sizes) else 0
     target = _pow2_floor(model.chunk_target_bytes / max(row_bytes, 1))
     cap = _pow2_floor(max(1, m_max // model.min_chunks))
+    if blocks:
+        floor = _pow2_floor(max(1, -(-model.min_chunk_bytes // max(row_bytes, 1))))
+        floor = floor if floor * row_bytes >= model.min_chunk_bytes else 2 * floor
+        cap = min(cap, max(floor, _pow2_floor(max(1, m_max // (model.chunks_per_block * blocks)))))
     return int(max(min(8192, max(8, min(target, cap))), _min_chunk_rows(m_max)))
 
 
@@ -517,10 +526,12 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     P = len(m_sizes)
     M = sum(m_sizes)
     row_bytes = K * itemsize
-    cr = chunk_rows_for(m_sizes, row_bytes, model)
-    # unfused: gather on up to every SM, then mkernel.gemm over the gathered rows
-    nch_max = max([-(-m // cr) for m in m_sizes] + [1])
-    g_blocks = max(1, min(sms, nch_max, model.max_comm_sms))  # many spinning blocks hurt (docs/collectives.md)
+    # unfused: gather on every SM (shards of 2 MiB and more; below, a smaller grid starts sooner: the
+    # collectives' rule, docs/collectives.md), then mkernel.gemm over the gathered rows
+    m_max = max(m_sizes) if m_sizes else 0
+    g_want = sms if m_max * row_bytes >= (2 << 20) else min(sms, model.gather_small_blocks)
+    cr = chunk_rows_for(m_sizes, row_bytes, model, blocks=g_want)
+    g_blocks = max(1, min(g_want, -(-m_max // cr)))
     t_ag = (_comm_time(m_sizes, row_bytes, g_blocks, cr, gathered, model) + 2 * model.launch_latency
             if P > 1 else (M * row_bytes / model.hbm_copy_bw if gathered else 0.0))
     # mkernel.gemm's own plan for the gathered problem (any config, split-K)
@@ -544,13 +555,14 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         cfg = fused_config(w)
         tiles = _fused_tiles(m_sizes, N, cfg)
         tt = _tile_time(cfg, K, sms, model)
-        t_comm = _comm_time(m_sizes, row_bytes, n, cr, gathered, model)
+        cr_n = chunk_rows_for(m_sizes, row_bytes, model, blocks=n)  # chunks for n pushing blocks
+        t_comm = _comm_time(m_sizes, row_bytes, n, cr_n, gathered, model)
         split = _split_gain(cfg, tiles, K, w, tail_split)
         t_gemm = _gemm_time(tiles, w, cfg, K, sms, model) * split[2]
         per_shard = lambda m: -(-m // cfg.bm) * -(-N // cfg.bn)  # noqa: E731
-        t_stream = _fused_finish(m_sizes, row_bytes, n, cr, per_shard, w, tt, model)
+        t_stream = _fused_finish(m_sizes, row_bytes, n, cr_n, per_shard, w, tt, model)
         t = max(t_stream, t_gemm, t_comm + tt) + model.launch_latency
-        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), split[:2]
+        return t, t_comm, t_gemm, cfg, min(w, max(tiles, 1)), split[:2], cr_n
 
     def fused_ce():
         w = sms - model.ce_free_sms  # every SM a GEMM worker (worker 0's idle warp opens the call)
@@ -583,16 +595,16 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         if not 1 <= comm_sms < sms:
             raise ValueError(f"mkernel.ag_gemm: comm_sms={comm_sms} must be in [1, {sms - 1}] on this "
                              f"{sms}-SM GPU (0 forces the unfused path)")
-        t, tc, tg, cfg, w, (sp, sf) = fused_at(comm_sms)
+        t, tc, tg, cfg, w, (sp, sf), cr_n = fused_at(comm_sms)
         return AgPlan(path="fused", comm_sms=comm_sms, workers=w, config=cfg.id, predicted_fused=t,
                       predicted_comm=tc, predicted_gemm=tg, reason="comm_sms given", fused_comm_sms=comm_sms,
-                      chunk_rows=cr, splits=sp, split_from=sf, **base)
+                      chunk_rows=cr_n, splits=sp, split_from=sf, **base)
     best = None
     for n in range(min(model.min_comm_sms, sms // 2), min(model.max_comm_sms, sms // 2) + 1):
         cand = fused_at(n)
         if best is None or cand[0] < best[1][0] * 0.999:
             best = (n, cand)
-    n, (t, tc, tg, cfg, w, split_sm) = best
+    n, (t, tc, tg, cfg, w, split_sm, cr_sm) = best
     t_ce, tc_ce, tg_ce, cfg_ce, w_ce, cr_ce, split_ce = fused_ce()
     if comm_sms == 0 or force_path == "unfused":
         path, reason = "unfused", ("comm_sms=0" if comm_sms == 0 else "path forced: unfused")
@@ -617,7 +629,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
                       chunk_rows=cr_ce, splits=split_ce[0], split_from=split_ce[1], ce_group_max=split_ce[2],
                       **base)
     return AgPlan(path="fused", comm_sms=n, workers=w, config=cfg.id, predicted_fused=t, predicted_comm=tc,
-                  predicted_gemm=tg, reason=reason, fused_comm_sms=n, chunk_rows=cr, splits=split_sm[0],
+                  predicted_gemm=tg, reason=reason, fused_comm_sms=n, chunk_rows=cr_sm, splits=split_sm[0],
                   split_from=split_sm[1], **base)
 
 
