@@ -518,9 +518,6 @@ MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
   }
 }
 
-#ifndef MK_GEMM_INFLIGHT
-#define MK_GEMM_INFLIGHT 1  // wgmma batches (K blocks) a cooperative consumer keeps in flight (experiment: 2, 3)
-#endif
 #ifndef MK_GEMM_PROBE
 #define MK_GEMM_PROBE 0  // timing probes only (wrong results; docs/gemm.md "A model that fits"): 1 = no loads at
                          // all (the consumers multiply whatever the ring holds), 2 = every K block loads K
@@ -874,13 +871,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
         MK_TRACE(13);
       }
       mk_gemm_mma_kblock<Cfg>(acc, mk_smem_addr(sm.a(stage)) + slab * 64 * 128, mk_smem_addr(sm.b(stage)), kb > kb_lo);
-      if constexpr (Cfg::PIPELINED && MK_GEMM_INFLIGHT > 1) {
-        // keep MK_GEMM_INFLIGHT batches in flight: the batch that many K blocks back is done
-        mk_wgmma_wait<MK_GEMM_INFLIGHT>();
-        mk_wgmma_fence_regs(acc);
-        if (kb - kb_lo >= MK_GEMM_INFLIGHT && lane == 0)
-          mk_gemm_release<Cfg>(sm.empty((stage + Cfg::STAGES - MK_GEMM_INFLIGHT) % Cfg::STAGES));
-      } else if constexpr (Cfg::PIPELINED) {
+      if constexpr (Cfg::PIPELINED) {
         mk_wgmma_wait<1>();  // the previous batch is done: its stage can be refilled
         mk_wgmma_fence_regs(acc);
         if (prev >= 0 && lane == 0) mk_gemm_release<Cfg>(sm.empty(prev));
@@ -895,14 +886,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
         phase ^= 1;
       }
     }
-    if constexpr (Cfg::PIPELINED && MK_GEMM_INFLIGHT > 1) {
-      mk_wgmma_wait<0>();
-      mk_wgmma_fence_regs(acc);
-      if (!aborted && lane == 0) {  // the last min(INFLIGHT, K blocks) stages, oldest first
-        const int n = min(MK_GEMM_INFLIGHT, kb_hi - kb_lo);
-        for (int d = n; d >= 1; --d) mk_gemm_release<Cfg>(sm.empty((stage + Cfg::STAGES - d) % Cfg::STAGES));
-      }
-    } else if constexpr (Cfg::PIPELINED) {
+    if constexpr (Cfg::PIPELINED) {
       mk_wgmma_wait<0>();
       mk_wgmma_fence_regs(acc);
       if (!aborted && prev >= 0 && lane == 0) mk_gemm_release<Cfg>(sm.empty(prev));
