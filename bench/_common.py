@@ -156,7 +156,7 @@ def gpu_lead_cycles(host_ms_per_batch: float, clock_ghz: float = 2.0) -> int:
 
 
 def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1, barrier=None,
-                     host_lead: bool = False) -> dict:
+                     host_lead: bool = False, agree=None) -> dict:
     """Time several ways of doing the same work in alternating rounds, so they all see the same clocks:
     a GPU near its power or thermal limit drifts over seconds, and methods timed one after another
     inherit whatever state the previous left (e.g. a fused kernel timed right after a long NCCL run
@@ -173,7 +173,10 @@ def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1
     Without it, a small batch (1 call of a multi-millisecond op) also measures the host's submission
     of its first call -- tens of us for an op that enqueues several launches and copies, which in a
     real pipeline (or a CUDA graph) run ahead of the GPU.  Every method gets the same treatment;
-    ``host_ms`` still reports the submission time.
+    ``host_ms`` still reports the submission time.  ``agree``: for collective methods, a function every
+    rank calls with its delay that returns the one all use (e.g. the max over ranks): with delays of
+    their own, the ranks would start a batch apart and the early rank's first call would wait (timed)
+    for the late one.
     """
     import torch
 
@@ -189,6 +192,8 @@ def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1
             # the fastest warm-up submission (the first may still build something), times the batch; the
             # queue drained before the next method's warm-up, whose submissions must not wait on it
             lead[name] = gpu_lead_cycles(min(per_call, default=0.05) * batch)
+            if agree is not None:
+                lead[name] = int(agree(lead[name]))
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -209,7 +209,8 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick, paths=(
     stats = {}
     try:
         stats = C.time_interleaved({k: f for k, f in methods.items() if k in common}, rp["warmup"], rp["reps"],
-                                   rp["batch"], barrier=comm.Barrier, host_lead=True)
+                                   rp["batch"], barrier=comm.Barrier, host_lead=True,
+                                   agree=lambda v: max(comm.allgather(v)))
         ctx.check()
     except Exception as exc:  # noqa: BLE001
         rec["timing_note"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -46,3 +46,46 @@ def test_ag_gemm_report_shows_host_time(bench_modules, tmp_path):
     assert "0.95" in cells and "fused_ce (0)" in cells
     assert "GPU-side delay" in text
     assert (tmp_path / "ag_gemm_bench.json").exists()
+
+
+def test_time_interleaved_agrees_on_the_lead(bench_modules, monkeypatch):
+    """Collective methods: every rank sleeps the agreed delay (here the max a fake allgather sees),
+    not its own, so no rank's first timed call waits for a peer that started later."""
+    common, _ = bench_modules
+    slept = []
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    class Cuda:
+        @staticmethod
+        def synchronize():
+            pass
+
+        @staticmethod
+        def _sleep(cycles):
+            slept.append(cycles)
+
+    fake = type(sys)("torch")
+    fake.cuda = Cuda
+    Cuda.Event = Event
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    seen = []
+
+    def agree(v):
+        seen.append(v)
+        return max(v, 7_000_000)  # a slower peer's delay
+    out = common.time_interleaved({"a": lambda: None, "b": lambda: None}, warmup=1, rounds=2, batch=4,
+                                  host_lead=True, agree=agree)
+    assert len(seen) == 2 and all(v < 7_000_000 for v in seen)  # each method's own delay, offered once
+    assert slept == [7_000_000] * 4 and out["a"]["median_ms"] == 0.25
