@@ -261,7 +261,7 @@ def report(results, meta, out_dir: Path) -> str:
           f"{meta['date']}, torch {meta['torch']}, NCCL {meta['nccl']}, {'--quick, ' if meta['quick'] else ''}"
           f"{meta['elapsed_s']:.0f} s.  bf16, weights [N, K] (b_layout='nk'); times are the max over ranks of "
           "the median per-call time, every method of a shape timed in the same alternating rounds, each batch "
-          "started behind a GPU-side delay that outlasts its submission (GPU time only: the host's submission "
+          "started behind a GPU-side delay that outlasts its submission, the same on every rank (GPU time only: the host's submission "
           "of the calls, shown in the last column, runs ahead of the GPU in a real pipeline).  (a) NCCL all_gather_into_tensor + torch.matmul; (b) "
           "torch.ops.symm_mem.fused_all_gather_matmul; floor = max(our GEMM alone, our all_gather alone); "
           "(d) mkernel.ag_gemm (automatic plan); overlap eff = floor / (d); pred = the planner's prediction for "

@@ -30,6 +30,26 @@ def test_plan_prefers_copy_engines_where_communication_matters():
     assert sweep.predicted_fused < 0.9 * sweep.predicted_unfused
 
 
+def test_sm_paths_cut_shards_for_their_blocks():
+    """SM communication: every pushing block gets >= chunks_per_block chunks of the largest shard,
+    down to min_chunk_bytes (a power of two of rows); the unfused gather runs on every SM from 2 MiB
+    shards and on gather_small_blocks below."""
+    m = agm.MODEL
+    rb = 4096 * 2  # the M = K = 4096 sweep point: 2048-row shards of 8 KiB rows
+    for n in (4, 8, 16, 32):
+        p = agm.plan([2048, 2048], 256, 4096, 2, 132, comm_sms=n)
+        nch = -(-2048 // p.chunk_rows)
+        assert p.chunk_rows & (p.chunk_rows - 1) == 0 and p.chunk_rows * rb >= m.min_chunk_bytes
+        assert nch >= min(m.chunks_per_block * n, 2048 * rb // m.min_chunk_bytes), (n, p.chunk_rows)
+        assert p.chunk_rows <= agm.chunk_rows_for([2048, 2048], rb)  # never coarser than before
+    u = agm.plan([2048, 2048], 256, 4096, 2, 132, force_path="unfused")
+    assert u.gather_blocks == 132 and -(-2048 // u.chunk_rows) >= 132, u.describe()
+    small = agm.plan([100, 100], 256, 4096, 2, 132, force_path="unfused")  # 800 KiB shards
+    assert small.gather_blocks <= m.gather_small_blocks and small.chunk_rows * rb >= m.min_chunk_bytes
+    # rows wider than min_chunk_bytes: one row per chunk at least (8 by the hook's limit)
+    assert agm.chunk_rows_for([4096, 4096], 128 << 10, blocks=132) == 8
+
+
 def test_plan_overrides():
     assert agm.plan([128, 128], 1024, 1024, 2, 132, force_path="fused_ce").path == "fused_ce"
     assert agm.plan([2048, 2048], 5120, 8192, 2, 132, force_path="unfused").path == "unfused"
