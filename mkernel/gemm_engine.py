@@ -146,6 +146,8 @@ CONFIGS = {
     # config 3's tile in clusters of 2 along N sharing A: never the fastest (631-650 TFLOP/s vs config 3's
     # 659-664 on squares 4096/8192 and llama down M=8192), forced only
     11: TileConfig(11, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_n=2),
+    # one consumer warpgroup on 64 x 256 tiles (n256 wgmmas: twice config 1's work per instruction)
+    18: TileConfig(18, 64, 256, 5, 1, 0.80, staging_boxes=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
