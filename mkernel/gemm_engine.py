@@ -146,13 +146,16 @@ CONFIGS = {
     # config 3's tile in clusters of 2 along N sharing A: never the fastest (631-650 TFLOP/s vs config 3's
     # 659-664 on squares 4096/8192 and llama down M=8192), forced only
     11: TileConfig(11, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_n=2),
-    # one consumer warpgroup on 64 x 256 tiles (n256 wgmmas: twice config 1's work per instruction)
-    18: TileConfig(18, 64, 256, 5, 1, 0.80, staging_boxes=2),
+    # one consumer warpgroup on 64 x 256 tiles: n256 wgmmas, twice config 1's work per instruction for
+    # about the same issue time (docs/gemm.md entries 27-28; with no loads it runs at config 3's rate).
+    # Efficiency fitted on dsv3.moe_gate_up M=512 (44.3 us vs config 2's 48.1: 0.85 x 1.086 = 0.92),
+    # rounded down; it is the pick there only (128 tiles in one wave instead of config 2's 128)
+    18: TileConfig(18, 64, 256, 5, 1, 0.90, staging_boxes=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18)
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long

@@ -374,7 +374,8 @@ def test_split_k_plans(fake):
     (128, 1024, 8192, "nk", 1),
     (128, 4096, 7168, "nk", 1),      # dsv3.moe_gate_up M=128: 64 tiles split 2 (measured 337 vs 306 TFLOP/s
                                      # for 32 tiles of 128x128 split 4): SMALL_M efficiency
-    (512, 4096, 7168, "nk", 2),      # ... but not from M = 256 up (config 1's rate binds again)
+    (512, 4096, 7168, "nk", 18),     # ... but not from M = 256 up: dsv3.moe_gate_up M=512 on 128 tiles of
+                                     # 64x256, one warpgroup of n256 wgmmas (44.3 vs 48.1 us for config 2)
     (128, 10240, 8192, "nk", 9),     # llama qkv M=128: 54 tiles x 2 blocks in clusters (measured 422 vs 384
                                      # TFLOP/s for config 3 split 3)
     (8192, 576, 7168, "nk", 4),      # dsv3.kv_a M=8192: 192 tiles x 2 > 132 SMs: no cluster split-K
@@ -397,6 +398,7 @@ def test_heuristic_env_overrides(monkeypatch):
     assert G.choose_config(lambda c: 100, 132).id in G.LEGACY_CANDIDATES
     assert 6 not in G.AUTO_CANDIDATES  # ping-pong: forced only until measured (docs/gemm.md)
     assert 9 in G.AUTO_CANDIDATES and all(G.CONFIGS[c].cluster == 1 for c in G.GROUPED_CANDIDATES)
+    assert 18 in G.AUTO_CANDIDATES and 18 in G.GROUPED_CANDIDATES
 
 
 def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch):
