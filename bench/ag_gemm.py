@@ -52,6 +52,16 @@ _f = C.fmt_or_na  # a number, or "n/a" for a baseline that did not run
 def _us(ms):
     return None if ms is None else ms * 1e3
 
+
+def path_kwargs(name: str, paths=()) -> dict:
+    """ag_gemm's keyword arguments for a --paths entry: one of ``paths`` (a forced path) or ``fused@N``
+    (the SM path with N communication SMs); ValueError otherwise."""
+    if name.startswith("fused@") and name[6:].isdigit():
+        return dict(comm_sms=int(name[6:]))
+    if name in paths:
+        return dict(path=name)
+    raise ValueError(f"--paths: each of {list(paths)} or fused@N (N communication SMs), got {name!r}")
+
 C.setup_env()  # before torch is imported anywhere
 
 MS = (1024, 4096, 8192, 16384, 32768)
@@ -201,7 +211,7 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick, paths=(
                 lambda: rel_err(torch, c_ours, c_ref))
         rec["forced_path"] = alt
     for pth in paths:  # --paths: more forced paths, in the same rounds (JSON and stdout only)
-        kw = dict(comm_sms=int(pth[6:])) if pth.startswith("fused@") else dict(path=pth)
+        kw = path_kwargs(pth, agm.PATHS)
         prepare("path_" + pth, lambda kw=kw: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, **kw),
                 lambda: rel_err(torch, c_ours, c_ref))
     # every rank times the same methods (their calls are collective)
@@ -360,8 +370,11 @@ def main() -> int:
     symm = TorchSymmMem(torch, dist)
     todo = [s for s in C.select_shapes(shapes(P, args.quick), args.only) if args.min_m <= s[1] <= args.max_m]
     paths = tuple(q.strip() for q in args.paths.split(",") if q.strip())
-    if any(q not in agm.PATHS and not (q.startswith("fused@") and q[6:].isdigit()) for q in paths):
-        raise SystemExit(f"--paths: each of {list(agm.PATHS)} or fused@N (N comm SMs), got {args.paths!r}")
+    try:
+        for q in paths:
+            path_kwargs(q, agm.PATHS)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     say(f"{P} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, {len(todo)} shapes; torch symm "
         f"mem: {'available' if symm.fn is not None else symm.reason}")
     results = []

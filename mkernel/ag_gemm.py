@@ -69,6 +69,7 @@ from cuda.bindings import driver as cu
 
 from . import gemm_engine as G
 from . import runtime
+from .collectives import grid_for
 from .arrays import DeviceArray, as_device_array
 from .runtime import check, round_up
 from .signals import MAX_CHUNKS, workspace_control
@@ -139,7 +140,6 @@ class CostModel:
     min_comm_sms: int = 4           # never fewer communication blocks (they also do the local copy)
     chunks_per_block: int = 2       # SM paths: the largest shard has at least this many chunks per
     min_chunk_bytes: int = 64 << 10  # pushing block, down to chunks of this many bytes
-    gather_small_blocks: int = 32   # unfused: gather blocks below 2 MiB shards (collectives.grid_for)
     # copy-engine path ("fused_ce")
     ce_link_bw: float = 370e9       # B/s the copy engines push to one peer (copy engine 382.7 GB/s measured)
     ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
@@ -221,6 +221,11 @@ def _pow2_floor(x: float) -> int:
     return 1 << (x.bit_length() - 1)
 
 
+def _pow2_ceil(x: int) -> int:
+    """The least power of two >= x (1 for x <= 1)."""
+    return 1 << (max(1, int(x)) - 1).bit_length()
+
+
 def chunk_rows_for(m_sizes, row_bytes: int, model: CostModel = MODEL, blocks: int | None = None) -> int:
     """Rows per ready flag: a power of two in [8, 8192], about ``chunk_target_bytes`` per chunk but
     small enough that the largest shard has ``min_chunks`` chunks (so many blocks can push at once)
@@ -232,8 +237,7 @@ def chunk_rows_for(m_sizes, row_bytes: int, model: CostModel = MODEL, blocks: in
     target = _pow2_floor(model.chunk_target_bytes / max(row_bytes, 1))
     cap = _pow2_floor(max(1, m_max // model.min_chunks))
     if blocks:
-        floor = _pow2_floor(max(1, -(-model.min_chunk_bytes // max(row_bytes, 1))))
-        floor = floor if floor * row_bytes >= model.min_chunk_bytes else 2 * floor
+        floor = _pow2_ceil(-(-model.min_chunk_bytes // max(row_bytes, 1)))  # rows of >= min_chunk_bytes
         cap = min(cap, max(floor, _pow2_floor(max(1, m_max // (model.chunks_per_block * blocks)))))
     return int(max(min(8192, max(8, min(target, cap))), _min_chunk_rows(m_max)))
 
@@ -241,8 +245,7 @@ def chunk_rows_for(m_sizes, row_bytes: int, model: CostModel = MODEL, blocks: in
 def _min_chunk_rows(m_max: int) -> int:
     """The fewest rows per chunk (a power of two) that cut a shard of ``m_max`` rows into at most
     ``MAX_CHUNKS`` chunks."""
-    want = max(1, -(-m_max // MAX_CHUNKS))
-    return 1 << (want - 1).bit_length()
+    return _pow2_ceil(-(-m_max // MAX_CHUNKS))
 
 
 def _tile_time(cfg, K: int, sms: int, model: CostModel) -> float:
@@ -477,8 +480,7 @@ def ce_chunk_rows(m_sizes, chunks: int = MODEL.ce_chunks) -> int:
     """Rows per ready flag on the copy-engine path: a power of two >= 128 (whole tiles), about
     ``chunks`` chunks (at most ``MAX_CHUNKS``) for the largest shard."""
     m_max = max(m_sizes) if len(m_sizes) else 0
-    want = max(1, -(-m_max // max(1, min(chunks, MAX_CHUNKS))))
-    return max(128, 1 << (want - 1).bit_length())
+    return max(128, _pow2_ceil(-(-m_max // max(1, min(chunks, MAX_CHUNKS)))))
 
 
 def tile_config(config: int, b_layout: str):
@@ -526,10 +528,10 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     P = len(m_sizes)
     M = sum(m_sizes)
     row_bytes = K * itemsize
-    # unfused: gather on every SM (shards of 2 MiB and more; below, a smaller grid starts sooner: the
-    # collectives' rule, docs/collectives.md), then mkernel.gemm over the gathered rows
+    # unfused: gather with the collectives' grid (every SM from 2 MiB shards; below, a smaller grid
+    # starts sooner: docs/collectives.md), then mkernel.gemm over the gathered rows
     m_max = max(m_sizes) if m_sizes else 0
-    g_want = sms if m_max * row_bytes >= (2 << 20) else min(sms, model.gather_small_blocks)
+    g_want = grid_for(m_max * row_bytes, sms)
     cr = chunk_rows_for(m_sizes, row_bytes, model, blocks=g_want)
     g_blocks = max(1, min(g_want, -(-m_max // cr)))
     t_ag = (_comm_time(m_sizes, row_bytes, g_blocks, cr, gathered, model) + 2 * model.launch_latency

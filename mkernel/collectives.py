@@ -63,7 +63,6 @@ class CollLayout(ctypes.Structure):
                 ("direct", ctypes.c_int32), ("flag_stride", ctypes.c_int32)]
 
 
-
 MIN_CHUNK = int(os.environ.get("MKERNEL_COLL_MIN_CHUNK", 32 * 1024))
 MAX_BLOCKS = int(os.environ.get("MKERNEL_COLL_MAX_BLOCKS", 0))  # 0: one block per SM
 

@@ -32,8 +32,10 @@ def test_plan_prefers_copy_engines_where_communication_matters():
 
 def test_sm_paths_cut_shards_for_their_blocks():
     """SM communication: every pushing block gets >= chunks_per_block chunks of the largest shard,
-    down to min_chunk_bytes (a power of two of rows); the unfused gather runs on every SM from 2 MiB
-    shards and on gather_small_blocks below."""
+    down to min_chunk_bytes (a power of two of rows); the unfused gather takes the collectives' grid:
+    every SM from 2 MiB shards, SMALL_SLOT_BLOCKS below."""
+    from mkernel import collectives as C
+
     m = agm.MODEL
     rb = 4096 * 2  # the M = K = 4096 sweep point: 2048-row shards of 8 KiB rows
     for n in (4, 8, 16, 32):
@@ -45,7 +47,7 @@ def test_sm_paths_cut_shards_for_their_blocks():
     u = agm.plan([2048, 2048], 256, 4096, 2, 132, force_path="unfused")
     assert u.gather_blocks == 132 and -(-2048 // u.chunk_rows) >= 132, u.describe()
     small = agm.plan([100, 100], 256, 4096, 2, 132, force_path="unfused")  # 800 KiB shards
-    assert small.gather_blocks <= m.gather_small_blocks and small.chunk_rows * rb >= m.min_chunk_bytes
+    assert small.gather_blocks <= C.SMALL_SLOT_BLOCKS and small.chunk_rows * rb >= m.min_chunk_bytes
     # rows wider than min_chunk_bytes: one row per chunk at least (8 by the hook's limit)
     assert agm.chunk_rows_for([4096, 4096], 128 << 10, blocks=132) == 8
 

@@ -89,3 +89,13 @@ def test_time_interleaved_agrees_on_the_lead(bench_modules, monkeypatch):
                                   host_lead=True, agree=agree)
     assert len(seen) == 2 and all(v < 7_000_000 for v in seen)  # each method's own delay, offered once
     assert slept == [7_000_000] * 4 and out["a"]["median_ms"] == 0.25
+
+
+def test_ag_gemm_paths_option(bench_modules):
+    _, ag = bench_modules
+    paths = ("fused", "fused_ce", "unfused")
+    assert ag.path_kwargs("fused_ce", paths) == {"path": "fused_ce"}
+    assert ag.path_kwargs("fused@16", paths) == {"comm_sms": 16}
+    for bad in ("fused@", "fused@x", "ce", "fused@-1"):
+        with pytest.raises(ValueError, match="--paths"):
+            ag.path_kwargs(bad, paths)
