@@ -56,8 +56,8 @@
 #include "mk_wgmma.cuh"
 
 // ---- configuration --------------------------------------------------------------------------------
-// NC consumer warpgroups, BN columns (64, 128, 192, 224 or 256; 192/224 exist to fill the SMs with
-// fewer wasted tiles, 224 only with B "nk"), STAGES ring slots, DT input dtype code, B_KN: B stored
+// NC consumer warpgroups, BN columns (64, 128, 144, 192, 224 or 256; 144/192/224 exist to fill the SMs
+// with fewer wasted tiles, 144 and 224 only with B "nk"), STAGES ring slots, DT input dtype code, B_KN: B stored
 // [K, N] (MN-major operand) instead of [N, K], PIPELINED: keep one wgmma batch in flight (0: wait for
 // every batch; the debug configuration), PINGPONG (needs NC = 2): the two consumer warpgroups work on
 // *different* 64 x BN tiles (BM = 64), alternating along the block's tile sequence, so one's epilogue
@@ -121,7 +121,8 @@ struct MkGemmConfig {
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static_assert(NC_ == 1 || NC_ == 2, "one or two consumer warpgroups");
-  static_assert(BN_ == 64 || BN_ == 128 || BN_ == 192 || BN_ == 224 || BN_ == 256, "BN must be 64, 128, 192, 224 or 256");
+  static_assert(BN_ == 64 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256,
+                "BN must be 64, 128, 144, 192, 224 or 256");
   static_assert(!B_KN_ || BN_ % 64 == 0, "an MN-major (kn) B tile is made of whole 64-column chunks");
   static_assert(!PINGPONG_ || (NC_ == 2 && PIPELINED_), "ping-pong needs two pipelined consumer warpgroups");
   static_assert(!TMA_STORE || !PINGPONG_, "TMA-store epilogue: cooperative configs only");

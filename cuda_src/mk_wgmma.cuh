@@ -80,6 +80,12 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
   "+f"(d[b + 12]), "+f"(d[b + 13]), "+f"(d[b + 14]), "+f"(d[b + 15])
 #define MK_WGMMA_REGS_64 MK_WGMMA_R0 "," MK_WGMMA_R1
 #define MK_WGMMA_ACC_64 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16)
+#define MK_WGMMA_R4H "%64, %65, %66, %67, %68, %69, %70, %71"
+#define MK_WGMMA_ACC8(b)                                                                      \
+  "+f"(d[b + 0]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), \
+  "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+#define MK_WGMMA_REGS_144 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4H
+#define MK_WGMMA_ACC_144 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC8(64)
 #define MK_WGMMA_REGS_128 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3
 #define MK_WGMMA_ACC_128 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48)
 #define MK_WGMMA_REGS_192 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4 "," MK_WGMMA_R5
@@ -102,6 +108,8 @@ MK_WGMMA_DEF(64, bf16, "%32", "%33", "%34", "%35")
 MK_WGMMA_DEF(64, f16, "%32", "%33", "%34", "%35")
 MK_WGMMA_DEF(128, bf16, "%64", "%65", "%66", "%67")
 MK_WGMMA_DEF(128, f16, "%64", "%65", "%66", "%67")
+MK_WGMMA_DEF(144, bf16, "%72", "%73", "%74", "%75")
+MK_WGMMA_DEF(144, f16, "%72", "%73", "%74", "%75")
 MK_WGMMA_DEF(192, bf16, "%96", "%97", "%98", "%99")
 MK_WGMMA_DEF(192, f16, "%96", "%97", "%98", "%99")
 MK_WGMMA_DEF(224, bf16, "%112", "%113", "%114", "%115")
@@ -110,6 +118,10 @@ MK_WGMMA_DEF(256, bf16, "%128", "%129", "%130", "%131")
 MK_WGMMA_DEF(256, f16, "%128", "%129", "%130", "%131")
 #undef MK_WGMMA_DEF
 #undef MK_WGMMA_ACC16
+#undef MK_WGMMA_ACC8
+#undef MK_WGMMA_R4H
+#undef MK_WGMMA_REGS_144
+#undef MK_WGMMA_ACC_144
 #undef MK_WGMMA_R0
 #undef MK_WGMMA_R1
 #undef MK_WGMMA_R2
@@ -143,6 +155,8 @@ MK_WGMMA_DISPATCH(256, MK_DTYPE_BF16, mk_wgmma_m64n256k16_bf16)
 MK_WGMMA_DISPATCH(64, MK_DTYPE_F16, mk_wgmma_m64n64k16_f16)
 MK_WGMMA_DISPATCH(128, MK_DTYPE_F16, mk_wgmma_m64n128k16_f16)
 MK_WGMMA_DISPATCH(256, MK_DTYPE_F16, mk_wgmma_m64n256k16_f16)
+MK_WGMMA_DISPATCH(144, MK_DTYPE_BF16, mk_wgmma_m64n144k16_bf16)
+MK_WGMMA_DISPATCH(144, MK_DTYPE_F16, mk_wgmma_m64n144k16_f16)
 MK_WGMMA_DISPATCH(192, MK_DTYPE_BF16, mk_wgmma_m64n192k16_bf16)
 MK_WGMMA_DISPATCH(224, MK_DTYPE_BF16, mk_wgmma_m64n224k16_bf16)
 MK_WGMMA_DISPATCH(192, MK_DTYPE_F16, mk_wgmma_m64n192k16_f16)

@@ -151,11 +151,18 @@ CONFIGS = {
     # Efficiency fitted on dsv3.moe_gate_up M=512 (44.3 us vs config 2's 48.1: 0.85 x 1.086 = 0.92),
     # rounded down; it is the pick there only (128 tiles in one wave instead of config 2's 128)
     18: TileConfig(18, 64, 256, 5, 1, 0.90, staging_boxes=2),
+    # 128 x 144 "nk" tiles (with "kn": config 4's 128 x 192): wave quantization where N / 144 fills the SMs
+    # (dsv3.dense_gate_up, N = 36864: 256 tiles of 128 rows, 1.94 waves; cuBLAS's nvjet 144x128 there).
+    # A candidate at M <= SMALL_M only (efficiency 0.60 above): measured (docs/gemm.md entry 32) it beat
+    # the pick at dense_gate_up M=128 (137.6-146.2 vs 149.4-150.8 us: an unsplit stream of B instead of
+    # a last wave split 11 ways) and never at M >= 512 (kv_a M=8192 110 vs 102 us, dense_gate_up M=512
+    # 465 vs 413); with its fitted 0.95 everywhere it would take kv_a M=512..16384 and q_a M=512
+    24: TileConfig(24, 128, 144, 4, 2, 0.60, bn_kn=192, staging_boxes=2, efficiency_small_m=0.95),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24)
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long

@@ -174,7 +174,7 @@ def test_cluster_k_split_is_deterministic(rng):
 SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K splits, every cooperative config
     (129, 1000, 4097, "kn", 3, 4), (7, 7, 4000, "nk", 1, 15), (300, 520, 2048, "kn", 2, 3),
     (64, 576, 7168, "nk", 4, 7), (1000, 224, 640, "nk", 5, 2), (200, 264, 1300, "kn", 1, 5),
-    (300, 520, 2048, "nk", 8, 3),
+    (300, 520, 2048, "nk", 8, 3), (64, 576, 7168, "nk", 24, 5), (300, 520, 2048, "kn", 24, 3),
 ]
 
 
