@@ -565,6 +565,22 @@ MK_DEVICE void mk_gemm_mma_kblock(float (&acc)[Cfg::BN / 2], mk_u32 a_addr, mk_u
   mk_wgmma_commit();
 }
 
+// The same K block from descriptors: `da` / `db` describe k16 slice 0 of the stage's A slab and B tile
+// (mk_gemm_stage_descs); slice k adds 32*k bytes (K-major) or 2048*k bytes (MN-major B) to the start
+// address field, i.e. 2*k or 128*k to the descriptor.  Only adds, so a warp-uniform descriptor stays in
+// uniform registers and the batch issues back to back (no per-wgmma address arithmetic).
+template <class Cfg>
+MK_DEVICE void mk_gemm_mma_kblock_desc(float (&acc)[Cfg::BN / 2], mk_u64 da, mk_u64 db, bool accumulate) {
+  mk_wgmma_fence_regs(acc);
+  mk_wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < Cfg::BK / 16; ++k) {
+    MkWgmma<Cfg::BN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da + 2u * (mk_u64)k, db + (Cfg::B_KN ? 128u : 2u) * (mk_u64)k,
+                                                      (accumulate || k > 0) ? 1 : 0);
+  }
+  mk_wgmma_commit();
+}
+
 // Hook::kPrefill (optional, default false): before_load never waits and always returns true, so the
 // producer may issue the first unit's first ring of loads before the block barrier (MkNoWait).
 template <class H, class = void> struct MkHookPrefill {
@@ -841,7 +857,15 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
 
   // ================= consumer warpgroups =================
   if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-  const int slab = tid / 128 - 1;
+  // (broadcast from lane 0: the compiler then knows the slab -- and every descriptor below -- is
+  // warp-uniform and keeps them in uniform registers)
+  const int slab = __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
+  // descriptors of k16 slice 0 of ring slot 0; slot s is STAGE_BYTES / 16 further
+  const mk_u64 da0 = mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(0)) + slab * 64 * 128, 0);
+  const mk_u64 db0 = Cfg::B_KN ? mk_wgmma_desc_mnmajor(mk_smem_addr(sm.b(0)), 0, Cfg::B_CHUNK_BYTES)
+                               : mk_wgmma_desc_kmajor(mk_smem_addr(sm.b(0)), 0);
+  // hooks that never wait never abort: no abort flag to read in the main loop
+  constexpr bool kMayAbort = !MkHookPrefill<Hook>::value;
   float acc[Cfg::BN / 2];
 #pragma unroll
   for (int i = 0; i < Cfg::BN / 2; ++i) acc[i] = 0.f;
@@ -861,17 +885,21 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
         for (int i = 0; i < Cfg::BN / 2; ++i) acc[i] = 0.f;
       }
     }
+    bool ready = false;  // full[stage] already seen complete (checked at the end of the previous K block)
     for (int kb = kb_lo; kb < kb_hi; ++kb) {
-      mk_mbar_wait(sm.full(stage), phase);
-      if (*sm.abort_flag()) {
-        aborted = true;
-        break;
+      if (!ready) mk_mbar_wait(sm.full(stage), phase);
+      if constexpr (kMayAbort) {
+        if (*sm.abort_flag()) {
+          aborted = true;
+          break;
+        }
       }
       if (tid == 128 && kb == kb_lo) {
         MK_TRACE_IF(5, units == 0);
         MK_TRACE(13);
       }
-      mk_gemm_mma_kblock<Cfg>(acc, mk_smem_addr(sm.a(stage)) + slab * 64 * 128, mk_smem_addr(sm.b(stage)), kb > kb_lo);
+      const mk_u64 soff = (mk_u64)(stage * (Cfg::STAGE_BYTES / 16));
+      mk_gemm_mma_kblock_desc<Cfg>(acc, da0 + soff, db0 + soff, kb > kb_lo);
       if constexpr (Cfg::PIPELINED) {
         mk_wgmma_wait<1>();  // the previous batch is done: its stage can be refilled
         mk_wgmma_fence_regs(acc);
@@ -886,6 +914,9 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
         stage = 0;
         phase ^= 1;
       }
+      // look at the next slot's barrier now: its latency overlaps the loop's bookkeeping instead of
+      // delaying the next batch's issue
+      ready = kb + 1 < kb_hi && mk_mbar_try_wait(sm.full(stage), phase);
     }
     if constexpr (Cfg::PIPELINED) {
       mk_wgmma_wait<0>();
