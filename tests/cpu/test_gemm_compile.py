@@ -379,6 +379,10 @@ def test_split_k_plans(fake):
     (128, 10240, 8192, "nk", 9),     # llama qkv M=128: 54 tiles x 2 blocks in clusters (measured 422 vs 384
                                      # TFLOP/s for config 3 split 3)
     (8192, 576, 7168, "nk", 4),      # dsv3.kv_a M=8192: 192 tiles x 2 > 132 SMs: no cluster split-K
+    (128, 36864, 7168, "nk", 24),    # dsv3.dense_gate_up M=128: 256 unsplit tiles of 128x144, 1.94 waves
+                                     # (measured 137.6 vs 150.8 us for config 3 with its last wave split 11)
+    (512, 36864, 7168, "nk", 5),     # ... but not from M = 256 up (config 24: 465 vs 413 us)
+    (16384, 576, 7168, "nk", 4),     # dsv3.kv_a (N = 576 = 4 x 144): config 24 measured slower (225 vs 197 us)
 ])
 def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
@@ -399,6 +403,19 @@ def test_heuristic_env_overrides(monkeypatch):
     assert 6 not in G.AUTO_CANDIDATES  # ping-pong: forced only until measured (docs/gemm.md)
     assert 9 in G.AUTO_CANDIDATES and all(G.CONFIGS[c].cluster == 1 for c in G.GROUPED_CANDIDATES)
     assert 18 in G.AUTO_CANDIDATES and 18 in G.GROUPED_CANDIDATES
+    assert 24 in G.AUTO_CANDIDATES and 24 in G.GROUPED_CANDIDATES
+
+
+def test_config24_only_at_small_m(monkeypatch):
+    """Config 24 (128 x 144) is a candidate at M <= SMALL_M only: over every bench shape from M = 256 up
+    (and every M of the kv_a / dense_gate_up shapes it was measured on) the heuristic never picks it."""
+    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
+    shapes = [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (1536, 7168), (24576, 1536),
+              (576, 7168), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048)]
+    for M in (256, 512, 1000, 2048, 8192, 16384):
+        for N, K in shapes:
+            assert G._auto_config(M, N, K, "nk", 132).id != 24, (M, N, K)
 
 
 def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch):
