@@ -23,7 +23,8 @@
 //              kernel's consumers are released and every role of the block returns (false).
 //              static constexpr bool kPrefill (optional): true for hooks that never wait and always
 //              return true (MkNoWait): the first unit's first ring of loads is then issued by thread 0
-//              before the block barrier (before_load is still called for those K blocks, after).
+//              before the block barrier (before_load is still called for those K blocks, after), and
+//              the consumers skip the per-K-block abort check.
 //              MK_DEVICE const MkTensorMap* a_map(const MkTile& t, const MkTensorMap* tmA, int& a_row) const;
 //              Where the tile's A rows are loaded from: a tensor map and the row of t.row0 in it
 //              (MkNoWait: tmA and t.row0).  Lets a fused kernel read some rows in place (e.g. this
