@@ -551,33 +551,26 @@ MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const H
   }
 }
 
-// Consumer warpgroup: one K block (4 k16 slices) of acc(64 x BN) += A(64 rows at a_addr) * B(b_addr),
-// committed as one wgmma batch.  accumulate = false: the first K block overwrites acc.
-template <class Cfg>
-MK_DEVICE void mk_gemm_mma_kblock(float (&acc)[Cfg::BN / 2], mk_u32 a_addr, mk_u32 b_addr, bool accumulate) {
-  mk_wgmma_fence_regs(acc);
-  mk_wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < Cfg::BK / 16; ++k) {
-    const mk_u64 da = mk_wgmma_desc_kmajor(a_addr, k);
-    const mk_u64 db = Cfg::B_KN ? mk_wgmma_desc_mnmajor(b_addr, k, Cfg::B_CHUNK_BYTES) : mk_wgmma_desc_kmajor(b_addr, k);
-    MkWgmma<Cfg::BN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da, db, (accumulate || k > 0) ? 1 : 0);
-  }
-  mk_wgmma_commit();
+// The descriptor of k16 slice 0 of a B tile at shared address `b_addr` (K-major for "nk", MN-major
+// chunks for "kn").
+template <class Cfg> MK_DEVICE mk_u64 mk_gemm_b_desc(mk_u32 b_addr) {
+  return Cfg::B_KN ? mk_wgmma_desc_mnmajor(b_addr, 0, Cfg::B_CHUNK_BYTES) : mk_wgmma_desc_kmajor(b_addr, 0);
 }
 
-// The same K block from descriptors: `da` / `db` describe k16 slice 0 of the stage's A slab and B tile
-// (mk_gemm_stage_descs); slice k adds 32*k bytes (K-major) or 2048*k bytes (MN-major B) to the start
-// address field, i.e. 2*k or 128*k to the descriptor.  Only adds, so a warp-uniform descriptor stays in
-// uniform registers and the batch issues back to back (no per-wgmma address arithmetic).
+// Consumer warpgroup: one K block (4 k16 slices) of acc(64 x BN) += A * B, committed as one wgmma
+// batch; `da` / `db` describe k16 slice 0 of the stage's A slab (K-major) and B tile (mk_gemm_b_desc),
+// and slice k is k steps further (MK_WGMMA_K16_STEP_*): only adds, so a warp-uniform descriptor stays
+// in uniform registers and the batch issues back to back.  accumulate = false: the first K block
+// overwrites acc.
 template <class Cfg>
-MK_DEVICE void mk_gemm_mma_kblock_desc(float (&acc)[Cfg::BN / 2], mk_u64 da, mk_u64 db, bool accumulate) {
+MK_DEVICE void mk_gemm_mma_kblock(float (&acc)[Cfg::BN / 2], mk_u64 da, mk_u64 db, bool accumulate) {
+  constexpr mk_u64 kStepB = Cfg::B_KN ? MK_WGMMA_K16_STEP_MNMAJOR : MK_WGMMA_K16_STEP_KMAJOR;
   mk_wgmma_fence_regs(acc);
   mk_wgmma_fence();
 #pragma unroll
   for (int k = 0; k < Cfg::BK / 16; ++k) {
-    MkWgmma<Cfg::BN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da + 2u * (mk_u64)k, db + (Cfg::B_KN ? 128u : 2u) * (mk_u64)k,
-                                                      (accumulate || k > 0) ? 1 : 0);
+    MkWgmma<Cfg::BN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da + MK_WGMMA_K16_STEP_KMAJOR * (mk_u64)k,
+                                                      db + kStepB * (mk_u64)k, (accumulate || k > 0) ? 1 : 0);
   }
   mk_wgmma_commit();
 }
@@ -735,7 +728,8 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
         }
       }
       if (aborted) break;
-      mk_gemm_mma_kblock<Cfg>(acc, mk_smem_addr(sm.a(stage)), mk_smem_addr(sm.b(stage)), kb > 0);
+      mk_gemm_mma_kblock<Cfg>(acc, mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(stage)), 0),
+                                   mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(stage))), kb > 0);
       mk_wgmma_wait<1>();  // the previous batch is done: its slot can be refilled
       mk_wgmma_fence_regs(acc);
       if (prev >= 0 && lane == 0) mk_mbar_arrive(sm.empty(prev));
@@ -863,8 +857,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   const int slab = __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
   // descriptors of k16 slice 0 of ring slot 0; slot s is STAGE_BYTES / 16 further
   const mk_u64 da0 = mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(0)) + slab * 64 * 128, 0);
-  const mk_u64 db0 = Cfg::B_KN ? mk_wgmma_desc_mnmajor(mk_smem_addr(sm.b(0)), 0, Cfg::B_CHUNK_BYTES)
-                               : mk_wgmma_desc_kmajor(mk_smem_addr(sm.b(0)), 0);
+  const mk_u64 db0 = mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)));
   // hooks that never wait never abort: no abort flag to read in the main loop
   constexpr bool kMayAbort = !MkHookPrefill<Hook>::value;
   float acc[Cfg::BN / 2];
@@ -899,8 +892,8 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
         MK_TRACE_IF(5, units == 0);
         MK_TRACE(13);
       }
-      const mk_u64 soff = (mk_u64)(stage * (Cfg::STAGE_BYTES / 16));
-      mk_gemm_mma_kblock_desc<Cfg>(acc, da0 + soff, db0 + soff, kb > kb_lo);
+      const mk_u64 soff = (mk_u64)((mk_u32)stage * (mk_u32)(Cfg::STAGE_BYTES / 16));
+      mk_gemm_mma_kblock<Cfg>(acc, da0 + soff, db0 + soff, kb > kb_lo);
       if constexpr (Cfg::PIPELINED) {
         mk_wgmma_wait<1>();  // the previous batch is done: its stage can be refilled
         mk_wgmma_fence_regs(acc);

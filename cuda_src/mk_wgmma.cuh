@@ -1,6 +1,6 @@
 // mk_wgmma.cuh - Hopper warpgroup MMA (wgmma.mma_async) primitives: shared-memory matrix
 // descriptors for 128-byte-swizzled tiles, fences, and m64nNk16 bf16/fp16 -> fp32 MMAs
-// (N = 64, 128, 192, 224, 256).
+// (N = 64, 128, 144, 192, 224, 256).
 //
 // Shared-memory tiles (written by TMA with CU_TENSOR_MAP_SWIZZLE_128B, every tile 1024-byte aligned):
 //
@@ -50,6 +50,11 @@ MK_DEVICE mk_u64 mk_wgmma_desc_kmajor(mk_u32 tile_addr, int k) {
 MK_DEVICE mk_u64 mk_wgmma_desc_mnmajor(mk_u32 tile_addr, int k, mk_u32 chunk_bytes) {
   return mk_wgmma_desc_sw128(tile_addr + 2048u * (mk_u32)k, chunk_bytes, 1024u);
 }
+// Stepping a descriptor by one k16 slice is an add to its start-address field (address >> 4): 32 bytes
+// for a K-major tile, 2048 for an MN-major one.  (Exact while the address stays inside shared memory,
+// < 2^18 bytes: the field never carries into LBO.)
+constexpr mk_u64 MK_WGMMA_K16_STEP_KMAJOR = 32 >> 4;
+constexpr mk_u64 MK_WGMMA_K16_STEP_MNMAJOR = 2048 >> 4;
 
 MK_DEVICE void mk_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 MK_DEVICE void mk_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
