@@ -39,7 +39,7 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   epi.c = reinterpret_cast<MkOut*>(args.c);
   epi.ldc = args.ldc;
   epi.vec_ok = args.c_vec_ok;
-  if constexpr (GROUPED && (Cfg::CLUSTER_N > 1 || Cfg::CLUSTER_K > 1)) {
+  if constexpr (GROUPED && (Cfg::SHARING > 1 || Cfg::CLUSTER_K > 1)) {
     __trap();  // grouped GEMMs do not run in clusters (mkernel/gemm_engine.py never launches this)
   } else if constexpr (GROUPED) {
     // a tile ending inside a group must not write the next group's rows: clip_rows = 0
@@ -55,7 +55,8 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
       mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), ck, mk_smem, blockIdx.x, gridDim.x);
     } else {
       typedef typename MkPick<Cfg::CLUSTER_N == 2, MkClusterPairScheduler<Cfg::BM, Cfg::BN>,
-                              MkLinearScheduler<Cfg::BM, Cfg::BN>>::T Sched;
+                              typename MkPick<Cfg::CLUSTER_M == 2, MkClusterRowPairScheduler<Cfg::BM, Cfg::BN>,
+                                              MkLinearScheduler<Cfg::BM, Cfg::BN>>::T>::T Sched;
       Sched sched(args.M, args.N, args.group_m, args.splits, args.split_from);
       mk_with_store_epilogue<Cfg>(epi, tmC, args.c_tma, 1, mk_smem, [&](auto& inner) {
         auto sk = mk_split_k_epilogue<Cfg::NC>(inner, args.partials, args.counters);

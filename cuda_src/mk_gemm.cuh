@@ -69,11 +69,15 @@
 // CLUSTER_N_ = 2: blocks run in clusters of two side by side along N (tiles (m, 2j) and (m, 2j+1));
 // each loads one 64-row slab of the shared A tile and multicasts it to both (half the L2 -> SMEM
 // traffic for A), and a ring slot is free only when both blocks' consumers released it.
+// CLUSTER_M_ = 2: clusters of two blocks one above the other along M (tiles (2i, n) and (2i+1, n)), one
+// consumer warpgroup each; each loads one half of the shared B tile (BN/2 rows of an "nk" tile, every
+// other 64-column chunk of a "kn" one) and multicasts it to both (half the L2 -> SMEM traffic for B,
+// as cuBLAS's 64-row kernels with clusters of 2 do on few-tile shapes).
 // CLUSTER_K_ = 2 or 4: split-K inside a cluster -- the CLUSTER_K blocks of a cluster compute the same
 // tile over K ranges of their own and add their fp32 partials through distributed shared memory
 // (MkClusterKScheduler, MkClusterKEpilogue: no global memory, no atomics); register epilogue only.
 template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false,
-          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1, int CLUSTER_K_ = 1>
+          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1, int CLUSTER_K_ = 1, int CLUSTER_M_ = 1>
 struct MkGemmConfig {
   static constexpr int NC = NC_;
   static constexpr bool PINGPONG = PINGPONG_;
@@ -110,9 +114,14 @@ struct MkGemmConfig {
   // Consumer arrivals that release a ring slot: lane 0 of every warp of the warpgroup(s) reading it
   // (of both blocks of a cluster: the multicast writes the slot in both).
   static constexpr int CLUSTER_N = CLUSTER_N_;
-  static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * CLUSTER_N_;
+  static constexpr int CLUSTER_M = CLUSTER_M_;
+  static constexpr int SHARING = CLUSTER_N_ * CLUSTER_M_;  // blocks a ring slot's multicast loads fill
+  static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * SHARING;
   static_assert(CLUSTER_N_ == 1 || (CLUSTER_N_ == 2 && NC_ == 2 && !PINGPONG_),
                 "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
+  static_assert(CLUSTER_M_ == 1 || (CLUSTER_M_ == 2 && NC_ == 1 && !PINGPONG_ && CLUSTER_N_ == 1 &&
+                                    CLUSTER_K_ == 1 && (B_KN_ ? B_CHUNKS % 2 == 0 : (BN_ / 2) % 8 == 0)),
+                "clusters of 2 along M: one consumer warpgroup, B split in two 1024-byte-aligned halves");
   static_assert(CLUSTER_K_ == 1 || ((CLUSTER_K_ == 2 || CLUSTER_K_ == 4) && NC_ == 2 && !PINGPONG_ &&
                                     !TMA_STORE && CLUSTER_N_ == 1),
                 "cluster split-K: 2 or 4 blocks, cooperative configs with two slabs, register epilogue");
@@ -248,6 +257,26 @@ template <int BM, int BN> struct MkClusterPairScheduler {
     t.tile_n = 2 * t.tile_n + rank;
     t.col0 = t.tile_n * BN;
     t.cols = min(BN, N - t.col0);
+    t.slot = 2 * t.slot + rank;
+    return true;
+  }
+};
+
+// Clusters of two blocks along M (Cfg::CLUSTER_M == 2): a pair takes the units of MkLinearScheduler over
+// tiles twice as tall, and cluster rank r the half r of each (tile_m = 2i + r).  A rank whose half lies
+// below M gets the unit anyway with rows <= 0 (it must still load and multicast its half of B; the tile
+// loop skips its epilogue).  Split tiles' slots are 2 * slot + r.
+template <int BM, int BN> struct MkClusterRowPairScheduler {
+  MkLinearScheduler<2 * BM, BN> pairs;
+  int M, rank;
+  MK_DEVICE MkClusterRowPairScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
+      : pairs(M_, N_, group_m_, splits_, split_from_), M(M_), rank((int)mk_cluster_ctarank()) {}
+  MK_DEVICE void init(int worker_id, int num_workers) { pairs.init(worker_id / 2, num_workers / 2); }
+  MK_DEVICE bool next(MkTile& t) {
+    if (!pairs.next(t)) return false;
+    t.tile_m = 2 * t.tile_m + rank;
+    t.row0 = t.tile_m * BM;
+    t.rows = min(BM, M - t.row0);
     t.slot = 2 * t.slot + rank;
     return true;
   }
@@ -523,7 +552,8 @@ MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
 #ifndef MK_GEMM_PROBE
 #define MK_GEMM_PROBE 0  // timing probes only (wrong results; docs/gemm.md "A model that fits"): 1 = no loads at
                          // all (the consumers multiply whatever the ring holds), 2 = every K block loads K
-                         // block kb % 2 (A and B tiles stay in L2: the fill without HBM)
+                         // block kb % 2 (A and B tiles stay in L2: the fill without HBM), 3 = loads but no
+                         // wgmma (the consumers wait for each K block and release it)
 #endif
 template <class Cfg, class Hook>
 MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const Hook& hook, const MkTensorMap* tmA_default,
@@ -537,7 +567,20 @@ MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const H
   int a_row;
   const MkTensorMap* tmA = hook.a_map(t, tmA_default, a_row);
   const int k0 = kb * Cfg::BK;
-  if constexpr (Cfg::B_KN) {
+  if constexpr (Cfg::CLUSTER_M == 2) {  // own A tile; half of B from each block of the pair, to both
+    const int r = (int)mk_cluster_ctarank();
+    if constexpr (Cfg::B_KN) {
+      mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + Cfg::B_CHUNKS * Cfg::B_CHUNK_BYTES);
+      mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
+      for (int j = r; j < Cfg::B_CHUNKS; j += 2)
+        mk_tma_load_3d_multicast(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group, 0x3);
+    } else {
+      mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + Cfg::B_NK_TX_BYTES);
+      mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
+      mk_tma_load_3d_multicast(sm.b(stage) + r * (Cfg::BN / 2) * 128, tmB, sm.full(stage), k0, t.col0 + r * (Cfg::BN / 2),
+                               t.group, 0x3);
+    }
+  } else if constexpr (Cfg::B_KN) {
     // skip chunks wholly right of N (a cluster's phantom half, cols <= 0: none)
     const int nchunks = (Cfg::CLUSTER_N > 1 && t.cols <= 0) ? 0 : (t.cols + 63) / 64;
     mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + nchunks * Cfg::B_CHUNK_BYTES);
@@ -626,16 +669,16 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
   }
   __syncthreads();
   // clusters: the peer's barriers are initialised before anyone multicasts into them or arrives
-  if constexpr (Cfg::CLUSTER_N > 1 || Cfg::CLUSTER_K > 1) mk_cluster_sync();
+  if constexpr (Cfg::SHARING > 1 || Cfg::CLUSTER_K > 1) mk_cluster_sync();
 }
 
 // A consumer warp's release of a ring slot: on this block's empty barrier, and with clusters on every
 // block's (the multicast writes the slot in all of them).
 template <class Cfg>
 MK_DEVICE void mk_gemm_release(mk_u64* empty_bar) {
-  if constexpr (Cfg::CLUSTER_N > 1) {
+  if constexpr (Cfg::SHARING > 1) {
 #pragma unroll
-    for (int r = 0; r < Cfg::CLUSTER_N; ++r) mk_mbar_arrive_cluster(empty_bar, (mk_u32)r);
+    for (int r = 0; r < Cfg::SHARING; ++r) mk_mbar_arrive_cluster(empty_bar, (mk_u32)r);
   } else {
     mk_mbar_arrive(empty_bar);
   }
@@ -773,7 +816,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   // Prefill (hooks that never wait, no clusters: a multicast needs the peer's barriers): thread 0
   // issues the first unit's first min(STAGES, its K blocks) loads into ring slots 0.. (phase 0, whose
   // empty-barrier waits pass at once) before the block barrier; the producer loop skips them.
-  constexpr bool kPrefill = MkHookPrefill<Hook>::value && Cfg::CLUSTER_N == 1 && Cfg::CLUSTER_K == 1;
+  constexpr bool kPrefill = MkHookPrefill<Hook>::value && Cfg::SHARING == 1 && Cfg::CLUSTER_K == 1;
   int prefilled = 0;
   mk_gemm_setup<Cfg>(sm, tmA, tmB, [&] {
     if constexpr (kPrefill) {
@@ -836,7 +879,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     // every load of this block is issued: a dependent GEMM may start launching (its blocks wait for
     // this grid to complete before they read anything)
     if (lane == 0) mk_grid_launch_dependents();
-    if constexpr (Cfg::CLUSTER_N > 1) {
+    if constexpr (Cfg::SHARING > 1) {
       // Producer tail: every slot released by both blocks' consumers (the peer's remote arrivals on
       // our barriers have landed) before this block may exit.
       for (int s = 0; s < Cfg::STAGES; ++s) {
@@ -892,8 +935,10 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
         MK_TRACE_IF(5, units == 0);
         MK_TRACE(13);
       }
+#if MK_GEMM_PROBE != 3
       const mk_u64 soff = (mk_u64)((mk_u32)stage * (mk_u32)(Cfg::STAGE_BYTES / 16));
       mk_gemm_mma_kblock<Cfg>(acc, da0 + soff, db0 + soff, kb > kb_lo);
+#endif
       if constexpr (Cfg::PIPELINED) {
         mk_wgmma_wait<1>();  // the previous batch is done: its stage can be refilled
         mk_wgmma_fence_regs(acc);
@@ -923,6 +968,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     }
     if (aborted) break;
     if (Cfg::CLUSTER_N > 1 && t.cols <= 0) continue;  // a cluster's half right of N: nothing to store
+    if (Cfg::CLUSTER_M > 1 && t.rows <= 0) continue;  // a cluster's half below M: nothing to store
     epi.template store<Cfg::BN>(t, slab, acc);
     MK_TRACE_STMT(++units);
     if (tid == 128) {

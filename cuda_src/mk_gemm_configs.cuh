@@ -25,6 +25,8 @@
 //                    warpgroup's wgmma costs ~the same time for any N <= 128: docs/gemm.md entry 27)
 //                24  BM=128 (2 consumer WGs), BN=144 with B "nk" (config 4's 192 with "kn"), 4 stages, S=2:
 //                    wave quantization (N = 36864 -> 256 tiles at M <= 128: 1.94 waves; cuBLAS's tile there)
+//                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
+//                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
 //   kernel's C map is usable (c_tma); every kernel takes that map (unused by configs 0 and 6).
 #pragma once
@@ -54,6 +56,7 @@ template <bool KN> struct MkCfgSel<10, KN> { typedef MkGemmConfig<2, 192, 3, tru
 template <bool KN> struct MkCfgSel<11, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2, 2> T; };
 template <bool KN> struct MkCfgSel<18, KN> { typedef MkGemmConfig<1, 256, 5, true, MK_GEMM_IN, KN, false, 2> T; };
 template <bool KN> struct MkCfgSel<24, KN> { typedef MkGemmConfig<2, KN ? 192 : 144, 4, true, MK_GEMM_IN, KN, false, 2> T; };
+template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,
               "one launch geometry per config (mkernel/gemm_engine.py: TileConfig.smem / threads)");

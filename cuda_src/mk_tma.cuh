@@ -133,6 +133,15 @@ MK_DEVICE void mk_tma_load_2d_multicast(void* dst, const MkTensorMap* tm, mk_u64
       : "memory");
 }
 
+MK_DEVICE void mk_tma_load_3d_multicast(void* dst, const MkTensorMap* tm, mk_u64* bar, int c0, int c1, int c2,
+                                        unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(mk_smem_addr(dst)),
+      "l"((mk_u64)tm), "r"(mk_smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
+      : "memory");
+}
+
 // Shared -> global tile store (out-of-bounds parts of the box are not written).  Issue after a
 // fence.proxy.async so the generic-proxy smem writes are visible to the TMA unit.
 MK_DEVICE void mk_tma_store_2d(const MkTensorMap* tm, const void* src, int c0, int c1) {

@@ -83,11 +83,18 @@ class TileConfig:
     # 2 or 4: split-K inside clusters of that many blocks, partials added through distributed shared
     # memory (MkClusterKScheduler / MkClusterKEpilogue); no running-sum split-K
     cluster_k: int = 1
+    # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterRowPairScheduler)
+    cluster_m: int = 1
 
     @property
     def cluster(self) -> int:
         """Blocks per cluster (1: no clusters)."""
-        return self.cluster_n * self.cluster_k
+        return self.cluster_n * self.cluster_k * self.cluster_m
+
+    @property
+    def pairs(self) -> int:
+        """Blocks that share ring slots through multicast loads (clusters along N or M; 1: none)."""
+        return self.cluster_n * self.cluster_m
 
     @property
     def tma_store(self) -> bool:
@@ -158,11 +165,20 @@ CONFIGS = {
     # a last wave split 11 ways) and never at M >= 512 (kv_a M=8192 110 vs 102 us, dense_gate_up M=512
     # 465 vs 413); with its fitted 0.95 everywhere it would take kv_a M=512..16384 and q_a M=512
     24: TileConfig(24, 128, 144, 4, 2, 0.60, bn_kn=192, staging_boxes=2, efficiency_small_m=0.95),
+    # config 1's tile in clusters of 2 along M sharing B by TMA multicast (each block loads its A tile
+    # and half of B, multicast to both): cuBLAS's kernel for llama o M=128 (nvjet ..._128x64_64x8_1x2).
+    # With the consumer loop of docs/gemm.md entry 33 it beats config 1 on the M = 128 shapes config 1
+    # runs (entry 34: llama o 41.5-43.9 vs 43.5-46.2 us, kv_a 9.5 vs 10.0, q_a 12.7 vs 13.0; moe_gate_up
+    # and moe_down within 1.5 %) and loses where two-warpgroup tiles run (dsv3.o, dense_down, llama
+    # down / gate_up / qkv at M=128: 5-27 %): efficiency_small_m just above config 1's, so it replaces
+    # config 1 and nothing else; a candidate only when M's 64-row tiles pair up (_auto_plan), and not
+    # measured to win above M = 128 (efficiency 0.60 there).
+    19: TileConfig(19, 64, 128, 8, 1, 0.60, staging_boxes=2, efficiency_small_m=0.87, cluster_m=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 19)
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
@@ -306,8 +322,8 @@ def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout
 
 
 def _grid(cfg: TileConfig, tiles: int, sms: int) -> int:
-    if cfg.cluster_n > 1:  # whole clusters (units come in pairs: see _tiles)
-        return max(cfg.cluster_n, min(tiles, sms) // cfg.cluster_n * cfg.cluster_n)
+    if cfg.pairs > 1:  # whole clusters (units come in pairs: see _tiles)
+        return max(cfg.pairs, min(tiles, sms) // cfg.pairs * cfg.pairs)
     if cfg.cluster_k > 1:  # CK blocks per tile, whole clusters
         return max(cfg.cluster_k, min(tiles * cfg.cluster_k, sms) // cfg.cluster_k * cfg.cluster_k)
     return max(1, min(math.ceil(tiles / cfg.tiles_per_block), sms))
@@ -542,7 +558,7 @@ def b_operand(B: DeviceArray, K: int, N: int, b_layout: str, cfg: TileConfig, in
         box = (64, 64, 1)
     else:  # [G, N, K]: K contiguous, 64 x BN boxes
         op = _tma_operand(B, G, N, K, *sb)
-        box = (64, cfg.tile_n("nk"), 1)
+        box = (64, cfg.tile_n("nk") // cfg.cluster_m, 1)  # clusters along M: each block loads half
     tmb = encode_tiled(op.ptr, in_dtype, op.dims, op.strides, box)
     return tmb, *_staging(op, in_dtype, out_dtype, device)
 
@@ -697,10 +713,11 @@ def _auto_config(M: int, N: int, K: int, b_layout: str, sms: int) -> TileConfig:
 
 
 def _tiles(cfg: TileConfig, M: int, N: int, b_layout: str) -> int:
-    """Output tiles (with clusters along N: N's tiles rounded up to whole clusters, the scheduler's
-    units and split-K slots)."""
+    """Output tiles (with clusters along N or M: that dimension's tiles rounded up to whole clusters,
+    the scheduler's units and split-K slots)."""
     num_n = math.ceil(N / cfg.tile_n(b_layout))
-    return math.ceil(M / cfg.bm) * (-(-num_n // cfg.cluster_n) * cfg.cluster_n)
+    num_m = math.ceil(M / cfg.bm)
+    return (-(-num_m // cfg.cluster_m) * cfg.cluster_m) * (-(-num_n // cfg.cluster_n) * cfg.cluster_n)
 
 
 def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, split_tiles: int | None = None) -> int:
@@ -737,7 +754,7 @@ def split_plan(cfg: TileConfig, tiles: int, K: int, b_layout: str, workers: int,
                 best, best_cost = (sp, 0), c
         return best
     q, r = divmod(tiles, workers)
-    if r == 0 or cfg.cluster_n > 1:  # (clusters: the pair scheduler's split_from would count pairs)
+    if r == 0 or cfg.pairs > 1:  # (clusters: the pair scheduler's split_from would count pairs)
         return best
     whole = q * config_cost(cfg, workers, workers, K, b_layout)
     unsplit = best_cost
@@ -773,6 +790,8 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
     for cid in cands:
         cfg = CONFIGS[cid]
         if cfg.debug or (b_layout == "kn" and cfg.bn_kn is not None):
+            continue
+        if math.ceil(M / cfg.bm) % cfg.cluster_m:  # a pair along M with a phantom half: one SM idle
             continue
         if M <= SMALL_M and cfg.efficiency_small_m is not None:  # (a uniform factor: splits unchanged)
             cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
