@@ -204,9 +204,12 @@ GROUP_M = 8  # rasterization super-row height (tiles)
 # moe_gate_up M=128 306 -> 337 TFLOP/s; docs/gemm.md)
 SMALL_M = 128
 # Programmatic dependent launch (see pdl_auto): on from this arithmetic intensity (flop per byte of A, B
-# and C) up; the M = 128 projections (HBM-bound, ~120) lost 2-3 us per call with it, every measured
-# shape of intensity >= 260 gained or stayed within noise.
-PDL_MIN_INTENSITY = 200
+# and C) up.  Every measured shape of intensity >= 260 gained or stayed within noise (docs/gemm.md entry
+# 20); the M = 128 projections (HBM-bound, ~120) lost 2-3 us per call with it until the consumer loop of
+# entry 33 -- now they gain (entry 35: moe_down M=128 11.8 -> 10.9 us, q_a M=128 12.8 -> 12.0,
+# moe_gate_up M=128 22.1-22.5 -> 21.5-22.1, llama o M=128 unchanged).  Grouped GEMMs over many small
+# weights (e.g. 64 experts of 1024 x 1024 at 4096 rows: ~57) stay off, unmeasured.
+PDL_MIN_INTENSITY = 100
 
 
 class _GemmArgs(ctypes.Structure):
@@ -489,9 +492,9 @@ def pdl_auto(M: int, N: int, K: int, groups: int = 1) -> bool:
     """The automatic choice of a programmatic dependent launch for an M x N x K GEMM (grouped: M rows
     in all over ``groups`` weights of N x K): on where its arithmetic intensity
     ``2MNK / (2(MK + groups NK + MN))`` is at least PDL_MIN_INTENSITY flop per byte.
-    Measured (docs/gemm.md entry 20): PDL saves 1-2 us per call on the short compute-bound calls
-    (square1024 0.80 -> 0.91x cuBLAS, dsv3.kv_a M=512 0.87 -> 0.92) but cost 2-3 us per call on every
-    M = 128 projection (HBM-bound B streams, intensity ~120: moe_gate_up M=128 0.93 -> 0.82)."""
+    Measured (docs/gemm.md entries 20, 35): PDL saves 1-2 us per call on the short compute-bound calls
+    (square1024 0.80 -> 0.91x cuBLAS, dsv3.kv_a M=512 0.87 -> 0.92) and, since the consumer loop of
+    entry 33, up to 1 us on the M = 128 projections (HBM-bound B streams, intensity ~120)."""
     return 2.0 * M * N * K >= PDL_MIN_INTENSITY * 2.0 * (M * K + groups * N * K + M * N)
 
 

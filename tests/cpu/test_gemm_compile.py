@@ -310,15 +310,18 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     G.gemm(a, b)  # intensity 2*512*1024*768 / (2*(512*1024 + 1024*768 + 512*768)) = 237
     assert launches[-1]["dependent"] is True
     a128, w = empty((128, 8192), "bfloat16"), empty((8192, 8192), "bfloat16")
-    G.gemm(a128, w, b_layout="nk")  # ~124: an HBM-bound B stream
+    G.gemm(a128, w, b_layout="nk")  # ~124: an HBM-bound B stream (on since docs/gemm.md entry 35)
+    assert launches[-1]["dependent"] is True
+    a1 = empty((1, 8192), "bfloat16")
+    G.gemm(a1, w, b_layout="nk")  # ~1: a GEMV
     assert launches[-1]["dependent"] is False
     monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")
-    G.gemm(a128, w, b_layout="nk")
+    G.gemm(a1, w, b_layout="nk")
     assert launches[-1]["dependent"] is True
     monkeypatch.setenv("MKERNEL_GEMM_PDL", "0")
     G.gemm(a, b)
     assert launches[-1]["dependent"] is False
-    assert G.pdl_auto(1024, 1024, 1024) and not G.pdl_auto(128, 4096, 7168)
+    assert G.pdl_auto(1024, 1024, 1024) and G.pdl_auto(128, 4096, 7168) and not G.pdl_auto(64, 4096, 7168)
     assert G.pdl_auto(4096, 1024, 1024, groups=1) and not G.pdl_auto(4096, 1024, 1024, groups=64)
     from cuda.bindings import driver as cu
 
