@@ -221,10 +221,11 @@ def write_report(out: Path, results, device: str, compile_s, reps: int, quick: b
     """gemm_bench.md (table, config and split sweeps), .json and .png under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     rows = [[r["name"], r["M"], r["N"], r["K"], r["layout"], f"{r['ms'] * 1e6:.1f}", f"{r['tflops']:.0f}",
-             f"{r['cublas_tflops']:.0f}", f"{r['ratio']:.2f}", r["tile"], r["registers"], f"{r['smem'] // 1024} KiB",
+             f"{r['cublas_tflops']:.0f}", f"{r['ratio']:.2f}", r["config"], r["tile"], r["registers"],
+             f"{r['smem'] // 1024} KiB",
              "ok" if r["ok"] else f"ERR {r['err']:.1e}"] for r in results]
-    headers = ["shape", "M", "N", "K", "B", "us", "mkernel TFLOP/s", "cuBLAS TFLOP/s", "ratio", "tile", "regs",
-               "smem", "check"]
+    headers = ["shape", "M", "N", "K", "B", "us", "mkernel TFLOP/s", "cuBLAS TFLOP/s", "ratio", "cfg", "tile",
+               "regs", "smem", "check"]
     ratios = [r["ratio"] for r in results]
     big = [r["ratio"] for r in results if r["name"].startswith("square") and r["M"] >= 4096]
     md = [f"# mkernel.gemm vs cuBLAS ({device})", "",

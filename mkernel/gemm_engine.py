@@ -655,7 +655,9 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
         grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
-    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=_pdl(pdl_auto(M, N, K)))
+    # (cluster split-K, config 9: measured 8 % slower as a dependent launch -- docs/gemm.md entry 35)
+    dependent = _pdl(pdl_auto(M, N, K) and cfg.cluster_k == 1)
+    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=dependent)
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
 
@@ -924,20 +926,24 @@ class _Sub:
 def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: str | None = None,
              b_layout: str = "kn", config: int | None = None, device: int | None = None) -> dict:
     """What ``gemm`` would launch for this shape: config, tile, split-K factor, grid, threads, shared
-    memory, registers per thread (ptxas) and the NVRTC compile time of the module (0 if it came from
-    cache)."""
+    memory, registers per thread (ptxas; from the driver where NVRTC returned no ptxas report, as the
+    NVRTC 13.0 of the H200 image does), spilled bytes (None without that report) and the NVRTC compile
+    time of the module (0 if it came from cache)."""
     out_dtype = out_dtype or in_dtype
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
         cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
-    name = f"mk_gemm_{b_layout}"
-    usage = mod.resource_usage.get(name, {})
+        name = f"mk_gemm_{b_layout}"
+        usage = dict(mod.resource_usage.get(name, {}))
+        if "registers" not in usage:  # (an NVRTC that returns no ptxas report: ask the driver)
+            usage["registers"] = mod.function(name).attribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
     tiles = _tiles(cfg, M, N, b_layout)
     return dict(config=cfg.id, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
                 smem=cfg.smem, pingpong=cfg.pingpong, tma_store=cfg.tma_store, splits=sp,
                 split_tiles=(tiles - sf) if sp > 1 else 0,
-                registers=usage.get("registers"), spills=usage.get("spill_stores", 0) + usage.get("spill_loads", 0),
+                registers=usage.get("registers"),
+                spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles,
                 grid=_grid(cfg, _units(tiles, sp, sf), sms))
 

@@ -312,6 +312,8 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     a128, w = empty((128, 8192), "bfloat16"), empty((8192, 8192), "bfloat16")
     G.gemm(a128, w, b_layout="nk")  # ~124: an HBM-bound B stream (on since docs/gemm.md entry 35)
     assert launches[-1]["dependent"] is True
+    G.gemm(a128, empty((10240, 8192), "bfloat16"), b_layout="nk")  # llama qkv M=128: cluster split-K (config 9),
+    assert launches[-1]["config"] == 9 and launches[-1]["dependent"] is False  # 8 % slower as a dependent
     a1 = empty((1, 8192), "bfloat16")
     G.gemm(a1, w, b_layout="nk")  # ~1: a GEMV
     assert launches[-1]["dependent"] is False
