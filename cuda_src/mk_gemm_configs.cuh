@@ -22,7 +22,7 @@
 //                    11  config 3's 128x256 tile in clusters of 2 along N sharing A by TMA multicast
 //                        (experiment, forced only: less L2 -> SMEM traffic and power on large problems)
 //                18  BM=64 (1 consumer WG), BN=256, 5 stages, S=2: one warpgroup issuing n256 wgmmas (a
-//                    warpgroup's wgmma costs ~the same time for any N <= 128: docs/gemm.md entry 27)
+//                    warpgroup's wgmma cost ~the same time for any N <= 128 with the old consumer loop: entries 27, 34)
 //                24  BM=128 (2 consumer WGs), BN=144 with B "nk" (config 4's 192 with "kn"), 4 stages, S=2:
 //                    wave quantization (N = 36864 -> 256 tiles at M <= 128: 1.94 waves; cuBLAS's tile there)
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
