@@ -236,7 +236,8 @@ def write_report(out: Path, results, device: str, compile_s, reps: int, quick: b
           + ", ".join(f"config {c} {s:.1f} s" for c, s in compile_s.items()) + ".", "",
           f"Ratio to cuBLAS: geometric mean {statistics.geometric_mean(ratios):.2f}, min {min(ratios):.2f}"
           + (f", squares >= 4096: min {min(big):.2f}" if big else "") + ".", "",
-          "Registers: per thread at launch (ptxas); the 2-consumer configs rebalance to 40 (producer) / "
+          "Registers: per thread at launch (ptxas, or the driver where NVRTC gives no report); the 2-consumer "
+          "configs rebalance to 40 (producer) / "
           "232 (consumers) with setmaxnreg.", "",
           markdown_table(headers, rows), ""]
     if any(r["sweep"] for r in results):
