@@ -242,41 +242,28 @@ template <int BM, int BN> struct MkLinearScheduler {
   }
 };
 
-// Clusters of two blocks along N (Cfg::CLUSTER_N == 2): a pair of blocks takes the units of
-// MkLinearScheduler over tiles twice as wide, and cluster rank r the half r of each (tile_n = 2j + r).
-// A rank whose half lies right of N gets the unit anyway with cols <= 0 (it must still load and
-// multicast its A slab; the tile loop skips its epilogue).  Split tiles' slots are 2 * slot + r.
-template <int BM, int BN> struct MkClusterPairScheduler {
-  MkLinearScheduler<BM, 2 * BN> pairs;
-  int N, rank;
+// Clusters of two blocks along N (Cfg::CLUSTER_N == 2, ALONG_M = false) or along M (Cfg::CLUSTER_M == 2,
+// ALONG_M = true): a pair of blocks takes the units of MkLinearScheduler over tiles twice as wide (tall),
+// and cluster rank r the half r of each (tile_n = 2j + r, or tile_m = 2i + r).  A rank whose half lies
+// right of N (below M) gets the unit anyway with cols (rows) <= 0: it must still load and multicast its
+// part of the shared operand; the tile loop skips its epilogue.  Split tiles' slots are 2 * slot + r.
+template <int BM, int BN, bool ALONG_M> struct MkClusterPairScheduler {
+  MkLinearScheduler<ALONG_M ? 2 * BM : BM, ALONG_M ? BN : 2 * BN> pairs;
+  int extent, rank;  // M (ALONG_M) or N
   MK_DEVICE MkClusterPairScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
-      : pairs(M_, N_, group_m_, splits_, split_from_), N(N_), rank((int)mk_cluster_ctarank()) {}
+      : pairs(M_, N_, group_m_, splits_, split_from_), extent(ALONG_M ? M_ : N_), rank((int)mk_cluster_ctarank()) {}
   MK_DEVICE void init(int worker_id, int num_workers) { pairs.init(worker_id / 2, num_workers / 2); }
   MK_DEVICE bool next(MkTile& t) {
     if (!pairs.next(t)) return false;
-    t.tile_n = 2 * t.tile_n + rank;
-    t.col0 = t.tile_n * BN;
-    t.cols = min(BN, N - t.col0);
-    t.slot = 2 * t.slot + rank;
-    return true;
-  }
-};
-
-// Clusters of two blocks along M (Cfg::CLUSTER_M == 2): a pair takes the units of MkLinearScheduler over
-// tiles twice as tall, and cluster rank r the half r of each (tile_m = 2i + r).  A rank whose half lies
-// below M gets the unit anyway with rows <= 0 (it must still load and multicast its half of B; the tile
-// loop skips its epilogue).  Split tiles' slots are 2 * slot + r.
-template <int BM, int BN> struct MkClusterRowPairScheduler {
-  MkLinearScheduler<2 * BM, BN> pairs;
-  int M, rank;
-  MK_DEVICE MkClusterRowPairScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
-      : pairs(M_, N_, group_m_, splits_, split_from_), M(M_), rank((int)mk_cluster_ctarank()) {}
-  MK_DEVICE void init(int worker_id, int num_workers) { pairs.init(worker_id / 2, num_workers / 2); }
-  MK_DEVICE bool next(MkTile& t) {
-    if (!pairs.next(t)) return false;
-    t.tile_m = 2 * t.tile_m + rank;
-    t.row0 = t.tile_m * BM;
-    t.rows = min(BM, M - t.row0);
+    if constexpr (ALONG_M) {
+      t.tile_m = 2 * t.tile_m + rank;
+      t.row0 = t.tile_m * BM;
+      t.rows = min(BM, extent - t.row0);
+    } else {
+      t.tile_n = 2 * t.tile_n + rank;
+      t.col0 = t.tile_n * BN;
+      t.cols = min(BN, extent - t.col0);
+    }
     t.slot = 2 * t.slot + rank;
     return true;
   }
@@ -549,6 +536,29 @@ MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
   }
 }
 
+// The B tile of a stage (kn: its first `nchunks` 64-column chunks), or with clusters of 2 along M this
+// block's half -- BN/2 rows of an "nk" tile (the host's map has BN/2-row boxes), every other chunk of a
+// "kn" one -- multicast to both blocks, which then each count the whole tile on their barrier.
+template <class Cfg>
+MK_DEVICE void mk_gemm_load_b(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmB, const MkTile& t, int k0,
+                              int nchunks) {
+  const int r = Cfg::CLUSTER_M == 2 ? (int)mk_cluster_ctarank() : 0;
+  if constexpr (Cfg::B_KN) {
+    for (int j = r; j < nchunks; j += Cfg::CLUSTER_M) {
+      if constexpr (Cfg::CLUSTER_M == 2)
+        mk_tma_load_3d_multicast(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0,
+                                 t.group, 0x3);
+      else
+        mk_tma_load_3d(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
+    }
+  } else if constexpr (Cfg::CLUSTER_M == 2) {
+    mk_tma_load_3d_multicast(sm.b(stage) + r * (Cfg::BN / 2) * 128, tmB, sm.full(stage), k0, t.col0 + r * (Cfg::BN / 2),
+                             t.group, 0x3);
+  } else {
+    mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
+  }
+}
+
 #ifndef MK_GEMM_PROBE
 #define MK_GEMM_PROBE 0  // timing probes only (wrong results; docs/gemm.md "A model that fits"): 1 = no loads at
                          // all (the consumers multiply whatever the ring holds), 2 = every K block loads K
@@ -567,31 +577,16 @@ MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const H
   int a_row;
   const MkTensorMap* tmA = hook.a_map(t, tmA_default, a_row);
   const int k0 = kb * Cfg::BK;
-  if constexpr (Cfg::CLUSTER_M == 2) {  // own A tile; half of B from each block of the pair, to both
-    const int r = (int)mk_cluster_ctarank();
-    if constexpr (Cfg::B_KN) {
-      mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + Cfg::B_CHUNKS * Cfg::B_CHUNK_BYTES);
-      mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
-      for (int j = r; j < Cfg::B_CHUNKS; j += 2)
-        mk_tma_load_3d_multicast(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group, 0x3);
-    } else {
-      mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + Cfg::B_NK_TX_BYTES);
-      mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
-      mk_tma_load_3d_multicast(sm.b(stage) + r * (Cfg::BN / 2) * 128, tmB, sm.full(stage), k0, t.col0 + r * (Cfg::BN / 2),
-                               t.group, 0x3);
-    }
-  } else if constexpr (Cfg::B_KN) {
-    // skip chunks wholly right of N (a cluster's phantom half, cols <= 0: none)
-    const int nchunks = (Cfg::CLUSTER_N > 1 && t.cols <= 0) ? 0 : (t.cols + 63) / 64;
-    mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + nchunks * Cfg::B_CHUNK_BYTES);
-    mk_gemm_load_a<Cfg>(sm, stage, tmA, k0, a_row);
-    for (int j = 0; j < nchunks; ++j)
-      mk_tma_load_3d(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
-  } else {
-    mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + Cfg::B_NK_TX_BYTES);
-    mk_gemm_load_a<Cfg>(sm, stage, tmA, k0, a_row);
-    mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
-  }
+  // "kn": the 64-column chunks to load -- none wholly right of N (a pair along N's phantom half, cols <=
+  // 0: none); a pair along M loads whole tiles
+  const int nchunks = !Cfg::B_KN                        ? 0
+                      : Cfg::CLUSTER_M == 2             ? Cfg::B_CHUNKS
+                      : (Cfg::CLUSTER_N > 1 && t.cols <= 0) ? 0
+                                                        : (t.cols + 63) / 64;
+  const int b_bytes = Cfg::B_KN ? nchunks * Cfg::B_CHUNK_BYTES : Cfg::B_NK_TX_BYTES;
+  mk_mbar_arrive_expect_tx(sm.full(stage), Cfg::A_BYTES + b_bytes);
+  mk_gemm_load_a<Cfg>(sm, stage, tmA, k0, a_row);
+  mk_gemm_load_b<Cfg>(sm, stage, tmB, t, k0, nchunks);
 }
 
 // The descriptor of k16 slice 0 of a B tile at shared address `b_addr` (K-major for "nk", MN-major
@@ -967,8 +962,8 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
       MK_TRACE(14);
     }
     if (aborted) break;
-    if (Cfg::CLUSTER_N > 1 && t.cols <= 0) continue;  // a cluster's half right of N: nothing to store
-    if (Cfg::CLUSTER_M > 1 && t.rows <= 0) continue;  // a cluster's half below M: nothing to store
+    // a pair's half below M (along M) or right of N (along N): nothing to store
+    if (Cfg::SHARING > 1 && (Cfg::CLUSTER_M > 1 ? t.rows : t.cols) <= 0) continue;
     epi.template store<Cfg::BN>(t, slab, acc);
     MK_TRACE_STMT(++units);
     if (tid == 128) {

@@ -79,11 +79,12 @@ class TileConfig:
     # the heuristic's efficiency when M <= SMALL_M (None: as above): one band of rows streams B, and
     # the B stream, not the MMA rate, bounds every config there
     efficiency_small_m: float | None = None
-    cluster_n: int = 1  # 2: blocks in clusters of 2 along N sharing A by TMA multicast (MkClusterPairScheduler)
+    # 2: blocks in clusters of 2 along N sharing A by TMA multicast (MkClusterPairScheduler<..., false>)
+    cluster_n: int = 1
     # 2 or 4: split-K inside clusters of that many blocks, partials added through distributed shared
     # memory (MkClusterKScheduler / MkClusterKEpilogue); no running-sum split-K
     cluster_k: int = 1
-    # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterRowPairScheduler)
+    # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterPairScheduler<..., true>)
     cluster_m: int = 1
 
     @property
