@@ -489,13 +489,16 @@ _PLANS_MAX = 64
 _pinned: list = []  # plans with buffers that were captured into a CUDA graph (kept for the process's life)
 
 
-def pdl_auto(M: int, N: int, K: int, groups: int = 1) -> bool:
+def pdl_auto(M: int, N: int, K: int, groups: int = 1, cfg: TileConfig | None = None) -> bool:
     """The automatic choice of a programmatic dependent launch for an M x N x K GEMM (grouped: M rows
-    in all over ``groups`` weights of N x K): on where its arithmetic intensity
-    ``2MNK / (2(MK + groups NK + MN))`` is at least PDL_MIN_INTENSITY flop per byte.
-    Measured (docs/gemm.md entries 20, 35): PDL saves 1-2 us per call on the short compute-bound calls
-    (square1024 0.80 -> 0.91x cuBLAS, dsv3.kv_a M=512 0.87 -> 0.92) and, since the consumer loop of
-    entry 33, up to 1 us on the M = 128 projections (HBM-bound B streams, intensity ~120)."""
+    in all over ``groups`` weights of N x K) on tile config ``cfg``: on where its arithmetic intensity
+    ``2MNK / (2(MK + groups NK + MN))`` is at least PDL_MIN_INTENSITY flop per byte, except for cluster
+    split-K configs.  Measured (docs/gemm.md entries 20, 35): PDL saves 1-2 us per call on the short
+    compute-bound calls (square1024 0.80 -> 0.91x cuBLAS, dsv3.kv_a M=512 0.87 -> 0.92) and, since the
+    consumer loop of entry 33, up to 1 us on the M = 128 projections (HBM-bound B streams, intensity
+    ~120); config 9 (cluster split-K) ran llama qkv M=128 8 % slower with it."""
+    if cfg is not None and cfg.cluster_k > 1:
+        return False
     return 2.0 * M * N * K >= PDL_MIN_INTENSITY * 2.0 * (M * K + groups * N * K + M * N)
 
 
@@ -656,8 +659,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
         grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
-    # (cluster split-K, config 9: measured 8 % slower as a dependent launch -- docs/gemm.md entry 35)
-    dependent = _pdl(pdl_auto(M, N, K) and cfg.cluster_k == 1)
+    dependent = _pdl(pdl_auto(M, N, K, cfg=cfg))
     plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=dependent)
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
@@ -913,7 +915,7 @@ def _plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype, b_layout, 
     maps = [tma, tmb, tmc]
     grid = _grid(cfg, num_tiles(cfg), sms)
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
-    return _Plan(cfg, kernel, grid, [*maps, args], pre, keep, dependent=_pdl(pdl_auto(T, N, K, G)))
+    return _Plan(cfg, kernel, grid, [*maps, args], pre, keep, dependent=_pdl(pdl_auto(T, N, K, G, cfg)))
 
 
 @dataclass

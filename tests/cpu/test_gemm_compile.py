@@ -325,6 +325,7 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     assert launches[-1]["dependent"] is False
     assert G.pdl_auto(1024, 1024, 1024) and G.pdl_auto(128, 4096, 7168) and not G.pdl_auto(64, 4096, 7168)
     assert G.pdl_auto(4096, 1024, 1024, groups=1) and not G.pdl_auto(4096, 1024, 1024, groups=64)
+    assert G.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[3]) and not G.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[9])
     from cuda.bindings import driver as cu
 
     cfg = G.runtime._launch_config(132, 384, 1024, 0, False, None, True)
