@@ -32,7 +32,10 @@
 //   Epilogue   template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN/2]);
 //              Called by every consumer thread once the tile's accumulators are final; `slab` is the
 //              consumer index (rows 64*slab .. 64*slab+63 of the tile); the fragment layout is that
-//              of mk_wgmma.cuh (see mk_wgmma_frag_for_each).
+//              of mk_wgmma.cuh (see mk_wgmma_frag_for_each).  Configs with two warpgroups side by
+//              side along N (Cfg::WG_N == 2) call store<Cfg::WN> with slab = the warpgroup and a tile
+//              whose row0 is 64*slab rows higher and whose col0 / cols are its WN-column part, so
+//              rows 64*slab + r of that tile are the real tile's rows r.
 //              static constexpr bool kTileDone; MK_DEVICE void tile_done(const MkTile& t);
 //              If kTileDone, after every consumer thread has returned from store() (named barrier 1),
 //              one consumer thread calls tile_done(t) (e.g. __threadfence_system + mk_signal_set).
@@ -73,16 +76,23 @@
 // consumer warpgroup each; each loads one half of the shared B tile (BN/2 rows of an "nk" tile, every
 // other 64-column chunk of a "kn" one) and multicasts it to both (half the L2 -> SMEM traffic for B,
 // as cuBLAS's 64-row kernels with clusters of 2 do on few-tile shapes).
+// WG_N_ = 2 (NC = 2, BM = 64): the two consumer warpgroups multiply the tile's one 64-row A slab by
+// the two WN = BN/2 column parts of B (m64nWNk16), as cuBLAS's 64-row kernels do -- two warpgroups
+// feeding the tensor cores where one would issue n128 alone.
 // CLUSTER_K_ = 2 or 4: split-K inside a cluster -- the CLUSTER_K blocks of a cluster compute the same
 // tile over K ranges of their own and add their fp32 partials through distributed shared memory
 // (MkClusterKScheduler, MkClusterKEpilogue: no global memory, no atomics); register epilogue only.
 template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false,
-          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1, int CLUSTER_K_ = 1, int CLUSTER_M_ = 1>
+          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1, int CLUSTER_K_ = 1, int CLUSTER_M_ = 1, int WG_N_ = 1>
 struct MkGemmConfig {
   static constexpr int NC = NC_;
   static constexpr bool PINGPONG = PINGPONG_;
-  static constexpr int BM = PINGPONG_ ? 64 : 64 * NC_;
+  // Consumer warpgroups side by side along N: 1 (each owns a 64-row slab of the tile) or 2 (NC = 2, BM =
+  // 64: both multiply the same A slab, each into its own WN-column part of the tile).
+  static constexpr int WG_N = WG_N_;
+  static constexpr int BM = PINGPONG_ ? 64 : 64 * NC_ / WG_N_;
   static constexpr int BN = BN_;
+  static constexpr int WN = BN_ / WG_N_;  // columns of one consumer warpgroup's accumulator (its wgmma N)
   static constexpr int BK = 64;  // 64 16-bit elements = one 128-byte swizzle row
   static constexpr int STAGES = STAGES_;
   static constexpr bool PIPELINED = PIPELINED_;
@@ -119,9 +129,12 @@ struct MkGemmConfig {
   static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * SHARING;
   static_assert(CLUSTER_N_ == 1 || (CLUSTER_N_ == 2 && NC_ == 2 && !PINGPONG_),
                 "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
-  static_assert(CLUSTER_M_ == 1 || (CLUSTER_M_ == 2 && NC_ == 1 && !PINGPONG_ && CLUSTER_N_ == 1 &&
+  static_assert(WG_N_ == 1 || (WG_N_ == 2 && NC_ == 2 && !PINGPONG_ && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 &&
+                                (B_KN_ ? WN % 64 == 0 : WN % 8 == 0)),
+                "warpgroups along N: two cooperative consumer warpgroups on a 64-row tile, whole column parts");
+  static_assert(CLUSTER_M_ == 1 || (CLUSTER_M_ == 2 && BM == 64 && !PINGPONG_ && CLUSTER_N_ == 1 &&
                                     CLUSTER_K_ == 1 && (B_KN_ ? B_CHUNKS % 2 == 0 : (BN_ / 2) % 8 == 0)),
-                "clusters of 2 along M: one consumer warpgroup, B split in two 1024-byte-aligned halves");
+                "clusters of 2 along M: 64-row tiles, B split in two 1024-byte-aligned halves");
   static_assert(CLUSTER_K_ == 1 || ((CLUSTER_K_ == 2 || CLUSTER_K_ == 4) && NC_ == 2 && !PINGPONG_ &&
                                     !TMA_STORE && CLUSTER_N_ == 1),
                 "cluster split-K: 2 or 4 blocks, cooperative configs with two slabs, register epilogue");
@@ -131,8 +144,9 @@ struct MkGemmConfig {
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static_assert(NC_ == 1 || NC_ == 2, "one or two consumer warpgroups");
-  static_assert(BN_ == 64 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256,
-                "BN must be 64, 128, 144, 192, 224 or 256");
+  static_assert(BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256,
+                "BN must be 64, 96, 128, 144, 192, 224 or 256");
+  static_assert(BN_ != 96 || WG_N_ == 2, "96-column tiles: two warpgroups of 48 columns");
   static_assert(!B_KN_ || BN_ % 64 == 0, "an MN-major (kn) B tile is made of whole 64-column chunks");
   static_assert(!PINGPONG_ || (NC_ == 2 && PIPELINED_), "ping-pong needs two pipelined consumer warpgroups");
   static_assert(!TMA_STORE || !PINGPONG_, "TMA-store epilogue: cooperative configs only");
@@ -595,19 +609,19 @@ template <class Cfg> MK_DEVICE mk_u64 mk_gemm_b_desc(mk_u32 b_addr) {
   return Cfg::B_KN ? mk_wgmma_desc_mnmajor(b_addr, 0, Cfg::B_CHUNK_BYTES) : mk_wgmma_desc_kmajor(b_addr, 0);
 }
 
-// Consumer warpgroup: one K block (4 k16 slices) of acc(64 x BN) += A * B, committed as one wgmma
-// batch; `da` / `db` describe k16 slice 0 of the stage's A slab (K-major) and B tile (mk_gemm_b_desc),
+// Consumer warpgroup: one K block (4 k16 slices) of acc(64 x WN) += A * B, committed as one wgmma
+// batch; `da` / `db` describe k16 slice 0 of the stage's A slab (K-major) and B tile or column part (mk_gemm_b_desc),
 // and slice k is k steps further (MK_WGMMA_K16_STEP_*): only adds, so a warp-uniform descriptor stays
 // in uniform registers and the batch issues back to back.  accumulate = false: the first K block
 // overwrites acc.
 template <class Cfg>
-MK_DEVICE void mk_gemm_mma_kblock(float (&acc)[Cfg::BN / 2], mk_u64 da, mk_u64 db, bool accumulate) {
+MK_DEVICE void mk_gemm_mma_kblock(float (&acc)[Cfg::WN / 2], mk_u64 da, mk_u64 db, bool accumulate) {
   constexpr mk_u64 kStepB = Cfg::B_KN ? MK_WGMMA_K16_STEP_MNMAJOR : MK_WGMMA_K16_STEP_KMAJOR;
   mk_wgmma_fence_regs(acc);
   mk_wgmma_fence();
 #pragma unroll
   for (int k = 0; k < Cfg::BK / 16; ++k) {
-    MkWgmma<Cfg::BN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da + MK_WGMMA_K16_STEP_KMAJOR * (mk_u64)k,
+    MkWgmma<Cfg::WN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da + MK_WGMMA_K16_STEP_KMAJOR * (mk_u64)k,
                                                       db + kStepB * (mk_u64)k, (accumulate || k > 0) ? 1 : 0);
   }
   mk_wgmma_commit();
@@ -892,15 +906,20 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_inc<Cfg::CONSUMER_REGS>();
   // (broadcast from lane 0: the compiler then knows the slab -- and every descriptor below -- is
   // warp-uniform and keeps them in uniform registers)
-  const int slab = __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
+  const int wg = __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
+  // Cfg::WG_N == 1: warpgroup wg multiplies the tile's 64-row slab wg by the whole B tile; == 2: the
+  // one 64-row slab by B's WN-column part wg (nk: WN rows of 128 bytes; kn: WN / 64 chunks)
+  const int slab = Cfg::WG_N == 1 ? wg : 0;
+  const int part = Cfg::WG_N == 1 ? 0 : wg;
+  constexpr int kPartBytes = Cfg::B_KN ? (Cfg::WN / 64) * Cfg::B_CHUNK_BYTES : Cfg::WN * 128;
   // descriptors of k16 slice 0 of ring slot 0; slot s is STAGE_BYTES / 16 further
   const mk_u64 da0 = mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(0)) + slab * 64 * 128, 0);
-  const mk_u64 db0 = mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)));
+  const mk_u64 db0 = mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)) + part * kPartBytes);
   // hooks that never wait never abort: no abort flag to read in the main loop
   constexpr bool kMayAbort = !MkHookPrefill<Hook>::value;
-  float acc[Cfg::BN / 2];
+  float acc[Cfg::WN / 2];
 #pragma unroll
-  for (int i = 0; i < Cfg::BN / 2; ++i) acc[i] = 0.f;
+  for (int i = 0; i < Cfg::WN / 2; ++i) acc[i] = 0.f;
   sched.init(worker_id, num_workers);
   int stage = 0;
   mk_u32 phase = 0;
@@ -914,7 +933,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     if constexpr (Cfg::CLUSTER_K > 1) {  // a block of the cluster may get no K block at all (nkb < CLUSTER_K)
       if (kb_lo == kb_hi) {
 #pragma unroll
-        for (int i = 0; i < Cfg::BN / 2; ++i) acc[i] = 0.f;
+        for (int i = 0; i < Cfg::WN / 2; ++i) acc[i] = 0.f;
       }
     }
     bool ready = false;  // full[stage] already seen complete (checked at the end of the previous K block)
@@ -964,7 +983,18 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     if (aborted) break;
     // a pair's half below M (along M) or right of N (along N): nothing to store
     if (Cfg::SHARING > 1 && (Cfg::CLUSTER_M > 1 ? t.rows : t.cols) <= 0) continue;
-    epi.template store<Cfg::BN>(t, slab, acc);
+    if constexpr (Cfg::WG_N == 1) {
+      epi.template store<Cfg::BN>(t, slab, acc);
+    } else {
+      // warpgroup wg's WN-column part, presented as slab wg of a tile that starts 64 * wg rows higher
+      // (so the epilogue's rows 64 * slab + r are the tile's rows r, and its staging / barrier are wg's)
+      MkTile tp = t;
+      tp.row0 -= 64 * wg;
+      tp.rows += 64 * wg;
+      tp.col0 += Cfg::WN * wg;
+      tp.cols -= Cfg::WN * wg;
+      epi.template store<Cfg::WN>(tp, wg, acc);
+    }
     MK_TRACE_STMT(++units);
     if (tid == 128) {
       MK_TRACE(9);

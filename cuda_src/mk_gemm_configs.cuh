@@ -25,6 +25,13 @@
 //                    warpgroup's wgmma cost ~the same time for any N <= 128 with the old consumer loop: entries 27, 34)
 //                24  BM=128 (2 consumer WGs), BN=144 with B "nk" (config 4's 192 with "kn"), 4 stages, S=2:
 //                    wave quantization (N = 36864 -> 256 tiles at M <= 128: 1.94 waves; cuBLAS's tile there)
+//                29  BM=64, BN=128, 8 stages, S=1, TWO consumer WGs side by side along N (each 64x64 of
+//                    the tile: both multiply the same A slab, each by its half of B) -- the structure of
+//                    cuBLAS's 64-row kernels (384 threads; Nsight Compute, docs/gemm.md entry 37)
+//                30  idem in clusters of 2 along M sharing B (cuBLAS's llama o M=128 kernel)
+//                31  idem 64x96 with B "nk" (two WGs of 48 columns; "kn": 64x128), clusters of 2 along
+//                    M (cuBLAS's dsv3.q_a M=512 kernel, 8 stages instead of 10)
+//                32  31 without clusters
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
 //                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
@@ -56,6 +63,10 @@ template <bool KN> struct MkCfgSel<10, KN> { typedef MkGemmConfig<2, 192, 3, tru
 template <bool KN> struct MkCfgSel<11, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2, 2> T; };
 template <bool KN> struct MkCfgSel<18, KN> { typedef MkGemmConfig<1, 256, 5, true, MK_GEMM_IN, KN, false, 2> T; };
 template <bool KN> struct MkCfgSel<24, KN> { typedef MkGemmConfig<2, KN ? 192 : 144, 4, true, MK_GEMM_IN, KN, false, 2> T; };
+template <bool KN> struct MkCfgSel<29, KN> { typedef MkGemmConfig<2, 128, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 1, 2> T; };
+template <bool KN> struct MkCfgSel<30, KN> { typedef MkGemmConfig<2, 128, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 2, 2> T; };
+template <bool KN> struct MkCfgSel<31, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 2, 2> T; };
+template <bool KN> struct MkCfgSel<32, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 1, 2> T; };
 template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,

@@ -89,6 +89,9 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
 #define MK_WGMMA_ACC8(b)                                                                      \
   "+f"(d[b + 0]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), \
   "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+#define MK_WGMMA_R1H "%16, %17, %18, %19, %20, %21, %22, %23"
+#define MK_WGMMA_REGS_48 MK_WGMMA_R0 "," MK_WGMMA_R1H
+#define MK_WGMMA_ACC_48 MK_WGMMA_ACC16(0), MK_WGMMA_ACC8(16)
 #define MK_WGMMA_REGS_144 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4H
 #define MK_WGMMA_ACC_144 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC8(64)
 #define MK_WGMMA_REGS_128 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3
@@ -109,6 +112,8 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
                  : MK_WGMMA_ACC_##N                                                                             \
                  : "l"(da), "l"(db), "r"(scale_d), "n"(TB));                                                    \
   }
+MK_WGMMA_DEF(48, bf16, "%24", "%25", "%26", "%27")
+MK_WGMMA_DEF(48, f16, "%24", "%25", "%26", "%27")
 MK_WGMMA_DEF(64, bf16, "%32", "%33", "%34", "%35")
 MK_WGMMA_DEF(64, f16, "%32", "%33", "%34", "%35")
 MK_WGMMA_DEF(128, bf16, "%64", "%65", "%66", "%67")
@@ -124,7 +129,10 @@ MK_WGMMA_DEF(256, f16, "%128", "%129", "%130", "%131")
 #undef MK_WGMMA_DEF
 #undef MK_WGMMA_ACC16
 #undef MK_WGMMA_ACC8
+#undef MK_WGMMA_R1H
 #undef MK_WGMMA_R4H
+#undef MK_WGMMA_REGS_48
+#undef MK_WGMMA_ACC_48
 #undef MK_WGMMA_REGS_144
 #undef MK_WGMMA_ACC_144
 #undef MK_WGMMA_R0
@@ -154,6 +162,8 @@ template <int N, int DT, int TB> struct MkWgmma;
       NAME_<TB>(d, da, db, scale_d);                                                                       \
     }                                                                                                      \
   };
+MK_WGMMA_DISPATCH(48, MK_DTYPE_BF16, mk_wgmma_m64n48k16_bf16)
+MK_WGMMA_DISPATCH(48, MK_DTYPE_F16, mk_wgmma_m64n48k16_f16)
 MK_WGMMA_DISPATCH(64, MK_DTYPE_BF16, mk_wgmma_m64n64k16_bf16)
 MK_WGMMA_DISPATCH(128, MK_DTYPE_BF16, mk_wgmma_m64n128k16_bf16)
 MK_WGMMA_DISPATCH(256, MK_DTYPE_BF16, mk_wgmma_m64n256k16_bf16)

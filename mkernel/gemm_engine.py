@@ -86,6 +86,8 @@ class TileConfig:
     cluster_k: int = 1
     # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterPairScheduler<..., true>)
     cluster_m: int = 1
+    # 2: the two consumer warpgroups side by side along N on a 64-row tile (each bn / 2 columns)
+    wg_n: int = 1
 
     @property
     def cluster(self) -> int:
@@ -173,13 +175,27 @@ CONFIGS = {
     # and moe_down within 1.5 %) and loses where two-warpgroup tiles run (dsv3.o, dense_down, llama
     # down / gate_up / qkv at M=128: 5-27 %): efficiency_small_m just above config 1's, so it replaces
     # config 1 and nothing else; a candidate only when M's 64-row tiles pair up (_auto_plan), and not
-    # measured to win above M = 128 (efficiency 0.60 there).
+    # measured to win above M = 128 (efficiency 0.60 there).  Replaced by config 30 (the same tile and
+    # clusters, two warpgroups side by side along N), forced only since.
     19: TileConfig(19, 64, 128, 8, 1, 0.60, staging_boxes=2, efficiency_small_m=0.87, cluster_m=2),
+    # Two consumer warpgroups side by side along N on 64-row tiles (each multiplies the one A slab by its
+    # half of B): the structure of cuBLAS's 64-row kernels (384 threads; Nsight Compute, docs/gemm.md
+    # entry 37).  Config 30 = config 19's tile and clusters with that split: llama o M=128 steady 40.6-41.2
+    # vs 43.8-44.5 us on config 19 (= cuBLAS's 40.3-41.3), moe_gate_up M=128 (x2) 22.4 vs 23.1, moe_down /
+    # kv_b M=128 tied, the 5- and 13-way split plans of q_a / kv_a M=128 1.5-2 % slower (still 1.08 /
+    # 1.15x cuBLAS): config 19's efficiency_small_m, so it replaces config 19 (which leaves
+    # the candidates) and nothing else.  29 (no clusters), 31 / 32 (64 x 96, "kn" 64 x 128, with /
+    # without clusters): forced only -- 31 on q_a M=512 24.6-25.0 us cool, 27-31 steady (the 4 x 4
+    # split plan 24.6 / 26-27.6; cuBLAS 19.5-20.4), 29 ties config 1 at moe_down M=128.
+    29: TileConfig(29, 64, 128, 8, 2, 0.60, staging_boxes=1, wg_n=2),
+    30: TileConfig(30, 64, 128, 8, 2, 0.60, staging_boxes=1, efficiency_small_m=0.87, cluster_m=2, wg_n=2),
+    31: TileConfig(31, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, cluster_m=2, wg_n=2),
+    32: TileConfig(32, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, wg_n=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 19)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30)
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long

@@ -129,12 +129,13 @@ def test_big_square_kn(fake):
 
 
 def test_nk_small_m_picks_small_tiles(fake):
-    """M = 128: 64 x 128 tiles in clusters of 2 along M (config 19), each block loading half of B."""
+    """M = 128: 64 x 128 tiles in clusters of 2 along M, each block loading half of B, two consumer
+    warpgroups side by side along N (config 30: 384 threads)."""
     launches, maps, empty = fake
     a, b = empty((128, 8192), "float16"), empty((1024, 8192), "float16")
     G.gemm(a, b, b_layout="nk", out_dtype="float32")
     (l,) = launches
-    assert l["kernel"] == "mk_gemm_nk" and l["config"] == 19 and l["block"] == 256 and l["cluster"] == (2, 1, 1)
+    assert l["kernel"] == "mk_gemm_nk" and l["config"] == 30 and l["block"] == 384 and l["cluster"] == (2, 1, 1)
     assert l["grid"] % 2 == 0 and l["grid"] <= 120  # whole pairs, at most the clusters that fit (60 here)
     assert maps[1]["dims"] == (8192, 1024, 1) and maps[1]["box"] == (64, 64, 1)
     # M = 64: one row of tiles, no pair to share B with -- config 1, the whole B tile per block
@@ -382,11 +383,12 @@ def test_split_k_plans(fake):
     (512, 7168, 2048, "nk", 5),      # dsv3.moe_down: 128 tiles of 128x224 (was 112 of 128x256)
     (8192, 32768, 512, "nk", 3),     # dsv3.kv_b: K = 512 (ping-pong config 6 disabled)
     (128, 57344, 8192, "nk", 5),     # llama gate_up: 256 tiles (2 full waves) instead of 224
-    (128, 1024, 8192, "nk", 19),     # config 1's tile, B shared by the two row tiles (docs/gemm.md entry 34)
-    (128, 4096, 7168, "nk", 19),     # dsv3.moe_gate_up M=128: 64 tiles split 2 (measured 337 vs 306 TFLOP/s
-                                     # for 32 tiles of 128x128 split 4): SMALL_M efficiency; config 1 -> 19
+    (128, 1024, 8192, "nk", 30),     # config 1's tile, B shared by the two row tiles (docs/gemm.md entries
+                                     # 34, 37), two warpgroups side by side along N
+    (128, 4096, 7168, "nk", 30),     # dsv3.moe_gate_up M=128: 64 tiles split 2 (measured 337 vs 306 TFLOP/s
+                                     # for 32 tiles of 128x128 split 4): SMALL_M efficiency; config 1 -> 30
     (64, 8192, 8192, "nk", 1),       # one row of tiles: no pair along M
-    (128, 8192, 8192, "kn", 19),     # llama o M=128 (41.5-43.9 vs 43.5-46.2 us on config 1)
+    (128, 8192, 8192, "kn", 30),     # llama o M=128 (40.6-41.2 vs 43.8-44.5 us on config 19, 43.5-46.2 on 1)
     (512, 4096, 7168, "nk", 18),     # ... but not from M = 256 up: dsv3.moe_gate_up M=512 on 128 tiles of
                                      # 64x256, one warpgroup of n256 wgmmas (44.3 vs 48.1 us for config 2)
     (128, 10240, 8192, "nk", 9),     # llama qkv M=128: 54 tiles x 2 blocks in clusters (measured 422 vs 384
@@ -431,9 +433,10 @@ def test_config24_only_at_small_m(monkeypatch):
             assert G._auto_config(M, N, K, "nk", 132).id != 24, (M, N, K)
 
 
-def test_config19_replaces_config1_at_small_m_only(monkeypatch):
-    """Config 19 (config 1 in clusters of 2 along M) is picked exactly where config 1 would be at
-    M <= SMALL_M with the rows in whole pairs of 64-row tiles, and nowhere else."""
+def test_config30_replaces_config1_at_small_m_only(monkeypatch):
+    """Config 30 (config 1's tile in clusters of 2 along M, two warpgroups side by side along N) is
+    picked exactly where config 1 would be at M <= SMALL_M with the rows in whole pairs of 64-row
+    tiles, and nowhere else."""
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
     shapes = [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (1536, 7168), (24576, 1536),
               (576, 7168), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048),
@@ -441,12 +444,12 @@ def test_config19_replaces_config1_at_small_m_only(monkeypatch):
     for M in (1, 7, 64, 65, 100, 128, 129, 256, 512, 2048, 8192):
         for N, K in shapes:
             for layout in ("nk", "kn"):
-                monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", ",".join(str(c) for c in G.AUTO_CANDIDATES if c != 19))
+                monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", ",".join(str(c) for c in G.AUTO_CANDIDATES if c != 30))
                 without = G._auto_plan(M, N, K, layout, 132)
                 monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES")
                 cfg, sp, sf = G._auto_plan(M, N, K, layout, 132)
                 if 64 < M <= G.SMALL_M and without[0].id == 1:
-                    assert (cfg.id, sp) == (19, without[1]), (M, N, K, layout)
+                    assert (cfg.id, sp) == (30, without[1]), (M, N, K, layout)
                 else:
                     assert (cfg.id, sp, sf) == (without[0].id, without[1], without[2]), (M, N, K, layout)
 

@@ -106,13 +106,13 @@ def test_big_square(rng, layout, config):
     run_gemm(rng, 4096, 4096, 4096, layout, config=config, sample=256)
 
 
-# configs 4..6: 128x192 / 128x224 tiles (n192 / n224 wgmma, 224-row "nk" B box) and ping-pong 64x256
-# (alternating warpgroups; many tiles per block so ring positions are reused across tiles and
-# warpgroups; ragged K so nkb is not a multiple of the stage count).
+# configs 4, 5: 128x192 / 128x224 tiles (n192 / n224 wgmma, 224-row "nk" B box); 29 / 31: two
+# warpgroups side by side along N (n64 / n48 halves of one 64-row tile); many tiles per block so ring
+# positions are reused across tiles and warpgroups; ragged K so nkb is not a multiple of the stage count.
 RING_SHAPES = [(2100, 4100, 328), (4100, 2100, 520), (300, 7168, 2048)]
 
 
-@pytest.mark.parametrize("config", [4, 5])
+@pytest.mark.parametrize("config", [4, 5, 29, 31])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("M,N,K", RING_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in RING_SHAPES])
 def test_new_configs_many_tiles(rng, M, N, K, layout, config):
@@ -176,6 +176,8 @@ SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K spl
     (64, 576, 7168, "nk", 4, 7), (1000, 224, 640, "nk", 5, 2), (200, 264, 1300, "kn", 1, 5),
     (300, 520, 2048, "nk", 8, 3), (64, 576, 7168, "nk", 24, 5), (300, 520, 2048, "kn", 24, 3),
     (129, 1000, 4097, "nk", 19, 3), (300, 520, 2048, "kn", 19, 3), (7, 7, 4000, "nk", 19, 5),
+    (200, 264, 1300, "nk", 29, 5), (300, 520, 2048, "kn", 30, 3), (129, 1000, 4097, "nk", 31, 3),
+    (7, 7, 4000, "kn", 32, 4), (130, 100, 2000, "nk", 32, 2),
 ]
 
 
