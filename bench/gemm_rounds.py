@@ -1,9 +1,9 @@
-"""Probe: mkernel.gemm against cuBLAS replay by replay.  For each shape NAME@M of bench/gemm.py's
-tables (weights [N, K]) or squareS, and each plan ("auto", a config id, or CONFIGxSPLITS), after a
-pause of SLEEP seconds: ROUNDS rounds of one CUDA-graph replay each (bench/gemm.py's runners, 200
-calls a replay), ours and cuBLAS alternating; prints every round's per-call microseconds, so a drift
-over a run (clocks under the power cap) shows instead of hiding in a median (docs/gemm.md entry 25),
-then a summary line: the plan that ran (c<config>x<splits>), the relative error, and the median of
+"""Probe: mkernel.gemm against cuBLAS replay by replay.  For each shape (bench/gemm_profile.py's specs:
+NAME@M of bench/gemm.py's tables, squareS or MxNxK; weights [N, K]) and each plan ("auto", a config id,
+or CONFIGxSPLITS), after a pause of SLEEP seconds: ROUNDS rounds of one CUDA-graph replay each
+(bench/gemm.py's runners, 200 calls a replay), ours and cuBLAS alternating; prints every round's
+per-call microseconds, so a drift over a run (clocks under the power cap) shows instead of hiding in a
+median (docs/gemm.md entry 25), then a summary line: the plan that ran (c<config>x<splits>), the relative error, and the median of
 rounds 0-3 ("cool") and of rounds 8 on ("steady", given more than 8 rounds), ours / cuBLAS.
 
     python bench/gemm_rounds.py llama70b.o@128,dsv3.moe_down@128,square4096 20 1.5 auto,1,19x2 [--summary]
@@ -18,18 +18,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import setup_env, time_interleaved
 setup_env()
 import torch
-from gemm import DEEPSEEK_V3, LLAMA3_70B, _runner, batch_for, make_inputs
+from gemm import _runner, batch_for, make_inputs
+from gemm_profile import parse
 from mkernel import gemm_engine as G
 from mkernel.arrays import as_device_array
-
-
-def shape(spec: str):
-    if spec.startswith("square"):
-        s = int(spec[len("square"):])
-        return s, s, s
-    name, m = spec.split("@")
-    N, K = {**LLAMA3_70B, **DEEPSEEK_V3}[name]
-    return int(m), N, K
 
 
 def main(argv):
@@ -39,7 +31,7 @@ def main(argv):
     torch.empty(1, device="cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for spec in specs.split(","):
-        M, N, K = shape(spec)
+        _, M, N, K = parse(spec)
         A, B, C, Cr = make_inputs(M, N, K, "nk", l2)
         nsets = len(A)
         dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))

@@ -104,6 +104,9 @@ struct MkGemmConfig {
   static constexpr int B_CHUNKS = (BN_ + 63) / 64;
   static constexpr int B_BYTES = B_CHUNKS * B_CHUNK_BYTES;  // smem reserved for B (BN*BK*2 rounded up to 8 KiB)
   static constexpr int B_NK_TX_BYTES = BN_ * BK * 2;       // bytes one "nk" B box delivers
+  // Where tile column c (a multiple of 8; of 64 with "kn") starts in a ring slot's B tile: "nk" rows
+  // are 128 bytes, "kn" columns come in 64-column chunks.
+  static MK_DEVICE constexpr int b_col_bytes(int c) { return B_KN_ ? (c / 64) * B_CHUNK_BYTES : c * 128; }
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int BAR_OFFSET = STAGES * STAGE_BYTES;
   // TMA_STORE: the epilogue stages each consumer warpgroup's output in STAGING_BOXES 128B-swizzled
@@ -560,14 +563,14 @@ MK_DEVICE void mk_gemm_load_b(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
   if constexpr (Cfg::B_KN) {
     for (int j = r; j < nchunks; j += Cfg::CLUSTER_M) {
       if constexpr (Cfg::CLUSTER_M == 2)
-        mk_tma_load_3d_multicast(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0,
+        mk_tma_load_3d_multicast(sm.b(stage) + Cfg::b_col_bytes(64 * j), tmB, sm.full(stage), t.col0 + 64 * j, k0,
                                  t.group, 0x3);
       else
-        mk_tma_load_3d(sm.b(stage) + j * Cfg::B_CHUNK_BYTES, tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
+        mk_tma_load_3d(sm.b(stage) + Cfg::b_col_bytes(64 * j), tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
     }
   } else if constexpr (Cfg::CLUSTER_M == 2) {
-    mk_tma_load_3d_multicast(sm.b(stage) + r * (Cfg::BN / 2) * 128, tmB, sm.full(stage), k0, t.col0 + r * (Cfg::BN / 2),
-                             t.group, 0x3);
+    mk_tma_load_3d_multicast(sm.b(stage) + Cfg::b_col_bytes(r * (Cfg::BN / 2)), tmB, sm.full(stage), k0,
+                             t.col0 + r * (Cfg::BN / 2), t.group, 0x3);
   } else {
     mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
   }
@@ -911,10 +914,9 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   // one 64-row slab by B's WN-column part wg (nk: WN rows of 128 bytes; kn: WN / 64 chunks)
   const int slab = Cfg::WG_N == 1 ? wg : 0;
   const int part = Cfg::WG_N == 1 ? 0 : wg;
-  constexpr int kPartBytes = Cfg::B_KN ? (Cfg::WN / 64) * Cfg::B_CHUNK_BYTES : Cfg::WN * 128;
   // descriptors of k16 slice 0 of ring slot 0; slot s is STAGE_BYTES / 16 further
   const mk_u64 da0 = mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(0)) + slab * 64 * 128, 0);
-  const mk_u64 db0 = mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)) + part * kPartBytes);
+  const mk_u64 db0 = mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)) + part * Cfg::b_col_bytes(Cfg::WN));
   // hooks that never wait never abort: no abort flag to read in the main loop
   constexpr bool kMayAbort = !MkHookPrefill<Hook>::value;
   float acc[Cfg::WN / 2];

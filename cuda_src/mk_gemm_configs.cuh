@@ -72,9 +72,13 @@ static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,
               "one launch geometry per config (mkernel/gemm_engine.py: TileConfig.smem / threads)");
 
-#ifdef MK_EXPECT_SMEM  // (CPU tests: mkernel/gemm_engine.py's TileConfig.smem / threads for this config)
+#ifdef MK_EXPECT_SMEM  // (CPU tests: mkernel/gemm_engine.py's TileConfig.smem / threads / tile for this config)
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MK_EXPECT_SMEM, "TileConfig.smem != SMEM_BYTES");
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MK_EXPECT_THREADS, "TileConfig.threads != THREADS");
+static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::BM == MK_EXPECT_BM && MkCfgSel<MK_GEMM_CONFIG, true>::T::BM == MK_EXPECT_BM,
+              "TileConfig.bm != BM");
+static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::BN == MK_EXPECT_BN_NK && MkCfgSel<MK_GEMM_CONFIG, true>::T::BN == MK_EXPECT_BN_KN,
+              "TileConfig.tile_n(layout) != BN");
 #endif
 
 typedef typename mk_type<MK_GEMM_OUT>::T MkOut;

@@ -70,7 +70,9 @@ class TileConfig:
     bm: int
     bn: int
     stages: int
-    consumers: int  # consumer warpgroups; block = 128 * (consumers + 1) threads
+    # consumer warpgroups; block = 128 * (consumers + 1) threads.  One per 64-row slab of the tile, except
+    # ping-pong (one per tile) and 64-row tiles with two (side by side along N on bn / 2 columns each)
+    consumers: int
     efficiency: float  # relative per-tile main-loop throughput used by the heuristic
     debug: bool = False
     pingpong: bool = False
@@ -86,8 +88,6 @@ class TileConfig:
     cluster_k: int = 1
     # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterPairScheduler<..., true>)
     cluster_m: int = 1
-    # 2: the two consumer warpgroups side by side along N on a 64-row tile (each bn / 2 columns)
-    wg_n: int = 1
 
     @property
     def cluster(self) -> int:
@@ -187,10 +187,10 @@ CONFIGS = {
     # the candidates) and nothing else.  29 (no clusters), 31 / 32 (64 x 96, "kn" 64 x 128, with /
     # without clusters): forced only -- 31 on q_a M=512 24.6-25.0 us cool, 27-31 steady (the 4 x 4
     # split plan 24.6 / 26-27.6; cuBLAS 19.5-20.4), 29 ties config 1 at moe_down M=128.
-    29: TileConfig(29, 64, 128, 8, 2, 0.60, staging_boxes=1, wg_n=2),
-    30: TileConfig(30, 64, 128, 8, 2, 0.60, staging_boxes=1, efficiency_small_m=0.87, cluster_m=2, wg_n=2),
-    31: TileConfig(31, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, cluster_m=2, wg_n=2),
-    32: TileConfig(32, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, wg_n=2),
+    29: TileConfig(29, 64, 128, 8, 2, 0.60, staging_boxes=1),
+    30: TileConfig(30, 64, 128, 8, 2, 0.60, staging_boxes=1, efficiency_small_m=0.87, cluster_m=2),
+    31: TileConfig(31, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, cluster_m=2),
+    32: TileConfig(32, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)

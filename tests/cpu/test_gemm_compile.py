@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,9 +34,10 @@ def test_all_combinations_registered():
 def test_compiles_clean(source, defines, tmp_path, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
     cfg = G.CONFIGS[defines["MK_GEMM_CONFIG"]]
-    # the host's launch geometry is the kernel's: a static_assert in mk_gemm_configs.cuh
-    mod = runtime.compile_module(source, {**defines, "MK_EXPECT_SMEM": cfg.smem, "MK_EXPECT_THREADS": cfg.threads},
-                                 arch=ARCH)
+    # the host's launch geometry and tile are the kernel's: static_asserts in mk_gemm_configs.cuh
+    expect = {"MK_EXPECT_SMEM": cfg.smem, "MK_EXPECT_THREADS": cfg.threads, "MK_EXPECT_BM": cfg.bm,
+              "MK_EXPECT_BN_NK": cfg.tile_n("nk"), "MK_EXPECT_BN_KN": cfg.tile_n("kn")}
+    mod = runtime.compile_module(source, {**defines, **expect}, arch=ARCH)
     usage = mod.resource_usage
     for name in GEMM_KERNELS + ("mk_pad_copy_u16", "mk_pad_copy_u32"):
         assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
@@ -421,28 +425,36 @@ def test_heuristic_env_overrides(monkeypatch):
     assert 24 in G.AUTO_CANDIDATES and 24 in G.GROUPED_CANDIDATES
 
 
-def test_config24_only_at_small_m(monkeypatch):
+@pytest.fixture
+def bench_nk(monkeypatch):
+    """The (N, K) of bench/gemm.py's Llama-3-70B and DeepSeek-V3 projections (its tables, imported)."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("_bench_gemm_tables", bench / "gemm.py")
+    mod = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    spec.loader.exec_module(mod)  # (standard library imports only; it prepends bench/ and the repo to sys.path)
+    sys.path[:] = saved
+    return list({**mod.LLAMA3_70B, **mod.DEEPSEEK_V3}.values())
+
+
+def test_config24_only_at_small_m(monkeypatch, bench_nk):
     """Config 24 (128 x 144) is a candidate at M <= SMALL_M only: over every bench shape from M = 256 up
     (and every M of the kv_a / dense_gate_up shapes it was measured on) the heuristic never picks it."""
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
     monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
-    shapes = [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (1536, 7168), (24576, 1536),
-              (576, 7168), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048)]
     for M in (256, 512, 1000, 2048, 8192, 16384):
-        for N, K in shapes:
+        for N, K in bench_nk:
             assert G._auto_config(M, N, K, "nk", 132).id != 24, (M, N, K)
 
 
-def test_config30_replaces_config1_at_small_m_only(monkeypatch):
+def test_config30_replaces_config1_at_small_m_only(monkeypatch, bench_nk):
     """Config 30 (config 1's tile in clusters of 2 along M, two warpgroups side by side along N) is
     picked exactly where config 1 would be at M <= SMALL_M with the rows in whole pairs of 64-row
     tiles, and nowhere else."""
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    shapes = [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (1536, 7168), (24576, 1536),
-              (576, 7168), (32768, 512), (7168, 16384), (36864, 7168), (7168, 18432), (4096, 7168), (7168, 2048),
-              (1000, 4097), (7, 4000)]
     for M in (1, 7, 64, 65, 100, 128, 129, 256, 512, 2048, 8192):
-        for N, K in shapes:
+        for N, K in bench_nk + [(1000, 4097), (7, 4000)]:
             for layout in ("nk", "kn"):
                 monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", ",".join(str(c) for c in G.AUTO_CANDIDATES if c != 30))
                 without = G._auto_plan(M, N, K, layout, 132)
