@@ -122,7 +122,8 @@ struct MkGemmConfig {
   static constexpr int RX_WARP_BYTES = 32 * (BN_ / 2) * 4;  // one warp's fp32 accumulator fragment
   static constexpr int BODY_END = TMA_STORE ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + 256;
   static constexpr int RX_OFFSET = (BODY_END + 1023) / 1024 * 1024;
-  static constexpr int RX_BYTES = CLUSTER_K_ > 1 ? (CLUSTER_K_ - 1) * CK_OWNED_WARPS * RX_WARP_BYTES : 0;
+  // (reserved for the wider layout -- B_CHUNKS * 64 columns -- so "nk" and "kn" share one launch geometry)
+  static constexpr int RX_BYTES = CLUSTER_K_ > 1 ? (CLUSTER_K_ - 1) * CK_OWNED_WARPS * 32 * (B_CHUNKS * 32) * 4 : 0;
   static constexpr int SMEM_BYTES = (CLUSTER_K_ > 1 ? RX_OFFSET + RX_BYTES : BODY_END) + 1024;  // + alignment slack
   // Consumer arrivals that release a ring slot: lane 0 of every warp of the warpgroup(s) reading it
   // (of both blocks of a cluster: the multicast writes the slot in both).
@@ -149,7 +150,7 @@ struct MkGemmConfig {
   static_assert(NC_ == 1 || NC_ == 2, "one or two consumer warpgroups");
   static_assert(BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256,
                 "BN must be 64, 96, 128, 144, 192, 224 or 256");
-  static_assert(BN_ != 96 || WG_N_ == 2, "96-column tiles: two warpgroups of 48 columns");
+  static_assert(BN_ != 96 || WG_N_ == 2 || CLUSTER_K_ > 1, "96-column tiles: two warpgroups of 48 columns, or cluster split-K");
   static_assert(!B_KN_ || BN_ % 64 == 0, "an MN-major (kn) B tile is made of whole 64-column chunks");
   static_assert(!PINGPONG_ || (NC_ == 2 && PIPELINED_), "ping-pong needs two pipelined consumer warpgroups");
   static_assert(!TMA_STORE || !PINGPONG_, "TMA-store epilogue: cooperative configs only");

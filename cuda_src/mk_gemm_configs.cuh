@@ -67,6 +67,7 @@ template <bool KN> struct MkCfgSel<29, KN> { typedef MkGemmConfig<2, 128, 8, tru
 template <bool KN> struct MkCfgSel<30, KN> { typedef MkGemmConfig<2, 128, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 2, 2> T; };
 template <bool KN> struct MkCfgSel<31, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 2, 2> T; };
 template <bool KN> struct MkCfgSel<32, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 1, 2> T; };
+template <bool KN> struct MkCfgSel<36, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 6, true, MK_GEMM_IN, KN, false, 0, 1, 2> T; };
 template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,

@@ -191,11 +191,18 @@ CONFIGS = {
     30: TileConfig(30, 64, 128, 8, 2, 0.60, staging_boxes=1, efficiency_small_m=0.87, cluster_m=2),
     31: TileConfig(31, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, cluster_m=2),
     32: TileConfig(32, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1),
+    # 128 x 96 tiles ("kn": 128 x 128), K split in two inside clusters of 2, the partials added through
+    # distributed shared memory (config 9's mechanism on a tile that fills 128 SMs at M = 512, N = 1536:
+    # 64 tiles x 2).  Sixteenth session (docs/gemm.md entry 40), steady us vs the split plan picked
+    # before: dsv3.q_a M=512 24.7 vs 25.7 (cuBLAS 20.0), q_a M=384 21.6 vs 22.6, 256x2048x2048 9.9 vs
+    # 12.5, 384x1536x4096 14.0 vs 16.6, 640x1024x4096 15.1 vs 16.3; slower where the best plan is
+    # unsplit (square512 6.0 vs 3.5, 512x1536x2048 11.0 vs 9.9): _auto_plan's rule below.
+    36: TileConfig(36, 128, 96, 6, 2, 0.95, bn_kn=128, cluster_k=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36)
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
@@ -799,6 +806,17 @@ def split_cost(cfg: TileConfig, tiles: int, K: int, b_layout: str, workers: int,
         cfg, tiles - split_from, workers, K, b_layout, splits)
 
 
+def _pick_plan(plans: list) -> tuple:
+    """The least-cost (cost, config, splits, split_from); a last-wave split must beat every other plan by
+    TAIL_SPLIT_MIN_GAIN."""
+    best = min(plans, key=lambda p: p[0])
+    if best[2] > 1 and best[3] > 0:
+        rest = [p for p in plans if not (p[2] > 1 and p[3] > 0)]
+        if rest and best[0] > (1 - TAIL_SPLIT_MIN_GAIN) * min(p[0] for p in rest):
+            best = min(rest, key=lambda p: p[0])
+    return best
+
+
 def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | None = None):
     """(config, splits, split_from) for a plain GEMM: the heuristic's config and split-K plan (a
     forced config still gets its best split plan)."""
@@ -826,11 +844,14 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         plans.append((split_cost(cfg, tiles, K, b_layout, sms, sp, sf), cid, sp, sf))
         if sp > 1 and sf > 0:  # last-wave split: also keep this config's unsplit plan as a candidate
             plans.append((config_cost(cfg, tiles, sms, K, b_layout), cid, 1, tiles))
-    best = min(plans, key=lambda p: p[0])
-    if best[2] > 1 and best[3] > 0:  # a last-wave split must beat every other plan by the margin
-        rest = [p for p in plans if not (p[2] > 1 and p[3] > 0)]
-        if rest and best[0] > (1 - TAIL_SPLIT_MIN_GAIN) * min(p[0] for p in rest):
-            best = min(rest, key=lambda p: p[0])
+    best = _pick_plan(plans)
+    # Cluster split-K (configs 9, 36) replaces a split plan, never an unsplit one: where whole tiles
+    # already fill the SMs, halving K per block only adds the exchange and the register epilogue
+    # (measured: square512 / 768, 512x1536x2048 on config 36; docs/gemm.md entry 40).
+    if CONFIGS[best[1]].cluster_k > 1:
+        rest = [p for p in plans if CONFIGS[p[1]].cluster_k == 1]
+        if rest and _pick_plan(rest)[2] == 1:
+            best = _pick_plan(rest)
     return CONFIGS[best[1]], best[2], best[3]
 
 

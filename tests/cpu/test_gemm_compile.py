@@ -402,6 +402,11 @@ def test_split_k_plans(fake):
                                      # (measured 137.6 vs 150.8 us for config 3 with its last wave split 11)
     (512, 36864, 7168, "nk", 5),     # ... but not from M = 256 up (config 24: 465 vs 413 us)
     (16384, 576, 7168, "nk", 4),     # dsv3.kv_a (N = 576 = 4 x 144): config 24 measured slower (225 vs 197 us)
+    (512, 1536, 7168, "nk", 36),     # dsv3.q_a M=512: 64 tiles of 128x96 x 2 in clusters (24.7 vs 25.7 us
+                                     # steady for config 4 split 4; docs/gemm.md entry 40)
+    (384, 1536, 4096, "nk", 36),     # (14.0 vs 16.6 us for config 18 split 3)
+    (512, 1536, 2048, "nk", 1),      # ... not where whole tiles fill the SMs (config 1 unsplit 9.9 vs 11.0)
+    (512, 512, 512, "nk", 1),        # (square512: 3.5 vs 6.0)
 ])
 def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
@@ -423,6 +428,26 @@ def test_heuristic_env_overrides(monkeypatch):
     assert 9 in G.AUTO_CANDIDATES and all(G.CONFIGS[c].cluster == 1 for c in G.GROUPED_CANDIDATES)
     assert 18 in G.AUTO_CANDIDATES and 18 in G.GROUPED_CANDIDATES
     assert 24 in G.AUTO_CANDIDATES and 24 in G.GROUPED_CANDIDATES
+    assert 36 in G.AUTO_CANDIDATES and 36 not in G.GROUPED_CANDIDATES
+
+
+def test_cluster_split_k_only_replaces_split_plans(monkeypatch, bench_nk):
+    """A cluster split-K plan (configs 9, 36) is picked only where the best plan without them splits K
+    (running-sum split-K); where whole tiles fill the SMs the unsplit plan stays."""
+    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    others = ",".join(str(c) for c in G.AUTO_CANDIDATES if G.CONFIGS[c].cluster_k == 1)
+    picked = 0
+    for M in (64, 128, 256, 384, 512, 640, 1024, 2048):
+        for N, K in bench_nk + [(512, 512), (1024, 2048), (1536, 2048), (2048, 2048), (3072, 7168)]:
+            for layout in ("nk", "kn"):
+                monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
+                cfg, sp, sf = G._auto_plan(M, N, K, layout, 132)
+                if cfg.cluster_k == 1:
+                    continue
+                picked += 1
+                monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", others)
+                assert G._auto_plan(M, N, K, layout, 132)[1] > 1, (M, N, K, layout, cfg.id)
+    assert picked > 0
 
 
 @pytest.fixture

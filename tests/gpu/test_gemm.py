@@ -119,8 +119,9 @@ def test_new_configs_many_tiles(rng, M, N, K, layout, config):
     run_gemm(rng, M, N, K, layout, config=config, sample=None if M * N <= 4100 * 2100 else 256)
 
 
-# the projection shapes the heuristic sends to configs 4, 5, 6 (dsv3 q_a, moe_down, kv_b; gate_up)
-AUTO_SHAPES = [(2048, 1536, 7168), (512, 7168, 2048), (8192, 32768, 512), (128, 57344, 8192)]
+# the projection shapes the heuristic sends to configs 4, 5, 6, 36 (dsv3 q_a, moe_down, kv_b; gate_up)
+AUTO_SHAPES = [(2048, 1536, 7168), (512, 7168, 2048), (8192, 32768, 512), (128, 57344, 8192),
+               (512, 1536, 7168), (257, 2000, 4000)]  # (config 36: cluster split-K on 128 x 96 tiles)
 
 
 @pytest.mark.parametrize("M,N,K", AUTO_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in AUTO_SHAPES])
