@@ -81,6 +81,9 @@ class TileConfig:
     # the heuristic's efficiency when M <= SMALL_M (None: as above): one band of rows streams B, and
     # the B stream, not the MMA rate, bounds every config there
     efficiency_small_m: float | None = None
+    # up to this M (above SMALL_M), efficiency_small_m also applies when the tiles make one whole wave
+    # (FULL_WAVE_FILL of the SMs or more, at most all): 0 = never
+    full_wave_max_m: int = 0
     # 2: blocks in clusters of 2 along N sharing A by TMA multicast (MkClusterPairScheduler<..., false>)
     cluster_n: int = 1
     # 2 or 4: split-K inside clusters of that many blocks, partials added through distributed shared
@@ -188,7 +191,12 @@ CONFIGS = {
     # without clusters): forced only -- 31 on q_a M=512 24.6-25.0 us cool, 27-31 steady (the 4 x 4
     # split plan 24.6 / 26-27.6; cuBLAS 19.5-20.4), 29 ties config 1 at moe_down M=128.
     29: TileConfig(29, 64, 128, 8, 2, 0.60, staging_boxes=1),
-    30: TileConfig(30, 64, 128, 8, 2, 0.60, staging_boxes=1, efficiency_small_m=0.87, cluster_m=2),
+    # Sixteenth session (docs/gemm.md entry 44): also up to M = 512 where its 64 x 128 tiles make one whole
+    # wave (cuBLAS runs its 128x64_64x8_1x2 there, unsplit): cool us 256x4096x8192 30.9 vs 38.2 for config
+    # 18 x 2 (cuBLAS 30.1-30.8), 512x2048x8192 31.1 vs 36.0 (28.9-30.1), 512x2048x2048 9.3 vs 10.1 on
+    # config 1 (9.1); not at M = 1024 (1024x1024x8192 33.3 vs 32.0) nor half a wave (256x2048x8192 27.3 vs 24.1).
+    30: TileConfig(30, 64, 128, 8, 2, 0.60, staging_boxes=1, efficiency_small_m=0.87, cluster_m=2,
+                   full_wave_max_m=512),
     31: TileConfig(31, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, cluster_m=2),
     32: TileConfig(32, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1),
     # 128 x 96 tiles ("kn": 128 x 128), K split in two inside clusters of 2, the partials added through
@@ -222,6 +230,8 @@ SPLIT_REDUCE_COST = 4.0
 # (measured: on large problems predicted gains of a few % came out as 1-3 % losses; kv_a M=8192,
 # predicted 16 %, gained 11 %).
 TAIL_SPLIT_MIN_GAIN = 0.10
+# TileConfig.full_wave_max_m: "one whole wave" = at least this fraction of the SMs get a tile, none a second
+FULL_WAVE_FILL = 0.9
 GROUP_M = 8  # rasterization super-row height (tiles)
 # M at or below which TileConfig.efficiency_small_m applies (fitted on the sweep of 2026-11-30, fifth
 # session: config 1's single consumer warpgroup costs little when one 128-row band streams B --
@@ -836,6 +846,8 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         if math.ceil(M / cfg.bm) % cfg.cluster_m:  # a pair along M with a phantom half: one SM idle
             continue
         if M <= SMALL_M and cfg.efficiency_small_m is not None:  # (a uniform factor: splits unchanged)
+            cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
+        elif M <= cfg.full_wave_max_m and FULL_WAVE_FILL * sms <= _tiles(cfg, M, N, b_layout) <= sms:
             cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
         tiles = max(1, _tiles(cfg, M, N, b_layout))
         if cfg.cluster_k > 1 and tiles * cfg.cluster_k > sms:  # measured: loses beyond one wave

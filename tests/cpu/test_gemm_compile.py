@@ -407,6 +407,10 @@ def test_split_k_plans(fake):
     (384, 1536, 4096, "nk", 36),     # (14.0 vs 16.6 us for config 18 split 3)
     (512, 1536, 2048, "nk", 1),      # ... not where whole tiles fill the SMs (config 1 unsplit 9.9 vs 11.0)
     (512, 512, 512, "nk", 1),        # (square512: 3.5 vs 6.0)
+    (256, 4096, 8192, "nk", 30),     # one whole wave of 64x128 tiles up to M = 512 (entry 44: 30.9 vs 38.2 us
+    (512, 2048, 2048, "nk", 30),     # for config 18 x 2; 9.3 vs 10.1 for config 1)
+    (1024, 1024, 8192, "nk", 18),    # ... not at M = 1024 (33.3 vs 32.0)
+    (256, 2048, 8192, "nk", 18),     # ... nor half a wave (27.3 vs 24.1)
 ])
 def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
@@ -476,7 +480,7 @@ def test_config24_only_at_small_m(monkeypatch, bench_nk):
 def test_config30_replaces_config1_at_small_m_only(monkeypatch, bench_nk):
     """Config 30 (config 1's tile in clusters of 2 along M, two warpgroups side by side along N) is
     picked exactly where config 1 would be at M <= SMALL_M with the rows in whole pairs of 64-row
-    tiles, and nowhere else."""
+    tiles, and above that only up to M = 512 where its tiles make one whole wave."""
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
     for M in (1, 7, 64, 65, 100, 128, 129, 256, 512, 2048, 8192):
         for N, K in bench_nk + [(1000, 4097), (7, 4000)]:
@@ -485,8 +489,11 @@ def test_config30_replaces_config1_at_small_m_only(monkeypatch, bench_nk):
                 without = G._auto_plan(M, N, K, layout, 132)
                 monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES")
                 cfg, sp, sf = G._auto_plan(M, N, K, layout, 132)
+                tiles = G._tiles(G.CONFIGS[30], M, N, layout)
                 if 64 < M <= G.SMALL_M and without[0].id == 1:
                     assert (cfg.id, sp) == (30, without[1]), (M, N, K, layout)
+                elif cfg.id == 30:
+                    assert G.SMALL_M < M <= 512 and G.FULL_WAVE_FILL * 132 <= tiles <= 132 and sp == 1, (M, N, K, layout)
                 else:
                     assert (cfg.id, sp, sf) == (without[0].id, without[1], without[2]), (M, N, K, layout)
 
