@@ -847,7 +847,8 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
             continue
         if M <= SMALL_M and cfg.efficiency_small_m is not None:  # (a uniform factor: splits unchanged)
             cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
-        elif M <= cfg.full_wave_max_m and FULL_WAVE_FILL * sms <= _tiles(cfg, M, N, b_layout) <= sms:
+        elif (M <= cfg.full_wave_max_m and cfg.efficiency_small_m is not None
+              and FULL_WAVE_FILL * sms <= _tiles(cfg, M, N, b_layout) <= sms):
             cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
         tiles = max(1, _tiles(cfg, M, N, b_layout))
         if cfg.cluster_k > 1 and tiles * cfg.cluster_k > sms:  # measured: loses beyond one wave
