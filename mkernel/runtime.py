@@ -298,11 +298,15 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     root = cuda_src_dir()
     sources: dict[str, str] = {}
     _collect_sources(source, root, sources)
+    ver = nvrtc_version()
+    # NVRTC >= 12.9 keeps a compile cache of its own: a hit returns no ptxas report (the registers and
+    # spills Module.resource_usage and the CPU compile tests read) and makes a "fresh" compile's time
+    # (bench/gemm.py) a cache lookup.  mkernel's disk cache, keyed by sources and options, keeps the log.
     options = ["-std=c++17", f"--gpu-architecture={arch}", "--ptxas-options=-v", "-default-device",
+               "--no-cache" if ver >= (12, 9) else "",
                "--use_fast_math" if defines.pop("MK_FAST_MATH", False) else "",
                *(f"-I{d}" for d in [str(root), *include_dirs()]), *_define_flags(defines), *extra_options]
     options = [o for o in options if o]
-    ver = nvrtc_version()
     h = hashlib.sha256()
     for k in sorted(sources):
         h.update(k.encode() + b"\0" + sources[k].encode() + b"\0")
