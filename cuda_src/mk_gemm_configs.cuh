@@ -32,6 +32,8 @@
 //                31  idem 64x96 with B "nk" (two WGs of 48 columns; "kn": 64x128), clusters of 2 along
 //                    M (cuBLAS's dsv3.q_a M=512 kernel, 8 stages instead of 10)
 //                32  31 without clusters
+//                36  BM=128 (2 consumer WGs), BN=96 with B "nk" (128 with "kn"), 6 stages, register epilogue:
+//                    split-K inside clusters of 2 (config 9's mechanism; dsv3.q_a M=512 as 64 tiles x 2)
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
 //                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the

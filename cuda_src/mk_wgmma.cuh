@@ -1,6 +1,6 @@
 // mk_wgmma.cuh - Hopper warpgroup MMA (wgmma.mma_async) primitives: shared-memory matrix
 // descriptors for 128-byte-swizzled tiles, fences, and m64nNk16 bf16/fp16 -> fp32 MMAs
-// (N = 64, 128, 144, 192, 224, 256).
+// (N = 48, 64, 96, 128, 144, 192, 224, 256).
 //
 // Shared-memory tiles (written by TMA with CU_TENSOR_MAP_SWIZZLE_128B, every tile 1024-byte aligned):
 //

@@ -845,12 +845,12 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
             continue
         if math.ceil(M / cfg.bm) % cfg.cluster_m:  # a pair along M with a phantom half: one SM idle
             continue
-        if M <= SMALL_M and cfg.efficiency_small_m is not None:  # (a uniform factor: splits unchanged)
-            cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
-        elif (M <= cfg.full_wave_max_m and cfg.efficiency_small_m is not None
-              and FULL_WAVE_FILL * sms <= _tiles(cfg, M, N, b_layout) <= sms):
-            cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
         tiles = max(1, _tiles(cfg, M, N, b_layout))
+        # one band of rows streaming B, or (up to full_wave_max_m) one whole wave of tiles: the small-M
+        # efficiency (a uniform factor: splits unchanged)
+        if cfg.efficiency_small_m is not None and (
+                M <= SMALL_M or (M <= cfg.full_wave_max_m and FULL_WAVE_FILL * sms <= tiles <= sms)):
+            cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
         if cfg.cluster_k > 1 and tiles * cfg.cluster_k > sms:  # measured: loses beyond one wave
             continue
         sp, sf = choose_splits(cfg, M, N, K, b_layout, sms)
@@ -863,8 +863,9 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
     # (measured: square512 / 768, 512x1536x2048 on config 36; docs/gemm.md entry 40).
     if CONFIGS[best[1]].cluster_k > 1:
         rest = [p for p in plans if CONFIGS[p[1]].cluster_k == 1]
-        if rest and _pick_plan(rest)[2] == 1:
-            best = _pick_plan(rest)
+        alt = _pick_plan(rest) if rest else None
+        if alt is not None and alt[2] == 1:
+            best = alt
     return CONFIGS[best[1]], best[2], best[3]
 
 
