@@ -244,6 +244,13 @@ SMALL_M = 128
 # moe_gate_up M=128 22.1-22.5 -> 21.5-22.1, llama o M=128 unchanged).  Grouped GEMMs over many small
 # weights (e.g. 64 experts of 1024 x 1024 at 4096 rows: ~57) stay off, unmeasured.
 PDL_MIN_INTENSITY = 100
+# Cluster split-K plans (configs 9, 36) take PDL only where their blocks fill the SMs (this fraction of
+# them or more) or each block's K range is at most PDL_CK_MAX_K: measured (docs/gemm.md entry 45), PDL
+# saves them 0.3-3.4 us per call there (dsv3.q_a M=512 24.6 -> 21.2 us cool; 640x1024x4096 15.2 -> 13.6)
+# and costs 1.6-5.6 us on grids that leave SMs idle with long K ranges (512x1024x8192 22.2 -> 24.4,
+# llama qkv M=128 on config 9 48.1 -> 53.7).
+PDL_CK_MIN_FILL = 0.9
+PDL_CK_MAX_K = 2048
 
 
 class _GemmArgs(ctypes.Structure):
@@ -522,17 +529,27 @@ _PLANS_MAX = 64
 _pinned: list = []  # plans with buffers that were captured into a CUDA graph (kept for the process's life)
 
 
-def pdl_auto(M: int, N: int, K: int, groups: int = 1, cfg: TileConfig | None = None) -> bool:
+def pdl_auto(M: int, N: int, K: int, groups: int = 1, cfg: TileConfig | None = None,
+             blocks: int | None = None, sms: int | None = None) -> bool:
     """The automatic choice of a programmatic dependent launch for an M x N x K GEMM (grouped: M rows
-    in all over ``groups`` weights of N x K) on tile config ``cfg``: on where its arithmetic intensity
-    ``2MNK / (2(MK + groups NK + MN))`` is at least PDL_MIN_INTENSITY flop per byte, except for cluster
-    split-K configs.  Measured (docs/gemm.md entries 20, 35): PDL saves 1-2 us per call on the short
-    compute-bound calls (square1024 0.80 -> 0.91x cuBLAS, dsv3.kv_a M=512 0.87 -> 0.92) and, since the
-    consumer loop of entry 33, up to 1 us on the M = 128 projections (HBM-bound B streams, intensity
-    ~120); config 9 (cluster split-K) ran llama qkv M=128 8 % slower with it."""
-    if cfg is not None and cfg.cluster_k > 1:
+    in all over ``groups`` weights of N x K) on tile config ``cfg`` launched as ``blocks`` blocks on
+    ``sms`` SMs: on where its arithmetic intensity ``2MNK / (2(MK + groups NK + MN))`` is at least
+    PDL_MIN_INTENSITY flop per byte; for cluster split-K configs only where, besides, the blocks fill
+    PDL_CK_MIN_FILL of the SMs or a block's K range is at most PDL_CK_MAX_K (off if ``blocks`` or
+    ``sms`` is not given).  Measured (docs/gemm.md entries 20, 35, 45): PDL saves 1-2 us per call on
+    the short compute-bound calls (square1024 0.80 -> 0.91x cuBLAS, dsv3.kv_a M=512 0.87 -> 0.92), up
+    to 1 us on the M = 128 projections (HBM-bound B streams, intensity ~120) since the consumer loop of
+    entry 33, and up to 3.4 us on cluster split-K grids that fill the SMs (dsv3.q_a M=512); cluster
+    split-K grids that leave SMs idle lose 2-6 us with it over long K ranges (llama qkv M=128 on config
+    9, 512x1024x8192 on config 36)."""
+    if 2.0 * M * N * K < PDL_MIN_INTENSITY * 2.0 * (M * K + groups * N * K + M * N):
         return False
-    return 2.0 * M * N * K >= PDL_MIN_INTENSITY * 2.0 * (M * K + groups * N * K + M * N)
+    if cfg is not None and cfg.cluster_k > 1:
+        if not blocks or not sms:
+            return False
+        k_range = -(-K // (64 * cfg.cluster_k)) * 64
+        return blocks >= PDL_CK_MIN_FILL * sms or k_range <= PDL_CK_MAX_K
+    return True
 
 
 def _pdl(auto: bool) -> bool:
@@ -692,7 +709,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
         grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
-    dependent = _pdl(pdl_auto(M, N, K, cfg=cfg))
+    dependent = _pdl(pdl_auto(M, N, K, cfg=cfg, blocks=grid, sms=sms))
     plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=dependent)
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)

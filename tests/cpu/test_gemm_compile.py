@@ -307,7 +307,8 @@ def test_cluster_k_config_launch(fake):
 
 def test_programmatic_dependent_launch(fake, monkeypatch):
     """GEMM kernels are programmatic dependent launches where the plan's arithmetic intensity reaches
-    PDL_MIN_INTENSITY (MKERNEL_GEMM_PDL=1 / 0: always / never); the launch configuration, with the
+    PDL_MIN_INTENSITY -- cluster split-K plans only where their blocks fill the SMs or their K ranges are
+    short -- (MKERNEL_GEMM_PDL=1 / 0: always / never); the launch configuration, with the
     attribute, is built by runtime._launch_config."""
     launches, maps, empty = fake
     monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)
@@ -318,7 +319,15 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     G.gemm(a128, w, b_layout="nk")  # ~124: an HBM-bound B stream (on since docs/gemm.md entry 35)
     assert launches[-1]["dependent"] is True
     G.gemm(a128, empty((10240, 8192), "bfloat16"), b_layout="nk")  # llama qkv M=128: cluster split-K (config 9),
-    assert launches[-1]["config"] == 9 and launches[-1]["dependent"] is False  # 8 % slower as a dependent
+    assert launches[-1]["config"] == 9 and launches[-1]["dependent"] is False  # 108 blocks, K ranges of 4096
+    # cluster split-K: on where the blocks fill the SMs or K ranges are short (docs/gemm.md entry 45)
+    G.gemm(empty((512, 7168), "bfloat16"), empty((1536, 7168), "bfloat16"), b_layout="nk")  # dsv3.q_a M=512
+    # (the fake GPU fits 60 clusters: 120 blocks, still 0.9 of its 132 SMs; an H200 fits all 64)
+    assert launches[-1]["config"] == 36 and launches[-1]["grid"] == 120 and launches[-1]["dependent"] is True
+    G.gemm(empty((640, 4096), "bfloat16"), empty((1024, 4096), "bfloat16"), b_layout="nk", config=36)
+    assert launches[-1]["grid"] == 110 and launches[-1]["dependent"] is True  # K ranges of 2048
+    G.gemm(empty((512, 8192), "bfloat16"), empty((1024, 8192), "bfloat16"), b_layout="nk", config=36)
+    assert launches[-1]["grid"] == 88 and launches[-1]["dependent"] is False  # 88 blocks, K ranges of 4096
     a1 = empty((1, 8192), "bfloat16")
     G.gemm(a1, w, b_layout="nk")  # ~1: a GEMV
     assert launches[-1]["dependent"] is False
@@ -331,6 +340,12 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     assert G.pdl_auto(1024, 1024, 1024) and G.pdl_auto(128, 4096, 7168) and not G.pdl_auto(64, 4096, 7168)
     assert G.pdl_auto(4096, 1024, 1024, groups=1) and not G.pdl_auto(4096, 1024, 1024, groups=64)
     assert G.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[3]) and not G.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[9])
+    c36 = G.CONFIGS[36]
+    assert G.pdl_auto(512, 1536, 7168, cfg=c36, blocks=119, sms=132)  # 0.9 of the SMs
+    assert not G.pdl_auto(512, 1536, 7168, cfg=c36, blocks=118, sms=132)
+    assert G.pdl_auto(512, 1024, 4096, cfg=c36, blocks=88, sms=132)  # K ranges of 2048
+    assert not G.pdl_auto(512, 1024, 4097, cfg=c36, blocks=88, sms=132)  # of 2112
+    assert not G.pdl_auto(64, 64, 64, cfg=c36, blocks=132, sms=132)  # intensity first
     from cuda.bindings import driver as cu
 
     cfg = G.runtime._launch_config(132, 384, 1024, 0, False, None, True)
