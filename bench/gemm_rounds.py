@@ -54,7 +54,8 @@ def main(argv):
             st = time_interleaved({"ours": ro, "cublas": rt}, warmup=0, rounds=rounds)
             so = [x / batch * 1e3 for x in st["ours"]["samples"]]
             sc = [x / batch * 1e3 for x in st["cublas"]["samples"]]
-            tag = f"{spec} {phase} c{plan.cfg.id}x{plan.splits} err={err:.1e}"
+            pname = plan.name if plan.cfg is None else f"c{plan.cfg.id}x{plan.splits}"  # (gemv: no tile config)
+            tag = f"{spec} {phase} {pname} err={err:.1e}"
             if not summary_only:
                 print(f"{tag} nsets={nsets} batch={batch}: ours " + " ".join(f"{x:.1f}" for x in so), flush=True)
                 print(f"{tag}            cublas " + " ".join(f"{x:.1f}" for x in sc), flush=True)

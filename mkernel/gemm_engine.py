@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from cuda.bindings import driver as cu
 
-from . import runtime
+from . import gemv, runtime
 from .arrays import DeviceArray, _on_device, as_device_array
 from .runtime import check, round_up
 from .tensormap import encode_tiled
@@ -687,6 +687,9 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if K == 0:
         pre = [_zero_fill_launch(O, M, N, ldc, in_dtype, dev)]
         return _Plan(CONFIGS[1], None, 0, [], pre, [])
+    if (config is None and splits is None and gemv.supported(A, B, M, N, K, b_layout)
+            and gemv.worthwhile(M, N, K, sms)):  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
+        return gemv.plan(A, B, O, M, N, K)
     cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config)
     if splits is not None:  # forced: every tile split
         sp, split_from = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout))), 0
@@ -749,7 +752,8 @@ def split_workspace(n_split: int, tile_elems: int, device: int):
 
 def _env_key():
     return (os.environ.get("MKERNEL_GEMM_CONFIG"), os.environ.get("MKERNEL_GEMM_CANDIDATES"),
-            os.environ.get("MKERNEL_GEMM_EPILOGUE"), os.environ.get("MKERNEL_GEMM_PDL"))
+            os.environ.get("MKERNEL_GEMM_EPILOGUE"), os.environ.get("MKERNEL_GEMM_PDL"),
+            os.environ.get("MKERNEL_GEMM_GEMV"))
 
 
 def c_map(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, fallback: bytes):
@@ -1003,6 +1007,9 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
     out_dtype = out_dtype or in_dtype
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
+        if (config is None and b_layout == "nk" and 1 <= M <= gemv.MAX_M and K % 8 == 0
+                and gemv.worthwhile(M, N, K, sms)):  # (aligned, contiguous operands assumed)
+            return _describe_gemv(M, N, K, in_dtype, out_dtype)
         cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
         name = f"mk_gemm_{b_layout}"
@@ -1017,6 +1024,20 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
                 spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles,
                 grid=_grid(cfg, _units(tiles, sp, sf), sms))
+
+
+def _describe_gemv(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:
+    """describe() of a call mkernel.gemm routes to the decode-shaped kernel (mkernel/gemv.py)."""
+    nt = 1 if M <= 8 else 2
+    mod = runtime.compile_module(gemv.SOURCE, gemv._defines(in_dtype, out_dtype, nt))
+    usage = dict(mod.resource_usage.get("mk_gemv_nk", {}))
+    if "registers" not in usage:
+        usage["registers"] = mod.function("mk_gemv_nk").attribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
+    blocks = math.ceil(N / gemv.ROWS)
+    return dict(config="gemv", bm=8 * nt, bn=gemv.ROWS, stages=0, threads=gemv.THREADS, smem=0, pingpong=False,
+                tma_store=False, splits=1, split_tiles=0, registers=usage.get("registers"),
+                spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
+                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=blocks, grid=blocks)
 
 
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:

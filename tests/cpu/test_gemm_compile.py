@@ -312,6 +312,7 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     attribute, is built by runtime._launch_config."""
     launches, maps, empty = fake
     monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)
+    monkeypatch.setenv("MKERNEL_GEMM_GEMV", "0")  # (the M = 1 calls below: the GEMM tiles, not mkernel/gemv.py)
     a, b = empty((512, 1024), "bfloat16"), empty((1024, 768), "bfloat16")
     G.gemm(a, b)  # intensity 2*512*1024*768 / (2*(512*1024 + 1024*768 + 512*768)) = 237
     assert launches[-1]["dependent"] is True
@@ -587,3 +588,91 @@ def test_captured_plans_outlive_the_lru(fake, monkeypatch):
     G.gemm(empty((8, 8), "bfloat16"), empty((8, 8), "bfloat16"))  # captured, but no buffers: not pinned
     assert G._pinned == [kept] and not next(reversed(G._plans.values())).pinned
 
+
+
+# ---------------------------------------------------------------------------------------------
+# decode-shaped GEMMs (mkernel/gemv.py, cuda_src/gemv.cu)
+# ---------------------------------------------------------------------------------------------
+from mkernel import gemv as GV  # noqa: E402
+
+GEMV_SPECS = [(s, d) for s, d in runtime.registered_specializations() if s == GV.SOURCE]
+
+
+def test_gemv_all_combinations_registered():
+    got = {(d["MK_GEMM_IN"], d["MK_GEMM_OUT"], d["MK_GEMV_NT"]) for _, d in GEMV_SPECS}
+    assert got == {(GV._CODE[i], GV._CODE[o], nt) for i in GV.IN_DTYPES for o in GV.OUT_DTYPES for nt in (1, 2)}
+
+
+@pytest.mark.parametrize("source,defines", GEMV_SPECS, ids=[
+    f"in{d['MK_GEMM_IN']}-out{d['MK_GEMM_OUT']}-nt{d['MK_GEMV_NT']}" for _, d in GEMV_SPECS])
+def test_gemv_compiles_clean(source, defines, tmp_path, monkeypatch):
+    """No spills, no stack, <= 255 registers (one block of 256 threads per SM at least), no warnings."""
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+    mod = runtime.compile_module(source, defines, arch=ARCH, use_disk_cache=False)
+    u = mod.resource_usage["mk_gemv_nk"]
+    assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 and u.get("stack", 0) == 0, u
+    assert u["registers"] * GV.THREADS <= 65536, u
+    assert not [ln for ln in mod.log.splitlines() if re.search(r"warning", ln, re.I)], mod.log
+
+
+@pytest.fixture
+def fake_gemv(fake, monkeypatch):
+    launches, maps, empty = fake
+    monkeypatch.setattr(GV, "_kernel", lambda i, o, nt: FakeKernel(launches, (i, o, nt, "mk_gemv_nk")))
+    monkeypatch.delenv("MKERNEL_GEMM_GEMV", raising=False)
+    return launches, empty
+
+
+def test_gemv_routes_decode_shapes(fake_gemv):
+    """M <= 16 with B "nk", K % 8 == 0, 16-byte aligned operands and >= 66 blocks of 16 B rows (half of
+    132 SMs) go to mk_gemv_nk: one block of 256 threads per 16 rows of B, the NT = 2 variant above 8
+    rows; arguments A, lda, B, ldb, C, ldc, M, N, K; no programmatic dependent launch (the kernel does
+    not wait for its predecessor)."""
+    launches, empty = fake_gemv
+    for M, nt in ((1, 1), (8, 1), (9, 2), (16, 2)):
+        a, b = empty((M, 8192), "bfloat16"), empty((8192, 8192), "bfloat16")
+        out = G.gemm(a, b, b_layout="nk", out_dtype="float32")
+        l = launches[-1]
+        assert l["kernel"] == "mk_gemv_nk" and l["config"] == nt and l["grid"] == 512 and l["block"] == 256
+        assert l["dependent"] is False and l["smem"] == 0
+        args = [x.value for x in l["args"]]
+        assert args == [a.ptr, 8192, b.ptr, 8192, out.ptr, 8192, M, 8192, 8192]
+    # the smallest N that still fills half of the SMs: ceil(N / 16) >= 66
+    G.gemm(empty((4, 1056), "float16"), empty((1041, 1056), "float16"), b_layout="nk")
+    assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["grid"] == 66
+    # a re-pointed output: the same plan, the new C pointer
+    a, b = empty((3, 4096), "bfloat16"), empty((4096, 4096), "bfloat16")
+    o1, o2 = empty((3, 4096), "bfloat16"), empty((3, 4096), "bfloat16")
+    G.gemm(a, b, o1, b_layout="nk")
+    n_plans = len(G._plans)
+    G.gemm(a, b, o2, b_layout="nk")
+    assert len(G._plans) == n_plans and launches[-1]["args"][4].value == o2.ptr
+    assert launches[-2]["args"][4].value == o1.ptr
+
+
+def test_gemv_not_routed(fake_gemv, monkeypatch):
+    """Everything else stays on the GEMM tiles."""
+    launches, empty = fake_gemv
+    w = empty((8192, 8192), "bfloat16")
+    cases = [
+        dict(a=empty((17, 8192), "bfloat16"), b=w),  # M > 16
+        dict(a=empty((1, 8192), "bfloat16"), b=empty((8192, 8192), "bfloat16"), b_layout="kn"),
+        dict(a=empty((1, 8184 + 4), "bfloat16"), b=empty((8192, 8188), "bfloat16")),  # K % 8 != 0
+        dict(a=empty((4, 8192), "bfloat16"), b=empty((1040, 8192), "bfloat16")),  # 65 blocks < 66
+        dict(a=empty((4, 8192), "bfloat16"), b=w, config=1),  # a forced tile config
+        dict(a=empty((4, 8192), "bfloat16"), b=w, splits=2),  # a forced split
+    ]
+    for c in cases:
+        G.gemm(c.pop("a"), c.pop("b"), b_layout=c.pop("b_layout", "nk"), **c)
+        assert launches[-1]["kernel"].startswith("mk_gemm_"), c
+    # an operand view whose rows are not 16-byte aligned: (8200 - 4) elements apart
+    big = empty((2, 8200), "bfloat16")
+    a = DeviceArray(big.ptr + 8, (2, 8192), "bfloat16", (8200, 1), 0)
+    G.gemm(a, w, b_layout="nk")
+    assert launches[-1]["kernel"] != "mk_gemv_nk"
+    big = empty((2, 8196), "bfloat16")  # an aligned base, rows 16392 bytes apart
+    G.gemm(DeviceArray(big.ptr, (2, 8192), "bfloat16", (8196, 1), 0), w, b_layout="nk")
+    assert launches[-1]["kernel"] != "mk_gemv_nk"
+    monkeypatch.setenv("MKERNEL_GEMM_GEMV", "0")
+    G.gemm(empty((4, 8192), "bfloat16"), w, b_layout="nk")
+    assert launches[-1]["kernel"].startswith("mk_gemm_")

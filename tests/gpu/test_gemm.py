@@ -376,6 +376,75 @@ def test_repeat_uses_plan(rng):
     check(download(out), av @ bv2, "repeat")
 
 
+# ---- decode-shaped calls: mkernel/gemv.py ------------------------------------------------------
+from mkernel import gemv as GV  # noqa: E402
+
+GEMV_SHAPES = [  # (M, N, K); the route's block-count threshold is lifted, so small N runs it too
+    (1, 8192, 8192), (2, 1056, 8), (7, 1543, 40), (8, 4099, 2056), (9, 2048, 7168), (16, 1100, 1024),
+    (13, 3000, 264), (1, 28672, 512), (16, 16384, 72), (3, 17, 64), (16, 1, 8),
+]
+
+
+@pytest.fixture
+def gemv_route(monkeypatch):
+    monkeypatch.setattr(GV, "MIN_BLOCK_FILL", 0.0)
+    monkeypatch.delenv("MKERNEL_GEMM_GEMV", raising=False)
+
+
+def last_plan():
+    return next(reversed(G._plans.values()))
+
+
+@pytest.mark.parametrize("in_dt,out_dt", [("bfloat16", "bfloat16"), ("float16", "float32"),
+                                          ("bfloat16", "float32"), ("float16", "float16")])
+@pytest.mark.parametrize("M,N,K", GEMV_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in GEMV_SHAPES])
+def test_gemv(rng, gemv_route, M, N, K, in_dt, out_dt):
+    """C = A @ B^T on the decode-shaped kernel (asserted: the plan is gemv's), every dtype pair, odd M,
+    N and K (K a multiple of 8: whole 16-byte pieces); fp32 outputs to 1e-4 (fp32 accumulation only)."""
+    a, av = rand(rng, (M, K), in_dt)
+    b, bv = rand(rng, (N, K), in_dt)
+    out = poisoned((M, N), out_dt)
+    G.gemm(a, b, out, b_layout="nk")
+    assert isinstance(last_plan(), GV.Plan), "not routed to the gemv kernel"
+    e = rel_fro(download(out), av @ bv.T)
+    assert e < (1e-4 if out_dt == "float32" else TOL), f"gemv {M}x{N}x{K} {in_dt}->{out_dt}: {e:.3e}"
+
+
+def test_gemv_views_and_repeats(rng, gemv_route, monkeypatch):
+    """Strided A and B rows (16-byte multiples), an output view with padded rows (nothing written
+    outside it), a re-pointed output, new data behind the same pointers, and the same call with the
+    route off (the GEMM tiles) agreeing to 1e-4 in fp32."""
+    M, N, K = 5, 2500, 1000
+    abuf, abv = rand(rng, (M, K + 24), "bfloat16")
+    bbuf, bbv = rand(rng, (N, K + 8), "bfloat16")
+    a = DeviceArray(abuf.ptr, (M, K), "bfloat16", (K + 24, 1), abuf.device, abuf)
+    b = DeviceArray(bbuf.ptr, (N, K), "bfloat16", (K + 8, 1), bbuf.device, bbuf)
+    av, bv = abv[:, :K], bbv[:, :K]
+    buf = poisoned((M + 1, N + 40), "float32")
+    out = DeviceArray(buf.ptr, (M, N), "float32", (N + 40, 1), buf.device, buf)
+    G.gemm(a, b, out, b_layout="nk")
+    assert isinstance(last_plan(), GV.Plan)
+    h = download(buf)
+    assert rel_fro(h[:M, :N], av @ bv.T) < 1e-4
+    assert np.isnan(h[:, N:]).all() and np.isnan(h[M]).all(), "gemv wrote outside the output view"
+    out2 = poisoned((M, N), "float32")
+    n = len(G._plans)
+    G.gemm(a, b, out2, b_layout="nk")
+    assert len(G._plans) == n
+    assert rel_fro(download(out2), av @ bv.T) < 1e-4
+    a2, av2 = rand(rng, (M, K + 24), "bfloat16")
+    abuf.copy_from(a2)
+    out2.fill_nan()
+    G.gemm(a, b, out2, b_layout="nk")
+    got = download(out2)
+    assert rel_fro(got, av2[:, :K] @ bv.T) < 1e-4
+    monkeypatch.setenv("MKERNEL_GEMM_GEMV", "0")
+    ref = poisoned((M, N), "float32")
+    G.gemm(a, b, ref, b_layout="nk")
+    assert not isinstance(last_plan(), GV.Plan)
+    assert rel_fro(got, download(ref)) < 1e-4
+
+
 # ---- grouped ---------------------------------------------------------------------------------
 def run_grouped(rng, sizes, N, K, layout, in_dt="bfloat16", out_dt="bfloat16", device_offsets=False,
                 config=None):

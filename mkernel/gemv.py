@@ -1,0 +1,101 @@
+"""Decode-shaped GEMMs: ``C[M, N] = A[M, K] @ B[N, K]^T`` for M <= 16 rows (cuda_src/gemv.cu).
+
+Such a call is a stream of B (the weights, read once from memory) with almost no arithmetic per byte;
+a GEMM tile of 64+ rows wastes most of its tensor-core work and, worse, streams B through one tile per
+SM.  ``gemv.cu`` gives every 16 rows of B a block of 8 warps that split K, each lane loading 16
+contiguous bytes of two B rows and of one or two A rows per 32-element chunk, 8 chunks in flight,
+and multiplying them on the tensor cores (``mma.sync`` m16n8k16 with B as the 16-row operand).
+
+:func:`mkernel.gemm` routes a call here (:func:`plan`) when :func:`supported` (B "nk", M <= 16, K a
+multiple of 8, 16-byte aligned operands and row strides) and :func:`worthwhile` (enough 16-row blocks
+to occupy MIN_BLOCK_FILL of the SMs); ``MKERNEL_GEMM_GEMV=0`` turns the route off (benchmarks), as does
+forcing a tile config or a split factor.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+
+from . import runtime
+from .arrays import DeviceArray
+
+SOURCE = "gemv.cu"
+MAX_M = 16
+THREADS = 256  # MK_GEMV_THREADS
+ROWS = 16  # rows of B (columns of C) per block
+# Route a call here only when its ceil(N / ROWS) blocks give at least this fraction of the SMs one:
+# below that a few SMs would stream all of B (the GEMM path splits K over every SM instead).
+MIN_BLOCK_FILL = 0.5
+IN_DTYPES = ("bfloat16", "float16")
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+
+def _defines(in_dtype: str, out_dtype: str, nt: int) -> dict:
+    return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMV_NT=nt)
+
+
+for _i in IN_DTYPES:
+    for _o in OUT_DTYPES:
+        for _nt in (1, 2):
+            runtime.register_specialization(SOURCE, _defines(_i, _o, _nt))
+
+
+def _kernel(in_dtype: str, out_dtype: str, nt: int):
+    return runtime.kernel(SOURCE, _defines(in_dtype, out_dtype, nt), "mk_gemv_nk")
+
+
+def _row_ok(x: DeviceArray, rows: int, cols: int) -> bool:
+    """x ``[rows, cols]`` readable 16 bytes at a time along its rows: unit column stride, 16-byte aligned
+    base and row stride (a single row needs no row stride)."""
+    isz = x.dtype.itemsize
+    if x.ptr % 16 or (cols > 1 and x.strides[1] != 1):
+        return False
+    return rows == 1 or (x.strides[0] >= cols and (x.strides[0] * isz) % 16 == 0)
+
+
+def supported(A: DeviceArray, B: DeviceArray, M: int, N: int, K: int, b_layout: str) -> bool:
+    """Whether ``gemv.cu`` can compute ``A [M, K] @ B`` in place: B "nk" (``[N, K]``), 1 <= M <= MAX_M,
+    K > 0 a multiple of 8, both operands bf16 / fp16 with 16-byte aligned bases and row strides."""
+    return (b_layout == "nk" and 1 <= M <= MAX_M and K > 0 and K % 8 == 0 and N > 0
+            and A.dtype.name in IN_DTYPES and _row_ok(A, M, K) and _row_ok(B, N, K))
+
+
+def worthwhile(M: int, N: int, K: int, sms: int) -> bool:
+    """Whether to route a supported call here: ``MKERNEL_GEMM_GEMV`` is not ``0`` and the call's
+    ceil(N / ROWS) blocks occupy at least MIN_BLOCK_FILL of the ``sms`` SMs."""
+    if os.environ.get("MKERNEL_GEMM_GEMV", "1") == "0":
+        return False
+    return math.ceil(N / ROWS) >= MIN_BLOCK_FILL * sms
+
+
+class Plan:
+    """One decode-shaped GEMM launch (the plan :func:`mkernel.gemm` caches), re-pointable at any output
+    of the same layout.  ``cfg`` is None (no tile config), ``splits`` 1."""
+
+    cfg = None
+    splits = 1
+    name = "gemv"
+
+    def __init__(self, kernel, grid: int, args: list, out_ptr: int):
+        self.kernel, self.grid, self.args, self._out_ptr = kernel, grid, args, out_ptr
+
+    def run(self, stream, out: DeviceArray | None = None) -> None:
+        args = self.args
+        if out is not None and out.ptr != self._out_ptr:
+            args = list(args)
+            args[4] = ctypes.c_void_p(out.ptr)
+        self.kernel.launch(self.grid, THREADS, args, stream=stream)
+
+
+def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int) -> Plan:
+    """The launch of ``O[M, N] = A @ B^T`` (``supported`` operands; O with unit column stride): one
+    block per 16 rows of B, the two-tile variant (MK_GEMV_NT = 2) above 8 rows."""
+    nt = 1 if M <= 8 else 2
+    lda = A.strides[0] if M > 1 else K
+    ldb = B.strides[0] if N > 1 else K
+    ldc = O.strides[0] if M > 1 else N
+    args = [ctypes.c_void_p(A.ptr), ctypes.c_int64(lda), ctypes.c_void_p(B.ptr), ctypes.c_int64(ldb),
+            ctypes.c_void_p(O.ptr), ctypes.c_int64(ldc), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
+    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), math.ceil(N / ROWS), args, O.ptr)
