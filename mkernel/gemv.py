@@ -7,9 +7,10 @@ contiguous bytes of two B rows and of one or two A rows per 32-element chunk, 8 
 and multiplying them on the tensor cores (``mma.sync`` m16n8k16 with B as the 16-row operand).
 
 :func:`mkernel.gemm` routes a call here (:func:`plan`) when :func:`supported` (B "nk", M <= 16, K a
-multiple of 8, 16-byte aligned operands and row strides) and :func:`worthwhile` (enough 16-row blocks
-to occupy MIN_BLOCK_FILL of the SMs); ``MKERNEL_GEMM_GEMV=0`` turns the route off (benchmarks), as does
-forcing a tile config or a split factor.
+multiple of 8, 16-byte aligned operands and row strides) and :func:`worthwhile` (at most 8 rows,
+enough 16-row blocks to occupy half of the SMs, too few for the GEMM tiles to stream B on most of them:
+measured, see ROUTE_MAX_M); ``MKERNEL_GEMM_GEMV=0`` turns the route off (benchmarks), as does forcing a
+tile config or a split factor.  The kernel itself takes up to MAX_M = 16 rows (two MMA column tiles).
 """
 from __future__ import annotations
 
@@ -24,9 +25,18 @@ SOURCE = "gemv.cu"
 MAX_M = 16
 THREADS = 256  # MK_GEMV_THREADS
 ROWS = 16  # rows of B (columns of C) per block
-# Route a call here only when its ceil(N / ROWS) blocks give at least this fraction of the SMs one:
-# below that a few SMs would stream all of B (the GEMM path splits K over every SM instead).
+# Routing (measured, docs/gemm.md entry 47; cool us, this kernel / the GEMM tiles / cuBLAS):
+# - only up to ROUTE_MAX_M rows: at 9-16 rows (two MMA column tiles, 168 registers) the GEMM tiles win
+#   (16x8192x8192 49.9 / 40.1 / 33.9 us), at <= 8 this kernel (1x8192x8192 36.9 / 44.0 / 34.3,
+#   8x8192x8192 38.4 / 42.4 / 33.5, 4x2048x2048 4.6 / 8.4 / 6.0);
+# - only when its ceil(N / ROWS) blocks give at least MIN_BLOCK_FILL of the SMs one (below that a few
+#   SMs would stream all of B; the GEMM path splits K over every SM instead);
+# - only while the GEMM path's 64 x 256 tiles (config 18, unsplit) cover less than ROUTE_MAX_TILE_FILL of
+#   the SMs: where they do, they stream B at the memory's rate already (1x28672x8192 118.0 / 115.0 /
+#   108.5, 4x57344x8192 231.9 / 220.6 / 221.5).
+ROUTE_MAX_M = 8
 MIN_BLOCK_FILL = 0.5
+ROUTE_MAX_TILE_FILL = 0.75
 IN_DTYPES = ("bfloat16", "float16")
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 _CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -63,11 +73,13 @@ def supported(A: DeviceArray, B: DeviceArray, M: int, N: int, K: int, b_layout: 
 
 
 def worthwhile(M: int, N: int, K: int, sms: int) -> bool:
-    """Whether to route a supported call here: ``MKERNEL_GEMM_GEMV`` is not ``0`` and the call's
-    ceil(N / ROWS) blocks occupy at least MIN_BLOCK_FILL of the ``sms`` SMs."""
+    """Whether to route a supported call here (see ROUTE_MAX_M, MIN_BLOCK_FILL, ROUTE_MAX_TILE_FILL):
+    ``MKERNEL_GEMM_GEMV`` is not ``0``, M <= ROUTE_MAX_M, the call's ceil(N / ROWS) blocks occupy at
+    least MIN_BLOCK_FILL of the ``sms`` SMs and ceil(N / 256) GEMM tiles less than ROUTE_MAX_TILE_FILL."""
     if os.environ.get("MKERNEL_GEMM_GEMV", "1") == "0":
         return False
-    return math.ceil(N / ROWS) >= MIN_BLOCK_FILL * sms
+    return (M <= ROUTE_MAX_M and math.ceil(N / ROWS) >= MIN_BLOCK_FILL * sms
+            and math.ceil(N / 256) < ROUTE_MAX_TILE_FILL * sms)
 
 
 class Plan:

@@ -624,12 +624,12 @@ def fake_gemv(fake, monkeypatch):
 
 
 def test_gemv_routes_decode_shapes(fake_gemv):
-    """M <= 16 with B "nk", K % 8 == 0, 16-byte aligned operands and >= 66 blocks of 16 B rows (half of
-    132 SMs) go to mk_gemv_nk: one block of 256 threads per 16 rows of B, the NT = 2 variant above 8
-    rows; arguments A, lda, B, ldb, C, ldc, M, N, K; no programmatic dependent launch (the kernel does
-    not wait for its predecessor)."""
+    """M <= 8 with B "nk", K % 8 == 0, 16-byte aligned operands, >= 66 blocks of 16 B rows (half of 132
+    SMs) and < 99 tiles of 256 columns (0.75 of them) go to mk_gemv_nk: one block of 256 threads per 16
+    rows of B; arguments A, lda, B, ldb, C, ldc, M, N, K; no programmatic dependent launch (the kernel
+    does not wait for its predecessor)."""
     launches, empty = fake_gemv
-    for M, nt in ((1, 1), (8, 1), (9, 2), (16, 2)):
+    for M, nt in ((1, 1), (5, 1), (8, 1)):
         a, b = empty((M, 8192), "bfloat16"), empty((8192, 8192), "bfloat16")
         out = G.gemm(a, b, b_layout="nk", out_dtype="float32")
         l = launches[-1]
@@ -637,9 +637,11 @@ def test_gemv_routes_decode_shapes(fake_gemv):
         assert l["dependent"] is False and l["smem"] == 0
         args = [x.value for x in l["args"]]
         assert args == [a.ptr, 8192, b.ptr, 8192, out.ptr, 8192, M, 8192, 8192]
-    # the smallest N that still fills half of the SMs: ceil(N / 16) >= 66
+    # the smallest N that still fills half of the SMs: ceil(N / 16) >= 66; the largest below 99 tiles
     G.gemm(empty((4, 1056), "float16"), empty((1041, 1056), "float16"), b_layout="nk")
     assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["grid"] == 66
+    G.gemm(empty((2, 1024), "bfloat16"), empty((25088, 1024), "bfloat16"), b_layout="nk")
+    assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["grid"] == 1568
     # a re-pointed output: the same plan, the new C pointer
     a, b = empty((3, 4096), "bfloat16"), empty((4096, 4096), "bfloat16")
     o1, o2 = empty((3, 4096), "bfloat16"), empty((3, 4096), "bfloat16")
@@ -655,7 +657,11 @@ def test_gemv_not_routed(fake_gemv, monkeypatch):
     launches, empty = fake_gemv
     w = empty((8192, 8192), "bfloat16")
     cases = [
-        dict(a=empty((17, 8192), "bfloat16"), b=w),  # M > 16
+        dict(a=empty((9, 8192), "bfloat16"), b=w),  # M > 8 (the kernel takes 16; measured slower there)
+        dict(a=empty((16, 8192), "bfloat16"), b=w),
+        dict(a=empty((17, 8192), "bfloat16"), b=w),
+        dict(a=empty((1, 1024), "bfloat16"), b=empty((25089, 1024), "bfloat16")),  # 99 tiles of 256
+        dict(a=empty((1, 8192), "bfloat16"), b=empty((28672, 8192), "bfloat16")),
         dict(a=empty((1, 8192), "bfloat16"), b=empty((8192, 8192), "bfloat16"), b_layout="kn"),
         dict(a=empty((1, 8184 + 4), "bfloat16"), b=empty((8192, 8188), "bfloat16")),  # K % 8 != 0
         dict(a=empty((4, 8192), "bfloat16"), b=empty((1040, 8192), "bfloat16")),  # 65 blocks < 66
