@@ -17,14 +17,8 @@
 // Reduction order: a lane's 8 K elements are one MMA k-slot pair (the K order inside an MMA is free:
 // A and B use the same permutation -- physical k = 32 c + 8 t + e for chunk c, lane group t, element
 // e -- so each lane loads 16 contiguous bytes of a row instead of four 4-byte pieces).
-#include "mk_common.cuh"
+#include "mk_gemm_dtypes.cuh"
 
-#ifndef MK_GEMM_IN
-#define MK_GEMM_IN MK_DTYPE_BF16
-#endif
-#ifndef MK_GEMM_OUT
-#define MK_GEMM_OUT MK_DTYPE_BF16
-#endif
 #ifndef MK_GEMV_NT
 #define MK_GEMV_NT 1
 #endif
@@ -32,9 +26,8 @@
 #define MK_GEMV_THREADS (32 * MK_GEMV_WARPS)
 #define MK_GEMV_UNROLL 8  // 32-element K chunks a warp has in flight (2 x 16 B of B per lane each)
 
-typedef typename mk_type<MK_GEMM_OUT>::T MkOut;
-
-// 16 bytes of a streamed operand (read once: not kept in L1) / of a reused one (kept).
+// 16 bytes of a streamed operand (read once: not kept in L1) / of a reused one (kept).  The second as
+// volatile asm too, not __ldg: the intrinsic changes ptxas's load schedule from the one measured.
 MK_DEVICE uint4 mk_ld_stream16(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"

@@ -1,9 +1,8 @@
 // mk_gemm_configs.cuh - the tile configurations every GEMM-based kernel (gemm.cu, ag_gemm.cu, ...)
 // selects from, and the specialization defines they share.
 //
-// Specialization (preprocessor defines, set by mkernel/gemm.py):
-//   MK_GEMM_IN      input dtype code (MK_DTYPE_BF16 | MK_DTYPE_F16) of A and B
-//   MK_GEMM_OUT     output dtype code (MK_DTYPE_BF16 | MK_DTYPE_F16 | MK_DTYPE_F32)
+// Specialization (preprocessor defines, set by mkernel/gemm_engine.py):
+//   MK_GEMM_IN, MK_GEMM_OUT  input / output dtype codes (mk_gemm_dtypes.cuh)
 //   MK_GEMM_CONFIG  tile configuration (S = TMA-store staging boxes per consumer warpgroup, see below):
 //                     0  debug: BM=64  (1 consumer WG), BN=128, 2 stages, every wgmma batch waited on
 //                     1  BM=64  (1 consumer WG), BN=128, 8 stages, S=2   (small M / few tiles)
@@ -40,13 +39,8 @@
 //   kernel's C map is usable (c_tma); every kernel takes that map (unused by configs 0 and 6).
 #pragma once
 #include "mk_gemm.cuh"
+#include "mk_gemm_dtypes.cuh"
 
-#ifndef MK_GEMM_IN
-#define MK_GEMM_IN MK_DTYPE_BF16
-#endif
-#ifndef MK_GEMM_OUT
-#define MK_GEMM_OUT MK_DTYPE_BF16
-#endif
 #ifndef MK_GEMM_CONFIG
 #define MK_GEMM_CONFIG 3
 #endif
@@ -84,6 +78,5 @@ static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::BN == MK_EXPECT_BN_NK && MkCfg
               "TileConfig.tile_n(layout) != BN");
 #endif
 
-typedef typename mk_type<MK_GEMM_OUT>::T MkOut;
 #define MK_THREADS (MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS)
 

@@ -12,6 +12,7 @@ from .arrays import DeviceArray, as_device_array, bf16_to_f32, dtype_of, f32_to_
 from .collectives import all_gather, all_reduce, reduce_scatter
 from .context import Context, init
 from .gemm_engine import gemm, grouped_gemm
+from . import gemv  # noqa: F401 (registers the decode-shaped kernel's specializations)
 from .ag_gemm import ag_gemm
 from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, MkernelError
 from .topology import Topology

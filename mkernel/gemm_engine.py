@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from cuda.bindings import driver as cu
 
-from . import gemv, runtime
+from . import runtime
 from .arrays import DeviceArray, _on_device, as_device_array
 from .runtime import check, round_up
 from .tensormap import encode_tiled
@@ -687,8 +687,9 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if K == 0:
         pre = [_zero_fill_launch(O, M, N, ldc, in_dtype, dev)]
         return _Plan(CONFIGS[1], None, 0, [], pre, [])
+    from . import gemv  # (imports this module's dtype tables: not at the top)
     if (config is None and splits is None and gemv.supported(A, B, M, N, K, b_layout)
-            and gemv.worthwhile(M, N, K, sms)):  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
+            and gemv.worthwhile(M, N, sms)):  # decode-shaped (M <= 8): a stream of B (mkernel/gemv.py)
         return gemv.plan(A, B, O, M, N, K)
     cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config)
     if splits is not None:  # forced: every tile split
@@ -1007,15 +1008,12 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
     out_dtype = out_dtype or in_dtype
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
-        if (config is None and b_layout == "nk" and 1 <= M <= gemv.MAX_M and K % 8 == 0
-                and gemv.worthwhile(M, N, K, sms)):  # (aligned, contiguous operands assumed)
-            return _describe_gemv(M, N, K, in_dtype, out_dtype)
+        from . import gemv
+        if config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(M, N, sms):
+            return _describe_gemv(M, N, K, in_dtype, out_dtype)  # (aligned, contiguous operands assumed)
         cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
-        name = f"mk_gemm_{b_layout}"
-        usage = dict(mod.resource_usage.get(name, {}))
-        if "registers" not in usage:  # (an NVRTC that returns no ptxas report: ask the driver)
-            usage["registers"] = mod.function(name).attribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
+        usage = _usage(mod, f"mk_gemm_{b_layout}")
     tiles = _tiles(cfg, M, N, b_layout)
     return dict(config=cfg.id, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
                 smem=cfg.smem, pingpong=cfg.pingpong, tma_store=cfg.tma_store, splits=sp,
@@ -1026,13 +1024,21 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
                 grid=_grid(cfg, _units(tiles, sp, sf), sms))
 
 
+def _usage(mod, name: str) -> dict:
+    """ptxas's resource report of kernel ``name`` of ``mod``; registers from the driver where NVRTC
+    returned no report."""
+    usage = dict(mod.resource_usage.get(name, {}))
+    if "registers" not in usage:
+        usage["registers"] = mod.function(name).attribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
+    return usage
+
+
 def _describe_gemv(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:
     """describe() of a call mkernel.gemm routes to the decode-shaped kernel (mkernel/gemv.py)."""
-    nt = 1 if M <= 8 else 2
+    from . import gemv
+    nt = gemv.column_tiles(M)
     mod = runtime.compile_module(gemv.SOURCE, gemv._defines(in_dtype, out_dtype, nt))
-    usage = dict(mod.resource_usage.get("mk_gemv_nk", {}))
-    if "registers" not in usage:
-        usage["registers"] = mod.function("mk_gemv_nk").attribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
+    usage = _usage(mod, "mk_gemv_nk")
     blocks = math.ceil(N / gemv.ROWS)
     return dict(config="gemv", bm=8 * nt, bn=gemv.ROWS, stages=0, threads=gemv.THREADS, smem=0, pingpong=False,
                 tma_store=False, splits=1, split_tiles=0, registers=usage.get("registers"),

@@ -20,6 +20,7 @@ import os
 
 from . import runtime
 from .arrays import DeviceArray
+from .gemm_engine import _CODE, IN_DTYPES, OUT_DTYPES  # the GEMM family's dtype specializations
 
 SOURCE = "gemv.cu"
 MAX_M = 16
@@ -37,9 +38,6 @@ ROWS = 16  # rows of B (columns of C) per block
 ROUTE_MAX_M = 8
 MIN_BLOCK_FILL = 0.5
 ROUTE_MAX_TILE_FILL = 0.75
-IN_DTYPES = ("bfloat16", "float16")
-OUT_DTYPES = ("bfloat16", "float16", "float32")
-_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
 def _defines(in_dtype: str, out_dtype: str, nt: int) -> dict:
@@ -50,6 +48,11 @@ for _i in IN_DTYPES:
     for _o in OUT_DTYPES:
         for _nt in (1, 2):
             runtime.register_specialization(SOURCE, _defines(_i, _o, _nt))
+
+
+def column_tiles(M: int) -> int:
+    """MK_GEMV_NT for ``M`` rows: one 8-column MMA tile of A's rows up to 8, two up to 16."""
+    return 1 if M <= 8 else 2
 
 
 def _kernel(in_dtype: str, out_dtype: str, nt: int):
@@ -65,14 +68,20 @@ def _row_ok(x: DeviceArray, rows: int, cols: int) -> bool:
     return rows == 1 or (x.strides[0] >= cols and (x.strides[0] * isz) % 16 == 0)
 
 
+def shape_ok(M: int, N: int, K: int, b_layout: str) -> bool:
+    """Whether the kernel takes an ``M x N x K`` call with B ``b_layout``: B "nk" (``[N, K]``),
+    1 <= M <= MAX_M, N > 0, K > 0 a multiple of 8."""
+    return b_layout == "nk" and 1 <= M <= MAX_M and N > 0 and K > 0 and K % 8 == 0
+
+
 def supported(A: DeviceArray, B: DeviceArray, M: int, N: int, K: int, b_layout: str) -> bool:
-    """Whether ``gemv.cu`` can compute ``A [M, K] @ B`` in place: B "nk" (``[N, K]``), 1 <= M <= MAX_M,
-    K > 0 a multiple of 8, both operands bf16 / fp16 with 16-byte aligned bases and row strides."""
-    return (b_layout == "nk" and 1 <= M <= MAX_M and K > 0 and K % 8 == 0 and N > 0
-            and A.dtype.name in IN_DTYPES and _row_ok(A, M, K) and _row_ok(B, N, K))
+    """Whether ``gemv.cu`` can compute ``A [M, K] @ B`` in place: :func:`shape_ok`, both operands bf16 /
+    fp16 with 16-byte aligned bases and row strides."""
+    return (shape_ok(M, N, K, b_layout) and A.dtype.name in IN_DTYPES and _row_ok(A, M, K)
+            and _row_ok(B, N, K))
 
 
-def worthwhile(M: int, N: int, K: int, sms: int) -> bool:
+def worthwhile(M: int, N: int, sms: int) -> bool:
     """Whether to route a supported call here (see ROUTE_MAX_M, MIN_BLOCK_FILL, ROUTE_MAX_TILE_FILL):
     ``MKERNEL_GEMM_GEMV`` is not ``0``, M <= ROUTE_MAX_M, the call's ceil(N / ROWS) blocks occupy at
     least MIN_BLOCK_FILL of the ``sms`` SMs and ceil(N / 256) GEMM tiles less than ROUTE_MAX_TILE_FILL."""
@@ -104,7 +113,7 @@ class Plan:
 def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int) -> Plan:
     """The launch of ``O[M, N] = A @ B^T`` (``supported`` operands; O with unit column stride): one
     block per 16 rows of B, the two-tile variant (MK_GEMV_NT = 2) above 8 rows."""
-    nt = 1 if M <= 8 else 2
+    nt = column_tiles(M)
     lda = A.strides[0] if M > 1 else K
     ldb = B.strides[0] if N > 1 else K
     ldc = O.strides[0] if M > 1 else N
