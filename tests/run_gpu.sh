@@ -10,6 +10,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 NGPU=$(python -c "from cuda.bindings import driver as cu; cu.cuInit(0); print(cu.cuDeviceGetCount()[1])")
 MPIRUN=(mpirun)
 if mpirun --version 2>/dev/null | grep -q "Open MPI"; then MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none); fi
+# With --timeout (pytest-timeout), a test stuck in a CUDA call (a hung kernel: the signal method cannot
+# interrupt a blocked synchronize) is ended by the thread method: all stacks dumped, the process exits.
+case " $* " in *" --timeout"*) set -- -o timeout_method=thread "$@" ;; esac
 status=0
 run() { echo "=== $*"; "$@"; rc=$?; [ $rc = 0 ] || [ $rc = 5 ] || status=1; }  # 5: nothing collected
 run python -m pytest -q -p no:cacheprovider -m "gpu and not mpi" tests/gpu "$@"
