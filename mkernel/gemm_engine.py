@@ -1010,7 +1010,7 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
         sms = _num_sms(dev)
         from . import gemv
         if config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(M, N, sms):
-            return _describe_gemv(M, N, K, in_dtype, out_dtype)  # (aligned, contiguous operands assumed)
+            return gemv.describe(M, N, K, in_dtype, out_dtype)  # (aligned, contiguous operands assumed)
         cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
         usage = _usage(mod, f"mk_gemm_{b_layout}")
@@ -1031,19 +1031,6 @@ def _usage(mod, name: str) -> dict:
     if "registers" not in usage:
         usage["registers"] = mod.function(name).attribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
     return usage
-
-
-def _describe_gemv(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:
-    """describe() of a call mkernel.gemm routes to the decode-shaped kernel (mkernel/gemv.py)."""
-    from . import gemv
-    nt = gemv.column_tiles(M)
-    mod = runtime.compile_module(gemv.SOURCE, gemv._defines(in_dtype, out_dtype, nt))
-    usage = _usage(mod, "mk_gemv_nk")
-    blocks = math.ceil(N / gemv.ROWS)
-    return dict(config="gemv", bm=8 * nt, bn=gemv.ROWS, stages=0, threads=gemv.THREADS, smem=0, pingpong=False,
-                tma_store=False, splits=1, split_tiles=0, registers=usage.get("registers"),
-                spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
-                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=blocks, grid=blocks)
 
 
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:

@@ -20,7 +20,7 @@ import os
 
 from . import runtime
 from .arrays import DeviceArray
-from .gemm_engine import _CODE, IN_DTYPES, OUT_DTYPES  # the GEMM family's dtype specializations
+from .gemm_engine import _CODE, IN_DTYPES, OUT_DTYPES, _usage  # the GEMM family's dtype specializations
 
 SOURCE = "gemv.cu"
 MAX_M = 16
@@ -55,6 +55,11 @@ def column_tiles(M: int) -> int:
     return 1 if M <= 8 else 2
 
 
+def blocks(N: int) -> int:
+    """The launch's grid: one block per ROWS rows of B."""
+    return math.ceil(N / ROWS)
+
+
 def _kernel(in_dtype: str, out_dtype: str, nt: int):
     return runtime.kernel(SOURCE, _defines(in_dtype, out_dtype, nt), "mk_gemv_nk")
 
@@ -87,7 +92,7 @@ def worthwhile(M: int, N: int, sms: int) -> bool:
     least MIN_BLOCK_FILL of the ``sms`` SMs and ceil(N / 256) GEMM tiles less than ROUTE_MAX_TILE_FILL."""
     if os.environ.get("MKERNEL_GEMM_GEMV", "1") == "0":
         return False
-    return (M <= ROUTE_MAX_M and math.ceil(N / ROWS) >= MIN_BLOCK_FILL * sms
+    return (M <= ROUTE_MAX_M and blocks(N) >= MIN_BLOCK_FILL * sms
             and math.ceil(N / 256) < ROUTE_MAX_TILE_FILL * sms)
 
 
@@ -119,4 +124,17 @@ def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int)
     ldc = O.strides[0] if M > 1 else N
     args = [ctypes.c_void_p(A.ptr), ctypes.c_int64(lda), ctypes.c_void_p(B.ptr), ctypes.c_int64(ldb),
             ctypes.c_void_p(O.ptr), ctypes.c_int64(ldc), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), math.ceil(N / ROWS), args, O.ptr)
+    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr)
+
+
+def describe(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:
+    """mkernel.gemm_engine.describe() of a call routed here: config "gemv", bm the MMA column tiles' rows
+    (8 or 16), bn the rows of B per block, registers from ptxas, one block per ROWS rows of B."""
+    nt = column_tiles(M)
+    mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, nt))
+    usage = _usage(mod, "mk_gemv_nk")
+    grid = blocks(N)
+    return dict(config="gemv", bm=8 * nt, bn=ROWS, stages=0, threads=THREADS, smem=0, pingpong=False,
+                tma_store=False, splits=1, split_tiles=0, registers=usage.get("registers"),
+                spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
+                compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=grid, grid=grid)
