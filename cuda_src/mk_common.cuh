@@ -31,6 +31,13 @@ template <> MK_DEVICE __nv_bfloat16 mk_from_f32<__nv_bfloat16>(float x) { return
 template <> MK_DEVICE __half mk_from_f32<__half>(float x) { return __float2half_rn(x); }
 template <> MK_DEVICE float mk_from_f32<float>(float x) { return x; }
 
+// Programmatic dependent launch (a kernel launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_
+// SERIALIZATION may start before the previous kernel in its stream has finished): wait until that
+// kernel has completed and its memory is visible (a no-op without the attribute), and let the next
+// such kernel start launching (its blocks take SMs as this grid's blocks exit).
+MK_DEVICE void mk_grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+MK_DEVICE void mk_grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 // Global nanosecond timer (same clock on every SM of a GPU).
 MK_DEVICE mk_u64 mk_globaltimer() {
   mk_u64 t;

@@ -149,12 +149,6 @@ MK_DEVICE void mk_tma_store_2d(const MkTensorMap* tm, const void* src, int c0, i
                "r"(mk_smem_addr(src)), "r"(c0), "r"(c1)
                : "memory");
 }
-// Programmatic dependent launch (a kernel launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_
-// SERIALIZATION may start before the previous kernel in its stream has finished): wait until that
-// kernel has completed and its memory is visible (a no-op without the attribute), and let the next
-// such kernel start launching (its blocks take SMs as this grid's blocks exit).
-MK_DEVICE void mk_grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-MK_DEVICE void mk_grid_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 MK_DEVICE void mk_tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until at most N committed store groups still read their shared-memory source.
 template <int N> MK_DEVICE void mk_tma_store_wait_read() {
