@@ -4,11 +4,14 @@
 // operand and A's rows its 8-column "B" operand, so C^T[n, m] comes out of the accumulators.
 //
 // Specialization: MK_GEMM_IN (bf16 | f16) of A and B, MK_GEMM_OUT (bf16 | f16 | f32) of C, MK_GEMV_NT
-// (1: M <= 8, 2: M <= 16).
+// (1: M <= 8, 2: M <= 16), MK_GEMV_UNROLL (32-element K chunks a warp has in flight), MK_GEMV_MINB
+// (blocks per SM the registers are budgeted for: a second resident block keeps loads in flight while
+// the first starts up or reduces).  mkernel/gemv.py's VARIANTS pick the last two per NT.
 //
-// Launch: grid ceil(N / 16) blocks of MK_GEMV_THREADS threads, no dynamic shared memory.  Block b owns
-// rows [16 b, 16 b + 16) of B (columns of C); its warps split K in runs of MK_GEMV_UNROLL chunks of 32
-// and add their partial 16 x 8 NT tiles through shared memory at the end.
+// Launch: grid ceil(N / 16) blocks of MK_GEMV_THREADS threads, no dynamic shared memory; may be a
+// programmatic dependent launch (it waits for the previous kernel before its first load and lets the
+// next one launch at once).  Block b owns rows [16 b, 16 b + 16) of B (columns of C); its warps split K
+// in runs of MK_GEMV_UNROLL chunks of 32 and add their partial 16 x 8 NT tiles through shared memory.
 //
 // Requirements (checked on the host, mkernel/gemv.py): K a multiple of 8; A, B 16-byte aligned with row
 // strides lda, ldb multiples of 8 elements; C any row stride ldc >= N.  Rows of A past M, rows of B past
@@ -22,9 +25,14 @@
 #ifndef MK_GEMV_NT
 #define MK_GEMV_NT 1
 #endif
+#ifndef MK_GEMV_UNROLL
+#define MK_GEMV_UNROLL 8  // 32-element K chunks a warp has in flight (2 x 16 B of B per lane each)
+#endif
+#ifndef MK_GEMV_MINB
+#define MK_GEMV_MINB 2
+#endif
 #define MK_GEMV_WARPS 8
 #define MK_GEMV_THREADS (32 * MK_GEMV_WARPS)
-#define MK_GEMV_UNROLL 8  // 32-element K chunks a warp has in flight (2 x 16 B of B per lane each)
 
 // 16 bytes of a streamed operand (read once: not kept in L1) / of a reused one (kept).  The second as
 // volatile asm too, not __ldg: the intrinsic changes ptxas's load schedule from the one measured.
@@ -55,42 +63,53 @@ MK_DEVICE void mk_mma16816(float (&d)[4], mk_u32 a0, mk_u32 a1, mk_u32 a2, mk_u3
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(MK_GEMV_THREADS, 1) mk_gemv_nk(
+extern "C" __global__ void __launch_bounds__(MK_GEMV_THREADS, MK_GEMV_MINB) mk_gemv_nk(
     const unsigned short* __restrict__ A, long long lda, const unsigned short* __restrict__ B, long long ldb,
     MkOut* __restrict__ C, long long ldc, int M, int N, int K) {
   constexpr int NT = MK_GEMV_NT, U = MK_GEMV_UNROLL, W = MK_GEMV_WARPS;
+  constexpr int RUN = 32 * U, STRIDE = W * RUN;  // K elements of one run of a warp / of all the warps
   __shared__ float red[W][16][8 * NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;  // the MMA fragments' group (row) and thread-in-group
   const long long n0 = (long long)blockIdx.x * 16;
-  // this lane's rows: B rows n0 + g and n0 + g + 8 (MMA rows), A rows g and g + 8 (MMA columns)
+  // this lane's rows: B rows n0 + g and n0 + g + 8 (MMA rows), A rows g and g + 8 (MMA columns); its
+  // pointers start at the warp's first run, at the lane's 8 elements of each chunk, and advance by
+  // STRIDE a run (rows past M / N stay at the base and are never read)
   const bool b_lo = n0 + g < N, b_hi = n0 + g + 8 < N;
-  const unsigned short* b_row_lo = B + (b_lo ? (n0 + g) * ldb : 0);
-  const unsigned short* b_row_hi = B + (b_hi ? (n0 + g + 8) * ldb : 0);
+  const int k_lane = warp * RUN + 8 * t;
+  const unsigned short* pb_lo = B + (b_lo ? (n0 + g) * ldb : 0) + k_lane;
+  const unsigned short* pb_hi = B + (b_hi ? (n0 + g + 8) * ldb : 0) + k_lane;
   bool a_ok[NT];
-  const unsigned short* a_row[NT];
+  const unsigned short* pa[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     a_ok[j] = 8 * j + g < M;
-    a_row[j] = A + (a_ok[j] ? (long long)(8 * j + g) * lda : 0);
+    pa[j] = A + (a_ok[j] ? (long long)(8 * j + g) * lda : 0) + k_lane;
   }
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  const int nchunks = (K + 31) / 32;
+  mk_grid_dependency_wait();  // A may be the previous kernel's output (programmatic dependent launch)
+  mk_grid_launch_dependents();
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int c0 = warp * U; c0 < nchunks; c0 += W * U) {
+  // The loop bound is the warp's (K - its run's first element), the same for all its lanes: mma.sync
+  // is warp-collective, so no lane may leave the loop before the others.  A lane's chunk u of the run
+  // is in range when its first element 32 u + 8 t is below that bound (K % 8 == 0: whole pieces).
+  for (int k_left = K - warp * RUN; k_left > 0; k_left -= STRIDE) {
     uint4 p[U], q[U], v[U][NT];
 #pragma unroll
     for (int u = 0; u < U; ++u) {  // every load of the run first: U x (2 + NT) 16-byte loads in flight
-      const int k = (c0 + u) * 32 + 8 * t;
-      const bool kin = c0 + u < nchunks && k < K;
-      p[u] = kin && b_lo ? mk_ld_stream16(b_row_lo + k) : zero;
-      q[u] = kin && b_hi ? mk_ld_stream16(b_row_hi + k) : zero;
+      const bool kin = 32 * u + 8 * t < k_left;
+      p[u] = kin && b_lo ? mk_ld_stream16(pb_lo + 32 * u) : zero;
+      q[u] = kin && b_hi ? mk_ld_stream16(pb_hi + 32 * u) : zero;
 #pragma unroll
-      for (int j = 0; j < NT; ++j) v[u][j] = kin && a_ok[j] ? mk_ld_keep16(a_row[j] + k) : zero;
+      for (int j = 0; j < NT; ++j) v[u][j] = kin && a_ok[j] ? mk_ld_keep16(pa[j] + 32 * u) : zero;
     }
+    pb_lo += STRIDE;
+    pb_hi += STRIDE;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) pa[j] += STRIDE;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll

@@ -3,14 +3,18 @@
 Such a call is a stream of B (the weights, read once from memory) with almost no arithmetic per byte;
 a GEMM tile of 64+ rows wastes most of its tensor-core work and, worse, streams B through one tile per
 SM.  ``gemv.cu`` gives every 16 rows of B a block of 8 warps that split K, each lane loading 16
-contiguous bytes of two B rows and of one or two A rows per 32-element chunk, 8 chunks in flight,
-and multiplying them on the tensor cores (``mma.sync`` m16n8k16 with B as the 16-row operand).
+contiguous bytes of two B rows and of one or two A rows per 32-element chunk, a run of chunks in
+flight (VARIANTS), and multiplying them on the tensor cores (``mma.sync`` m16n8k16 with B as the
+16-row operand); registers are budgeted for two blocks per SM, so one block's loads run while the
+other starts up or reduces.
 
 :func:`mkernel.gemm` routes a call here (:func:`plan`) when :func:`supported` (B "nk", M <= 16, K a
-multiple of 8, 16-byte aligned operands and row strides) and :func:`worthwhile` (at most 8 rows,
-enough 16-row blocks to occupy half of the SMs, too few for the GEMM tiles to stream B on most of them:
-measured, see ROUTE_MAX_M); ``MKERNEL_GEMM_GEMV=0`` turns the route off (benchmarks), as does forcing a
-tile config or a split factor.  The kernel itself takes up to MAX_M = 16 rows (two MMA column tiles).
+multiple of 8, 16-byte aligned operands and row strides) and :func:`worthwhile` (enough 16-row blocks
+to occupy half of the SMs, too few GEMM tiles to stream B on most of them: measured, see ROUTE_MAX_M);
+``MKERNEL_GEMM_GEMV=0`` turns the route off (benchmarks), as does forcing a tile config or a split
+factor.  The launch is a programmatic dependent one (``MKERNEL_GEMM_PDL=0``: plain), as the GEMM
+plans' are: it starts while the previous kernel in the stream finishes and waits for it before its
+first load.
 """
 from __future__ import annotations
 
@@ -20,28 +24,33 @@ import os
 
 from . import runtime
 from .arrays import DeviceArray
-from .gemm_engine import _CODE, IN_DTYPES, OUT_DTYPES, _usage  # the GEMM family's dtype specializations
+from .gemm_engine import _CODE, IN_DTYPES, OUT_DTYPES, _pdl, _usage  # the GEMM family's dtype specializations
 
 SOURCE = "gemv.cu"
 MAX_M = 16
 THREADS = 256  # MK_GEMV_THREADS
 ROWS = 16  # rows of B (columns of C) per block
-# Routing (measured, docs/gemm.md entry 47; cool us, this kernel / the GEMM tiles / cuBLAS):
-# - only up to ROUTE_MAX_M rows: at 9-16 rows (two MMA column tiles, 168 registers) the GEMM tiles win
-#   (16x8192x8192 49.9 / 40.1 / 33.9 us), at <= 8 this kernel (1x8192x8192 36.9 / 44.0 / 34.3,
-#   8x8192x8192 38.4 / 42.4 / 33.5, 4x2048x2048 4.6 / 8.4 / 6.0);
+# (MK_GEMV_UNROLL, MK_GEMV_MINB) per MK_GEMV_NT: the 32-element K chunks a warp has in flight and the
+# blocks per SM the registers are budgeted for (docs/gemm.md entries 48-49): one A tile, 8 chunks; two
+# A tiles (9-16 rows), 4 chunks -- both two blocks per SM (<= 128 registers).
+VARIANTS = {1: (8, 2), 2: (4, 2)}
+# Routing (measured, docs/gemm.md entries 47-49; cool us, this kernel / the GEMM tiles / cuBLAS):
+# - up to ROUTE_MAX_M = MAX_M rows: 1x8192x8192 35.4 / 44.0 / 33.5, 16x8192x8192 39.3 / 39.6 / 33.2,
+#   16x7168x2048 11.4 / 13.7 / 10.1, 4x2048x2048 4.6 / 8.4 / 6.0 (3.9 as a dependent launch);
 # - only when its ceil(N / ROWS) blocks give at least MIN_BLOCK_FILL of the SMs one (below that a few
 #   SMs would stream all of B; the GEMM path splits K over every SM instead);
 # - only while the GEMM path's 64 x 256 tiles (config 18, unsplit) cover less than ROUTE_MAX_TILE_FILL of
-#   the SMs: where they do, they stream B at the memory's rate already (1x28672x8192 118.0 / 115.0 /
-#   108.5, 4x57344x8192 231.9 / 220.6 / 221.5).
-ROUTE_MAX_M = 8
+#   the SMs: where they do, they stream B at the memory's rate already (1x28672x8192 114.4 / ~114 /
+#   105.6, 16x28672x8192 123.7 / 114.1).
+ROUTE_MAX_M = 16
 MIN_BLOCK_FILL = 0.5
 ROUTE_MAX_TILE_FILL = 0.75
 
 
 def _defines(in_dtype: str, out_dtype: str, nt: int) -> dict:
-    return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMV_NT=nt)
+    unroll, minb = VARIANTS[nt]
+    return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMV_NT=nt,
+                MK_GEMV_UNROLL=unroll, MK_GEMV_MINB=minb)
 
 
 for _i in IN_DTYPES:
@@ -98,33 +107,36 @@ def worthwhile(M: int, N: int, sms: int) -> bool:
 
 class Plan:
     """One decode-shaped GEMM launch (the plan :func:`mkernel.gemm` caches), re-pointable at any output
-    of the same layout.  ``cfg`` is None (no tile config), ``splits`` 1."""
+    of the same layout.  ``cfg`` is None (no tile config), ``splits`` 1; ``dependent``: a programmatic
+    dependent launch."""
 
     cfg = None
     splits = 1
     name = "gemv"
 
-    def __init__(self, kernel, grid: int, args: list, out_ptr: int):
+    def __init__(self, kernel, grid: int, args: list, out_ptr: int, dependent: bool = True):
         self.kernel, self.grid, self.args, self._out_ptr = kernel, grid, args, out_ptr
+        self.dependent = dependent
 
     def run(self, stream, out: DeviceArray | None = None) -> None:
         args = self.args
         if out is not None and out.ptr != self._out_ptr:
             args = list(args)
             args[4] = ctypes.c_void_p(out.ptr)
-        self.kernel.launch(self.grid, THREADS, args, stream=stream)
+        self.kernel.launch(self.grid, THREADS, args, stream=stream, dependent=self.dependent)
 
 
 def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int) -> Plan:
     """The launch of ``O[M, N] = A @ B^T`` (``supported`` operands; O with unit column stride): one
-    block per 16 rows of B, the two-tile variant (MK_GEMV_NT = 2) above 8 rows."""
+    block per 16 rows of B, the two-tile variant (MK_GEMV_NT = 2) above 8 rows; a programmatic dependent
+    launch unless ``MKERNEL_GEMM_PDL=0``."""
     nt = column_tiles(M)
     lda = A.strides[0] if M > 1 else K
     ldb = B.strides[0] if N > 1 else K
     ldc = O.strides[0] if M > 1 else N
     args = [ctypes.c_void_p(A.ptr), ctypes.c_int64(lda), ctypes.c_void_p(B.ptr), ctypes.c_int64(ldb),
             ctypes.c_void_p(O.ptr), ctypes.c_int64(ldc), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr)
+    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr, dependent=_pdl(True))
 
 
 def describe(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:

@@ -99,3 +99,27 @@ def test_ag_gemm_paths_option(bench_modules):
     for bad in ("fused@", "fused@x", "ce", "fused@-1"):
         with pytest.raises(ValueError, match="--paths"):
             ag.path_kwargs(bad, paths)
+
+
+def test_gemm_bench_decode_rows_summarized_apart(monkeypatch):
+    """bench/gemm.py's full run: the 70 target shapes (5 squares, 13 weights x 5 M) plus decode rows
+    (M 1/4/8/16 x six weights); the report's target line ignores the decode rows, which get a line of
+    their own naming the weakest."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    gb = importlib.import_module("gemm")
+    try:
+        full = gb.shapes(False)
+        dec = [s for s in full if gb.is_decode(s[0])]
+        assert len(full) - len(dec) == 70 and len(dec) == len(gb.DECODE_MS) * len(gb.DECODE_WEIGHTS) == 24
+        assert all(s[1] <= 16 and s[4] == "nk" for s in dec)
+        assert not any(gb.is_decode(s[0]) for s in gb.shapes(True))
+        rows = [dict(name="square4096", M=4096, ratio=1.02), dict(name="dsv3.q_a", M=512, ratio=0.91),
+                dict(name="decode:dsv3.o", M=1, ratio=0.5), dict(name="decode:llama70b.o", M=16, ratio=1.2)]
+        lines = gb.summary(rows)
+        assert lines[0].startswith("Ratio to cuBLAS:") and "min 0.91" in lines[0] and "squares >= 4096: min 1.02" in lines[0]
+        assert "Decode-shaped rows (M <= 16" in lines[1] and "min 0.50 (dsv3.o M=1)" in lines[1]
+        assert gb.summary(rows[:2])[1:] == []
+        assert gb.tile_label(dict(config="gemv", bm=16, bn=16)) == "gemv 16x16"
+        assert gb.tile_label(dict(config=3, bm=128, bn=256, stages=4, pingpong=False, splits=2)) == "128x256x64/4st split 2"
+    finally:
+        sys.modules.pop("gemm", None)

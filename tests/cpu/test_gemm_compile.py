@@ -599,19 +599,25 @@ GEMV_SPECS = [(s, d) for s, d in runtime.registered_specializations() if s == GV
 
 
 def test_gemv_all_combinations_registered():
-    got = {(d["MK_GEMM_IN"], d["MK_GEMM_OUT"], d["MK_GEMV_NT"]) for _, d in GEMV_SPECS}
-    assert got == {(GV._CODE[i], GV._CODE[o], nt) for i in GV.IN_DTYPES for o in GV.OUT_DTYPES for nt in (1, 2)}
+    """Every dtype pair x both column-tile counts, each with its VARIANTS entry (K chunks in flight,
+    blocks per SM)."""
+    got = {(d["MK_GEMM_IN"], d["MK_GEMM_OUT"], d["MK_GEMV_NT"], d["MK_GEMV_UNROLL"], d["MK_GEMV_MINB"])
+           for _, d in GEMV_SPECS}
+    assert got == {(GV._CODE[i], GV._CODE[o], nt, *GV.VARIANTS[nt])
+                   for i in GV.IN_DTYPES for o in GV.OUT_DTYPES for nt in (1, 2)}
+    assert GV.VARIANTS == {1: (8, 2), 2: (4, 2)}
 
 
 @pytest.mark.parametrize("source,defines", GEMV_SPECS, ids=[
     f"in{d['MK_GEMM_IN']}-out{d['MK_GEMM_OUT']}-nt{d['MK_GEMV_NT']}" for _, d in GEMV_SPECS])
 def test_gemv_compiles_clean(source, defines, tmp_path, monkeypatch):
-    """No spills, no stack, <= 255 registers (one block of 256 threads per SM at least), no warnings."""
+    """No spills, no stack, registers within the budget of MK_GEMV_MINB blocks of 256 threads per SM
+    (64 K registers an SM: <= 128 a thread for two blocks), no warnings."""
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
     mod = runtime.compile_module(source, defines, arch=ARCH, use_disk_cache=False)
     u = mod.resource_usage["mk_gemv_nk"]
     assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 and u.get("stack", 0) == 0, u
-    assert u["registers"] * GV.THREADS <= 65536, u
+    assert u["registers"] * GV.THREADS * defines["MK_GEMV_MINB"] <= 65536, u
     assert not [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)], mod.log
 
 
@@ -624,17 +630,17 @@ def fake_gemv(fake, monkeypatch):
 
 
 def test_gemv_routes_decode_shapes(fake_gemv):
-    """M <= 8 with B "nk", K % 8 == 0, 16-byte aligned operands, >= 66 blocks of 16 B rows (half of 132
+    """M <= 16 with B "nk", K % 8 == 0, 16-byte aligned operands, >= 66 blocks of 16 B rows (half of 132
     SMs) and < 99 tiles of 256 columns (0.75 of them) go to mk_gemv_nk: one block of 256 threads per 16
-    rows of B; arguments A, lda, B, ldb, C, ldc, M, N, K; no programmatic dependent launch (the kernel
-    does not wait for its predecessor)."""
+    rows of B, one MMA column tile up to 8 rows, two up to 16; arguments A, lda, B, ldb, C, ldc, M, N, K;
+    a programmatic dependent launch (the kernel waits for its predecessor before its first load)."""
     launches, empty = fake_gemv
-    for M, nt in ((1, 1), (5, 1), (8, 1)):
+    for M, nt in ((1, 1), (5, 1), (8, 1), (9, 2), (16, 2)):
         a, b = empty((M, 8192), "bfloat16"), empty((8192, 8192), "bfloat16")
         out = G.gemm(a, b, b_layout="nk", out_dtype="float32")
         l = launches[-1]
         assert l["kernel"] == "mk_gemv_nk" and l["config"] == nt and l["grid"] == 512 and l["block"] == 256
-        assert l["dependent"] is False and l["smem"] == 0
+        assert l["dependent"] is True and l["smem"] == 0
         args = [x.value for x in l["args"]]
         assert args == [a.ptr, 8192, b.ptr, 8192, out.ptr, 8192, M, 8192, 8192]
     # the smallest N that still fills half of the SMs: ceil(N / 16) >= 66; the largest below 99 tiles
@@ -657,9 +663,7 @@ def test_gemv_not_routed(fake_gemv, monkeypatch):
     launches, empty = fake_gemv
     w = empty((8192, 8192), "bfloat16")
     cases = [
-        dict(a=empty((9, 8192), "bfloat16"), b=w),  # M > 8 (the kernel takes 16; measured slower there)
-        dict(a=empty((16, 8192), "bfloat16"), b=w),
-        dict(a=empty((17, 8192), "bfloat16"), b=w),
+        dict(a=empty((17, 8192), "bfloat16"), b=w),  # M > 16
         dict(a=empty((1, 1024), "bfloat16"), b=empty((25089, 1024), "bfloat16")),  # 99 tiles of 256
         dict(a=empty((1, 8192), "bfloat16"), b=empty((28672, 8192), "bfloat16")),
         dict(a=empty((1, 8192), "bfloat16"), b=empty((8192, 8192), "bfloat16"), b_layout="kn"),
@@ -694,3 +698,17 @@ def test_gemv_describe(monkeypatch):
     assert 0 < d["registers"] <= 255 and d["spills"] == 0
     d = GV.describe(12, 1000, 64, "float16", "float16")
     assert (d["bm"], d["grid"]) == (16, 63) and d["spills"] == 0
+
+
+def test_gemv_dependent_launch_env(fake_gemv, monkeypatch):
+    """MKERNEL_GEMM_PDL=0 makes the decode launch a plain one (=1 and unset: dependent); the variable
+    is part of the plan key, so a changed setting builds a new plan."""
+    launches, empty = fake_gemv
+    a, b = empty((4, 4096), "bfloat16"), empty((4096, 4096), "bfloat16")
+    for env, want in (("0", False), ("1", True), (None, True)):
+        if env is None:
+            monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)
+        else:
+            monkeypatch.setenv("MKERNEL_GEMM_PDL", env)
+        G.gemm(a, b, b_layout="nk")
+        assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["dependent"] is want, env

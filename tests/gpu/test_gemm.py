@@ -561,3 +561,55 @@ def test_chained_gemms_read_the_previous_output(rng, graph, monkeypatch):
         ref = prev[:m] @ ws[i][1].T
         check(got, ref, f"chain step {i} ({m}x{n}x{k}, graph={graph})")
         prev = got.astype(np.float64)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("M", [8, 13])
+def test_gemv_chain_dependent_launches(rng, gemv_route, M, graph, monkeypatch):
+    """Decode steps are programmatic dependent launches too: a chain x_{i+1} = x_i @ W_i^T of decode
+    calls (one and two MMA column tiles; K = 3000 and 1000 are not multiples of 32) with a GEMM-tile
+    step forced in between (config 1; the gemv after it is a dependent of it), back to back on one stream and then
+    captured in a CUDA graph: each step must read x_i only after the previous one wrote all of it
+    (every x_i NaN-poisoned beforehand)."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check as ok
+
+    monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)  # the default: decode launches are dependent
+    dims = [(4096, 2048, None), (3000, 4096, None), (2048, 3000, 1), (1000, 2048, None), (6000, 1000, None)]
+    x0, x0v = rand(rng, (M, dims[0][1]), "bfloat16")
+    ws = [upload(rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k)), "bfloat16")
+          for n, k, _ in dims]
+    xs = [x0] + [poisoned((M, n), "bfloat16") for n, _, _ in dims]
+    stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+
+    def chain():
+        kinds = []
+        for i, (_, _, cfg) in enumerate(dims):
+            G.gemm(xs[i], ws[i][0], xs[i + 1], b_layout="nk", config=cfg, stream=int(stream))
+            kinds.append(isinstance(last_plan(), GV.Plan))
+        return kinds
+
+    assert chain() == [cfg is None for _, _, cfg in dims], "decode steps not on the gemv kernel"
+    ok(cu.cuStreamSynchronize(stream))
+    assert last_plan().dependent
+    for x in xs[1:]:
+        x.fill_nan()
+    if graph:
+        ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        chain()
+        g = ok(cu.cuStreamEndCapture(stream))
+        ge = ok(cu.cuGraphInstantiate(g, 0))
+        ok(cu.cuGraphLaunch(ge, stream))
+    else:
+        chain()
+    ok(cu.cuStreamSynchronize(stream))
+    if graph:
+        ok(cu.cuGraphExecDestroy(ge))
+        ok(cu.cuGraphDestroy(g))
+    ok(cu.cuStreamDestroy(stream))
+    prev = x0v
+    for i, (n, k, cfg) in enumerate(dims):
+        got = download(xs[i + 1])
+        check(got, prev @ ws[i][1].T, f"decode chain step {i} ({M}x{n}x{k}, config={cfg}, graph={graph})")
+        prev = got
