@@ -227,7 +227,6 @@ MK_DEVICE int mk_split_unit(int i, int splits, int split_from, MkTile& t) {
 // then the last, partial wave's tiles split so that it takes a fraction of a tile's time).  Split tiles
 // need an epilogue that combines their units (MkSplitKEpilogue).
 template <int BM, int BN> struct MkLinearScheduler {
-  static constexpr bool kStatic = true;  // units computed from the arguments alone (no global memory)
   int M, N, num_m, num_n, group_m, total, splits, split_from;
   int next_i, step;
   MK_DEVICE MkLinearScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
@@ -267,7 +266,6 @@ template <int BM, int BN> struct MkLinearScheduler {
 // right of N (below M) gets the unit anyway with cols (rows) <= 0: it must still load and multicast its
 // part of the shared operand; the tile loop skips its epilogue.  Split tiles' slots are 2 * slot + r.
 template <int BM, int BN, bool ALONG_M> struct MkClusterPairScheduler {
-  static constexpr bool kStatic = true;
   MkLinearScheduler<ALONG_M ? 2 * BM : BM, ALONG_M ? BN : 2 * BN> pairs;
   int extent, rank;  // M (ALONG_M) or N
   MK_DEVICE MkClusterPairScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
@@ -293,7 +291,6 @@ template <int BM, int BN, bool ALONG_M> struct MkClusterPairScheduler {
 // MkLinearScheduler (one per cluster at a time), cluster rank r the K blocks [r*nkb/CK, (r+1)*nkb/CK)
 // of each (MkTile::split = r, splits = CK; MkClusterKEpilogue adds the partials, not MkSplitKEpilogue).
 template <int BM, int BN, int CK> struct MkClusterKScheduler {
-  static constexpr bool kStatic = true;
   MkLinearScheduler<BM, BN> tiles;
   int rank;
   MK_DEVICE MkClusterKScheduler(int M_, int N_, int group_m_)
@@ -610,37 +607,6 @@ MK_DEVICE void mk_gemm_issue_loads(const MkGemmSmem<Cfg>& sm, int stage, const H
   mk_gemm_load_b<Cfg>(sm, stage, tmB, t, k0, nchunks);
 }
 
-// L2 prefetch of the boxes mk_gemm_issue_loads would load for K block kb of tile t (this block's share
-// with clusters: its A half / B half / B chunks), for hooks that never wait (the default A map).
-template <class Cfg>
-MK_DEVICE void mk_gemm_prefetch_l2(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTile& t, int kb) {
-  const int k0 = kb * Cfg::BK;
-  if constexpr (Cfg::CLUSTER_N == 2)
-    mk_tma_prefetch_l2_2d(tmA, k0, t.row0 + 64 * (int)mk_cluster_ctarank());
-  else
-    mk_tma_prefetch_l2_2d(tmA, k0, t.row0);
-  const int r = Cfg::CLUSTER_M == 2 ? (int)mk_cluster_ctarank() : 0;
-  if constexpr (Cfg::B_KN) {
-    const int nchunks = Cfg::CLUSTER_M == 2 ? Cfg::B_CHUNKS : t.cols <= 0 ? 0 : (t.cols + 63) / 64;
-    for (int j = r; j < nchunks; j += Cfg::CLUSTER_M) mk_tma_prefetch_l2_3d(tmB, t.col0 + 64 * j, k0, t.group);
-  } else {
-    mk_tma_prefetch_l2_3d(tmB, k0, t.col0 + r * (Cfg::CLUSTER_M == 2 ? Cfg::BN / 2 : 0), t.group);
-  }
-}
-
-// Scheduler::kStatic (optional, default false): its units are computed from the kernel's arguments
-// alone, so the first one is known before the programmatic-dependency wait.
-template <class S, class = void> struct MkSchedStatic {
-  static constexpr bool value = false;
-};
-template <class S> struct MkSchedStatic<S, decltype((void)S::kStatic)> {
-  static constexpr bool value = S::kStatic;
-};
-
-#ifndef MK_GEMM_L2_PREFETCH
-#define MK_GEMM_L2_PREFETCH 0  // K blocks of the first unit prefetched into L2 before the dependency wait
-#endif
-
 // The descriptor of k16 slice 0 of a B tile at shared address `b_addr` (K-major for "nk", MN-major
 // chunks for "kn").
 template <class Cfg> MK_DEVICE mk_u64 mk_gemm_b_desc(mk_u32 b_addr) {
@@ -692,11 +658,9 @@ template <class H> struct MkHookSideWork<H, decltype((void)H::kSideWork)> {
 // dependent launch: thread 0 waits for that kernel here).
 // prefill(): called by thread 0 (the producer's issuing lane) once the barriers are initialised and
 // fenced, before the block barrier: the first loads' latency overlaps the rest of the prologue.
-// prefetch(): called by thread 0 before the dependency wait (L2 prefetches only: nothing it touches
-// may be read before the wait).
-template <class Cfg, class Prefetch, class Prefill>
+template <class Cfg, class Prefill>
 MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, const MkTensorMap* tmB,
-                             Prefetch&& prefetch, Prefill&& prefill) {
+                             Prefill&& prefill) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::STAGES; ++s) {
       mk_mbar_init(sm.full(s), 1);
@@ -711,7 +675,6 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
     mk_mbar_init_fence();
     mk_tma_prefetch_desc(tmA);
     mk_tma_prefetch_desc(tmB);
-    prefetch();
     // Launched as a programmatic dependent: the previous kernel (which may write A, B, C or the
     // split-K workspace) is complete from here on, for every thread past the block barrier below.
     mk_grid_dependency_wait();
@@ -763,7 +726,7 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
-  mk_gemm_setup<Cfg>(sm, tmA, tmB, [] {}, [] {});
+  mk_gemm_setup<Cfg>(sm, tmA, tmB, [] {});
 
   if (tid < 128) {
     // ================= producer warpgroup =================
@@ -868,22 +831,7 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   // empty-barrier waits pass at once) before the block barrier; the producer loop skips them.
   constexpr bool kPrefill = MkHookPrefill<Hook>::value && Cfg::SHARING == 1 && Cfg::CLUSTER_K == 1;
   int prefilled = 0;
-  // L2 prefetch (hooks that never wait, schedulers that read no memory; MK_GEMM_L2_PREFETCH K blocks):
-  // the first unit's first K blocks start coming from HBM while the previous kernel finishes.
-  constexpr bool kL2Prefetch = MK_GEMM_L2_PREFETCH > 0 && MkHookPrefill<Hook>::value && MkSchedStatic<Sched>::value;
   mk_gemm_setup<Cfg>(sm, tmA, tmB, [&] {
-    if constexpr (kL2Prefetch) {
-      Sched first = sched;
-      first.init(worker_id, num_workers);
-      MkTile t0;
-      if (first.next(t0)) {
-        int lo, hi;
-        mk_tile_kblocks(t0, nkb, lo, hi);
-        const int n = min(hi - lo, MK_GEMM_L2_PREFETCH);
-        for (int i = 0; i < n; ++i) mk_gemm_prefetch_l2<Cfg>(tmA, tmB, t0, lo + i);
-      }
-    }
-  }, [&] {
     if constexpr (kPrefill) {
       Sched first = sched;
       first.init(worker_id, num_workers);

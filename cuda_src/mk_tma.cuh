@@ -104,19 +104,6 @@ MK_DEVICE void mk_tma_prefetch_desc(const MkTensorMap* tm) {
   asm volatile("prefetch.tensormap [%0];" ::"l"((mk_u64)tm) : "memory");
 }
 
-// Global -> L2 prefetch of a tile box (no shared memory, no barrier; a hint the hardware may drop).  Safe
-// before a programmatic-dependency wait even on data the previous kernel is still writing: L2 is the
-// point of coherence, so a line fetched early is updated by later writes like any other.
-MK_DEVICE void mk_tma_prefetch_l2_2d(const MkTensorMap* tm, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"((mk_u64)tm), "r"(c0), "r"(c1)
-               : "memory");
-}
-MK_DEVICE void mk_tma_prefetch_l2_3d(const MkTensorMap* tm, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"((mk_u64)tm), "r"(c0),
-               "r"(c1), "r"(c2)
-               : "memory");
-}
-
 // Global -> shared tile load; completion (the box's bytes, zero-filled where out of bounds) is
 // counted on `bar`.  Coordinates are in elements, innermost dimension first.
 MK_DEVICE void mk_tma_load_2d(void* dst, const MkTensorMap* tm, mk_u64* bar, int c0, int c1) {
