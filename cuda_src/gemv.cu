@@ -31,9 +31,6 @@
 #ifndef MK_GEMV_MINB
 #define MK_GEMV_MINB 2
 #endif
-#ifndef MK_GEMV_RT
-#define MK_GEMV_RT 1  // 16-row tiles of B per block (they share the block's A loads)
-#endif
 #define MK_GEMV_WARPS 8
 #define MK_GEMV_THREADS (32 * MK_GEMV_WARPS)
 
@@ -69,28 +66,19 @@ MK_DEVICE void mk_mma16816(float (&d)[4], mk_u32 a0, mk_u32 a1, mk_u32 a2, mk_u3
 extern "C" __global__ void __launch_bounds__(MK_GEMV_THREADS, MK_GEMV_MINB) mk_gemv_nk(
     const unsigned short* __restrict__ A, long long lda, const unsigned short* __restrict__ B, long long ldb,
     MkOut* __restrict__ C, long long ldc, int M, int N, int K) {
-  constexpr int NT = MK_GEMV_NT, RT = MK_GEMV_RT, U = MK_GEMV_UNROLL, W = MK_GEMV_WARPS;
-  constexpr int ROWS = 16 * RT;                  // rows of B per block
+  constexpr int NT = MK_GEMV_NT, U = MK_GEMV_UNROLL, W = MK_GEMV_WARPS;
   constexpr int RUN = 32 * U, STRIDE = W * RUN;  // K elements of one run of a warp / of all the warps
-  __shared__ float red[W][ROWS][8 * NT];
+  __shared__ float red[W][16][8 * NT];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;  // the MMA fragments' group (row) and thread-in-group
-  const long long n0 = (long long)blockIdx.x * ROWS;
-  // this lane's rows: B rows n0 + 16 i + g and n0 + 16 i + g + 8 (MMA rows of row tile i), A rows g and
-  // g + 8 (MMA columns); its pointers start at the warp's first run, at the lane's 8 elements of each
-  // chunk, and advance by STRIDE a run (rows past M / N stay at the base and are never read)
+  const long long n0 = (long long)blockIdx.x * 16;
+  // this lane's rows: B rows n0 + g and n0 + g + 8 (MMA rows), A rows g and g + 8 (MMA columns); its
+  // pointers start at the warp's first run, at the lane's 8 elements of each chunk, and advance by
+  // STRIDE a run (rows past M / N stay at the base and are never read)
+  const bool b_lo = n0 + g < N, b_hi = n0 + g + 8 < N;
   const int k_lane = warp * RUN + 8 * t;
-  bool b_ok[RT][2];
-  const unsigned short* pb[RT][2];
-#pragma unroll
-  for (int i = 0; i < RT; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const long long n = n0 + 16 * i + 8 * h + g;
-      b_ok[i][h] = n < N;
-      pb[i][h] = B + (b_ok[i][h] ? n * ldb : 0) + k_lane;
-    }
-  }
+  const unsigned short* pb_lo = B + (b_lo ? (n0 + g) * ldb : 0) + k_lane;
+  const unsigned short* pb_hi = B + (b_hi ? (n0 + g + 8) * ldb : 0) + k_lane;
   bool a_ok[NT];
   const unsigned short* pa[NT];
 #pragma unroll
@@ -98,12 +86,9 @@ extern "C" __global__ void __launch_bounds__(MK_GEMV_THREADS, MK_GEMV_MINB) mk_g
     a_ok[j] = 8 * j + g < M;
     pa[j] = A + (a_ok[j] ? (long long)(8 * j + g) * lda : 0) + k_lane;
   }
-  float acc[RT][NT][4];
+  float acc[NT][4];
 #pragma unroll
-  for (int i = 0; i < RT; ++i) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-  }
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
   mk_grid_dependency_wait();  // A may be the previous kernel's output (programmatic dependent launch)
   mk_grid_launch_dependents();
@@ -112,52 +97,39 @@ extern "C" __global__ void __launch_bounds__(MK_GEMV_THREADS, MK_GEMV_MINB) mk_g
   // is warp-collective, so no lane may leave the loop before the others.  A lane's chunk u of the run
   // is in range when its first element 32 u + 8 t is below that bound (K % 8 == 0: whole pieces).
   for (int k_left = K - warp * RUN; k_left > 0; k_left -= STRIDE) {
-    uint4 p[U][RT][2], v[U][NT];
+    uint4 p[U], q[U], v[U][NT];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {  // every load of the run first: U x (2 RT + NT) 16-byte loads in flight
+    for (int u = 0; u < U; ++u) {  // every load of the run first: U x (2 + NT) 16-byte loads in flight
       const bool kin = 32 * u + 8 * t < k_left;
-#pragma unroll
-      for (int i = 0; i < RT; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) p[u][i][h] = kin && b_ok[i][h] ? mk_ld_stream16(pb[i][h] + 32 * u) : zero;
-      }
+      p[u] = kin && b_lo ? mk_ld_stream16(pb_lo + 32 * u) : zero;
+      q[u] = kin && b_hi ? mk_ld_stream16(pb_hi + 32 * u) : zero;
 #pragma unroll
       for (int j = 0; j < NT; ++j) v[u][j] = kin && a_ok[j] ? mk_ld_keep16(pa[j] + 32 * u) : zero;
     }
-#pragma unroll
-    for (int i = 0; i < RT; ++i) {
-      pb[i][0] += STRIDE;
-      pb[i][1] += STRIDE;
-    }
+    pb_lo += STRIDE;
+    pb_hi += STRIDE;
 #pragma unroll
     for (int j = 0; j < NT; ++j) pa[j] += STRIDE;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
-      for (int i = 0; i < RT; ++i) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          // elements 0-3 of the lane's 8 are MMA k-slots {2t, 2t+1, 2t+8, 2t+9}; elements 4-7 the same
-          // slots of a second MMA
-          const uint4 lo = p[u][i][0], hi = p[u][i][1];
-          mk_mma16816(acc[i][j], lo.x, hi.x, lo.y, hi.y, v[u][j].x, v[u][j].y);
-          mk_mma16816(acc[i][j], lo.z, hi.z, lo.w, hi.w, v[u][j].z, v[u][j].w);
-        }
+      for (int j = 0; j < NT; ++j) {
+        // elements 0-3 of the lane's 8 are MMA k-slots {2t, 2t+1, 2t+8, 2t+9}; elements 4-7 the same
+        // slots of a second MMA
+        mk_mma16816(acc[j], p[u].x, q[u].x, p[u].y, q[u].y, v[u][j].x, v[u][j].y);
+        mk_mma16816(acc[j], p[u].z, q[u].z, p[u].w, q[u].w, v[u][j].z, v[u][j].w);
       }
     }
   }
-  // accumulator (i, j, r): C^T row (n) 16 i + g + 8 (r / 2), column (m) 8 j + 2 t + (r % 2)
+  // accumulator (j, r): C^T row (n) g + 8 (r / 2), column (m) 8 j + 2 t + (r % 2)
 #pragma unroll
-  for (int i = 0; i < RT; ++i) {
+  for (int j = 0; j < NT; ++j) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) red[warp][16 * i + g + 8 * (r >> 1)][8 * j + 2 * t + (r & 1)] = acc[i][j][r];
-    }
+    for (int r = 0; r < 4; ++r) red[warp][g + 8 * (r >> 1)][8 * j + 2 * t + (r & 1)] = acc[j][r];
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < ROWS * 8 * NT; e += MK_GEMV_THREADS) {
-    const int m = e / ROWS, n = e % ROWS;  // consecutive threads: consecutive columns of C
+  for (int i = threadIdx.x; i < 16 * 8 * NT; i += MK_GEMV_THREADS) {
+    const int m = i / 16, n = i % 16;  // consecutive threads: consecutive columns of C
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < W; ++w) s += red[w][n][m];

@@ -29,12 +29,11 @@ from .gemm_engine import _CODE, IN_DTYPES, OUT_DTYPES, _pdl, _usage  # the GEMM 
 SOURCE = "gemv.cu"
 MAX_M = 16
 THREADS = 256  # MK_GEMV_THREADS
-ROWS = 16  # rows of B (columns of C) per row tile (MK_GEMV_RT tiles a block)
-# (MK_GEMV_UNROLL, MK_GEMV_MINB, MK_GEMV_RT) per MK_GEMV_NT: the 32-element K chunks a warp has in
-# flight, the blocks per SM the registers are budgeted for, and the 16-row tiles of B per block (which
-# share the block's loads of A) (docs/gemm.md entries 48-49): one A tile, 8 chunks; two A tiles (9-16
-# rows), 4 chunks -- both two blocks per SM (<= 128 registers), one row tile.
-VARIANTS = {1: (8, 2, 1), 2: (4, 2, 1)}
+ROWS = 16  # rows of B (columns of C) per block
+# (MK_GEMV_UNROLL, MK_GEMV_MINB) per MK_GEMV_NT: the 32-element K chunks a warp has in flight and the
+# blocks per SM the registers are budgeted for (docs/gemm.md entries 48-49): one A tile, 8 chunks; two
+# A tiles (9-16 rows), 4 chunks -- both two blocks per SM (<= 128 registers).
+VARIANTS = {1: (8, 2), 2: (4, 2)}
 # Routing (measured, docs/gemm.md entries 47-49; cool us, this kernel / the GEMM tiles / cuBLAS):
 # - up to ROUTE_MAX_M = MAX_M rows: 1x8192x8192 35.4 / 44.0 / 33.5, 16x8192x8192 39.3 / 39.6 / 33.2,
 #   16x7168x2048 11.4 / 13.7 / 10.1, 4x2048x2048 4.6 / 8.4 / 6.0 (3.9 as a dependent launch);
@@ -49,9 +48,9 @@ ROUTE_MAX_TILE_FILL = 0.75
 
 
 def _defines(in_dtype: str, out_dtype: str, nt: int) -> dict:
-    unroll, minb, rt = VARIANTS[nt]
+    unroll, minb = VARIANTS[nt]
     return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMV_NT=nt,
-                MK_GEMV_UNROLL=unroll, MK_GEMV_MINB=minb, MK_GEMV_RT=rt)
+                MK_GEMV_UNROLL=unroll, MK_GEMV_MINB=minb)
 
 
 for _i in IN_DTYPES:
@@ -65,14 +64,9 @@ def column_tiles(M: int) -> int:
     return 1 if M <= 8 else 2
 
 
-def rows_per_block(M: int) -> int:
-    """Rows of B per block for ``M`` rows: ROWS times the variant's row tiles."""
-    return ROWS * VARIANTS[column_tiles(M)][2]
-
-
-def blocks(N: int, M: int = 1) -> int:
-    """The launch's grid for ``M`` rows: one block per rows_per_block(M) rows of B."""
-    return math.ceil(N / rows_per_block(M))
+def blocks(N: int) -> int:
+    """The launch's grid: one block per ROWS rows of B."""
+    return math.ceil(N / ROWS)
 
 
 def _kernel(in_dtype: str, out_dtype: str, nt: int):
@@ -103,11 +97,11 @@ def supported(A: DeviceArray, B: DeviceArray, M: int, N: int, K: int, b_layout: 
 
 def worthwhile(M: int, N: int, sms: int) -> bool:
     """Whether to route a supported call here (see ROUTE_MAX_M, MIN_BLOCK_FILL, ROUTE_MAX_TILE_FILL):
-    ``MKERNEL_GEMM_GEMV`` is not ``0``, M <= ROUTE_MAX_M, the call's blocks(N, M) blocks occupy at
+    ``MKERNEL_GEMM_GEMV`` is not ``0``, M <= ROUTE_MAX_M, the call's ceil(N / ROWS) blocks occupy at
     least MIN_BLOCK_FILL of the ``sms`` SMs and ceil(N / 256) GEMM tiles less than ROUTE_MAX_TILE_FILL."""
     if os.environ.get("MKERNEL_GEMM_GEMV", "1") == "0":
         return False
-    return (M <= ROUTE_MAX_M and blocks(N, M) >= MIN_BLOCK_FILL * sms
+    return (M <= ROUTE_MAX_M and blocks(N) >= MIN_BLOCK_FILL * sms
             and math.ceil(N / 256) < ROUTE_MAX_TILE_FILL * sms)
 
 
@@ -142,17 +136,17 @@ def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int)
     ldc = O.strides[0] if M > 1 else N
     args = [ctypes.c_void_p(A.ptr), ctypes.c_int64(lda), ctypes.c_void_p(B.ptr), ctypes.c_int64(ldb),
             ctypes.c_void_p(O.ptr), ctypes.c_int64(ldc), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N, M), args, O.ptr, dependent=_pdl(True))
+    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr, dependent=_pdl(True))
 
 
 def describe(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:
     """mkernel.gemm_engine.describe() of a call routed here: config "gemv", bm the MMA column tiles' rows
-    (8 or 16), bn the rows of B per block, registers from ptxas, one block per bn rows of B."""
+    (8 or 16), bn the rows of B per block, registers from ptxas, one block per ROWS rows of B."""
     nt = column_tiles(M)
     mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, nt))
     usage = _usage(mod, "mk_gemv_nk")
-    grid = blocks(N, M)
-    return dict(config="gemv", bm=8 * nt, bn=rows_per_block(M), stages=0, threads=THREADS, smem=0, pingpong=False,
+    grid = blocks(N)
+    return dict(config="gemv", bm=8 * nt, bn=ROWS, stages=0, threads=THREADS, smem=0, pingpong=False,
                 tma_store=False, splits=1, split_tiles=0, registers=usage.get("registers"),
                 spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=grid, grid=grid)
