@@ -376,7 +376,7 @@ def _plot(path, results, device):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(16, 6), gridspec_kw=dict(width_ratios=[1, 3]))
+    fig, axes = plt.subplots(1, 2, figsize=(20, 7), gridspec_kw=dict(width_ratios=[1, 4]))
     sq = [r for r in results if r["name"].startswith("square")]
     ax = axes[0]
     if sq:
@@ -392,16 +392,21 @@ def _plot(path, results, device):
     ax = axes[1]
     pr = [r for r in results if not r["name"].startswith("square")]
     if pr:
-        labels = [f"{r['name']}\nM={r['M']}" for r in pr]
+        labels = [f"{r['name']} M={r['M']}" for r in pr]
         ax.bar(range(len(pr)), [r["ratio"] for r in pr],
                color=["tab:green" if r["ratio"] >= 1.0 else "tab:orange" if r["ratio"] >= 0.9 else "tab:red"
                       for r in pr])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.axhline(0.9, color="k", lw=0.8, ls=":")
+        first_decode = next((i for i, r in enumerate(pr) if is_decode(r["name"])), None)
+        if first_decode:
+            ax.axvline(first_decode - 0.5, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(pr)))
-        ax.set_xticklabels(labels, rotation=90, fontsize=6)
+        ax.set_xticklabels(labels, rotation=90, fontsize=5.5)
+        ax.set_xlim(-0.6, len(pr) - 0.4)
         ax.set_ylabel("mkernel / cuBLAS throughput")
-        ax.set_title("projection GEMMs (weights [N, K])")
+        ax.set_title("projection GEMMs (weights [N, K])" + ("; right of the dashed line: decode-shaped rows"
+                                                             if first_decode else ""))
     fig.suptitle(f"mkernel.gemm vs cuBLAS on {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
