@@ -31,9 +31,6 @@
 #ifndef MK_GEMV_MINB
 #define MK_GEMV_MINB 2
 #endif
-#ifndef MK_GEMV_A_ASYNC
-#define MK_GEMV_A_ASYNC 0  // 1: A's pieces go global -> shared by cp.async (no registers while in flight)
-#endif
 #define MK_GEMV_WARPS 8
 #define MK_GEMV_THREADS (32 * MK_GEMV_WARPS)
 
@@ -50,15 +47,6 @@ MK_DEVICE uint4 mk_ld_keep16(const void* p) {
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-
-// 16 bytes global -> shared, asynchronous (cp.async, kept in L1 like mk_ld_keep16); `ok` false: the 16
-// shared bytes are zero-filled and nothing is read.  Completed by mk_cp_async_wait_all.
-MK_DEVICE void mk_cp_async16(void* dst, const void* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"((mk_u32)__cvta_generic_to_shared(dst)),
-               "l"(src), "r"(ok ? 16 : 0)
-               : "memory");
-}
-MK_DEVICE void mk_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // d += a (16 x 16, row) * b (16 x 8, col), fp32 accumulators.
 MK_DEVICE void mk_mma16816(float (&d)[4], mk_u32 a0, mk_u32 a1, mk_u32 a2, mk_u32 a3, mk_u32 b0, mk_u32 b1) {
@@ -108,45 +96,22 @@ extern "C" __global__ void __launch_bounds__(MK_GEMV_THREADS, MK_GEMV_MINB) mk_g
   // The loop bound is the warp's (K - its run's first element), the same for all its lanes: mma.sync
   // is warp-collective, so no lane may leave the loop before the others.  A lane's chunk u of the run
   // is in range when its first element 32 u + 8 t is below that bound (K % 8 == 0: whole pieces).
-#if MK_GEMV_A_ASYNC
-  // this lane's staging slots of A: [U][8 NT rows][32 elements] a warp, the lane's own 16 bytes of each
-  // (it reads back only what it copied: no other lane's data, so no barrier beyond its own wait)
-  extern __shared__ __align__(16) unsigned short mk_gemv_a_stage[];
-  unsigned short* a_slot = mk_gemv_a_stage + warp * (U * 8 * NT * 32) + g * 32 + 8 * t;
-#endif
   for (int k_left = K - warp * RUN; k_left > 0; k_left -= STRIDE) {
     uint4 p[U], q[U], v[U][NT];
-#if MK_GEMV_A_ASYNC
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // A first, into shared memory: U x NT copies in flight, no registers
-      const bool kin = 32 * u + 8 * t < k_left;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) mk_cp_async16(a_slot + (u * NT + j) * 8 * 32, pa[j] + 32 * u, kin && a_ok[j]);
-    }
-#endif
 #pragma unroll
     for (int u = 0; u < U; ++u) {  // every load of the run first: U x (2 + NT) 16-byte loads in flight
       const bool kin = 32 * u + 8 * t < k_left;
       p[u] = kin && b_lo ? mk_ld_stream16(pb_lo + 32 * u) : zero;
       q[u] = kin && b_hi ? mk_ld_stream16(pb_hi + 32 * u) : zero;
-#if !MK_GEMV_A_ASYNC
 #pragma unroll
       for (int j = 0; j < NT; ++j) v[u][j] = kin && a_ok[j] ? mk_ld_keep16(pa[j] + 32 * u) : zero;
-#endif
     }
-#if MK_GEMV_A_ASYNC
-    mk_cp_async_wait_all();
-#endif
     pb_lo += STRIDE;
     pb_hi += STRIDE;
 #pragma unroll
     for (int j = 0; j < NT; ++j) pa[j] += STRIDE;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-#if MK_GEMV_A_ASYNC
-#pragma unroll
-      for (int j = 0; j < NT; ++j) v[u][j] = *reinterpret_cast<const uint4*>(a_slot + (u * NT + j) * 8 * 32);
-#endif
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         // elements 0-3 of the lane's 8 are MMA k-slots {2t, 2t+1, 2t+8, 2t+9}; elements 4-7 the same

@@ -30,11 +30,10 @@ SOURCE = "gemv.cu"
 MAX_M = 16
 THREADS = 256  # MK_GEMV_THREADS
 ROWS = 16  # rows of B (columns of C) per block
-# (MK_GEMV_UNROLL, MK_GEMV_MINB, MK_GEMV_A_ASYNC) per MK_GEMV_NT: the 32-element K chunks a warp has in
-# flight, the blocks per SM the registers are budgeted for, and whether A's pieces go through shared
-# memory by cp.async (holding no registers while in flight) (docs/gemm.md entries 48-51): one A tile,
-# 8 chunks; two A tiles (9-16 rows), 4 chunks -- both two blocks per SM (<= 128 registers), A in registers.
-VARIANTS = {1: (8, 2, 0), 2: (4, 2, 0)}
+# (MK_GEMV_UNROLL, MK_GEMV_MINB) per MK_GEMV_NT: the 32-element K chunks a warp has in flight and the
+# blocks per SM the registers are budgeted for (docs/gemm.md entries 48-49): one A tile, 8 chunks; two
+# A tiles (9-16 rows), 4 chunks -- both two blocks per SM (<= 128 registers).
+VARIANTS = {1: (8, 2), 2: (4, 2)}
 # Routing (measured, docs/gemm.md entries 47-49; cool us, this kernel / the GEMM tiles / cuBLAS):
 # - up to ROUTE_MAX_M = MAX_M rows: 1x8192x8192 35.4 / 44.0 / 33.5, 16x8192x8192 39.3 / 39.6 / 33.2,
 #   16x7168x2048 11.4 / 13.7 / 10.1, 4x2048x2048 4.6 / 8.4 / 6.0 (3.9 as a dependent launch);
@@ -49,16 +48,9 @@ ROUTE_MAX_TILE_FILL = 0.75
 
 
 def _defines(in_dtype: str, out_dtype: str, nt: int) -> dict:
-    unroll, minb, a_async = VARIANTS[nt]
+    unroll, minb = VARIANTS[nt]
     return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMV_NT=nt,
-                MK_GEMV_UNROLL=unroll, MK_GEMV_MINB=minb, MK_GEMV_A_ASYNC=a_async)
-
-
-def smem_bytes(nt: int) -> int:
-    """Dynamic shared memory of the ``nt`` variant: A's staging with MK_GEMV_A_ASYNC (8 warps x
-    MK_GEMV_UNROLL chunks x 8 nt rows x 64 bytes), else none."""
-    unroll, _, a_async = VARIANTS[nt]
-    return 8 * unroll * 8 * nt * 64 if a_async else 0
+                MK_GEMV_UNROLL=unroll, MK_GEMV_MINB=minb)
 
 
 for _i in IN_DTYPES:
@@ -122,16 +114,16 @@ class Plan:
     splits = 1
     name = "gemv"
 
-    def __init__(self, kernel, grid: int, args: list, out_ptr: int, dependent: bool = True, smem: int = 0):
+    def __init__(self, kernel, grid: int, args: list, out_ptr: int, dependent: bool = True):
         self.kernel, self.grid, self.args, self._out_ptr = kernel, grid, args, out_ptr
-        self.dependent, self.smem = dependent, smem
+        self.dependent = dependent
 
     def run(self, stream, out: DeviceArray | None = None) -> None:
         args = self.args
         if out is not None and out.ptr != self._out_ptr:
             args = list(args)
             args[4] = ctypes.c_void_p(out.ptr)
-        self.kernel.launch(self.grid, THREADS, args, stream=stream, smem=self.smem, dependent=self.dependent)
+        self.kernel.launch(self.grid, THREADS, args, stream=stream, dependent=self.dependent)
 
 
 def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int) -> Plan:
@@ -144,8 +136,7 @@ def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int)
     ldc = O.strides[0] if M > 1 else N
     args = [ctypes.c_void_p(A.ptr), ctypes.c_int64(lda), ctypes.c_void_p(B.ptr), ctypes.c_int64(ldb),
             ctypes.c_void_p(O.ptr), ctypes.c_int64(ldc), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr, dependent=_pdl(True),
-                smem=smem_bytes(nt))
+    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr, dependent=_pdl(True))
 
 
 def describe(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:
@@ -155,7 +146,7 @@ def describe(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:
     mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, nt))
     usage = _usage(mod, "mk_gemv_nk")
     grid = blocks(N)
-    return dict(config="gemv", bm=8 * nt, bn=ROWS, stages=0, threads=THREADS, smem=smem_bytes(nt), pingpong=False,
+    return dict(config="gemv", bm=8 * nt, bn=ROWS, stages=0, threads=THREADS, smem=0, pingpong=False,
                 tma_store=False, splits=1, split_tiles=0, registers=usage.get("registers"),
                 spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=grid, grid=grid)
