@@ -319,6 +319,37 @@ def make_inputs(M: int, N: int, K: int, layout: str, l2: int, seed: int = 1234):
     return A, B, C, Cr
 
 
+class NkProblem:
+    """One M x N x K call with weights [N, K] for the probes (bench/gemm_rounds.py, gemv_variants.py):
+    make_inputs' torch tensors (A, B, C, Cr) and mkernel's views of them (dA, dB, dC), the input sets
+    and calls per timed replay, cuBLAS's CUDA-graph runner, and ``runner(fn)`` for ours."""
+
+    def __init__(self, M: int, N: int, K: int, l2: int):
+        import torch
+
+        from mkernel.arrays import as_device_array
+
+        self.A, self.B, self.C, self.Cr = make_inputs(M, N, K, "nk", l2)
+        self.dA, self.dB, self.dC = ([as_device_array(x) for x in xs] for xs in (self.A, self.B, self.C))
+        self.nsets = len(self.A)
+        self.batch = batch_for(2.0 * M * N * K, self.nsets)
+        self.cublas = self.runner(lambda i: torch.matmul(self.A[i], self.B[i].t(), out=self.Cr[i]))
+
+    def runner(self, fn):
+        return _runner(fn, self.nsets, self.batch, False)
+
+    def ours(self, i: int, stream, **kw):
+        """mkernel.gemm on input set i (kw: config, splits)."""
+        from mkernel import gemm_engine as G
+
+        G.gemm(self.dA[i], self.dB[i], self.dC[i], b_layout="nk", stream=stream, **kw)
+
+    def error(self) -> float:
+        """Relative Frobenius distance of ours from cuBLAS on input set 0 (both must have run)."""
+        c, r = self.C[0].float(), self.Cr[0].float()
+        return ((c - r).norm() / r.norm()).item()
+
+
 def batch_for(flop: float, nsets: int) -> int:
     """Calls per timed replay: ~50 ms of work at a guessed 600 TFLOP/s, a multiple of nsets, <= 200."""
     est_ms = flop / 600e12 * 1e3

@@ -18,10 +18,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import setup_env, time_interleaved
 setup_env()
 import torch
-from gemm import _runner, batch_for, make_inputs
+from gemm import NkProblem
 from gemm_profile import parse
 from mkernel import gemm_engine as G
-from mkernel.arrays import as_device_array
 
 
 def main(argv):
@@ -32,24 +31,16 @@ def main(argv):
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for spec in specs.split(","):
         _, M, N, K = parse(spec)
-        A, B, C, Cr = make_inputs(M, N, K, "nk", l2)
-        nsets = len(A)
-        dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
-        batch = batch_for(2.0 * M * N * K, nsets)
-
-        def theirs(i):
-            torch.matmul(A[i], B[i].t(), out=Cr[i])
-        rt = _runner(theirs, nsets, batch, False)
+        prob = NkProblem(M, N, K, l2)
+        nsets, batch, rt = prob.nsets, prob.batch, prob.cublas
         for phase in plans.split(","):
             cfg = None if phase == "auto" else int(phase.split("x")[0])
             sp = int(phase.split("x")[1]) if "x" in phase else None
 
-            def ours(i):
-                G.gemm(dA[i], dB[i], dC[i], b_layout="nk", stream=torch.cuda.current_stream(), config=cfg, splits=sp)
-            ro = _runner(ours, nsets, batch, False)
+            ro = prob.runner(lambda i: prob.ours(i, torch.cuda.current_stream(), config=cfg, splits=sp))
             plan = next(reversed(G._plans.values()))  # (the plan ours just built or used)
             torch.cuda.synchronize()
-            err = ((C[0].float() - Cr[0].float()).norm() / Cr[0].float().norm()).item()
+            err = prob.error()
             time.sleep(sleep)
             st = time_interleaved({"ours": ro, "cublas": rt}, warmup=0, rounds=rounds)
             so = [x / batch * 1e3 for x in st["ours"]["samples"]]

@@ -7,6 +7,8 @@ and cuBLAS alternating; one line per shape: median us of each variant, ours / cu
 
     python bench/gemv_variants.py 1x8192x8192,16x8192x8192 8 default,4.3,8.2
 
+Shapes: MxNxK, or NAME@M of bench/gemm.py's tables (bench/gemm_profile.py's specs).
+
 (docs/gemm.md entries 48-51 ran it with the extra fields of their experimental kernels.)
 """
 from __future__ import annotations
@@ -25,11 +27,11 @@ def main(argv):
     shapes, rounds, variants = argv[0], int(argv[1]), argv[2]
     setup_env()
     import torch
-    from gemm import _runner, batch_for, make_inputs
+    from gemm import NkProblem
+    from gemm_profile import parse
 
     from mkernel import gemm_engine as G
     from mkernel import gemv as GV
-    from mkernel.arrays import as_device_array
 
     GV.MIN_BLOCK_FILL = 0.0
     GV.ROUTE_MAX_TILE_FILL = float("inf")
@@ -37,16 +39,8 @@ def main(argv):
     torch.empty(1, device="cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for spec in shapes.split(","):
-        M, N, K = (int(v) for v in spec.split("x"))
-        A, B, C, Cr = make_inputs(M, N, K, "nk", l2)
-        nsets = len(A)
-        dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
-        batch = batch_for(2.0 * M * N * K, nsets)
-
-        def theirs(i):
-            torch.matmul(A[i], B[i].t(), out=Cr[i])
-
-        rt = _runner(theirs, nsets, batch, False)
+        _, M, N, K = parse(spec)
+        prob = NkProblem(M, N, K, l2)
         nt = GV.column_tiles(M)
         res = []
         for v in variants.split(","):
@@ -56,26 +50,23 @@ def main(argv):
                 GV.VARIANTS[nt] = tuple(int(x) for x in v.split("."))
             G._plans.clear()
 
-            def ours(i):
-                G.gemm(dA[i], dB[i], dC[i], b_layout="nk", stream=torch.cuda.current_stream())
-
             try:
-                ro = _runner(ours, nsets, batch, False)
+                ro = prob.runner(lambda i: prob.ours(i, torch.cuda.current_stream()))
             except Exception as exc:  # a variant that does not compile or launch: say so, go on
                 res.append(f"{v} ERR {exc!s:.80}")
                 continue
             plan = next(reversed(G._plans.values()))
             torch.cuda.synchronize()
-            err = ((C[0].float() - Cr[0].float()).norm() / Cr[0].float().norm()).item()
+            err = prob.error()
             time.sleep(0.2)
-            st = time_interleaved({"ours": ro, "cublas": rt}, warmup=0, rounds=rounds)
-            so = statistics.median(st["ours"]["samples"]) / batch * 1e3
-            sc = statistics.median(st["cublas"]["samples"]) / batch * 1e3
+            st = time_interleaved({"ours": ro, "cublas": prob.cublas}, warmup=0, rounds=rounds)
+            so = statistics.median(st["ours"]["samples"]) / prob.batch * 1e3
+            sc = statistics.median(st["cublas"]["samples"]) / prob.batch * 1e3
             res.append(f"{v}{'' if isinstance(plan, GV.Plan) else ' (NOT gemv)'} {so:.1f}/{sc:.1f} e{err:.0e}")
         GV.VARIANTS.clear()
         GV.VARIANTS.update(shipped)
         print(spec, " | ".join(res), flush=True)
-        del A, B, C, Cr, dA, dB, dC
+        del prob
         torch.cuda.empty_cache()
 
 

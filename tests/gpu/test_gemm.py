@@ -511,16 +511,41 @@ def test_grouped_moe_like(rng):
 
 
 # ---- programmatic dependent launch -----------------------------------------------------------
+def rerun_poisoned(chain, outs, graph: bool):
+    """``chain(stream)`` once on a fresh non-blocking stream (its plans, outside any capture), then
+    ``outs`` NaN-poisoned and the chain run again -- eagerly, or captured into a CUDA graph and
+    launched -- with no host sync inside either run; returns the first run's result."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.runtime import check as ok
+
+    stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    first = chain(int(stream))
+    ok(cu.cuStreamSynchronize(stream))
+    for x in outs:
+        x.fill_nan()
+    if graph:
+        ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        chain(int(stream))
+        g = ok(cu.cuStreamEndCapture(stream))
+        ge = ok(cu.cuGraphInstantiate(g, 0))
+        ok(cu.cuGraphLaunch(ge, stream))
+    else:
+        chain(int(stream))
+    ok(cu.cuStreamSynchronize(stream))
+    if graph:
+        ok(cu.cuGraphExecDestroy(ge))
+        ok(cu.cuGraphDestroy(g))
+    ok(cu.cuStreamDestroy(stream))
+    return first
+
+
 @pytest.mark.parametrize("graph", [False, True])
 def test_chained_gemms_read_the_previous_output(rng, graph, monkeypatch):
     """GEMMs are programmatic dependent launches: each of a chain x_{i+1} = x_i @ W_i (back to back on
     one stream, no host sync; then the same chain captured in a CUDA graph and replayed) must read
     x_i only after the previous GEMM finished writing it (every x_i is NaN-poisoned beforehand), on
     plans with and without split-K."""
-    from cuda.bindings import driver as cu
-
-    from mkernel.runtime import check as ok
-
     monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")  # every step a dependent launch (auto: only some)
     dims = [(512, 1536, 7168), (512, 7168, 1536), (128, 1536, 7168), (128, 4096, 1536), (128, 640, 4096)]
     x0, x0v = rand(rng, (dims[0][0], dims[0][2]), "bfloat16")
@@ -532,29 +557,12 @@ def test_chained_gemms_read_the_previous_output(rng, graph, monkeypatch):
         xs.append(poisoned((m, n), "bfloat16"))
     # the M = 128 steps read the first 128 rows of the previous output
     ins = [xs[0]] + [xs[i][:rows[i]] if rows[i] < xs[i].shape[0] else xs[i] for i in range(1, len(dims))]
-    stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
 
-    def chain():
+    def chain(stream):
         for i in range(len(dims)):
-            G.gemm(ins[i], ws[i][0], xs[i + 1], b_layout="nk", stream=int(stream))
+            G.gemm(ins[i], ws[i][0], xs[i + 1], b_layout="nk", stream=stream)
 
-    chain()  # plans (outside any capture)
-    ok(cu.cuStreamSynchronize(stream))
-    for x in xs[1:]:
-        x.fill_nan()
-    if graph:
-        ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-        chain()
-        g = ok(cu.cuStreamEndCapture(stream))
-        ge = ok(cu.cuGraphInstantiate(g, 0))
-        ok(cu.cuGraphLaunch(ge, stream))
-    else:
-        chain()
-    ok(cu.cuStreamSynchronize(stream))
-    if graph:
-        ok(cu.cuGraphExecDestroy(ge))
-        ok(cu.cuGraphDestroy(g))
-    ok(cu.cuStreamDestroy(stream))
+    rerun_poisoned(chain, xs[1:], graph)
     prev = x0v
     for i, (m, n, k) in enumerate(dims):
         got = download(xs[i + 1])
@@ -571,43 +579,23 @@ def test_gemv_chain_dependent_launches(rng, gemv_route, M, graph, monkeypatch):
     step forced in between (config 1; the gemv after it is a dependent of it), back to back on one stream and then
     captured in a CUDA graph: each step must read x_i only after the previous one wrote all of it
     (every x_i NaN-poisoned beforehand)."""
-    from cuda.bindings import driver as cu
-
-    from mkernel.runtime import check as ok
-
     monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)  # the default: decode launches are dependent
     dims = [(4096, 2048, None), (3000, 4096, None), (2048, 3000, 1), (1000, 2048, None), (6000, 1000, None)]
     x0, x0v = rand(rng, (M, dims[0][1]), "bfloat16")
     ws = [upload(rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k)), "bfloat16")
           for n, k, _ in dims]
     xs = [x0] + [poisoned((M, n), "bfloat16") for n, _, _ in dims]
-    stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
 
-    def chain():
+    def chain(stream):
         kinds = []
         for i, (_, _, cfg) in enumerate(dims):
-            G.gemm(xs[i], ws[i][0], xs[i + 1], b_layout="nk", config=cfg, stream=int(stream))
+            G.gemm(xs[i], ws[i][0], xs[i + 1], b_layout="nk", config=cfg, stream=stream)
             kinds.append(isinstance(last_plan(), GV.Plan))
         return kinds
 
-    assert chain() == [cfg is None for _, _, cfg in dims], "decode steps not on the gemv kernel"
-    ok(cu.cuStreamSynchronize(stream))
+    kinds = rerun_poisoned(chain, xs[1:], graph)
+    assert kinds == [cfg is None for _, _, cfg in dims], "decode steps not on the gemv kernel"
     assert last_plan().dependent
-    for x in xs[1:]:
-        x.fill_nan()
-    if graph:
-        ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-        chain()
-        g = ok(cu.cuStreamEndCapture(stream))
-        ge = ok(cu.cuGraphInstantiate(g, 0))
-        ok(cu.cuGraphLaunch(ge, stream))
-    else:
-        chain()
-    ok(cu.cuStreamSynchronize(stream))
-    if graph:
-        ok(cu.cuGraphExecDestroy(ge))
-        ok(cu.cuGraphDestroy(g))
-    ok(cu.cuStreamDestroy(stream))
     prev = x0v
     for i, (n, k, cfg) in enumerate(dims):
         got = download(xs[i + 1])
