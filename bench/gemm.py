@@ -53,6 +53,7 @@ DEEPSEEK_V3 = {  # hidden 7168, q_lora 1536, kv_lora 512 (+64 rope), 128 heads, 
     "dsv3.moe_gate_up": (4096, 7168),
     "dsv3.moe_down": (7168, 2048),
 }
+WEIGHTS = {**LLAMA3_70B, **DEEPSEEK_V3}  # name -> (N, K)
 MS = (128, 512, 2048, 8192, 16384)
 DECODE_MS = (1, 4, 8, 16)
 DECODE_WEIGHTS = ("llama70b.qkv", "llama70b.o", "llama70b.down", "dsv3.q_a", "dsv3.o", "dsv3.moe_down")
@@ -72,18 +73,16 @@ def shapes(quick: bool):
     if quick:
         picks = [("llama70b.qkv", 2048), ("llama70b.down", 8192), ("dsv3.q_a", 2048), ("dsv3.kv_b", 8192),
                  ("dsv3.moe_down", 512), ("llama70b.gate_up", 128)]
-        allp = {**LLAMA3_70B, **DEEPSEEK_V3}
         for name, m in picks:
-            n, k = allp[name]
+            n, k = WEIGHTS[name]
             out.append((name, m, n, k, "nk"))
         return out
     for table in (LLAMA3_70B, DEEPSEEK_V3):
         for name, (n, k) in table.items():
             for m in MS:
                 out.append((name, m, n, k, "nk"))
-    allp = {**LLAMA3_70B, **DEEPSEEK_V3}
     for name in DECODE_WEIGHTS:
-        n, k = allp[name]
+        n, k = WEIGHTS[name]
         for m in DECODE_MS:
             out.append((DECODE + name, m, n, k, "nk"))
     return out

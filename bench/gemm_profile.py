@@ -20,7 +20,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import torch  # noqa: E402
 
-from gemm import DEEPSEEK_V3, LLAMA3_70B  # noqa: E402
+from gemm import WEIGHTS  # noqa: E402
 from mkernel import gemm_engine as G  # noqa: E402
 from mkernel.arrays import as_device_array  # noqa: E402
 
@@ -31,7 +31,7 @@ def parse(spec: str):
         return spec, m, m, m
     if "@" in spec:
         name, m = spec.split("@")
-        n, k = {**LLAMA3_70B, **DEEPSEEK_V3}[name]
+        n, k = WEIGHTS[name]
         return spec, int(m), n, k
     m, n, k = (int(v) for v in spec.lower().split("x"))
     return spec, m, n, k

@@ -689,7 +689,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
         return _Plan(CONFIGS[1], None, 0, [], pre, [])
     from . import gemv  # (imports this module's dtype tables: not at the top)
     if (config is None and splits is None and gemv.supported(A, B, M, N, K, b_layout)
-            and gemv.worthwhile(M, N, sms)):  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
+            and gemv.worthwhile(N, sms)):  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
         return gemv.plan(A, B, O, M, N, K)
     cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config)
     if splits is not None:  # forced: every tile split
@@ -1009,7 +1009,7 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
         from . import gemv
-        if config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(M, N, sms):
+        if config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(N, sms):
             return gemv.describe(M, N, K, in_dtype, out_dtype)  # (aligned, contiguous operands assumed)
         cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))

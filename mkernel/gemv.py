@@ -10,7 +10,7 @@ other starts up or reduces.
 
 :func:`mkernel.gemm` routes a call here (:func:`plan`) when :func:`supported` (B "nk", M <= 16, K a
 multiple of 8, 16-byte aligned operands and row strides) and :func:`worthwhile` (enough 16-row blocks
-to occupy half of the SMs, too few GEMM tiles to stream B on most of them: measured, see ROUTE_MAX_M);
+to occupy half of the SMs, too few GEMM tiles to stream B on most of them: measured, see MIN_BLOCK_FILL);
 ``MKERNEL_GEMM_GEMV=0`` turns the route off (benchmarks), as does forcing a tile config or a split
 factor.  The launch is a programmatic dependent one (``MKERNEL_GEMM_PDL=0``: plain), as the GEMM
 plans' are: it starts while the previous kernel in the stream finishes and waits for it before its
@@ -35,14 +35,13 @@ ROWS = 16  # rows of B (columns of C) per block
 # A tiles (9-16 rows), 4 chunks -- both two blocks per SM (<= 128 registers).
 VARIANTS = {1: (8, 2), 2: (4, 2)}
 # Routing (measured, docs/gemm.md entries 47-49; cool us, this kernel / the GEMM tiles / cuBLAS):
-# - up to ROUTE_MAX_M = MAX_M rows: 1x8192x8192 35.4 / 44.0 / 33.5, 16x8192x8192 39.3 / 39.6 / 33.2,
+# - every supported call (up to MAX_M rows): 1x8192x8192 35.4 / 44.0 / 33.5, 16x8192x8192 39.3 / 39.6 / 33.2,
 #   16x7168x2048 11.4 / 13.7 / 10.1, 4x2048x2048 4.6 / 8.4 / 6.0 (3.9 as a dependent launch);
 # - only when its ceil(N / ROWS) blocks give at least MIN_BLOCK_FILL of the SMs one (below that a few
 #   SMs would stream all of B; the GEMM path splits K over every SM instead);
 # - only while the GEMM path's 64 x 256 tiles (config 18, unsplit) cover less than ROUTE_MAX_TILE_FILL of
-#   the SMs: where they do, they stream B at the memory's rate already (1x28672x8192 114.4 / ~114 /
-#   105.6, 16x28672x8192 123.7 / 114.1).
-ROUTE_MAX_M = 16
+#   the SMs: where they do, they stream B about as fast, within ~5 % either way (1x28672x8192 114.4 /
+#   ~114 / 105.6, 16x28672x8192 123.7 / 114.1).
 MIN_BLOCK_FILL = 0.5
 ROUTE_MAX_TILE_FILL = 0.75
 
@@ -95,14 +94,13 @@ def supported(A: DeviceArray, B: DeviceArray, M: int, N: int, K: int, b_layout: 
             and _row_ok(B, N, K))
 
 
-def worthwhile(M: int, N: int, sms: int) -> bool:
-    """Whether to route a supported call here (see ROUTE_MAX_M, MIN_BLOCK_FILL, ROUTE_MAX_TILE_FILL):
-    ``MKERNEL_GEMM_GEMV`` is not ``0``, M <= ROUTE_MAX_M, the call's ceil(N / ROWS) blocks occupy at
+def worthwhile(N: int, sms: int) -> bool:
+    """Whether to route a supported call here (see MIN_BLOCK_FILL, ROUTE_MAX_TILE_FILL; its row count
+    is bounded by :func:`shape_ok`): ``MKERNEL_GEMM_GEMV`` is not ``0``, the call's ceil(N / ROWS) blocks occupy at
     least MIN_BLOCK_FILL of the ``sms`` SMs and ceil(N / 256) GEMM tiles less than ROUTE_MAX_TILE_FILL."""
     if os.environ.get("MKERNEL_GEMM_GEMV", "1") == "0":
         return False
-    return (M <= ROUTE_MAX_M and blocks(N) >= MIN_BLOCK_FILL * sms
-            and math.ceil(N / 256) < ROUTE_MAX_TILE_FILL * sms)
+    return blocks(N) >= MIN_BLOCK_FILL * sms and math.ceil(N / 256) < ROUTE_MAX_TILE_FILL * sms
 
 
 class Plan:

@@ -390,7 +390,6 @@ def gemv_route(monkeypatch):
     """Every supported call routed to the kernel (up to its 16 rows, any N), whatever the measured
     routing thresholds say."""
     monkeypatch.setattr(GV, "MIN_BLOCK_FILL", 0.0)
-    monkeypatch.setattr(GV, "ROUTE_MAX_M", GV.MAX_M)
     monkeypatch.setattr(GV, "ROUTE_MAX_TILE_FILL", float("inf"))
     monkeypatch.delenv("MKERNEL_GEMM_GEMV", raising=False)
 
