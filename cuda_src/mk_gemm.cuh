@@ -60,8 +60,9 @@
 #include "mk_wgmma.cuh"
 
 // ---- configuration --------------------------------------------------------------------------------
-// NC consumer warpgroups, BN columns (64, 128, 144, 192, 224 or 256; 144/192/224 exist to fill the SMs
-// with fewer wasted tiles, 144 and 224 only with B "nk"), STAGES ring slots, DT input dtype code, B_KN: B stored
+// NC consumer warpgroups (1-3; 3: 192-row tiles, setmaxnreg 40 / 152), BN columns (64, 96, 128, 144, 192,
+// 224, 256 or 320; the odd widths exist to fill the SMs with fewer wasted tiles, 144, 224 and 320 only with
+// B "nk"; 320 = two n160 wgmmas per k16 slice and two 160-row TMA boxes of B), STAGES ring slots, DT input dtype code, B_KN: B stored
 // [K, N] (MN-major operand) instead of [N, K], PIPELINED: keep one wgmma batch in flight (0: wait for
 // every batch; the debug configuration), PINGPONG (needs NC = 2): the two consumer warpgroups work on
 // *different* 64 x BN tiles (BM = 64), alternating along the block's tile sequence, so one's epilogue
@@ -103,7 +104,9 @@ struct MkGemmConfig {
   static constexpr int B_CHUNK_BYTES = 64 * BK * 2;  // one 64-column chunk of an MN-major B tile
   static constexpr int B_CHUNKS = (BN_ + 63) / 64;
   static constexpr int B_BYTES = B_CHUNKS * B_CHUNK_BYTES;  // smem reserved for B (BN*BK*2 rounded up to 8 KiB)
-  static constexpr int B_NK_TX_BYTES = BN_ * BK * 2;       // bytes one "nk" B box delivers
+  static constexpr int B_NK_TX_BYTES = BN_ * BK * 2;       // bytes an "nk" B tile's boxes deliver
+  // "nk" B tiles wider than a TMA box (256 rows) load as two boxes of BN/2 rows (the host's map)
+  static constexpr int B_NK_BOXES = BN_ > 256 ? 2 : 1;
   // Where tile column c (a multiple of 8; of 64 with "kn") starts in a ring slot's B tile: "nk" rows
   // are 128 bytes, "kn" columns come in 64-column chunks.
   static MK_DEVICE constexpr int b_col_bytes(int c) { return B_KN_ ? (c / 64) * B_CHUNK_BYTES : c * 128; }
@@ -143,13 +146,19 @@ struct MkGemmConfig {
                                     !TMA_STORE && CLUSTER_N_ == 1),
                 "cluster split-K: 2 or 4 blocks, cooperative configs with two slabs, register epilogue");
   static_assert(2 * STAGES_ * 8 + 16 + 8 * (CK_OWNED_WARPS + 1) <= 256, "cluster split-K barriers");
-  // Register reallocation (only with two consumer warpgroups: 128*40 + 256*232 = 64512 <= 65536).
-  static constexpr bool SETMAXNREG = NC_ == 2;
+  // Register reallocation (with two or three consumer warpgroups: 128*40 + 256*232 = 64512,
+  // 128*40 + 384*152 = 63488 <= 65536).
+  static constexpr bool SETMAXNREG = NC_ >= 2;
   static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  static_assert(NC_ == 1 || NC_ == 2, "one or two consumer warpgroups");
-  static_assert(BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256,
-                "BN must be 64, 96, 128, 144, 192, 224 or 256");
+  static constexpr int CONSUMER_REGS = NC_ == 3 ? 152 : 232;
+  static_assert(NC_ >= 1 && NC_ <= 3, "one to three consumer warpgroups");
+  static_assert(NC_ < 3 || (!PINGPONG_ && WG_N_ == 1 && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 && CLUSTER_M_ == 1),
+                "three consumer warpgroups: plain cooperative 192-row tiles");
+  static_assert(BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256 ||
+                    BN_ == 320,
+                "BN must be 64, 96, 128, 144, 192, 224, 256 or 320");
+  static_assert(BN_ <= 256 || (!B_KN_ && WG_N_ == 1 && CLUSTER_M_ == 1 && CLUSTER_K_ == 1),
+                "320-column tiles: B \"nk\" (two 160-row TMA boxes, two n160 wgmmas), one slab per warpgroup");
   static_assert(BN_ != 96 || WG_N_ == 2 || CLUSTER_K_ > 1, "96-column tiles: two warpgroups of 48 columns, or cluster split-K");
   static_assert(!B_KN_ || BN_ % 64 == 0, "an MN-major (kn) B tile is made of whole 64-column chunks");
   static_assert(!PINGPONG_ || (NC_ == 2 && PIPELINED_), "ping-pong needs two pipelined consumer warpgroups");
@@ -163,7 +172,8 @@ struct MkGemmConfig {
 template <class Base, int PRODUCER_REGS_, int CONSUMER_REGS_> struct MkWithRegs : Base {
   static constexpr int PRODUCER_REGS = PRODUCER_REGS_;
   static constexpr int CONSUMER_REGS = CONSUMER_REGS_;
-  static_assert(!Base::SETMAXNREG || 128 * PRODUCER_REGS_ + 256 * CONSUMER_REGS_ <= 65536, "register file exceeded");
+  static_assert(!Base::SETMAXNREG || 128 * PRODUCER_REGS_ + 128 * Base::NC * CONSUMER_REGS_ <= 65536,
+                "register file exceeded");
   static_assert(PRODUCER_REGS_ % 8 == 0 && CONSUMER_REGS_ % 8 == 0, "setmaxnreg counts are multiples of 8");
 };
 
@@ -573,7 +583,11 @@ MK_DEVICE void mk_gemm_load_b(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
     mk_tma_load_3d_multicast(sm.b(stage) + Cfg::b_col_bytes(r * (Cfg::BN / 2)), tmB, sm.full(stage), k0,
                              t.col0 + r * (Cfg::BN / 2), t.group, 0x3);
   } else {
-    mk_tma_load_3d(sm.b(stage), tmB, sm.full(stage), k0, t.col0, t.group);
+#pragma unroll
+    for (int h = 0; h < Cfg::B_NK_BOXES; ++h) {
+      constexpr int ROWS = Cfg::BN / Cfg::B_NK_BOXES;
+      mk_tma_load_3d(sm.b(stage) + h * ROWS * 128, tmB, sm.full(stage), k0, t.col0 + h * ROWS, t.group);
+    }
   }
 }
 

@@ -33,6 +33,10 @@
 //                32  31 without clusters
 //                36  BM=128 (2 consumer WGs), BN=96 with B "nk" (128 with "kn"), 6 stages, register epilogue:
 //                    split-K inside clusters of 2 (config 9's mechanism; dsv3.q_a M=512 as 64 tiles x 2)
+//                40  BM=192 (THREE consumer WGs, 512 threads), BN=192, 4 stages, S=1: one wave of 192-row tiles
+//                    (cuBLAS's tile for dsv3.kv_a M=8192: 129 tiles where 128x192 makes 192)
+//                42  BM=128 (2 consumer WGs), BN=320 with B "nk" (two n160 wgmmas per k16 slice, B as two 160-row
+//                    TMA boxes; "kn": config 3's 128x256), 3 stages, S=2 (cuBLAS's tile for llama qkv M=512)
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
 //                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
@@ -64,8 +68,11 @@ template <bool KN> struct MkCfgSel<30, KN> { typedef MkGemmConfig<2, 128, 8, tru
 template <bool KN> struct MkCfgSel<31, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 2, 2> T; };
 template <bool KN> struct MkCfgSel<32, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 8, true, MK_GEMM_IN, KN, false, 1, 1, 1, 1, 2> T; };
 template <bool KN> struct MkCfgSel<36, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 6, true, MK_GEMM_IN, KN, false, 0, 1, 2> T; };
+template <bool KN> struct MkCfgSel<40, KN> { typedef MkGemmConfig<3, 192, 4, true, MK_GEMM_IN, KN, false, 1> T; };
+template <bool KN> struct MkCfgSel<42, KN> { typedef MkGemmConfig<2, KN ? 256 : 320, 3, true, MK_GEMM_IN, KN, false, 2> T; };
 template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
-static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES == MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
+// (config 42's "kn" tile, config 3's, needs less shared memory than its 320-column "nk" one: launched with the latter)
+static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES >= MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&
                   MkCfgSel<MK_GEMM_CONFIG, false>::T::THREADS == MkCfgSel<MK_GEMM_CONFIG, true>::T::THREADS,
               "one launch geometry per config (mkernel/gemm_engine.py: TileConfig.smem / threads)");
 

@@ -94,6 +94,9 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
 #define MK_WGMMA_ACC_48 MK_WGMMA_ACC16(0), MK_WGMMA_ACC8(16)
 #define MK_WGMMA_REGS_144 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4H
 #define MK_WGMMA_ACC_144 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC8(64)
+// n160 writes accumulators OFF .. OFF + 79 of a larger array (two of them make a 320-column fragment)
+#define MK_WGMMA_REGS_160 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4
+#define MK_WGMMA_ACC_160 MK_WGMMA_ACC16(OFF + 0), MK_WGMMA_ACC16(OFF + 16), MK_WGMMA_ACC16(OFF + 32), MK_WGMMA_ACC16(OFF + 48), MK_WGMMA_ACC16(OFF + 64)
 #define MK_WGMMA_REGS_96 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2
 #define MK_WGMMA_ACC_96 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32)
 #define MK_WGMMA_REGS_128 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3
@@ -131,6 +134,23 @@ MK_WGMMA_DEF(224, f16, "%112", "%113", "%114", "%115")
 MK_WGMMA_DEF(256, bf16, "%128", "%129", "%130", "%131")
 MK_WGMMA_DEF(256, f16, "%128", "%129", "%130", "%131")
 #undef MK_WGMMA_DEF
+// m64n160k16 into accumulators OFF .. OFF + 79 of d[R]
+#define MK_WGMMA_DEF_AT(N, TY, DA, DB, SCALE, TBI)                                                              \
+  template <int TB, int OFF, int R>                                                                            \
+  MK_DEVICE void mk_wgmma_m64n##N##k16_##TY##_at(float (&d)[R], mk_u64 da, mk_u64 db, int scale_d) {           \
+    static_assert(OFF + N / 2 <= R, "accumulator range");                                                      \
+    asm volatile("{\n.reg .pred p;\n"                                                                          \
+                 "setp.ne.b32 p, " SCALE ", 0;\n"                                                               \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " "                                \
+                 "{" MK_WGMMA_REGS_##N "}, " DA ", " DB ", p, 1, 1, 0, " TBI ";\n}\n"                              \
+                 : MK_WGMMA_ACC_##N                                                                             \
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));                                                    \
+  }
+MK_WGMMA_DEF_AT(160, bf16, "%80", "%81", "%82", "%83")
+MK_WGMMA_DEF_AT(160, f16, "%80", "%81", "%82", "%83")
+#undef MK_WGMMA_DEF_AT
+#undef MK_WGMMA_REGS_160
+#undef MK_WGMMA_ACC_160
 #undef MK_WGMMA_ACC16
 #undef MK_WGMMA_ACC8
 #undef MK_WGMMA_R1H
@@ -185,6 +205,19 @@ MK_WGMMA_DISPATCH(224, MK_DTYPE_BF16, mk_wgmma_m64n224k16_bf16)
 MK_WGMMA_DISPATCH(192, MK_DTYPE_F16, mk_wgmma_m64n192k16_f16)
 MK_WGMMA_DISPATCH(224, MK_DTYPE_F16, mk_wgmma_m64n224k16_f16)
 #undef MK_WGMMA_DISPATCH
+// N = 320 (K-major B only): two m64n160k16 on B rows 0..159 and 160..319 (160 rows of 128 bytes = 20 KiB
+// further, a whole number of 1024-byte swizzle atoms); their fragments side by side are the n320 layout
+// (element pair j at column 8j + c0).
+#define MK_WGMMA_DISPATCH_320(DT_, TY)                                                                     \
+  template <> struct MkWgmma<320, DT_, 0> {                                                                \
+    static MK_DEVICE void mma(float (&d)[160], mk_u64 da, mk_u64 db, int scale_d) {                        \
+      mk_wgmma_m64n160k16_##TY##_at<0, 0>(d, da, db, scale_d);                                             \
+      mk_wgmma_m64n160k16_##TY##_at<0, 80>(d, da, db + (160 * 128 >> 4), scale_d);                          \
+    }                                                                                                      \
+  };
+MK_WGMMA_DISPATCH_320(MK_DTYPE_BF16, bf16)
+MK_WGMMA_DISPATCH_320(MK_DTYPE_F16, f16)
+#undef MK_WGMMA_DISPATCH_320
 
 // Visit this thread's part of a 64xN fp32 accumulator fragment: f(row, col, v_col, v_col+1) with
 // row in [0, 64), col even in [0, N), relative to the warpgroup's 64-row slab.

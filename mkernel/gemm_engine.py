@@ -103,6 +103,13 @@ class TileConfig:
         return self.cluster_n * self.cluster_m
 
     @property
+    def b_box_rows(self) -> int:
+        """Rows of an "nk" B tensor-map box: the tile's, half of it with clusters along M (each block of
+        a pair loads half) or past TMA's 256-row box limit (two boxes a tile: MkGemmConfig::B_NK_BOXES)."""
+        rows = self.tile_n("nk") // self.cluster_m
+        return rows // 2 if rows > 256 else rows
+
+    @property
     def tma_store(self) -> bool:
         return self.staging_boxes > 0
 
@@ -206,11 +213,28 @@ CONFIGS = {
     # 12.5, 384x1536x4096 14.0 vs 16.6, 640x1024x4096 15.1 vs 16.3; slower where the best plan is
     # unsplit (square512 6.0 vs 3.5, 512x1536x2048 11.0 vs 9.9): _auto_plan's rule below.
     36: TileConfig(36, 128, 96, 6, 2, 0.95, bn_kn=128, cluster_k=2),
+    # 192 x 192 tiles on three consumer warpgroups (512 threads, setmaxnreg 40 / 152), 4 stages, one
+    # TMA-store staging box per warpgroup: cuBLAS's tile for dsv3.kv_a M=8192 (nvjet ..._192x192_64x4_1x2,
+    # docs/gemm.md entry 54), where 129 tiles make one wave instead of config 4's 192 (1.45 waves, the
+    # last split).  Cool us vs the plan before (call 1-2 of the twentieth session): kv_a M=8192 95.9-100.2
+    # vs 108.6 (cuBLAS 95.6-99.0), 3072x1536x4096 51.2 vs 59.2, 4096x1152x4096 54.0 vs 63.7,
+    # 12288x1152x4096 172 vs 191, 24576x576x4096 175 vs 196, within 1-2 % of config 4 on its many-wave
+    # shapes; its split plans lose (kv_a M=2048 x 4, 4096x576x4096 x 2): efficiency 0.97 takes the first
+    # kind and not the second.  (A 128 x 176 tile on two warpgroups, cuBLAS's for N = 7168 at M = 2048,
+    # measured no faster than config 5 there: docs/gemm.md entry 55, not kept.)
+    40: TileConfig(40, 192, 192, 4, 3, 0.97, staging_boxes=1),
+    # 128 x 320 "nk" tiles (two n160 wgmmas per k16 slice, B in two 160-row TMA boxes; "kn": config 3's
+    # 128 x 256), 3 stages: cuBLAS's tile for llama qkv M=512 (nvjet ..._320x128_64x3_1x2, N = 10240 = 32 x
+    # 320: 128 tiles, one wave, unsplit).  Cool us (twentieth session, call 4): llama qkv M=512 129.8 vs
+    # 134.3 for config 3 split 4 (cuBLAS 120.8-127.7); ties config 3 on llama gate_up / qkv M=2048; slower
+    # on N = 7168 (dsv3.o M=2048 733 vs 692).  Efficiency 0.94: the pick at qkv M=512 and nowhere else on
+    # the bench's shapes.
+    42: TileConfig(42, 128, 320, 3, 2, 0.94, bn_kn=256, staging_boxes=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36, 40, 42)
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
@@ -615,7 +639,7 @@ def b_operand(B: DeviceArray, K: int, N: int, b_layout: str, cfg: TileConfig, in
         box = (64, 64, 1)
     else:  # [G, N, K]: K contiguous, 64 x BN boxes
         op = _tma_operand(B, G, N, K, *sb)
-        box = (64, cfg.tile_n("nk") // cfg.cluster_m, 1)  # clusters along M: each block loads half
+        box = (64, cfg.b_box_rows, 1)
     tmb = encode_tiled(op.ptr, in_dtype, op.dims, op.strides, box)
     return tmb, *_staging(op, in_dtype, out_dtype, device)
 

@@ -54,7 +54,7 @@ def test_compiles_clean(source, defines, tmp_path, monkeypatch):
 def test_smem_budget():
     for cfg in G.CONFIGS.values():
         assert cfg.smem <= 227 * 1024, cfg
-        assert cfg.threads in (256, 384)
+        assert cfg.threads in (256, 384, 512)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,12 +385,12 @@ def test_split_k_plans(fake):
     x = _args(launches[-1])
     assert CLEARS == [(x.partials, 6 * 128 * 256 + 6)] and x.counters == x.partials + 4 * 6 * 128 * 256
     assert not next(reversed(G._plans.values())).zero.pending
-    # a partial last wave: 192 tiles of 128x192 on 132 SMs -> one wave of whole tiles, 60 tiles split
-    G.gemm(empty((8192, 7168), "bfloat16"), empty((576, 7168), "bfloat16"), b_layout="nk")
+    # a partial last wave: 156 tiles of 128x192 on 132 SMs -> one wave of whole tiles, 24 tiles split
+    G.gemm(empty((6656, 7168), "bfloat16"), empty((576, 7168), "bfloat16"), b_layout="nk")
     x = _args(launches[-1])
-    assert (x.splits, x.split_from) == (2, 132) and launches[-1]["grid"] == 132
+    assert (x.splits, x.split_from) == (5, 132) and launches[-1]["grid"] == 132
     plan = next(reversed(G._plans.values()))
-    assert plan.cfg.id == 4 and plan.keep[-1].shape == (60 * 128 * 192 + 60,)  # one sum per split tile
+    assert plan.cfg.id == 4 and plan.keep[-1].shape == (24 * 128 * 192 + 24,)  # one sum per split tile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,11 +413,20 @@ def test_split_k_plans(fake):
                                      # 64x256, one warpgroup of n256 wgmmas (44.3 vs 48.1 us for config 2)
     (128, 10240, 8192, "nk", 9),     # llama qkv M=128: 54 tiles x 2 blocks in clusters (measured 422 vs 384
                                      # TFLOP/s for config 3 split 3)
-    (8192, 576, 7168, "nk", 4),      # dsv3.kv_a M=8192: 192 tiles x 2 > 132 SMs: no cluster split-K
+    (8192, 576, 7168, "nk", 40),     # dsv3.kv_a M=8192: 129 tiles of 192x192 in one wave (cuBLAS's tile;
+                                     # 95.9-100.2 vs 108.6 us for config 4 with its last wave split 2)
+    (3072, 1536, 4096, "nk", 40),    # (51.2 vs 59.2 us for config 3 with its last wave split 11)
+    (4096, 576, 4096, "nk", 4),      # ... not where 192-row tiles would be split (39.8 vs 31.9 us)
     (128, 36864, 7168, "nk", 24),    # dsv3.dense_gate_up M=128: 256 unsplit tiles of 128x144, 1.94 waves
                                      # (measured 137.6 vs 150.8 us for config 3 with its last wave split 11)
     (512, 36864, 7168, "nk", 5),     # ... but not from M = 256 up (config 24: 465 vs 413 us)
-    (16384, 576, 7168, "nk", 4),     # dsv3.kv_a (N = 576 = 4 x 144): config 24 measured slower (225 vs 197 us)
+    (16384, 576, 7168, "nk", 40),    # dsv3.kv_a (N = 576 = 4 x 144): config 24 measured slower (225 vs 197 us);
+                                     # 258 tiles of 192x192 (1.95 waves): 201.2 vs 203.4 for config 4
+    (8192, 1536, 7168, "nk", 3),     # dsv3.q_a M=8192: 344 tiles of 192x192 would be 2.6 waves (284-288 vs 258.5)
+    (512, 10240, 8192, "nk", 42),    # llama qkv M=512: 128 tiles of 128x320, one wave (129.8 vs 134.3 us for
+                                     # config 3 split 4)
+    (2048, 7168, 16384, "nk", 5),    # ... not on N = 7168 (dsv3.o M=2048: 733 vs 692 for config 5)
+    (512, 10240, 8192, "kn", 3),     # "kn": no 320-wide tile (config 42 is config 3's tile there)
     (512, 1536, 7168, "nk", 36),     # dsv3.q_a M=512: 64 tiles of 128x96 x 2 in clusters (24.7 vs 25.7 us
                                      # steady for config 4 split 4; docs/gemm.md entry 40)
     (384, 1536, 4096, "nk", 36),     # (14.0 vs 16.6 us for config 18 split 3)
@@ -449,6 +458,8 @@ def test_heuristic_env_overrides(monkeypatch):
     assert 18 in G.AUTO_CANDIDATES and 18 in G.GROUPED_CANDIDATES
     assert 24 in G.AUTO_CANDIDATES and 24 in G.GROUPED_CANDIDATES
     assert 36 in G.AUTO_CANDIDATES and 36 not in G.GROUPED_CANDIDATES
+    assert 40 in G.AUTO_CANDIDATES and 40 in G.GROUPED_CANDIDATES
+    assert 42 in G.AUTO_CANDIDATES and G.CONFIGS[42].b_box_rows == 160  # TMA boxes are at most 256 rows
 
 
 def test_cluster_split_k_only_replaces_split_plans(monkeypatch, bench_nk):

@@ -112,16 +112,17 @@ def test_big_square(rng, layout, config):
 RING_SHAPES = [(2100, 4100, 328), (4100, 2100, 520), (300, 7168, 2048)]
 
 
-@pytest.mark.parametrize("config", [4, 5, 29, 31])
+@pytest.mark.parametrize("config", [4, 5, 29, 31, 40, 42])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("M,N,K", RING_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in RING_SHAPES])
 def test_new_configs_many_tiles(rng, M, N, K, layout, config):
     run_gemm(rng, M, N, K, layout, config=config, sample=None if M * N <= 4100 * 2100 else 256)
 
 
-# the projection shapes the heuristic sends to configs 4, 5, 6, 36 (dsv3 q_a, moe_down, kv_b; gate_up)
+# the projection shapes the heuristic sends to configs 4, 5, 6, 36, 40 (dsv3 q_a, moe_down, kv_b, kv_a; gate_up)
 AUTO_SHAPES = [(2048, 1536, 7168), (512, 7168, 2048), (8192, 32768, 512), (128, 57344, 8192),
-               (512, 1536, 7168), (257, 2000, 4000)]  # (config 36: cluster split-K on 128 x 96 tiles)
+               (512, 1536, 7168), (257, 2000, 4000),  # (config 36: cluster split-K on 128 x 96 tiles)
+               (8192, 576, 7168), (4097, 1100, 7168)]  # (config 40: 192 x 192 tiles, one wave)
 
 
 @pytest.mark.parametrize("M,N,K", AUTO_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in AUTO_SHAPES])
@@ -178,7 +179,9 @@ SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K spl
     (300, 520, 2048, "nk", 8, 3), (64, 576, 7168, "nk", 24, 5), (300, 520, 2048, "kn", 24, 3),
     (129, 1000, 4097, "nk", 19, 3), (300, 520, 2048, "kn", 19, 3), (7, 7, 4000, "nk", 19, 5),
     (200, 264, 1300, "nk", 29, 5), (300, 520, 2048, "kn", 30, 3), (129, 1000, 4097, "nk", 31, 3),
-    (7, 7, 4000, "kn", 32, 4), (130, 100, 2000, "nk", 32, 2),
+    (7, 7, 4000, "kn", 32, 4), (130, 100, 2000, "nk", 32, 2), (300, 520, 2048, "kn", 40, 3),
+    (400, 1000, 4097, "nk", 40, 2), (129, 700, 4097, "nk", 42, 2),
+    (300, 520, 2048, "kn", 42, 3),
 ]
 
 
@@ -191,7 +194,7 @@ def test_split_k(rng, M, N, K, layout, config, splits, out_dt):
     assert plan.splits == splits, f"planned {plan.splits} splits"
 
 
-@pytest.mark.parametrize("M,N,K,layout", [(1500, 2900, 7168, "nk"), (4097, 1100, 7168, "kn"), (8192, 576, 7168, "nk")])
+@pytest.mark.parametrize("M,N,K,layout", [(6656, 576, 7168, "nk"), (1024, 4352, 7168, "kn"), (1024, 2240, 7168, "nk")])
 def test_split_k_last_wave(rng, M, N, K, layout):
     """More tiles than SMs with a partial last wave: whole tiles first, the last wave's tiles split."""
     run_gemm(rng, M, N, K, layout)
