@@ -412,14 +412,15 @@ template <typename OutT> struct MkEpilogueStore {
   template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
     store_from<BN, 0>(t, slab, acc);
   }
-  // Only the fragment's column groups J0.. (tile columns 8*J0 and up): the TMA-store epilogue's
-  // columns past its last whole box.
-  template <int BN, int J0> MK_DEVICE void store_from(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
+  // Only the fragment's column groups J0.. (tile columns 8*J0 and up: the TMA-store epilogue's columns
+  // past its last whole box), and of those only tile columns c_lo.. (even: whole pairs).
+  template <int BN, int J0> MK_DEVICE void store_from(const MkTile& t, int slab, const float (&acc)[BN / 2],
+                                                      int c_lo = 0) {
     const int rbase = 64 * slab;
     OutT* const cbase = c + (long long)t.row0 * ldc + t.col0;
     mk_wgmma_frag_for_each<BN, J0>(acc, [&](int r, int col, float v0, float v1) {
       const int rr = rbase + r;
-      if (rr < t.rows) {
+      if (rr < t.rows && col >= c_lo) {
         OutT* p = cbase + (long long)rr * ldc + col;
         if (col + 1 < t.cols) {
           if (vec_ok) {
@@ -446,8 +447,11 @@ template <typename OutT> struct MkEpilogueStore {
 // stores drain (drain() waits for them before the block exits).  Columns past the last whole box
 // (BN % BOXC, i.e. the 224-wide tile's last 32) are stored from registers (MkEpilogueStore).
 //
-// Masking: TMA clips a box only at C's bounds (rows >= M, columns >= N).  Columns: a tile's columns
-// end at N or at the next tile, so clipping is exact.  Rows: a slab with fewer than 64 valid rows is
+// Masking: TMA clips a box only at C's bounds (rows >= M, columns >= N16).  Columns: a TMA store writes
+// whole 16-byte pieces of a row -- it would write up to 15 bytes past N into a padded row (measured:
+// bench/recheck_tiles.py) -- so the host's map ends at N16, N rounded down to 16 bytes, and the last
+// tile's columns N16 .. N-1 are stored from registers; a tile's columns end at N or at the next tile
+// (a 16-byte multiple), so clipping is exact.  Rows: a slab with fewer than 64 valid rows is
 // written through TMA only if `clip_rows` (its rows end at M: a plain GEMM); otherwise (a group of a
 // grouped GEMM, a shard of AllGather+GEMM ending inside C) the register epilogue writes it, so the
 // next group's rows are never touched.  use_tma = 0: every tile through `direct` (C not 16-byte
@@ -475,6 +479,9 @@ template <typename OutT, int SB> struct MkEpilogueTmaStore {
     }
     const int wt = threadIdx.x & 127;
     unsigned char* const buf = staging + slab * (SB * 8192);
+    // tile columns at and past `tail` lie beyond C's last 16-byte boundary (the map's N16): registers
+    constexpr int VEC = 16 / ESZ;
+    const int tail = ((t.col0 + t.cols) & ~(VEC - 1)) - t.col0;
     int r0, c0;
     mk_wgmma_frag_origin(r0, c0);
     const int sw = r0 & 7;  // rows r0 and r0 + 8 share the swizzle phase
@@ -505,13 +512,15 @@ template <typename OutT, int SB> struct MkEpilogueTmaStore {
 #pragma unroll
         for (int bi = 0; bi < SB; ++bi) {
           const int b = h * SB + bi;
-          if (b < FULL && b * BOXC < t.cols) mk_tma_store_2d(tmC, buf + bi * 8192, t.col0 + b * BOXC, row);
+          if (b < FULL && b * BOXC < tail) mk_tma_store_2d(tmC, buf + bi * 8192, t.col0 + b * BOXC, row);
         }
         mk_tma_store_commit();
       }
     }
-    // the columns past the last whole box (BN % BOXC), from registers
+    // the columns past the last whole box (BN % BOXC), and C's columns past its last 16-byte boundary,
+    // from registers
     if constexpr (BN % BOXC != 0) direct.template store_from<BN, FULL * JB>(t, slab, acc);
+    if (tail < t.cols && tail < FULL * BOXC) direct.template store_from<BN, 0>(t, slab, acc, tail);
   }
   MK_DEVICE void tile_done(const MkTile&) {}
   // Every consumer thread at the end of the tile loop: the stores are complete before the block exits.

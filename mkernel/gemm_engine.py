@@ -788,11 +788,15 @@ def c_map(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, fallback: b
     (``MKERNEL_GEMM_EPILOGUE=registers`` turns it off: benchmarks compare both epilogues); otherwise
     the kernel gets ``fallback`` (any valid map) and stores from registers."""
     isz = O.dtype.itemsize
-    ok = (cfg.tma_store and O.ptr % 16 == 0 and (ldc * isz) % 16 == 0
+    # A TMA store writes whole 16-byte pieces of a row: the map ends at N rounded down to 16 bytes
+    # (n16) and the epilogue stores the columns past it from registers (MkEpilogueTmaStore), so a
+    # padded output row is never written past N.
+    n16 = N - N % (16 // isz)
+    ok = (cfg.tma_store and O.ptr % 16 == 0 and (ldc * isz) % 16 == 0 and n16 > 0
           and os.environ.get("MKERNEL_GEMM_EPILOGUE", "tma") != "registers")
     if not ok:
         return fallback, 0
-    return encode_tiled(O.ptr, O.dtype.name, (N, M), (ldc * isz,), (128 // isz, 64)), 1
+    return encode_tiled(O.ptr, O.dtype.name, (n16, M), (ldc * isz,), (128 // isz, 64)), 1
 
 
 def _auto_config(M: int, N: int, K: int, b_layout: str, sms: int) -> TileConfig:

@@ -304,14 +304,18 @@ def test_plan_built_and_evicted_inside_global_capture(rng):
 
 
 # ---- views: strided output (masking), offset / strided / transposed inputs (staging) ---------
-@pytest.mark.parametrize("out_dt,pad,layout,config", [
-    ("float32", 24, "kn", None),   # TMA-store epilogue, fp32 boxes of 32 columns
-    ("bfloat16", 8, "nk", 5),      # TMA stores + the 224-wide tile's last 32 columns from registers
-    ("bfloat16", 3, "kn", 3),      # row stride not a 16-byte multiple: register epilogue
-    ("float16", 40, "nk", 1),
+@pytest.mark.parametrize("out_dt,pad,layout,config,N", [
+    ("float32", 24, "kn", None, 200),   # TMA-store epilogue, fp32 boxes of 32 columns
+    ("bfloat16", 8, "nk", 5, 200),      # TMA stores + the 224-wide tile's last 32 columns from registers
+    ("bfloat16", 3, "kn", 3, 200),      # row stride not a 16-byte multiple: register epilogue
+    ("float16", 40, "nk", 1, 200),
+    # a 16-byte row stride but N not a 16-byte multiple: a TMA store would write the rest of the last
+    # 16 bytes into the padding (bench/recheck_tiles.py found it); columns past N16 go from registers
+    ("bfloat16", 5, "nk", None, 203), ("float32", 1, "kn", None, 203), ("float16", 2, "nk", 40, 326),
+    ("bfloat16", 2, "nk", 42, 646), ("bfloat16", 3, "kn", 3, 5), ("float32", 3, "nk", 5, 229),
 ])
-def test_output_view_is_masked(rng, out_dt, pad, layout, config):
-    M, N, K = 300, 200, 136
+def test_output_view_is_masked(rng, out_dt, pad, layout, config, N):
+    M, K = 300, 136
     a, av = rand(rng, (M, K), "bfloat16")
     b, bv = rand(rng, (K, N) if layout == "kn" else (N, K), "bfloat16")
     buf = poisoned((M + 1, N + pad), out_dt)
@@ -322,15 +326,16 @@ def test_output_view_is_masked(rng, out_dt, pad, layout, config):
     assert np.isnan(h[:, N:]).all() and np.isnan(h[M]).all(), "gemm wrote outside the output view"
 
 
-def test_grouped_output_rows_outside_groups_untouched(rng):
+@pytest.mark.parametrize("N,pad", [(264, 8), (261, 3)])
+def test_grouped_output_rows_outside_groups_untouched(rng, N, pad):
     """Groups that end inside a tile (TMA stores must not spill into the next group's rows, nor
-    outside [o[0], o[G])), with a padded output row stride."""
+    outside [o[0], o[G])), with a padded output row stride (16-byte, N a 16-byte multiple or not)."""
     offs = [3, 70, 70, 200, 333]
-    T, N, K = 340, 264, 200
+    T, K = 340, 200
     a, av = rand(rng, (T, K), "bfloat16")
     b, bv = rand(rng, (4, N, K), "bfloat16")
-    buf = poisoned((T, N + 8), "bfloat16")
-    out = DeviceArray(buf.ptr, (T, N), "bfloat16", (N + 8, 1), buf.device, buf)
+    buf = poisoned((T, N + pad), "bfloat16")
+    out = DeviceArray(buf.ptr, (T, N), "bfloat16", (N + pad, 1), buf.device, buf)
     G.grouped_gemm(a, b, offs, out, b_layout="nk")
     h = download(buf)
     for g in range(4):
