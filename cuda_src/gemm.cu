@@ -50,9 +50,8 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
       MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
       mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 1, mk_smem, blockIdx.x, gridDim.x);
     } else if constexpr (Cfg::CLUSTER_K > 1) {  // split-K inside clusters, partials added through DSMEM
-      MkClusterKScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_K> sched(args.M, args.N, args.group_m, args.splits);
-      MkClusterKEpilogue<Cfg, MkEpilogueStore<MkOut>> ck{epi, MkGemmSmem<Cfg>(mk_smem), mk_cluster_ctarank(), 0u,
-                                                         args.partials, args.counters};
+      MkClusterKScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_K> sched(args.M, args.N, args.group_m);
+      MkClusterKEpilogue<Cfg, MkEpilogueStore<MkOut>> ck{epi, MkGemmSmem<Cfg>(mk_smem), mk_cluster_ctarank(), 0u};
       mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), ck, mk_smem, blockIdx.x, gridDim.x);
     } else {
       typedef typename MkPick<Cfg::SHARING == 2, MkClusterPairScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_M == 2>,

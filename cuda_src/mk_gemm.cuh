@@ -154,9 +154,9 @@ struct MkGemmConfig {
   static_assert(NC_ >= 1 && NC_ <= 3, "one to three consumer warpgroups");
   static_assert(NC_ < 3 || (!PINGPONG_ && WG_N_ == 1 && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 && CLUSTER_M_ == 1),
                 "three consumer warpgroups: plain cooperative 192-row tiles");
-  static_assert(BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 176 || BN_ == 192 || BN_ == 224 ||
-                    BN_ == 256 || BN_ == 320,
-                "BN must be 64, 96, 128, 144, 176, 192, 224, 256 or 320");
+  static_assert(BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256 ||
+                    BN_ == 320,
+                "BN must be 64, 96, 128, 144, 192, 224, 256 or 320");
   static_assert(BN_ <= 256 || (!B_KN_ && WG_N_ == 1 && CLUSTER_M_ == 1 && CLUSTER_K_ == 1),
                 "320-column tiles: B \"nk\" (two 160-row TMA boxes, two n160 wgmmas), one slab per warpgroup");
   static_assert(BN_ != 96 || WG_N_ == 2 || CLUSTER_K_ > 1, "96-column tiles: two warpgroups of 48 columns, or cluster split-K");
@@ -300,21 +300,17 @@ template <int BM, int BN, bool ALONG_M> struct MkClusterPairScheduler {
 // Cluster split-K (Cfg::CLUSTER_K == CK): the CK blocks of a cluster take the tiles of
 // MkLinearScheduler (one per cluster at a time), cluster rank r the K blocks [r*nkb/CK, (r+1)*nkb/CK)
 // of each (MkTile::split = r, splits = CK; MkClusterKEpilogue adds the partials, not MkSplitKEpilogue).
-// splits_ = G > 1: every tile is also split G ways across clusters (G clusters per tile, on
-// consecutive cluster ids): cluster g's rank r takes K range g * CK + r of G * CK (MkTile::split,
-// splits = G * CK, slot = the tile's index for MkClusterKEpilogue's global running sums).
 template <int BM, int BN, int CK> struct MkClusterKScheduler {
   MkLinearScheduler<BM, BN> tiles;
   int rank;
-  MK_DEVICE MkClusterKScheduler(int M_, int N_, int group_m_, int splits_ = 1)
-      : tiles(M_, N_, group_m_, splits_, 0), rank((int)mk_cluster_ctarank()) {}
+  MK_DEVICE MkClusterKScheduler(int M_, int N_, int group_m_)
+      : tiles(M_, N_, group_m_), rank((int)mk_cluster_ctarank()) {}
   MK_DEVICE void init(int worker_id, int num_workers) { tiles.init(worker_id / CK, num_workers / CK); }
   MK_DEVICE bool next(MkTile& t) {
     if (!tiles.next(t)) return false;
-    const bool global = t.splits > 1;
-    t.split = (global ? t.split : 0) * CK + rank;
-    t.splits = (global ? t.splits : 1) * CK;
-    if (!global) t.slot = 0;
+    t.split = rank;
+    t.splits = CK;
+    t.slot = 0;
     return true;
   }
 };
@@ -1126,8 +1122,6 @@ template <class Cfg, class Inner> struct MkClusterKEpilogue {
   MkGemmSmem<Cfg> sm;
   mk_u32 rank;
   mk_u32 phase;  // parity of the current tile (every block of the cluster sees the same tiles)
-  float* partials;  // tiles split across clusters: [tiles][4 NC bands][BN / 8][32][4] fp32 sums, 0 between calls
-  int* counters;    // [tiles][4 NC bands], 0 between calls
   static constexpr int CK = Cfg::CLUSTER_K, OWNED = Cfg::CK_OWNED_WARPS;
   static constexpr bool kTileDone = false;
   static constexpr bool kDrain = true;
@@ -1167,44 +1161,9 @@ template <class Cfg, class Inner> struct MkClusterKEpilogue {
         for (int b = 0; b < CK; ++b)
           if (b != (int)rank) mk_mbar_arrive_cluster(sm.rx_free(), (mk_u32)b);
       }
-      if (t.splits > CK && !add_global<BN>(t, w, lane, acc)) {
-        phase ^= 1;
-        return;
-      }
       inner.template store<BN>(t, slab, acc);
     }
     phase ^= 1;
-  }
-  // A tile split across G = t.splits / CK clusters: the cluster's sum of 16-row band w is added into
-  // the band's fp32 running sum (red.global.add.v4.f32, per warp: 32 lanes x BN / 2 values, lane-
-  // interleaved 16-byte vectors) and counted in the band's counter; the last of the G to count reads
-  // the sum back, re-zeroes it and the counter (nothing to clean up between calls) and stores the band
-  // (true).  As MkSplitKEpilogue, but per warp: only the owner block's warps hold finished bands.
-  template <int BN> MK_DEVICE bool add_global(const MkTile& t, int w, int lane, float (&acc)[BN / 2]) {
-    const int band = t.slot * (4 * Cfg::NC) + w;
-    float* const sum = partials + (long long)band * (BN / 2) * 32;
-#pragma unroll
-    for (int i = 0; i < BN / 2; i += 4) {
-      float* const p = sum + ((i / 4) * 32 + lane) * 4;
-      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(acc[i]), "f"(acc[i + 1]),
-                   "f"(acc[i + 2]), "f"(acc[i + 3])
-                   : "memory");
-    }
-    __threadfence();  // this lane's additions are performed device-wide before the band's count
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(counters + band, 1) == t.splits / CK - 1;
-    if (!__shfl_sync(0xffffffffu, last, 0)) return false;
-    __threadfence();  // acquire: the other clusters' additions (counted before ours) are visible
-#pragma unroll
-    for (int i = 0; i < BN / 2; i += 4) {
-      float4* const p = reinterpret_cast<float4*>(sum + ((i / 4) * 32 + lane) * 4);
-      const float4 v = __ldcg(p);
-      acc[i] = v.x, acc[i + 1] = v.y, acc[i + 2] = v.z, acc[i + 3] = v.w;
-      __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));  // zero for the next call
-    }
-    if (lane == 0) counters[band] = 0;
-    return true;
   }
 };
 

@@ -94,9 +94,6 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
 #define MK_WGMMA_ACC_48 MK_WGMMA_ACC16(0), MK_WGMMA_ACC8(16)
 #define MK_WGMMA_REGS_144 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4H
 #define MK_WGMMA_ACC_144 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC8(64)
-#define MK_WGMMA_R5H "%80, %81, %82, %83, %84, %85, %86, %87"
-#define MK_WGMMA_REGS_176 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4 "," MK_WGMMA_R5H
-#define MK_WGMMA_ACC_176 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC16(64), MK_WGMMA_ACC8(80)
 // n160 writes accumulators OFF .. OFF + 79 of a larger array (two of them make a 320-column fragment)
 #define MK_WGMMA_REGS_160 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4
 #define MK_WGMMA_ACC_160 MK_WGMMA_ACC16(OFF + 0), MK_WGMMA_ACC16(OFF + 16), MK_WGMMA_ACC16(OFF + 32), MK_WGMMA_ACC16(OFF + 48), MK_WGMMA_ACC16(OFF + 64)
@@ -130,8 +127,6 @@ MK_WGMMA_DEF(128, bf16, "%64", "%65", "%66", "%67")
 MK_WGMMA_DEF(128, f16, "%64", "%65", "%66", "%67")
 MK_WGMMA_DEF(144, bf16, "%72", "%73", "%74", "%75")
 MK_WGMMA_DEF(144, f16, "%72", "%73", "%74", "%75")
-MK_WGMMA_DEF(176, bf16, "%88", "%89", "%90", "%91")
-MK_WGMMA_DEF(176, f16, "%88", "%89", "%90", "%91")
 MK_WGMMA_DEF(192, bf16, "%96", "%97", "%98", "%99")
 MK_WGMMA_DEF(192, f16, "%96", "%97", "%98", "%99")
 MK_WGMMA_DEF(224, bf16, "%112", "%113", "%114", "%115")
@@ -154,9 +149,6 @@ MK_WGMMA_DEF(256, f16, "%128", "%129", "%130", "%131")
 MK_WGMMA_DEF_AT(160, bf16, "%80", "%81", "%82", "%83")
 MK_WGMMA_DEF_AT(160, f16, "%80", "%81", "%82", "%83")
 #undef MK_WGMMA_DEF_AT
-#undef MK_WGMMA_R5H
-#undef MK_WGMMA_REGS_176
-#undef MK_WGMMA_ACC_176
 #undef MK_WGMMA_REGS_160
 #undef MK_WGMMA_ACC_160
 #undef MK_WGMMA_ACC16
@@ -212,8 +204,6 @@ MK_WGMMA_DISPATCH(192, MK_DTYPE_BF16, mk_wgmma_m64n192k16_bf16)
 MK_WGMMA_DISPATCH(224, MK_DTYPE_BF16, mk_wgmma_m64n224k16_bf16)
 MK_WGMMA_DISPATCH(192, MK_DTYPE_F16, mk_wgmma_m64n192k16_f16)
 MK_WGMMA_DISPATCH(224, MK_DTYPE_F16, mk_wgmma_m64n224k16_f16)
-MK_WGMMA_DISPATCH(176, MK_DTYPE_BF16, mk_wgmma_m64n176k16_bf16)
-MK_WGMMA_DISPATCH(176, MK_DTYPE_F16, mk_wgmma_m64n176k16_f16)
 #undef MK_WGMMA_DISPATCH
 // N = 320 (K-major B only): two m64n160k16 on B rows 0..159 and 160..319 (160 rows of 128 bytes = 20 KiB
 // further, a whole number of 1024-byte swizzle atoms); their fragments side by side are the n320 layout

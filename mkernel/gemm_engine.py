@@ -229,7 +229,6 @@ CONFIGS = {
     # 134.3 for config 3 split 4 (cuBLAS 120.8-127.7); ties config 3 on llama gate_up / qkv M=2048; slower
     # on N = 7168 (dsv3.o M=2048 733 vs 692).  Efficiency 0.94: the pick at qkv M=512 and nowhere else on
     # the bench's shapes.
-    41: TileConfig(41, 128, 176, 4, 2, 0.60, bn_kn=192, staging_boxes=2),  # (experiment: entry 55)
     42: TileConfig(42, 128, 320, 3, 2, 0.94, bn_kn=256, staging_boxes=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
@@ -727,9 +726,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     tiles = _tiles(cfg, M, N, b_layout)
     if sp > 1:  # split-K workspace: fp32 running sums and counters per split tile (zero; the kernel keeps them so)
         n_split = tiles - split_from
-        # (cluster split-K across clusters: one counter per 16-row band, MkClusterKEpilogue)
-        bands = 4 * cfg.consumers if cfg.cluster_k > 1 else 1
-        ws, partials, counters = split_workspace(n_split, cfg.bm * cfg.tile_n(b_layout), dev, bands)
+        ws, partials, counters = split_workspace(n_split, cfg.bm * cfg.tile_n(b_layout), dev)
         keep += [ws]
         args.partials, args.counters, args.splits, args.split_from = partials, counters, sp, split_from
     else:
@@ -770,11 +767,11 @@ def _units(tiles: int, splits: int, split_from: int) -> int:
     return split_from + (tiles - split_from) * splits if splits > 1 else tiles
 
 
-def split_workspace(n_split: int, tile_elems: int, device: int, counters_per_tile: int = 1):
+def split_workspace(n_split: int, tile_elems: int, device: int):
     """(buffer, sums ptr, counters ptr) of split-K over ``n_split`` tiles of ``tile_elems`` outputs: fp32
-    running sums then int32 counters (``counters_per_tile`` each), in one buffer so one memset of
-    ``buffer.size`` 32-bit words clears both (before the first call; the kernels leave them zero)."""
-    ws = DeviceArray.empty((n_split * tile_elems + n_split * counters_per_tile,), "int32", device=device)
+    running sums then int32 counters, in one buffer so one memset of ``buffer.size`` 32-bit words
+    clears both (before the first call; the kernels leave them zero)."""
+    ws = DeviceArray.empty((n_split * tile_elems + n_split,), "int32", device=device)
     return ws, ws.ptr, ws.ptr + 4 * n_split * tile_elems
 
 
@@ -822,11 +819,10 @@ def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, split_til
 
 
 def _max_splits(cfg: TileConfig, split_tiles: int, K: int, b_layout: str) -> int:
-    if (cfg.pingpong or cfg.debug
+    if (cfg.pingpong or cfg.debug or cfg.cluster_k > 1
             or split_tiles * cfg.bm * cfg.tile_n(b_layout) * 4 > MAX_PARTIAL_BYTES):
         return 1
-    # cluster split-K: a tile's K is split cluster_k ways inside a cluster, and `splits` ways across clusters
-    return max(1, min(MAX_SPLITS, math.ceil(K / 64) // (MIN_SPLIT_KBLOCKS * cfg.cluster_k)))
+    return max(1, min(MAX_SPLITS, math.ceil(K / 64) // MIN_SPLIT_KBLOCKS))
 
 
 def choose_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, sms: int) -> tuple[int, int]:

@@ -112,7 +112,7 @@ def test_big_square(rng, layout, config):
 RING_SHAPES = [(2100, 4100, 328), (4100, 2100, 520), (300, 7168, 2048)]
 
 
-@pytest.mark.parametrize("config", [4, 5, 29, 31, 40, 41, 42])
+@pytest.mark.parametrize("config", [4, 5, 29, 31, 40, 42])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("M,N,K", RING_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in RING_SHAPES])
 def test_new_configs_many_tiles(rng, M, N, K, layout, config):
@@ -154,27 +154,6 @@ def test_cluster_k_split(rng, M, N, K, layout, out_dt, config):
     run_gemm(rng, M, N, K, layout, out_dt=out_dt, config=config, sample=None if M * N <= 1 << 22 else 256)
 
 
-# cluster split-K with each tile also split across clusters (running sums per 16-row band): many tiles
-# per cluster, both layouts, fp32 out, configs 9 / 36 / 10 (clusters of 2 / 2 / 4)
-CLUSTER_KG_CASES = [(512, 1536, 7168, "nk", "bfloat16", 9, 2), (300, 1000, 4097, "kn", "float32", 9, 3),
-                    (70, 200, 1000, "nk", "bfloat16", 36, 2), (512, 576, 7168, "nk", "bfloat16", 9, 5),
-                    (1000, 4100, 2000, "nk", "bfloat16", 10, 2), (129, 1000, 4097, "kn", "float32", 36, 3)]
-
-
-@pytest.mark.parametrize("M,N,K,layout,out_dt,config,splits", CLUSTER_KG_CASES,
-                         ids=[f"{m}x{n}x{k}-{l}-{o}-c{c}-s{s}" for m, n, k, l, o, c, s in CLUSTER_KG_CASES])
-def test_cluster_k_split_across_clusters(rng, M, N, K, layout, out_dt, config, splits):
-    a, av = rand(rng, (M, K), "bfloat16")
-    b, bv = rand(rng, (K, N) if layout == "kn" else (N, K), "bfloat16")
-    ref = av @ (bv if layout == "kn" else bv.T)
-    for call in range(2):  # the second call (same plan) finds the sums and counters the first left at zero
-        out = poisoned((M, N), out_dt)
-        G.gemm(a, b, out, b_layout=layout, config=config, splits=splits)
-        check(download(out), ref, f"gemm {M}x{N}x{K} {layout} cfg={config} x {splits} call {call}")
-        plan = next(reversed(G._plans.values()))
-        assert (plan.cfg.id, plan.splits) == (config, splits)
-
-
 def test_cluster_k_split_chosen_by_the_heuristic(rng):
     """llama qkv at M=128 (54 tiles of 128x192, two blocks each: one wave): the heuristic's plan is
     config 9, and right."""
@@ -201,7 +180,7 @@ SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K spl
     (129, 1000, 4097, "nk", 19, 3), (300, 520, 2048, "kn", 19, 3), (7, 7, 4000, "nk", 19, 5),
     (200, 264, 1300, "nk", 29, 5), (300, 520, 2048, "kn", 30, 3), (129, 1000, 4097, "nk", 31, 3),
     (7, 7, 4000, "kn", 32, 4), (130, 100, 2000, "nk", 32, 2), (300, 520, 2048, "kn", 40, 3),
-    (400, 1000, 4097, "nk", 40, 2), (300, 1000, 2048, "nk", 41, 3), (129, 700, 4097, "nk", 42, 2),
+    (400, 1000, 4097, "nk", 40, 2), (129, 700, 4097, "nk", 42, 2),
     (300, 520, 2048, "kn", 42, 3),
 ]
 
