@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import _compile_cache
 from mkernel import runtime
 from mkernel import gemm_engine as G
 from mkernel.arrays import DeviceArray
@@ -29,15 +30,26 @@ def test_all_combinations_registered():
     assert got == want
 
 
+def _with_expectations(defines: dict) -> dict:
+    """The specialization's defines plus the host's launch geometry and tile, which static_asserts in
+    mk_gemm_configs.cuh check against the kernel's."""
+    cfg = G.CONFIGS[defines["MK_GEMM_CONFIG"]]
+    return {**defines, "MK_EXPECT_SMEM": cfg.smem, "MK_EXPECT_THREADS": cfg.threads, "MK_EXPECT_BM": cfg.bm,
+            "MK_EXPECT_BN_NK": cfg.tile_n("nk"), "MK_EXPECT_BN_KN": cfg.tile_n("kn")}
+
+
+@pytest.fixture(scope="module")
+def compile_cache(request, tmp_path_factory):
+    specs = _compile_cache.selected(request, "test_compiles_clean")
+    return _compile_cache.fill(tmp_path_factory, [(s, _with_expectations(d)) for s, d in specs], ARCH)
+
+
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
     f"in{d['MK_GEMM_IN']}-out{d['MK_GEMM_OUT']}-cfg{d['MK_GEMM_CONFIG']}" for _, d in SPECS])
-def test_compiles_clean(source, defines, tmp_path, monkeypatch):
-    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
+def test_compiles_clean(source, defines, compile_cache, monkeypatch):
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
     cfg = G.CONFIGS[defines["MK_GEMM_CONFIG"]]
-    # the host's launch geometry and tile are the kernel's: static_asserts in mk_gemm_configs.cuh
-    expect = {"MK_EXPECT_SMEM": cfg.smem, "MK_EXPECT_THREADS": cfg.threads, "MK_EXPECT_BM": cfg.bm,
-              "MK_EXPECT_BN_NK": cfg.tile_n("nk"), "MK_EXPECT_BN_KN": cfg.tile_n("kn")}
-    mod = runtime.compile_module(source, {**defines, **expect}, arch=ARCH)
+    mod = runtime.compile_module(source, _with_expectations(defines), arch=ARCH)
     usage = mod.resource_usage
     for name in GEMM_KERNELS + ("mk_pad_copy_u16", "mk_pad_copy_u32"):
         assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"

@@ -7,6 +7,7 @@ import pkgutil
 
 import pytest
 
+import _compile_cache
 import mkernel
 from mkernel import runtime
 from mkernel.errors import CompileError
@@ -38,10 +39,15 @@ def test_every_kernel_source_is_registered():
     assert not missing, f"kernel sources with no registered specialization: {missing}"
 
 
+@pytest.fixture(scope="module")
+def compile_cache(request, tmp_path_factory):
+    return _compile_cache.fill(tmp_path_factory, _compile_cache.selected(request, "test_compiles_without_spills"), ARCH)
+
+
 @pytest.mark.parametrize("source,defines", COMPILE_SPECS, ids=[f"{s}:{d}" for s, d in COMPILE_SPECS])
-def test_compiles_without_spills(source, defines, tmp_path, monkeypatch):
-    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
-    mod = runtime.compile_module(source, defines, arch=ARCH, use_disk_cache=False)
+def test_compiles_without_spills(source, defines, compile_cache, monkeypatch):
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
+    mod = runtime.compile_module(source, defines, arch=ARCH)
     usage = mod.resource_usage
     assert usage, f"no ptxas report for {source} {defines}:\n{mod.log}"
     for fn, u in usage.items():

@@ -1,0 +1,28 @@
+"""A disk cache of NVRTC compiles shared by one test module's compile tests, filled first by parallel
+worker processes (``runtime.precompile``: one NVRTC compile per core -- NVRTC is single-threaded per
+program), so that each test then reads its cubin and ptxas log from the cache instead of compiling
+serially.  A specialization that fails to compile in the workers is compiled, and reported, by its
+own test."""
+from __future__ import annotations
+
+import pytest
+
+from mkernel import runtime
+
+
+def selected(request, test_name: str) -> list:
+    """The ``(source, defines)`` parameters of the collected (selected) items of ``test_name``."""
+    return [(it.callspec.params["source"], it.callspec.params["defines"]) for it in request.session.items
+            if getattr(it, "originalname", None) == test_name and hasattr(it, "callspec")]
+
+
+def fill(tmp_path_factory, specs, arch: str):
+    """A fresh cache directory holding every ``(source, defines)`` of ``specs`` compiled for ``arch``."""
+    d = tmp_path_factory.mktemp("nvrtc-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MKERNEL_CACHE_DIR", str(d))  # (the spawned workers inherit it)
+        try:
+            runtime.precompile(specs, arch=arch)
+        except Exception:  # noqa: BLE001 -- the failing spec's own test compiles it and reports why
+            pass
+    return d
