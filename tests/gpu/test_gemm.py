@@ -359,6 +359,24 @@ def test_input_views_staged(rng):
     check(download(out), av @ btv.T, "strided views")
 
 
+@pytest.mark.parametrize("M,N,K,layout,pad", [(130, 200, 1001, "nk", 7), (70, 1001, 520, "kn", 7),
+                                                (200, 300, 77, "nk", 3)])
+def test_in_place_operands_with_a_partial_last_16_bytes(rng, M, N, K, layout, pad):
+    """Operands read in place (16-byte aligned base and row stride) whose contiguous extent is not a
+    16-byte multiple, with NaN in the row padding: TMA stores write whole 16-byte pieces of a row (see
+    the masking tests); the loads must still zero-fill past the extent, or NaN reaches the products."""
+    def padded(rows, cols):
+        host = np.full((rows, cols + pad), np.nan, dtype=np.float32)
+        host[:, :cols] = rng.standard_normal((rows, cols), dtype=np.float32)
+        buf, vals = upload(host, "bfloat16")
+        return DeviceArray(buf.ptr, (rows, cols), "bfloat16", (cols + pad, 1), buf.device, buf), vals[:, :cols]
+    a, av = padded(M, K)
+    b, bv = padded(K, N) if layout == "kn" else padded(N, K)
+    out = poisoned((M, N), "float32")
+    G.gemm(a, b, out, b_layout=layout)
+    check(download(out), av @ (bv if layout == "kn" else bv.T), f"in-place partial-16-byte rows {layout}")
+
+
 def test_k_zero_and_empty(rng):
     a, _ = rand(rng, (5, 1), "bfloat16")
     a0 = DeviceArray(a.ptr, (5, 0), "bfloat16", (1, 1), a.device, a)
