@@ -78,25 +78,25 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
 #define MK_WGMMA_R5 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define MK_WGMMA_R6 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
 #define MK_WGMMA_R7 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+// (accumulators OFF + b ..: a wrapper's template parameter, so two narrower wgmmas can fill one wider fragment)
 #define MK_WGMMA_ACC16(b)                                                                     \
-  "+f"(d[b + 0]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), \
-  "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7]), \
-  "+f"(d[b + 8]), "+f"(d[b + 9]), "+f"(d[b + 10]), "+f"(d[b + 11]), \
-  "+f"(d[b + 12]), "+f"(d[b + 13]), "+f"(d[b + 14]), "+f"(d[b + 15])
+  "+f"(d[OFF + b + 0]), "+f"(d[OFF + b + 1]), "+f"(d[OFF + b + 2]), "+f"(d[OFF + b + 3]), \
+  "+f"(d[OFF + b + 4]), "+f"(d[OFF + b + 5]), "+f"(d[OFF + b + 6]), "+f"(d[OFF + b + 7]), \
+  "+f"(d[OFF + b + 8]), "+f"(d[OFF + b + 9]), "+f"(d[OFF + b + 10]), "+f"(d[OFF + b + 11]), \
+  "+f"(d[OFF + b + 12]), "+f"(d[OFF + b + 13]), "+f"(d[OFF + b + 14]), "+f"(d[OFF + b + 15])
 #define MK_WGMMA_REGS_64 MK_WGMMA_R0 "," MK_WGMMA_R1
 #define MK_WGMMA_ACC_64 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16)
 #define MK_WGMMA_R4H "%64, %65, %66, %67, %68, %69, %70, %71"
 #define MK_WGMMA_ACC8(b)                                                                      \
-  "+f"(d[b + 0]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), \
-  "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+  "+f"(d[OFF + b + 0]), "+f"(d[OFF + b + 1]), "+f"(d[OFF + b + 2]), "+f"(d[OFF + b + 3]), \
+  "+f"(d[OFF + b + 4]), "+f"(d[OFF + b + 5]), "+f"(d[OFF + b + 6]), "+f"(d[OFF + b + 7])
 #define MK_WGMMA_R1H "%16, %17, %18, %19, %20, %21, %22, %23"
 #define MK_WGMMA_REGS_48 MK_WGMMA_R0 "," MK_WGMMA_R1H
 #define MK_WGMMA_ACC_48 MK_WGMMA_ACC16(0), MK_WGMMA_ACC8(16)
 #define MK_WGMMA_REGS_144 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4H
 #define MK_WGMMA_ACC_144 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC8(64)
-// n160 writes accumulators OFF .. OFF + 79 of a larger array (two of them make a 320-column fragment)
 #define MK_WGMMA_REGS_160 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4
-#define MK_WGMMA_ACC_160 MK_WGMMA_ACC16(OFF + 0), MK_WGMMA_ACC16(OFF + 16), MK_WGMMA_ACC16(OFF + 32), MK_WGMMA_ACC16(OFF + 48), MK_WGMMA_ACC16(OFF + 64)
+#define MK_WGMMA_ACC_160 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC16(64)
 #define MK_WGMMA_REGS_96 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2
 #define MK_WGMMA_ACC_96 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32)
 #define MK_WGMMA_REGS_128 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3
@@ -107,9 +107,12 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
 #define MK_WGMMA_ACC_224 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC16(64), MK_WGMMA_ACC16(80), MK_WGMMA_ACC16(96)
 #define MK_WGMMA_REGS_256 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4 "," MK_WGMMA_R5 "," MK_WGMMA_R6 "," MK_WGMMA_R7
 #define MK_WGMMA_ACC_256 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC16(64), MK_WGMMA_ACC16(80), MK_WGMMA_ACC16(96), MK_WGMMA_ACC16(112)
-// N, TY (bf16 | f16), R = N / 2 (the descriptors are %R and %R+1, scale_d %R+2, TB %R+3).
+// N, TY (bf16 | f16), R = N / 2 (the descriptors are %R and %R+1, scale_d %R+2, TB %R+3).  The N/2
+// accumulators are d[OFF ..] of a fragment of R registers (OFF = 0, R = N/2: the whole fragment).
 #define MK_WGMMA_DEF(N, TY, DA, DB, SCALE, TBI)                                                                 \
-  template <int TB> MK_DEVICE void mk_wgmma_m64n##N##k16_##TY(float (&d)[N / 2], mk_u64 da, mk_u64 db, int scale_d) { \
+  template <int TB, int OFF = 0, int R>                                                                        \
+  MK_DEVICE void mk_wgmma_m64n##N##k16_##TY(float (&d)[R], mk_u64 da, mk_u64 db, int scale_d) {                \
+    static_assert(OFF >= 0 && OFF + N / 2 <= R, "accumulator range");                                          \
     asm volatile("{\n.reg .pred p;\n"                                                                          \
                  "setp.ne.b32 p, " SCALE ", 0;\n"                                                               \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " "                                \
@@ -127,6 +130,8 @@ MK_WGMMA_DEF(128, bf16, "%64", "%65", "%66", "%67")
 MK_WGMMA_DEF(128, f16, "%64", "%65", "%66", "%67")
 MK_WGMMA_DEF(144, bf16, "%72", "%73", "%74", "%75")
 MK_WGMMA_DEF(144, f16, "%72", "%73", "%74", "%75")
+MK_WGMMA_DEF(160, bf16, "%80", "%81", "%82", "%83")
+MK_WGMMA_DEF(160, f16, "%80", "%81", "%82", "%83")
 MK_WGMMA_DEF(192, bf16, "%96", "%97", "%98", "%99")
 MK_WGMMA_DEF(192, f16, "%96", "%97", "%98", "%99")
 MK_WGMMA_DEF(224, bf16, "%112", "%113", "%114", "%115")
@@ -134,21 +139,6 @@ MK_WGMMA_DEF(224, f16, "%112", "%113", "%114", "%115")
 MK_WGMMA_DEF(256, bf16, "%128", "%129", "%130", "%131")
 MK_WGMMA_DEF(256, f16, "%128", "%129", "%130", "%131")
 #undef MK_WGMMA_DEF
-// m64n160k16 into accumulators OFF .. OFF + 79 of d[R]
-#define MK_WGMMA_DEF_AT(N, TY, DA, DB, SCALE, TBI)                                                              \
-  template <int TB, int OFF, int R>                                                                            \
-  MK_DEVICE void mk_wgmma_m64n##N##k16_##TY##_at(float (&d)[R], mk_u64 da, mk_u64 db, int scale_d) {           \
-    static_assert(OFF + N / 2 <= R, "accumulator range");                                                      \
-    asm volatile("{\n.reg .pred p;\n"                                                                          \
-                 "setp.ne.b32 p, " SCALE ", 0;\n"                                                               \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " "                                \
-                 "{" MK_WGMMA_REGS_##N "}, " DA ", " DB ", p, 1, 1, 0, " TBI ";\n}\n"                              \
-                 : MK_WGMMA_ACC_##N                                                                             \
-                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));                                                    \
-  }
-MK_WGMMA_DEF_AT(160, bf16, "%80", "%81", "%82", "%83")
-MK_WGMMA_DEF_AT(160, f16, "%80", "%81", "%82", "%83")
-#undef MK_WGMMA_DEF_AT
 #undef MK_WGMMA_REGS_160
 #undef MK_WGMMA_ACC_160
 #undef MK_WGMMA_ACC16
@@ -211,8 +201,8 @@ MK_WGMMA_DISPATCH(224, MK_DTYPE_F16, mk_wgmma_m64n224k16_f16)
 #define MK_WGMMA_DISPATCH_320(DT_, TY)                                                                     \
   template <> struct MkWgmma<320, DT_, 0> {                                                                \
     static MK_DEVICE void mma(float (&d)[160], mk_u64 da, mk_u64 db, int scale_d) {                        \
-      mk_wgmma_m64n160k16_##TY##_at<0, 0>(d, da, db, scale_d);                                             \
-      mk_wgmma_m64n160k16_##TY##_at<0, 80>(d, da, db + (160 * 128 >> 4), scale_d);                          \
+      mk_wgmma_m64n160k16_##TY<0, 0>(d, da, db, scale_d);                                                  \
+      mk_wgmma_m64n160k16_##TY<0, 80>(d, da, db + (160 * 128 >> 4), scale_d);                               \
     }                                                                                                      \
   };
 MK_WGMMA_DISPATCH_320(MK_DTYPE_BF16, bf16)
