@@ -34,6 +34,17 @@ def download(a: DeviceArray) -> np.ndarray:
     return h.astype(np.float64)
 
 
+def corner(buf: DeviceArray, rows: int, cols: int) -> DeviceArray:
+    """The ``[rows, cols]`` top-left view of a 2-D buffer (its row stride: padded rows)."""
+    return DeviceArray(buf.ptr, (rows, cols), buf.dtype.name, (buf.shape[1], 1), buf.device, buf)
+
+
+def written_outside(h: np.ndarray, rows: int, cols: int) -> bool:
+    """Whether a NaN-poisoned buffer's host copy ``h`` holds anything but NaN outside its ``[:rows, :cols]``
+    corner (the row padding and the rows below)."""
+    return not (np.isnan(h[:, cols:]).all() and np.isnan(h[rows:]).all())
+
+
 def rel_fro(got: np.ndarray, ref: np.ndarray) -> float:
     """Relative Frobenius error ||got - ref|| / ||ref||; NaN (an unwritten element) fails at once."""
     assert not np.isnan(got).any(), f"NaN in output at {np.argwhere(np.isnan(got))[:5].tolist()}"
