@@ -40,8 +40,10 @@ def _with_expectations(defines: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def compile_cache(request, tmp_path_factory):
-    specs = _compile_cache.selected(request, "test_compiles_clean")
-    return _compile_cache.fill(tmp_path_factory, [(s, _with_expectations(d)) for s, d in specs], ARCH)
+    """The selected gemm.cu (with the host's expectations) and gemv.cu specializations, compiled in parallel."""
+    specs = [(s, _with_expectations(d)) for s, d in _compile_cache.selected(request, "test_compiles_clean")]
+    specs += _compile_cache.selected(request, "test_gemv_compiles_clean")
+    return _compile_cache.fill(tmp_path_factory, specs, ARCH)
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
@@ -633,11 +635,11 @@ def test_gemv_all_combinations_registered():
 
 @pytest.mark.parametrize("source,defines", GEMV_SPECS, ids=[
     f"in{d['MK_GEMM_IN']}-out{d['MK_GEMM_OUT']}-nt{d['MK_GEMV_NT']}" for _, d in GEMV_SPECS])
-def test_gemv_compiles_clean(source, defines, tmp_path, monkeypatch):
+def test_gemv_compiles_clean(source, defines, compile_cache, monkeypatch):
     """No spills, no stack, registers within the budget of MK_GEMV_MINB blocks of 256 threads per SM
     (64 K registers an SM: <= 128 a thread for two blocks), no warnings."""
-    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
-    mod = runtime.compile_module(source, defines, arch=ARCH, use_disk_cache=False)
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
+    mod = runtime.compile_module(source, defines, arch=ARCH)
     u = mod.resource_usage["mk_gemv_nk"]
     assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 and u.get("stack", 0) == 0, u
     assert u["registers"] * GV.THREADS * defines["MK_GEMV_MINB"] <= 65536, u
