@@ -44,18 +44,9 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   } else if constexpr (GROUPED) {
     // a tile ending inside a group must not write the next group's rows: clip_rows = 0
     MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);
-    if constexpr (Cfg::SWAP) {
-      MkEpilogueStoreSwapped<MkOut> se{epi};
-      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), se, mk_smem, blockIdx.x, gridDim.x);
-    } else {
-      mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 0, mk_smem, blockIdx.x, gridDim.x);
-    }
+    mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 0, mk_smem, blockIdx.x, gridDim.x);
   } else {
-    if constexpr (Cfg::SWAP) {  // swapped operands: transposed register epilogue, no split-K (the host never splits)
-      MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
-      MkEpilogueStoreSwapped<MkOut> se{epi};
-      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), se, mk_smem, blockIdx.x, gridDim.x);
-    } else if constexpr (Cfg::PINGPONG) {  // (no split-K: the ping-pong loop's ring positions assume whole tiles)
+    if constexpr (Cfg::PINGPONG) {  // (no split-K: the ping-pong loop's ring positions assume whole tiles)
       MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
       mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 1, mk_smem, blockIdx.x, gridDim.x);
     } else if constexpr (Cfg::CLUSTER_K > 1) {  // split-K inside clusters, partials added through DSMEM

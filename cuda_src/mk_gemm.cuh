@@ -83,28 +83,17 @@
 // CLUSTER_K_ = 2 or 4: split-K inside a cluster -- the CLUSTER_K blocks of a cluster compute the same
 // tile over K ranges of their own and add their fp32 partials through distributed shared memory
 // (MkClusterKScheduler, MkClusterKEpilogue: no global memory, no atomics); register epilogue only.
-// SWAP_BM_ > 0: **swapped operands** -- the tile is SWAP_BM_ rows x BN_ = 64 NC columns, and consumer
-// warpgroup w computes its 64-column slab transposed: wgmma's A operand is B's 64-column slab w (an
-// "nk" tile's 64 rows, K-major; a "kn" tile's chunk w, MN-major: tnspA), its B operand the whole A tile
-// (K-major), so the accumulator is C^T (fragment row r = tile column 64 w + r, fragment column c = tile
-// row c) and the tile may be any wgmma N tall (up to 256; 288 as two n144).  Epilogue: MkEpilogueStoreSwapped
-// (registers); no split-K, clusters or staging (gemm.cu).
 template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false,
-          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1, int CLUSTER_K_ = 1, int CLUSTER_M_ = 1, int WG_N_ = 1,
-          int SWAP_BM_ = 0>
+          int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1, int CLUSTER_K_ = 1, int CLUSTER_M_ = 1, int WG_N_ = 1>
 struct MkGemmConfig {
   static constexpr int NC = NC_;
   static constexpr bool PINGPONG = PINGPONG_;
-  static constexpr bool SWAP = SWAP_BM_ > 0;
   // Consumer warpgroups side by side along N: 1 (each owns a 64-row slab of the tile) or 2 (NC = 2, BM =
   // 64: both multiply the same A slab, each into its own WN-column part of the tile).
   static constexpr int WG_N = WG_N_;
-  static constexpr int BM = SWAP_BM_ > 0 ? SWAP_BM_ : PINGPONG_ ? 64 : 64 * NC_ / WG_N_;
+  static constexpr int BM = PINGPONG_ ? 64 : 64 * NC_ / WG_N_;
   static constexpr int BN = BN_;
-  // a consumer warpgroup's accumulator: 64 x WN (its wgmma N); swapped: 64 tile columns x BM tile rows
-  static constexpr int WN = SWAP_BM_ > 0 ? SWAP_BM_ : BN_ / WG_N_;
-  // A tiles taller than a TMA box (256 rows: swapped configs) load as two boxes of BM / 2 rows
-  static constexpr int A_BOXES = SWAP_BM_ > 256 ? 2 : 1;
+  static constexpr int WN = BN_ / WG_N_;  // columns of one consumer warpgroup's accumulator (its wgmma N)
   static constexpr int BK = 64;  // 64 16-bit elements = one 128-byte swizzle row
   static constexpr int STAGES = STAGES_;
   static constexpr bool PIPELINED = PIPELINED_;
@@ -168,10 +157,6 @@ struct MkGemmConfig {
   static_assert(BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256 ||
                     BN_ == 320,
                 "BN must be 64, 96, 128, 144, 192, 224, 256 or 320");
-  static_assert(SWAP_BM_ == 0 || (BN_ == 64 * NC_ && !PINGPONG_ && WG_N_ == 1 && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 &&
-                                   CLUSTER_M_ == 1 && STAGING_BOXES_ == 0 && SWAP_BM_ % 16 == 0 &&
-                                   (SWAP_BM_ <= 256 || SWAP_BM_ == 288)),
-                "swapped operands: one 64-column slab per warpgroup, plain tiles, register epilogue");
   static_assert(BN_ <= 256 || (!B_KN_ && WG_N_ == 1 && CLUSTER_M_ == 1 && CLUSTER_K_ == 1),
                 "320-column tiles: B \"nk\" (two 160-row TMA boxes, two n160 wgmmas), one slab per warpgroup");
   static_assert(BN_ != 96 || WG_N_ == 2 || CLUSTER_K_ > 1, "96-column tiles: two warpgroups of 48 columns, or cluster split-K");
@@ -453,28 +438,6 @@ template <typename OutT> struct MkEpilogueStore {
   MK_DEVICE void tile_done(const MkTile&) {}
 };
 
-// The register epilogue of swapped-operand configs (Cfg::SWAP): warpgroup `slab`'s accumulator is the
-// transpose of tile columns 64 * slab .. 64 * slab + 63 over the tile's WN rows -- fragment element (r, c)
-// is C[t.row0 + c][t.col0 + 64 * slab + r] -- stored element by element, masked to the tile.
-template <typename OutT> struct MkEpilogueStoreSwapped {
-  MkEpilogueStore<OutT> direct;
-  static constexpr bool kTileDone = false;
-  static constexpr bool kDrain = false;
-  MK_DEVICE void drain() const {}
-  MK_DEVICE void tile_done(const MkTile&) {}
-  template <int WN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[WN / 2]) {
-    OutT* const cbase = direct.c + (long long)t.row0 * direct.ldc + t.col0 + 64 * slab;
-    const int cols = t.cols - 64 * slab;
-    if (cols <= 0) return;  // the slab lies right of N (uniform per warpgroup)
-    mk_wgmma_frag_for_each<WN>(acc, [&](int r, int row, float v0, float v1) {
-      if (r < cols) {
-        if (row < t.rows) cbase[(long long)row * direct.ldc + r] = mk_from_f32<OutT>(v0);
-        if (row + 1 < t.rows) cbase[(long long)(row + 1) * direct.ldc + r] = mk_from_f32<OutT>(v1);
-      }
-    });
-  }
-};
-
 // Store through shared memory and TMA (Cfg::TMA_STORE).  A box is 64 rows x 128 bytes of C (64 16-bit
 // or 32 fp32 columns: BOXC), 128B-swizzled exactly as the C tensor map ({N, M}, box {BOXC, 64}) lays
 // it out.  Per tile, each consumer warpgroup writes its 64-row slab in rounds of SB boxes: the thread
@@ -606,11 +569,7 @@ MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
     const mk_u32 r = mk_cluster_ctarank();
     mk_tma_load_2d_multicast(sm.a(stage) + r * 64 * 128, tmA, sm.full(stage), k0, a_row + 64 * (int)r, 0x3);
   } else {
-#pragma unroll
-    for (int h = 0; h < Cfg::A_BOXES; ++h) {
-      constexpr int ROWS = Cfg::BM / Cfg::A_BOXES;
-      mk_tma_load_2d(sm.a(stage) + h * ROWS * 128, tmA, sm.full(stage), k0, a_row + h * ROWS);
-    }
+    mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
   }
 }
 
@@ -682,19 +641,15 @@ template <class Cfg> MK_DEVICE mk_u64 mk_gemm_b_desc(mk_u32 b_addr) {
 // and slice k is k steps further (MK_WGMMA_K16_STEP_*): only adds, so a warp-uniform descriptor stays
 // in uniform registers and the batch issues back to back.  accumulate = false: the first K block
 // overwrites acc.
-// Swapped configs (Cfg::SWAP): `da` describes the warpgroup's B slab (MN-major with "kn": tnspA) and `db`
-// the A tile (K-major).
 template <class Cfg>
 MK_DEVICE void mk_gemm_mma_kblock(float (&acc)[Cfg::WN / 2], mk_u64 da, mk_u64 db, bool accumulate) {
-  constexpr bool MN_A = Cfg::SWAP && Cfg::B_KN, MN_B = !Cfg::SWAP && Cfg::B_KN;
-  constexpr mk_u64 kStepA = MN_A ? MK_WGMMA_K16_STEP_MNMAJOR : MK_WGMMA_K16_STEP_KMAJOR;
-  constexpr mk_u64 kStepB = MN_B ? MK_WGMMA_K16_STEP_MNMAJOR : MK_WGMMA_K16_STEP_KMAJOR;
+  constexpr mk_u64 kStepB = Cfg::B_KN ? MK_WGMMA_K16_STEP_MNMAJOR : MK_WGMMA_K16_STEP_KMAJOR;
   mk_wgmma_fence_regs(acc);
   mk_wgmma_fence();
 #pragma unroll
   for (int k = 0; k < Cfg::BK / 16; ++k) {
-    MkWgmma<Cfg::WN, Cfg::DT, MN_B ? 1 : 0, MN_A ? 1 : 0>::mma(acc, da + kStepA * (mk_u64)k, db + kStepB * (mk_u64)k,
-                                                               (accumulate || k > 0) ? 1 : 0);
+    MkWgmma<Cfg::WN, Cfg::DT, Cfg::B_KN ? 1 : 0>::mma(acc, da + MK_WGMMA_K16_STEP_KMAJOR * (mk_u64)k,
+                                                      db + kStepB * (mk_u64)k, (accumulate || k > 0) ? 1 : 0);
   }
   mk_wgmma_commit();
 }
@@ -983,12 +938,9 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   // one 64-row slab by B's WN-column part wg (nk: WN rows of 128 bytes; kn: WN / 64 chunks)
   const int slab = Cfg::WG_N == 1 ? wg : 0;
   const int part = Cfg::WG_N == 1 ? 0 : wg;
-  // descriptors of k16 slice 0 of ring slot 0; slot s is STAGE_BYTES / 16 further (swapped: the wgmma's A
-  // operand is B's 64-column slab wg, its B operand the whole A tile)
-  const mk_u64 da0 = Cfg::SWAP ? mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)) + Cfg::b_col_bytes(64 * wg))
-                               : mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(0)) + slab * 64 * 128, 0);
-  const mk_u64 db0 = Cfg::SWAP ? mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(0)), 0)
-                               : mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)) + part * Cfg::b_col_bytes(Cfg::WN));
+  // descriptors of k16 slice 0 of ring slot 0; slot s is STAGE_BYTES / 16 further
+  const mk_u64 da0 = mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(0)) + slab * 64 * 128, 0);
+  const mk_u64 db0 = mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)) + part * Cfg::b_col_bytes(Cfg::WN));
   // hooks that never wait never abort: no abort flag to read in the main loop
   constexpr bool kMayAbort = !MkHookPrefill<Hook>::value;
   float acc[Cfg::WN / 2];
@@ -1057,8 +1009,8 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     if (aborted) break;
     // a pair's half below M (along M) or right of N (along N): nothing to store
     if (Cfg::SHARING > 1 && (Cfg::CLUSTER_M > 1 ? t.rows : t.cols) <= 0) continue;
-    if constexpr (Cfg::WG_N == 1) {  // (WN = BN; swapped configs: WN = BM, the epilogue transposes)
-      epi.template store<Cfg::WN>(t, slab, acc);
+    if constexpr (Cfg::WG_N == 1) {
+      epi.template store<Cfg::BN>(t, slab, acc);
     } else {
       // warpgroup wg's WN-column part, presented as slab wg of a tile that starts 64 * wg rows higher
       // (so the epilogue's rows 64 * slab + r are the tile's rows r, and its staging / barrier are wg's)

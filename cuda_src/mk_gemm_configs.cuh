@@ -70,7 +70,6 @@ template <bool KN> struct MkCfgSel<32, KN> { typedef MkGemmConfig<2, KN ? 128 : 
 template <bool KN> struct MkCfgSel<36, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 6, true, MK_GEMM_IN, KN, false, 0, 1, 2> T; };
 template <bool KN> struct MkCfgSel<40, KN> { typedef MkGemmConfig<3, 192, 4, true, MK_GEMM_IN, KN, false, 1> T; };
 template <bool KN> struct MkCfgSel<42, KN> { typedef MkGemmConfig<2, KN ? 256 : 320, 3, true, MK_GEMM_IN, KN, false, 2> T; };
-template <bool KN> struct MkCfgSel<44, KN> { typedef MkGemmConfig<2, 128, 4, true, MK_GEMM_IN, KN, false, 0, 1, 1, 1, 1, 288> T; };
 template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 // (config 42's "kn" tile, config 3's, needs less shared memory than its 320-column "nk" one: launched with the latter)
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES >= MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&

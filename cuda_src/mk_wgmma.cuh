@@ -108,21 +108,17 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
 #define MK_WGMMA_REGS_256 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4 "," MK_WGMMA_R5 "," MK_WGMMA_R6 "," MK_WGMMA_R7
 #define MK_WGMMA_ACC_256 MK_WGMMA_ACC16(0), MK_WGMMA_ACC16(16), MK_WGMMA_ACC16(32), MK_WGMMA_ACC16(48), MK_WGMMA_ACC16(64), MK_WGMMA_ACC16(80), MK_WGMMA_ACC16(96), MK_WGMMA_ACC16(112)
 // N, TY (bf16 | f16), R = N / 2 (the descriptors are %R and %R+1, scale_d %R+2, TB %R+3).  The N/2
-// accumulators are d[OFF ..] of a fragment of R registers (OFF = 0, R = N/2: the whole fragment).  TA = 1:
-// the A operand is MN-major (the swapped-operand configs' "kn" B tile as A).
-#define MK_WGMMA_ASM(N, TY, DA, DB, SCALE, TBI, TAV)                                                            \
+// accumulators are d[OFF ..] of a fragment of R registers (OFF = 0, R = N/2: the whole fragment).
+#define MK_WGMMA_DEF(N, TY, DA, DB, SCALE, TBI)                                                                 \
+  template <int TB, int OFF = 0, int R>                                                                        \
+  MK_DEVICE void mk_wgmma_m64n##N##k16_##TY(float (&d)[R], mk_u64 da, mk_u64 db, int scale_d) {                \
+    static_assert(OFF >= 0 && OFF + N / 2 <= R, "accumulator range");                                          \
     asm volatile("{\n.reg .pred p;\n"                                                                          \
                  "setp.ne.b32 p, " SCALE ", 0;\n"                                                               \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " "                                \
-                 "{" MK_WGMMA_REGS_##N "}, " DA ", " DB ", p, 1, 1, " #TAV ", " TBI ";\n}\n"                       \
+                 "{" MK_WGMMA_REGS_##N "}, " DA ", " DB ", p, 1, 1, 0, " TBI ";\n}\n"                              \
                  : MK_WGMMA_ACC_##N                                                                             \
-                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB))
-#define MK_WGMMA_DEF(N, TY, DA, DB, SCALE, TBI)                                                                 \
-  template <int TB, int OFF = 0, int TA = 0, int R>                                                            \
-  MK_DEVICE void mk_wgmma_m64n##N##k16_##TY(float (&d)[R], mk_u64 da, mk_u64 db, int scale_d) {                \
-    static_assert(OFF >= 0 && OFF + N / 2 <= R, "accumulator range");                                          \
-    if constexpr (TA) MK_WGMMA_ASM(N, TY, DA, DB, SCALE, TBI, 1);                                              \
-    else MK_WGMMA_ASM(N, TY, DA, DB, SCALE, TBI, 0);                                                           \
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TB));                                                    \
   }
 MK_WGMMA_DEF(48, bf16, "%24", "%25", "%26", "%27")
 MK_WGMMA_DEF(48, f16, "%24", "%25", "%26", "%27")
@@ -143,7 +139,6 @@ MK_WGMMA_DEF(224, f16, "%112", "%113", "%114", "%115")
 MK_WGMMA_DEF(256, bf16, "%128", "%129", "%130", "%131")
 MK_WGMMA_DEF(256, f16, "%128", "%129", "%130", "%131")
 #undef MK_WGMMA_DEF
-#undef MK_WGMMA_ASM
 #undef MK_WGMMA_REGS_160
 #undef MK_WGMMA_ACC_160
 #undef MK_WGMMA_ACC16
@@ -176,11 +171,11 @@ MK_WGMMA_DEF(256, f16, "%128", "%129", "%130", "%131")
 #undef MK_WGMMA_ACC_256
 
 // Dispatch on (N, input dtype code).
-template <int N, int DT, int TB, int TA = 0> struct MkWgmma;  // TB / TA: B / A MN-major
+template <int N, int DT, int TB> struct MkWgmma;
 #define MK_WGMMA_DISPATCH(N_, DT_, NAME_)                                                                   \
-  template <int TB, int TA> struct MkWgmma<N_, DT_, TB, TA> {                                              \
+  template <int TB> struct MkWgmma<N_, DT_, TB> {                                                          \
     static MK_DEVICE void mma(float (&d)[N_ / 2], mk_u64 da, mk_u64 db, int scale_d) {                    \
-      NAME_<TB, 0, TA>(d, da, db, scale_d);                                                                \
+      NAME_<TB>(d, da, db, scale_d);                                                                       \
     }                                                                                                      \
   };
 MK_WGMMA_DISPATCH(48, MK_DTYPE_BF16, mk_wgmma_m64n48k16_bf16)
@@ -200,22 +195,19 @@ MK_WGMMA_DISPATCH(224, MK_DTYPE_BF16, mk_wgmma_m64n224k16_bf16)
 MK_WGMMA_DISPATCH(192, MK_DTYPE_F16, mk_wgmma_m64n192k16_f16)
 MK_WGMMA_DISPATCH(224, MK_DTYPE_F16, mk_wgmma_m64n224k16_f16)
 #undef MK_WGMMA_DISPATCH
-// N = 2H (K-major B only): two m64nHk16 on B rows 0..H-1 and H..2H-1 (H rows of 128 bytes further: a
-// whole number of 1024-byte swizzle atoms for H = 160, 144); their fragments side by side are the n2H
-// layout (element pair j at column 8j + c0).  320 = 2 x 160 (config 42), 288 = 2 x 144 (the swapped-
-// operand config 44, whose "B" operand is the A tile: K-major always).
-#define MK_WGMMA_DISPATCH_2X(N_, H_, DT_, TY)                                                              \
-  template <int TA> struct MkWgmma<N_, DT_, 0, TA> {                                                       \
-    static MK_DEVICE void mma(float (&d)[N_ / 2], mk_u64 da, mk_u64 db, int scale_d) {                    \
-      mk_wgmma_m64n##H_##k16_##TY<0, 0, TA>(d, da, db, scale_d);                                           \
-      mk_wgmma_m64n##H_##k16_##TY<0, H_ / 2, TA>(d, da, db + (H_ * 128 >> 4), scale_d);                    \
+// N = 320 (K-major B only): two m64n160k16 on B rows 0..159 and 160..319 (160 rows of 128 bytes = 20 KiB
+// further, a whole number of 1024-byte swizzle atoms); their fragments side by side are the n320 layout
+// (element pair j at column 8j + c0).
+#define MK_WGMMA_DISPATCH_320(DT_, TY)                                                                     \
+  template <> struct MkWgmma<320, DT_, 0> {                                                                \
+    static MK_DEVICE void mma(float (&d)[160], mk_u64 da, mk_u64 db, int scale_d) {                        \
+      mk_wgmma_m64n160k16_##TY<0, 0>(d, da, db, scale_d);                                                  \
+      mk_wgmma_m64n160k16_##TY<0, 80>(d, da, db + (160 * 128 >> 4), scale_d);                               \
     }                                                                                                      \
   };
-MK_WGMMA_DISPATCH_2X(320, 160, MK_DTYPE_BF16, bf16)
-MK_WGMMA_DISPATCH_2X(320, 160, MK_DTYPE_F16, f16)
-MK_WGMMA_DISPATCH_2X(288, 144, MK_DTYPE_BF16, bf16)
-MK_WGMMA_DISPATCH_2X(288, 144, MK_DTYPE_F16, f16)
-#undef MK_WGMMA_DISPATCH_2X
+MK_WGMMA_DISPATCH_320(MK_DTYPE_BF16, bf16)
+MK_WGMMA_DISPATCH_320(MK_DTYPE_F16, f16)
+#undef MK_WGMMA_DISPATCH_320
 
 // Visit this thread's part of a 64xN fp32 accumulator fragment: f(row, col, v_col, v_col+1) with
 // row in [0, 64), col even in [0, N), relative to the warpgroup's 64-row slab.

@@ -91,9 +91,6 @@ class TileConfig:
     cluster_k: int = 1
     # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterPairScheduler<..., true>)
     cluster_m: int = 1
-    # swapped operands (MkGemmConfig's SWAP_BM): bm-row tiles computed transposed, one 64-column slab of
-    # bn per consumer warpgroup; register epilogue, no split-K
-    swap: bool = False
 
     @property
     def cluster(self) -> int:
@@ -104,13 +101,6 @@ class TileConfig:
     def pairs(self) -> int:
         """Blocks that share ring slots through multicast loads (clusters along N or M; 1: none)."""
         return self.cluster_n * self.cluster_m
-
-    @property
-    def a_box_rows(self) -> int:
-        """Rows of the A tensor-map box: the tile's (one 64-row slab with clusters along N: each block of a
-        pair loads one), half of it past TMA's 256-row box limit (MkGemmConfig::A_BOXES)."""
-        rows = self.bm // self.cluster_n
-        return rows // 2 if rows > 256 else rows
 
     @property
     def b_box_rows(self) -> int:
@@ -240,8 +230,6 @@ CONFIGS = {
     # on N = 7168 (dsv3.o M=2048 733 vs 692).  Efficiency 0.94: the pick at qkv M=512 and nowhere else on
     # the bench's shapes.
     42: TileConfig(42, 128, 320, 3, 2, 0.94, bn_kn=256, staging_boxes=2),
-    # (experiment, not GPU-run) swapped operands: 288 x 128 tiles, cuBLAS's 128x288_64x4 on 3085x1512x4120
-    44: TileConfig(44, 288, 128, 4, 2, 0.60, swap=True),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
@@ -661,7 +649,7 @@ def _a_operand(A: DeviceArray, rows: int, K: int, cfg: TileConfig, in_dtype: str
     sa = A.strides
     op = _tma_operand(A, 1, rows, K, 0, sa[0], sa[1])
     # with clusters along N each block loads (and multicasts) one 64-row slab of the A tile
-    tma = encode_tiled(op.ptr, in_dtype, op.dims[:2], op.strides[:1], (64, cfg.a_box_rows))
+    tma = encode_tiled(op.ptr, in_dtype, op.dims[:2], op.strides[:1], (64, cfg.bm // cfg.cluster_n))
     return tma, *_staging(op, in_dtype, out_dtype, device)
 
 
@@ -831,7 +819,7 @@ def max_splits(cfg: TileConfig, M: int, N: int, K: int, b_layout: str, split_til
 
 
 def _max_splits(cfg: TileConfig, split_tiles: int, K: int, b_layout: str) -> int:
-    if (cfg.pingpong or cfg.debug or cfg.cluster_k > 1 or cfg.swap
+    if (cfg.pingpong or cfg.debug or cfg.cluster_k > 1
             or split_tiles * cfg.bm * cfg.tile_n(b_layout) * 4 > MAX_PARTIAL_BYTES):
         return 1
     return max(1, min(MAX_SPLITS, math.ceil(K / 64) // MIN_SPLIT_KBLOCKS))
