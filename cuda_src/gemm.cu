@@ -10,7 +10,7 @@
 //   mk_pad_copy_u16 / mk_pad_copy_u32        dense zero-padded staging copy (see below)
 #include "mk_gemm_configs.cuh"
 
-// Passed by value; mirrored by mkernel/gemm_engine.py:_GemmArgs (same order, natural alignment, 88 bytes).
+// Passed by value; mirrored by mkernel/gemm_engine.py:_GemmArgs (same order, natural alignment, 80 bytes).
 struct MkGemmArgs {
   void* c;                    // output, row-major, row stride ldc elements
   const void* group_offsets;  // grouped: G+1 row offsets (int64, or int32 if offsets_i32)
@@ -27,19 +27,7 @@ struct MkGemmArgs {
   int* counters;    // split-K: [split tiles], zero before the first call (the kernel leaves them zero)
   int splits;       // plain GEMM: K splits per split tile (1: none; cooperative configs only)
   int split_from;   // split-K: tiles (rasterized order) before this one are not split
-  int stream_k;     // 1: the tiles from split_from on are split stream-K (MkLinearScheduler; splits unused)
 };
-
-// The plain GEMM's scheduler: stream-K (MkLinearScheduler only: clusters never take it) or split-K.
-template <class S> struct MkIsLinearScheduler { static constexpr bool value = false; };
-template <int BM, int BN> struct MkIsLinearScheduler<MkLinearScheduler<BM, BN>> { static constexpr bool value = true; };
-template <class Sched> MK_DEVICE Sched mk_plain_scheduler(const MkGemmArgs& args, int nkb) {
-  if constexpr (MkIsLinearScheduler<Sched>::value) {
-    return Sched(args.M, args.N, args.group_m, args.splits, args.split_from, args.stream_k ? nkb : 0);
-  } else {
-    return Sched(args.M, args.N, args.group_m, args.splits, args.split_from);
-  }
-}
 
 // tmC: {N, M} over C (used by configurations with TMA-store staging when args.c_tma).
 template <bool KN, bool GROUPED>
@@ -68,7 +56,7 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
     } else {
       typedef typename MkPick<Cfg::SHARING == 2, MkClusterPairScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_M == 2>,
                               MkLinearScheduler<Cfg::BM, Cfg::BN>>::T Sched;
-      Sched sched = mk_plain_scheduler<Sched>(args, (args.K + 63) / 64);
+      Sched sched(args.M, args.N, args.group_m, args.splits, args.split_from);
       mk_with_store_epilogue<Cfg>(epi, tmC, args.c_tma, 1, mk_smem, [&](auto& inner) {
         auto sk = mk_split_k_epilogue<Cfg::NC>(inner, args.partials, args.counters);
         return mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), sk, mk_smem, blockIdx.x, gridDim.x);

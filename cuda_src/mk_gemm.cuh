@@ -193,17 +193,10 @@ struct MkTile {
   int split = 0;   // split-K: this unit reduces K blocks [split*nkb/splits, (split+1)*nkb/splits)
   int splits = 1;  // (cooperative tile loop only; schedulers that never split leave the defaults)
   int slot = 0;    // split-K: the tile's index among the split tiles (its running sum and counter)
-  int kb_lo = 0;   // stream-K: this unit reduces K blocks [kb_lo, kb_hi) and is one of `splits` units
-  int kb_hi = -1;  // of its tile (kb_hi < 0: the range follows from split / splits)
 };
 
 // The K blocks [lo, hi) of tile t's unit, of nkb in all.
 MK_DEVICE void mk_tile_kblocks(const MkTile& t, int nkb, int& lo, int& hi) {
-  if (t.kb_hi >= 0) {
-    lo = t.kb_lo;
-    hi = t.kb_hi;
-    return;
-  }
   lo = t.splits > 1 ? t.split * nkb / t.splits : 0;
   hi = t.splits > 1 ? (t.split + 1) * nkb / t.splits : nkb;
 }
@@ -243,69 +236,29 @@ MK_DEVICE int mk_split_unit(int i, int splits, int split_from, MkTile& t) {
 // with fewer tiles than SMs; split_from = a multiple of the worker count: whole waves of whole tiles,
 // then the last, partial wave's tiles split so that it takes a fraction of a tile's time).  Split tiles
 // need an epilogue that combines their units (MkSplitKEpilogue).
-//
-// Stream-K (sk_nkb = the K blocks of a tile, > 0; `splits` unused): after its whole tiles, worker w of
-// W takes the K blocks [w*T/W, (w+1)*T/W) of the T = (tiles - split_from) * sk_nkb K blocks of the
-// later tiles, laid end to end in rasterized order, as one unit per tile its range touches (MkTile
-// kb_lo / kb_hi; splits = the workers that touch that tile, slot = its index among the later tiles).
-// Every worker's range must be non-empty (T >= W: the host sizes the grid so).
 template <int BM, int BN> struct MkLinearScheduler {
   int M, N, num_m, num_n, group_m, total, splits, split_from;
   int next_i, step;
-  int sk_nkb;                          // stream-K: K blocks per tile (0: off)
-  long long sk_total, sk_cur, sk_end;  // stream-K: T, this worker's cursor and range end
-  int sk_workers;
-  MK_DEVICE MkLinearScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0, int sk_nkb_ = 0)
-      : M(M_), N(N_), group_m(group_m_ > 0 ? group_m_ : 1), splits(splits_ > 1 ? splits_ : 1),
-        sk_nkb(sk_nkb_ > 0 ? sk_nkb_ : 0) {
+  MK_DEVICE MkLinearScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
+      : M(M_), N(N_), group_m(group_m_ > 0 ? group_m_ : 1), splits(splits_ > 1 ? splits_ : 1) {
     num_m = (M + BM - 1) / BM;
     num_n = (N + BN - 1) / BN;
     const int tiles = num_m * num_n;
-    if (sk_nkb > 0) {
-      splits = 1;
-      split_from = min(max(split_from_, 0), tiles);
-      total = split_from;  // whole tiles; the rest as stream-K ranges
-      sk_total = (long long)(tiles - split_from) * sk_nkb;
-    } else {
-      split_from = splits > 1 ? min(max(split_from_, 0), tiles) : tiles;
-      total = split_from + (tiles - split_from) * splits;
-      sk_total = 0;
-    }
+    split_from = splits > 1 ? min(max(split_from_, 0), tiles) : tiles;
+    total = split_from + (tiles - split_from) * splits;
     next_i = 0;
     step = 1;
-    sk_cur = sk_end = 0;
-    sk_workers = 1;
   }
   MK_DEVICE void init(int worker_id, int num_workers) {
     next_i = worker_id;
     step = num_workers;
-    sk_workers = num_workers;
-    sk_cur = sk_total * worker_id / num_workers;
-    sk_end = sk_total * (worker_id + 1) / num_workers;
   }
-  // The worker whose stream-K range holds K block x (of the T laid end to end).
-  MK_DEVICE int sk_owner(long long x) const { return (int)(((x + 1) * sk_workers + sk_total - 1) / sk_total) - 1; }
   MK_DEVICE bool next(MkTile& t) {
-    int i;
-    if (next_i < total) {
-      i = mk_split_unit(next_i, splits, split_from, t);
-      t.kb_hi = -1;
-      next_i += step;
-    } else if (sk_cur < sk_end) {
-      const int j = (int)(sk_cur / sk_nkb);  // among the stream-K tiles
-      const long long first = (long long)j * sk_nkb;
-      t.kb_lo = (int)(sk_cur - first);
-      t.kb_hi = (int)min((long long)sk_nkb, sk_end - first);
-      t.split = t.kb_lo;
-      t.splits = sk_owner(first + sk_nkb - 1) - sk_owner(first) + 1;
-      t.slot = j;
-      sk_cur = first + t.kb_hi;
-      i = split_from + j;
-    } else {
-      return false;
-    }
+    if (next_i >= total) return false;
+    const int i = mk_split_unit(next_i, splits, split_from, t);
     int tm, tn;
     mk_raster(i, num_m, num_n, group_m, tm, tn);
+    next_i += step;
     t.group = 0;
     t.tile_m = tm;
     t.tile_n = tn;

@@ -536,18 +536,12 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     g_blocks = max(1, min(g_want, -(-m_max // cr)))
     t_ag = (_comm_time(m_sizes, row_bytes, g_blocks, cr, gathered, model) + 2 * model.launch_latency
             if P > 1 else (M * row_bytes / model.hbm_copy_bw if gathered else 0.0))
-    # mkernel.gemm's own plan for the gathered problem (any config, split-K or stream-K)
+    # mkernel.gemm's own plan for the gathered problem (any config, split-K)
     cfg_u, sp_u, sf_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), b_layout, sms)
-    tiles_u = G._tiles(cfg_u, M, N, b_layout)
-    n_split = tiles_u - sf_u if sp_u != 1 else 0
+    n_split = G._tiles(cfg_u, M, N, b_layout) - sf_u if sp_u > 1 else 0
     cfg_u_tile = tile_config(cfg_u.id, b_layout)
-    if sp_u == G.STREAM_K:  # the split tiles' K blocks shared out over the workers
-        w_sk = G.stream_k_workers(tiles_u, sf_u, K, sms)
-        n_split, sp_u, k_split = w_sk, 1, -(-n_split * -(-K // 64) // w_sk) * 64
-    else:
-        k_split = -(-K // max(sp_u, 1))
-    t_gu = (_gemm_time(tiles_u - (tiles_u - sf_u if n_split else 0), sms, cfg_u_tile, K, sms, model)
-            + _gemm_time(n_split * sp_u, sms, cfg_u_tile, k_split, sms, model) + model.launch_latency)
+    t_gu = (_gemm_time(G._tiles(cfg_u, M, N, b_layout) - n_split, sms, cfg_u_tile, K, sms, model)
+            + _gemm_time(n_split * sp_u, sms, cfg_u_tile, -(-K // sp_u), sms, model) + model.launch_latency)
     t_unfused = t_ag + t_gu
 
     def fused_config(workers: int):

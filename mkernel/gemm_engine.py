@@ -250,14 +250,6 @@ MAX_SPLITS = 16
 MIN_SPLIT_KBLOCKS = 4
 MAX_PARTIAL_BYTES = 64 << 20
 SPLIT_REDUCE_COST = 4.0
-# Stream-K (plain GEMM, `splits` = STREAM_K in a plan): the K blocks of the tiles from split_from on, laid
-# end to end, are shared out evenly over the workers (MkLinearScheduler), each worker's range cut at tile
-# boundaries into units that add into the tiles' fp32 sums like split-K units.  For the problems whose
-# tiles cannot fill the SMs in whole waves (few tiles over a long K: a 72-tile problem runs on 132 SMs
-# instead of 72, with no split factor to round).  Each worker gets at least SK_MIN_KBLOCKS K blocks
-# (fewer workers than SMs when the K blocks run short).
-STREAM_K = 0
-SK_MIN_KBLOCKS = 4
 # Split only the last wave's tiles when that is predicted to beat every other plan by this fraction
 # (measured: on large problems predicted gains of a few % came out as 1-3 % losses; kv_a M=8192,
 # predicted 16 %, gained 11 %).
@@ -286,7 +278,7 @@ PDL_CK_MAX_K = 2048
 
 
 class _GemmArgs(ctypes.Structure):
-    """Mirror of MkGemmArgs in cuda_src/gemm.cu (88 bytes)."""
+    """Mirror of MkGemmArgs in cuda_src/gemm.cu (80 bytes)."""
 
     _fields_ = [
         ("c", ctypes.c_void_p),
@@ -304,11 +296,10 @@ class _GemmArgs(ctypes.Structure):
         ("counters", ctypes.c_void_p),
         ("splits", ctypes.c_int32),
         ("split_from", ctypes.c_int32),
-        ("stream_k", ctypes.c_int32),
     ]
 
 
-assert ctypes.sizeof(_GemmArgs) == 88
+assert ctypes.sizeof(_GemmArgs) == 80
 
 
 # --------------------------------------------------------------------------------------------
@@ -680,10 +671,8 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
     None to allocate one of ``out_dtype`` (default a's dtype).  stream: any stream-like object (None:
     the legacy default stream).  config: force a tile config id (``CONFIGS``; debugging and
     benchmarks).  splits: force the split-K factor (1 = none; clamped to what the config allows,
-    ``max_splits``), or 0 (``STREAM_K``) for stream-K over every tile (configs without clusters; others
-    keep their automatic plan); by default the heuristic splits K when the output tiles cannot fill the
-    SMs in whole waves (the parts of a tile add into one fp32 sum, the last to finish stores it, in the
-    same kernel).  Returns
+    ``max_splits``); by default the heuristic splits K when the output tiles cannot fill the SMs (the
+    splits of a tile add into one fp32 sum, the last to finish stores it, in the same kernel).  Returns
     ``out``.  Asynchronous with respect to the host.
     """
     A, B, M, K, N, _ = check_operands(a, b, b_layout, what="mkernel.gemm", stream=stream)
@@ -727,10 +716,7 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
             and gemv.worthwhile(N, sms)):  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
         return gemv.plan(A, B, O, M, N, K)
     cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config)
-    if splits == STREAM_K:  # forced: every tile's K blocks spread over the SMs (configs that can)
-        if stream_k_ok(cfg):
-            sp, split_from = STREAM_K, 0
-    elif splits is not None:  # forced: every tile split
+    if splits is not None:  # forced: every tile split
         sp, split_from = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout))), 0
     tma, pre, keep = _a_operand(A, M, K, cfg, in_dtype, out_dtype, dev)
     tmb, pre_b, keep_b = b_operand(B, K, N, b_layout, cfg, in_dtype, out_dtype, dev)
@@ -738,23 +724,22 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     tmc, c_tma = c_map(O, M, N, ldc, cfg, tma)
     args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, c_tma)
     tiles = _tiles(cfg, M, N, b_layout)
-    if sp != 1:  # split-K / stream-K workspace: fp32 running sums and counters per split tile (zero; the kernel keeps them so)
+    if sp > 1:  # split-K workspace: fp32 running sums and counters per split tile (zero; the kernel keeps them so)
         n_split = tiles - split_from
         ws, partials, counters = split_workspace(n_split, cfg.bm * cfg.tile_n(b_layout), dev)
         keep += [ws]
-        args.partials, args.counters, args.split_from = partials, counters, split_from
-        args.splits, args.stream_k = (1, 1) if sp == STREAM_K else (sp, 0)
+        args.partials, args.counters, args.splits, args.split_from = partials, counters, sp, split_from
     else:
         args.splits, args.split_from, split_from = 1, tiles, tiles
     maps = [tma, tmb, tmc]
     kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
-    grid = plan_grid(cfg, tiles, sp, split_from, K, sms)
+    grid = _grid(cfg, _units(tiles, sp, split_from), sms)
     if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
         grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
     dependent = _pdl(pdl_auto(M, N, K, cfg=cfg, blocks=grid, sms=sms))
     plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=dependent)
-    if sp != 1:
+    if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
 
     o_ptr = O.ptr  # not O: a cached plan must not keep the caller's output alive
@@ -780,13 +765,6 @@ def point_out(args, O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, t
 def _units(tiles: int, splits: int, split_from: int) -> int:
     """Scheduler units of a split plan: the whole tiles before split_from, then ``splits`` per tile."""
     return split_from + (tiles - split_from) * splits if splits > 1 else tiles
-
-
-def plan_grid(cfg: TileConfig, tiles: int, splits: int, split_from: int, K: int, sms: int) -> int:
-    """Blocks of a plain GEMM plan (split-K factor ``splits``, or STREAM_K)."""
-    if splits == STREAM_K:
-        return stream_k_workers(tiles, split_from, K, sms)
-    return _grid(cfg, _units(tiles, splits, split_from), sms)
 
 
 def split_workspace(n_split: int, tile_elems: int, device: int):
@@ -888,53 +866,12 @@ def split_cost(cfg: TileConfig, tiles: int, K: int, b_layout: str, workers: int,
         cfg, tiles - split_from, workers, K, b_layout, splits)
 
 
-def stream_k_ok(cfg: TileConfig) -> bool:
-    """Whether ``cfg`` can run stream-K plans (cooperative, no clusters: MkLinearScheduler)."""
-    return not (cfg.pingpong or cfg.debug or cfg.cluster > 1)
-
-
-def stream_k_workers(tiles: int, split_from: int, K: int, sms: int) -> int:
-    """Workers (blocks) of a stream-K plan: every SM when whole tiles come first, else as many as get
-    SK_MIN_KBLOCKS K blocks each (at most the SMs, at least 1)."""
-    if split_from > 0:
-        return sms
-    return max(1, min(sms, (tiles * math.ceil(K / 64)) // SK_MIN_KBLOCKS))
-
-
-def stream_k_cost(cfg: TileConfig, tiles: int, K: int, b_layout: str, sms: int, split_from: int) -> float:
-    """config_cost of a stream-K plan: the whole waves before ``split_from``, then one worker's share of
-    the later tiles' K blocks plus, per unit (tile) its range touches, a split-K unit's reduction."""
-    nkb = math.ceil(K / 64)
-    workers = stream_k_workers(tiles, split_from, K, sms)
-    share = math.ceil((tiles - split_from) * nkb / workers)
-    units = min(tiles - split_from, math.ceil(share / nkb) + 1)
-    bn = cfg.tile_n(b_layout)
-    partial_k = cfg.bm * bn * 4 / ((cfg.bm + bn) * 2)
-    tail = cfg.bm * bn * (share * 64 + units * (SPLIT_REDUCE_COST * partial_k + cfg.epilogue_k)) / cfg.efficiency
-    return (split_from // sms) * config_cost(cfg, sms, sms, K, b_layout) + tail
-
-
-def stream_k_plans(cfg: TileConfig, tiles: int, K: int, b_layout: str, sms: int) -> list:
-    """(cost, split_from) of the stream-K plans for ``cfg``: every tile (fewer tiles than SMs), or the last
-    partial wave's (its K blocks at least SK_MIN_KBLOCKS per SM); none where the sums would pass
-    MAX_PARTIAL_BYTES."""
-    if not stream_k_ok(cfg):
-        return []
-    r = tiles % sms if tiles >= sms else tiles
-    if r == 0 or r * cfg.bm * cfg.tile_n(b_layout) * 4 > MAX_PARTIAL_BYTES:
-        return []
-    if tiles >= sms and r * math.ceil(K / 64) < SK_MIN_KBLOCKS * sms:
-        return []
-    sf = tiles - r
-    return [(stream_k_cost(cfg, tiles, K, b_layout, sms, sf), sf)]
-
-
 def _pick_plan(plans: list) -> tuple:
-    """The least-cost (cost, config, splits, split_from); a last-wave split (split-K or stream-K) must
-    beat every other plan by TAIL_SPLIT_MIN_GAIN."""
+    """The least-cost (cost, config, splits, split_from); a last-wave split must beat every other plan by
+    TAIL_SPLIT_MIN_GAIN."""
     best = min(plans, key=lambda p: p[0])
-    if best[2] != 1 and best[3] > 0:
-        rest = [p for p in plans if not (p[2] != 1 and p[3] > 0)]
+    if best[2] > 1 and best[3] > 0:
+        rest = [p for p in plans if not (p[2] > 1 and p[3] > 0)]
         if rest and best[0] > (1 - TAIL_SPLIT_MIN_GAIN) * min(p[0] for p in rest):
             best = min(rest, key=lambda p: p[0])
     return best
@@ -970,7 +907,6 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         plans.append((split_cost(cfg, tiles, K, b_layout, sms, sp, sf), cid, sp, sf))
         if sp > 1 and sf > 0:  # last-wave split: also keep this config's unsplit plan as a candidate
             plans.append((config_cost(cfg, tiles, sms, K, b_layout), cid, 1, tiles))
-        plans += [(c, cid, STREAM_K, sk_from) for c, sk_from in stream_k_plans(cfg, tiles, K, b_layout, sms)]
     best = _pick_plan(plans)
     # Cluster split-K (configs 9, 36) replaces a split plan, never an unsplit one: where whole tiles
     # already fill the SMs, halving K per block only adds the exchange and the register epilogue
@@ -1109,11 +1045,11 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
     tiles = _tiles(cfg, M, N, b_layout)
     return dict(config=cfg.id, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
                 smem=cfg.smem, pingpong=cfg.pingpong, tma_store=cfg.tma_store, splits=sp,
-                stream_k=sp == STREAM_K, split_tiles=(tiles - sf) if sp != 1 else 0,
+                split_tiles=(tiles - sf) if sp > 1 else 0,
                 registers=usage.get("registers"),
                 spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=tiles,
-                grid=plan_grid(cfg, tiles, sp, sf, K, sms))
+                grid=_grid(cfg, _units(tiles, sp, sf), sms))
 
 
 def _usage(mod, name: str) -> dict:

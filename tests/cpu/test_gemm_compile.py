@@ -242,9 +242,8 @@ def test_bad_input_raises_before_launch(fake, bad):
 def test_args_struct_layout():
     offs = {f[0]: getattr(G._GemmArgs, f[0]).offset for f in G._GemmArgs._fields_}
     assert offs == dict(c=0, group_offsets=8, ldc=16, M=24, N=28, K=32, num_groups=36, group_m=40, c_vec_ok=44,
-                        offsets_i32=48, c_tma=52, partials=56, counters=64, splits=72, split_from=76,
-                        stream_k=80)
-    assert ctypes.sizeof(G._GemmArgs) == 88
+                        offsets_i32=48, c_tma=52, partials=56, counters=64, splits=72, split_from=76)
+    assert ctypes.sizeof(G._GemmArgs) == 80
 
 
 def test_fresh_outputs_reuse_one_plan(fake):

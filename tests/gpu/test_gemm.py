@@ -194,45 +194,6 @@ def test_split_k(rng, M, N, K, layout, config, splits, out_dt):
     assert plan.splits == splits, f"planned {plan.splits} splits"
 
 
-STREAM_K_CASES = [  # (M, N, K, layout, config): ragged tiles; a worker's K range inside one tile, across two,
-    # across several (short K), and fewer K blocks than SMs x SK_MIN_KBLOCKS (a smaller grid)
-    (325, 4584, 4184, "nk", 4), (817, 4032, 10344, "kn", 3), (9916, 216, 6512, "kn", 3), (1778, 408, 5544, "nk", 5),
-    (129, 1000, 4097, "kn", 2), (7, 7, 4000, "nk", 1), (300, 520, 200, "kn", 2), (1000, 129, 640, "nk", 18),
-    (64, 576, 7168, "nk", 24), (400, 1000, 4097, "nk", 40), (129, 700, 4097, "nk", 42), (200, 264, 1300, "kn", 29),
-    (130, 100, 2000, "nk", 32), (3, 9, 72, "kn", 3),
-]
-
-
-@pytest.mark.parametrize("out_dt", ["bfloat16", "float32"])
-@pytest.mark.parametrize("M,N,K,layout,config", STREAM_K_CASES,
-                         ids=[f"{m}x{n}x{k}-{l}-c{c}" for m, n, k, l, c in STREAM_K_CASES])
-def test_stream_k(rng, M, N, K, layout, config, out_dt):
-    """Stream-K over every tile (splits=0): each worker's share of all the tiles' K blocks, cut at tile
-    boundaries; twice with new data (the sums and counters return to zero)."""
-    for _ in range(2):
-        run_gemm(rng, M, N, K, layout, out_dt=out_dt, config=config, splits=G.STREAM_K)
-    plan = next(reversed(G._plans.values()))
-    assert plan.splits == G.STREAM_K and plan.split_from == 0, (plan.splits, plan.split_from)
-    tiles = G._tiles(plan.cfg, M, N, layout)
-    assert plan.grid == G.stream_k_workers(tiles, 0, K, G._num_sms(0))
-
-
-@pytest.mark.parametrize("M,N,K,layout,config", [(2000, 1000, 1000, "nk", 1), (5000, 300, 3000, "kn", 1),
-                                                  (3085, 1512, 4120, "nk", 40)])
-def test_stream_k_last_wave(rng, monkeypatch, M, N, K, layout, config):
-    """Whole waves of whole tiles, then the partial last wave's tiles stream-K (the plan the heuristic
-    makes for many-tile problems), forced through the planner."""
-    cfg = G.CONFIGS[config]
-    sms = G._num_sms(0)
-    tiles = G._tiles(cfg, M, N, layout)
-    assert tiles > sms and tiles % sms
-    monkeypatch.setattr(G, "_auto_plan", lambda *a, **k: (cfg, G.STREAM_K, tiles - tiles % sms))
-    for _ in range(2):
-        run_gemm(rng, M, N, K, layout)
-    plan = next(reversed(G._plans.values()))
-    assert plan.splits == G.STREAM_K and plan.split_from == tiles - tiles % sms and plan.grid == sms
-
-
 @pytest.mark.parametrize("M,N,K,layout", [(6656, 576, 7168, "nk"), (1024, 4352, 7168, "kn"), (1024, 2240, 7168, "nk")])
 def test_split_k_last_wave(rng, M, N, K, layout):
     """More tiles than SMs with a partial last wave: whole tiles first, the last wave's tiles split."""
