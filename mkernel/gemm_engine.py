@@ -250,6 +250,17 @@ MAX_SPLITS = 16
 MIN_SPLIT_KBLOCKS = 4
 MAX_PARTIAL_BYTES = 64 << 20
 SPLIT_REDUCE_COST = 4.0
+# Operand rows an odd multiple of 16 bytes apart (e.g. K = 8 mod 16 for bf16): every 128-byte TMA box row
+# starts mid 32-byte sector and moves 5 sectors instead of 4 (docs/gemm.md entries 60, 62).  The configs
+# that load the most rows per multiply-accumulate then run bound by their load stream: a K block costs
+# at least (rows of A + rows of B loaded per block, each x MISALIGNED_ROW_COST if its operand is
+# misaligned) x LOAD_AREA_PER_ROW tile-area units instead of area / efficiency (load_bound; applied to
+# misaligned problems only: aligned ones plan as before).  LOAD_AREA_PER_ROW puts config 18 (320 rows
+# for a 64 x 256 tile at efficiency 0.90: the most rows per area of the cooperative configs) at the edge
+# of load-bound on aligned rows; misaligned problems move off it (measured on six such shapes: 1.13-1.42x
+# slower than the best plan, e.g. 1778x408x5544 42.0 vs 30.2 us for config 5 split 4) and config 1.
+MISALIGNED_ROW_COST = 1.25
+LOAD_AREA_PER_ROW = 56
 # Split only the last wave's tiles when that is predicted to beat every other plan by this fraction
 # (measured: on large problems predicted gains of a few % came out as 1-3 % losses; kv_a M=8192,
 # predicted 16 %, gained 11 %).
@@ -265,8 +276,12 @@ SMALL_M = 128
 # and C) up.  Every measured shape of intensity >= 260 gained or stayed within noise (docs/gemm.md entry
 # 20); the M = 128 projections (HBM-bound, ~120) lost 2-3 us per call with it until the consumer loop of
 # entry 33 -- now they gain (entry 35: moe_down M=128 11.8 -> 10.9 us, q_a M=128 12.8 -> 12.0,
-# moe_gate_up M=128 22.1-22.5 -> 21.5-22.1, llama o M=128 unchanged).  Grouped GEMMs over many small
-# weights (e.g. 64 experts of 1024 x 1024 at 4096 rows: ~57) stay off, unmeasured.
+# moe_gate_up M=128 22.1-22.5 -> 21.5-22.1, llama o M=128 unchanged).  Twenty-first session (entry 62):
+# every plain GEMM below it measured gains too (the launch latency PDL hides is most of a small call:
+# 160x120x96 3.1 -> 2.4 us = cuBLAS, 605x128x104 3.3 -> 2.6, 145x400x864 7.8 -> 6.8, 68x176x2432 7.1 ->
+# 6.2, 66x4800x4224 32.0 -> 30.4), so the threshold now applies to cluster split-K and grouped GEMMs
+# only.  Grouped GEMMs over many small weights (e.g. 64 experts of 1024 x 1024 at 4096 rows: ~57) stay
+# off, unmeasured.
 PDL_MIN_INTENSITY = 100
 # Cluster split-K plans (configs 9, 36) take PDL only where their blocks fill the SMs (this fraction of
 # them or more) or each block's K range is at most PDL_CK_MAX_K: measured (docs/gemm.md entry 45), PDL
@@ -415,21 +430,37 @@ def _tma_operand(x: DeviceArray, batch: int, rows: int, cols: int, sb: int, sr: 
     """View of x as [batch, rows, cols] (element strides sb, sr, sc) with `cols` contiguous.
 
     Read in place when TMA allows (16-byte aligned base and strides, unit inner stride), else staged
-    into a dense [batch, rows, roundup(cols, 8)] zero-padded copy.
+    into a dense [batch, rows, roundup(cols, 16)] zero-padded copy.
     """
     isz = x.dtype.itemsize
-    unit = sc == 1 or cols == 1
-    row_b = sr * isz if rows > 1 else round_up(cols * isz, 16)
-    bat_b = sb * isz if batch > 1 else row_b * rows
-    ok = (unit and x.ptr % 16 == 0 and row_b > 0 and bat_b > 0 and row_b % 16 == 0 and bat_b % 16 == 0
-          and (rows == 1 or sr >= cols) and (batch == 1 or sb >= rows * sr))
-    if ok:
+    row_b, bat_b = _row_bytes(x, batch, rows, cols, sb, sr)
+    if _in_place(x, batch, rows, cols, sb, sr, sc):
         return _Operand(x.ptr, (cols, rows, batch), (row_b, bat_b))
-    cols_p = round_up(cols, 8)
+    cols_p = round_up(cols, 16)  # (rows a multiple of 32 bytes: see row_misaligned)
     buf = DeviceArray.empty((batch, rows, cols_p), x.dtype.name, device=x.device)
     row_b = cols_p * isz
     return _Operand(buf.ptr, (cols, rows, batch), (row_b, row_b * rows), buf,
                     (batch, rows, cols, cols_p, cols_p, sb, sr, sc, x.ptr))
+
+
+def _row_bytes(x: DeviceArray, batch: int, rows: int, cols: int, sb: int, sr: int) -> tuple[int, int]:
+    isz = x.dtype.itemsize
+    row_b = sr * isz if rows > 1 else round_up(cols * isz, 16)
+    return row_b, (sb * isz if batch > 1 else row_b * rows)
+
+
+def _in_place(x: DeviceArray, batch: int, rows: int, cols: int, sb: int, sr: int, sc: int) -> bool:
+    """Whether TMA can read x as [batch, rows, cols] (element strides sb, sr, sc) in place."""
+    row_b, bat_b = _row_bytes(x, batch, rows, cols, sb, sr)
+    return ((sc == 1 or cols == 1) and x.ptr % 16 == 0 and row_b > 0 and bat_b > 0 and row_b % 16 == 0
+            and bat_b % 16 == 0 and (rows == 1 or sr >= cols) and (batch == 1 or sb >= rows * sr))
+
+
+def row_misaligned(x: DeviceArray, rows: int, cols: int) -> bool:
+    """Whether TMA reads 2-D operand x ([rows, cols], cols contiguous) in place from rows an odd multiple
+    of 16 bytes apart (load_bound; a staged copy's rows are 32-byte multiples)."""
+    sr, sc = x.strides
+    return rows > 1 and _in_place(x, 1, rows, cols, 0, sr, sc) and (sr * x.dtype.itemsize) % 32 == 16
 
 
 def _pad_launch(op: _Operand, in_dtype: str, out_dtype: str, device: int):
@@ -557,18 +588,21 @@ def pdl_auto(M: int, N: int, K: int, groups: int = 1, cfg: TileConfig | None = N
              blocks: int | None = None, sms: int | None = None) -> bool:
     """The automatic choice of a programmatic dependent launch for an M x N x K GEMM (grouped: M rows
     in all over ``groups`` weights of N x K) on tile config ``cfg`` launched as ``blocks`` blocks on
-    ``sms`` SMs: on where its arithmetic intensity ``2MNK / (2(MK + groups NK + MN))`` is at least
-    PDL_MIN_INTENSITY flop per byte; for cluster split-K configs only where, besides, the blocks fill
+    ``sms`` SMs: on for every plain GEMM on a config without cluster split-K; for grouped GEMMs and
+    cluster split-K configs where its arithmetic intensity ``2MNK / (2(MK + groups NK + MN))`` is at
+    least PDL_MIN_INTENSITY flop per byte, and for the latter only where, besides, the blocks fill
     PDL_CK_MIN_FILL of the SMs or a block's K range is at most PDL_CK_MAX_K (off if ``blocks`` or
-    ``sms`` is not given).  Measured (docs/gemm.md entries 20, 35, 45): PDL saves 1-2 us per call on
+    ``sms`` is not given).  Measured (docs/gemm.md entries 20, 35, 45, 62): PDL saves 0.6-1.6 us on
+    small calls of any intensity (the launch latency it hides), 1-2 us per call on
     the short compute-bound calls (square1024 0.80 -> 0.91x cuBLAS, dsv3.kv_a M=512 0.87 -> 0.92), up
     to 1 us on the M = 128 projections (HBM-bound B streams, intensity ~120) since the consumer loop of
     entry 33, and up to 3.4 us on cluster split-K grids that fill the SMs (dsv3.q_a M=512); cluster
     split-K grids that leave SMs idle lose 2-6 us with it over long K ranges (llama qkv M=128 on config
     9, 512x1024x8192 on config 36)."""
-    if 2.0 * M * N * K < PDL_MIN_INTENSITY * 2.0 * (M * K + groups * N * K + M * N):
+    ck = cfg is not None and cfg.cluster_k > 1
+    if (groups > 1 or ck) and 2.0 * M * N * K < PDL_MIN_INTENSITY * 2.0 * (M * K + groups * N * K + M * N):
         return False
-    if cfg is not None and cfg.cluster_k > 1:
+    if ck:
         if not blocks or not sms:
             return False
         k_range = -(-K // (64 * cfg.cluster_k)) * 64
@@ -715,7 +749,8 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     if (config is None and splits is None and gemv.supported(A, B, M, N, K, b_layout)
             and gemv.worthwhile(N, sms)):  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
         return gemv.plan(A, B, O, M, N, K)
-    cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config)
+    mis = (row_misaligned(A, M, K), row_misaligned(B, *((K, N) if b_layout == "kn" else (N, K))))
+    cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config, mis)
     if splits is not None:  # forced: every tile split
         sp, split_from = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout))), 0
     tma, pre, keep = _a_operand(A, M, K, cfg, in_dtype, out_dtype, dev)
@@ -877,9 +912,26 @@ def _pick_plan(plans: list) -> tuple:
     return best
 
 
-def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | None = None):
+def load_bound(cfg: TileConfig, misaligned: tuple[bool, bool], b_layout: str = "nk") -> TileConfig:
+    """``cfg`` with its efficiencies capped by what its load stream allows when A's and / or B's rows
+    (``misaligned``) are an odd multiple of 16 bytes apart (MISALIGNED_ROW_COST, LOAD_AREA_PER_ROW);
+    ``cfg`` itself when neither is."""
+    if not any(misaligned):
+        return cfg
+    bn = cfg.tile_n(b_layout)
+    rows_a = cfg.bm // cfg.cluster_n  # rows each block loads per K block (clusters multicast the rest)
+    rows_b = bn // cfg.cluster_m
+    rows = sum(r * (MISALIGNED_ROW_COST if m else 1.0) for r, m in zip((rows_a, rows_b), misaligned))
+    cap = cfg.bm * bn / (rows * LOAD_AREA_PER_ROW)
+    small = None if cfg.efficiency_small_m is None else min(cfg.efficiency_small_m, cap)
+    return replace(cfg, efficiency=min(cfg.efficiency, cap), efficiency_small_m=small)
+
+
+def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | None = None,
+               misaligned: tuple[bool, bool] = (False, False)):
     """(config, splits, split_from) for a plain GEMM: the heuristic's config and split-K plan (a
-    forced config still gets its best split plan)."""
+    forced config still gets its best split plan).  ``misaligned``: whether A's / B's rows are an odd
+    multiple of 16 bytes apart (load_bound)."""
     if config is not None:
         cfg = CONFIGS[config]
         return (cfg, *choose_splits(cfg, M, N, K, b_layout, sms))
@@ -890,7 +942,7 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         return (cfg, *choose_splits(cfg, M, N, K, b_layout, sms))
     plans = []  # (cost, config, splits, split_from)
     for cid in cands:
-        cfg = CONFIGS[cid]
+        cfg = load_bound(CONFIGS[cid], misaligned, b_layout)
         if cfg.debug or (b_layout == "kn" and cfg.bn_kn is not None):
             continue
         if math.ceil(M / cfg.bm) % cfg.cluster_m:  # a pair along M with a phantom half: one SM idle

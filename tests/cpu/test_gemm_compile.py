@@ -169,9 +169,9 @@ def test_unaligned_k_is_staged(fake):
     assert len(pads) == 2 and launches[-1]["kernel"] == "mk_gemm_nk"
     # pad copy args: dst, src, batch, rows, cols, cols_p, dst_ld, sb, sr, sc
     vals = [v.value for v in pads[0]["args"]]
-    assert vals[1] == a.ptr and vals[2:] == [1, 100, 7, 8, 8, 0, 7, 1]
-    assert maps[0]["dims"] == (7, 100) and maps[0]["strides"] == (16,) and maps[0]["ptr"] == vals[0]
-    assert maps[1]["dims"] == (7, 33, 1) and maps[1]["strides"] == (16, 16 * 33)
+    assert vals[1] == a.ptr and vals[2:] == [1, 100, 7, 16, 16, 0, 7, 1]  # rows padded to 32 bytes
+    assert maps[0]["dims"] == (7, 100) and maps[0]["strides"] == (32,) and maps[0]["ptr"] == vals[0]
+    assert maps[1]["dims"] == (7, 33, 1) and maps[1]["strides"] == (32, 32 * 33)
 
 
 def test_kn_odd_n_stages_b_only(fake):
@@ -179,7 +179,7 @@ def test_kn_odd_n_stages_b_only(fake):
     a, b = empty((64, 64), "bfloat16"), empty((64, 129), "bfloat16")
     G.gemm(a, b)
     assert [l["kernel"] for l in launches] == ["mk_pad_copy_u16", "mk_gemm_kn"]
-    assert maps[0]["ptr"] == a.ptr and maps[1]["dims"] == (129, 64, 1) and maps[1]["strides"] == (272, 272 * 64)
+    assert maps[0]["ptr"] == a.ptr and maps[1]["dims"] == (129, 64, 1) and maps[1]["strides"] == (288, 288 * 64)
     x = _args(launches[-1])
     assert x.N == 129 and x.ldc == 129 and x.c_vec_ok == 0
 
@@ -320,9 +320,10 @@ def test_cluster_k_config_launch(fake):
 
 
 def test_programmatic_dependent_launch(fake, monkeypatch):
-    """GEMM kernels are programmatic dependent launches where the plan's arithmetic intensity reaches
-    PDL_MIN_INTENSITY -- cluster split-K plans only where their blocks fill the SMs or their K ranges are
-    short -- (MKERNEL_GEMM_PDL=1 / 0: always / never); the launch configuration, with the
+    """Plain GEMM kernels are programmatic dependent launches -- cluster split-K plans (and grouped
+    GEMMs) only where the plan's arithmetic intensity reaches PDL_MIN_INTENSITY and, for the former,
+    their blocks fill the SMs or their K ranges are short -- (MKERNEL_GEMM_PDL=1 / 0: always /
+    never); the launch configuration, with the
     attribute, is built by runtime._launch_config."""
     launches, maps, empty = fake
     monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)
@@ -344,15 +345,18 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     G.gemm(empty((512, 8192), "bfloat16"), empty((1024, 8192), "bfloat16"), b_layout="nk", config=36)
     assert launches[-1]["grid"] == 88 and launches[-1]["dependent"] is False  # 88 blocks, K ranges of 4096
     a1 = empty((1, 8192), "bfloat16")
-    G.gemm(a1, w, b_layout="nk")  # ~1: a GEMV
-    assert launches[-1]["dependent"] is False
-    monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")
-    G.gemm(a1, w, b_layout="nk")
+    G.gemm(a1, w, b_layout="nk")  # ~1: a GEMV on the tiles, still a plain GEMM (entry 62)
     assert launches[-1]["dependent"] is True
     monkeypatch.setenv("MKERNEL_GEMM_PDL", "0")
+    G.gemm(a1, w, b_layout="nk")
+    assert launches[-1]["dependent"] is False
     G.gemm(a, b)
     assert launches[-1]["dependent"] is False
-    assert G.pdl_auto(1024, 1024, 1024) and G.pdl_auto(128, 4096, 7168) and not G.pdl_auto(64, 4096, 7168)
+    monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")
+    G.gemm(empty((512, 8192), "bfloat16"), empty((1024, 8192), "bfloat16"), b_layout="nk", config=36)
+    assert launches[-1]["dependent"] is True  # (off automatically: above)
+    assert G.pdl_auto(1024, 1024, 1024) and G.pdl_auto(128, 4096, 7168) and G.pdl_auto(64, 4096, 7168)
+    assert G.pdl_auto(16, 16, 16) and not G.pdl_auto(16, 16, 16, groups=2)
     assert G.pdl_auto(4096, 1024, 1024, groups=1) and not G.pdl_auto(4096, 1024, 1024, groups=64)
     assert G.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[3]) and not G.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[9])
     c36 = G.CONFIGS[36]
@@ -455,6 +459,38 @@ def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
     monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
     assert G._auto_config(M, N, K, layout, 132).id == want
+
+
+@pytest.mark.parametrize("M,N,K,layout,aligned,misaligned", [
+    (1778, 408, 5544, "nk", 18, 5),    # measured (docs/gemm.md entry 62): 42.0 us on config 18 x 2, 30.2 on 5 x 4
+    (325, 4584, 4184, "nk", 18, 2),    # 49.5 vs 43.0 (config 5: 40.4)
+    (7950, 1744, 952, "kn", 18, 4),    # 57.4 vs 50.0
+])
+def test_misaligned_rows_move_off_load_heavy_configs(monkeypatch, M, N, K, layout, aligned, misaligned):
+    """Operand rows an odd multiple of 16 bytes apart make the configs that load the most rows per
+    multiply-add load-bound (load_bound); with aligned rows the plan is unchanged."""
+    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
+    assert G._auto_plan(M, N, K, layout, 132)[0].id == aligned
+    assert G._auto_plan(M, N, K, layout, 132, None, (True, True))[0].id == misaligned
+    for cid in G.AUTO_CANDIDATES:  # aligned: untouched; misaligned: never raised, the big tiles untouched
+        cfg = G.CONFIGS[cid]
+        assert G.load_bound(cfg, (False, False), layout) is cfg
+        mis = G.load_bound(cfg, (True, True), layout)
+        assert mis.efficiency <= cfg.efficiency
+        if cid in (3, 4, 40, 42):
+            assert mis.efficiency == cfg.efficiency
+    assert G.load_bound(G.CONFIGS[18], (True, True)).efficiency < 0.8
+
+
+def test_misaligned_rows_reach_the_planner(fake):
+    """mkernel.gemm passes in-place operands' row alignment to the heuristic; staged copies are aligned."""
+    launches, maps, empty = fake
+    G.gemm(empty((1778, 5544), "bfloat16"), empty((408, 5544), "bfloat16"), b_layout="nk")
+    assert launches[-1]["config"] == 5
+    G.gemm(empty((1778, 5536), "bfloat16"), empty((408, 5536), "bfloat16"), b_layout="nk")
+    assert launches[-1]["config"] == 18
+    assert not G.row_misaligned(empty((1, 5544), "bfloat16"), 1, 5544)
 
 
 def test_heuristic_env_overrides(monkeypatch):
