@@ -123,3 +123,27 @@ def test_gemm_bench_decode_rows_summarized_apart(monkeypatch):
         assert gb.tile_label(dict(config=3, bm=128, bn=256, stages=4, pingpong=False, splits=2)) == "128x256x64/4st split 2"
     finally:
         sys.modules.pop("gemm", None)
+
+
+def test_gemm_random_shapes_and_report(monkeypatch, tmp_path):
+    """bench/gemm_random.py: the same seed gives the same shapes (bf16 rows of N and K a 16-byte multiple),
+    misaligned rows are told apart, and --replot writes the table (and the plot, where matplotlib is)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):  # set by the benches at import
+        monkeypatch.setenv(var, os.environ.get(var, ""))
+    gr = importlib.import_module("gemm_random")
+    a, b = gr.shapes(5, 30), gr.shapes(5, 30)
+    assert a == b and a != gr.shapes(6, 30)
+    assert all(n % 8 == 0 and k % 8 == 0 and lay in ("kn", "nk") and pad % 8 == 0 for _, n, k, lay, pad in a)
+    row = dict(M=64, N=64, K=72, layout="kn", pad=0)
+    assert gr.misaligned(row) and not gr.misaligned(dict(row, K=64)) and gr.misaligned(dict(row, K=64, pad=8))
+    assert gr.misaligned(dict(row, K=64, N=72)) and not gr.misaligned(dict(row, K=64, N=72, layout="nk"))
+    rows = [dict(M=m, N=n, K=k, layout=lay, pad=p, plan="c3x1", err=1e-4, ours_us=10.0, cublas_us=9.0, ratio=0.9)
+            for m, n, k, lay, p in a[:4]]
+    pytest.importorskip("matplotlib")
+    gr.write(tmp_path, 5, rows, "test GPU")
+    md = (tmp_path / "gemm_random_5.md").read_text()
+    assert "seed 5: 4 shapes, geometric mean 0.90x cuBLAS" in md and md.count("| c3x1 |") == 4
+    assert (tmp_path / "gemm_random_5.png").stat().st_size > 0
+    assert gr.main(["--replot", str(tmp_path / "gemm_random_5.json"), "--out", str(tmp_path / "re")]) == 0
+    assert (tmp_path / "re" / "gemm_random_5.md").read_text() == md
