@@ -77,6 +77,10 @@
 // consumer warpgroup each; each loads one half of the shared B tile (BN/2 rows of an "nk" tile, every
 // other 64-column chunk of a "kn" one) and multicasts it to both (half the L2 -> SMEM traffic for B,
 // as cuBLAS's 64-row kernels with clusters of 2 do on few-tile shapes).
+// CLUSTER_N_ = CLUSTER_M_ = 2 (NC = 2: 128-row tiles): clusters of four blocks, 2 x 2 tiles (rank r =
+// 2 * r_m + r_n has tile (2i + r_m, 2j + r_n)); each block loads 64-row slab r_n of its A tile, multicast
+// to its row partner, and half r_m of its B tile, multicast to its column partner (half the L2 -> SMEM
+// traffic for both operands, as cuBLAS's 2 x 4 / 4 x 1 clusters on mid-size and misaligned shapes).
 // WG_N_ = 2 (NC = 2, BM = 64): the two consumer warpgroups multiply the tile's one 64-row A slab by
 // the two WN = BN/2 column parts of B (m64nWNk16), as cuBLAS's 64-row kernels do -- two warpgroups
 // feeding the tensor cores where one would issue n128 alone.
@@ -136,12 +140,20 @@ struct MkGemmConfig {
   static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * SHARING;
   static_assert(CLUSTER_N_ == 1 || (CLUSTER_N_ == 2 && NC_ == 2 && !PINGPONG_),
                 "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
+  // cluster rank r = CLUSTER_N * r_m + r_n; the blocks that share this block's A tile (same r_m) and B tile
+  // (same r_n), as multicast masks
+  static MK_DEVICE mk_u32 rank_n(mk_u32 r) { return CLUSTER_N_ == 2 ? (r & 1u) : 0u; }
+  static MK_DEVICE mk_u32 rank_m(mk_u32 r) { return CLUSTER_M_ == 2 ? r / (mk_u32)CLUSTER_N_ : 0u; }
+  static MK_DEVICE unsigned short a_mask(mk_u32 r) { return (unsigned short)(0x3u << (CLUSTER_N_ * rank_m(r))); }
+  static MK_DEVICE unsigned short b_mask(mk_u32 r) { return (unsigned short)((1u | (1u << CLUSTER_N_)) << rank_n(r)); }
   static_assert(WG_N_ == 1 || (WG_N_ == 2 && NC_ == 2 && !PINGPONG_ && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 &&
                                 (B_KN_ ? WN % 64 == 0 : WN % 8 == 0)),
                 "warpgroups along N: two cooperative consumer warpgroups on a 64-row tile, whole column parts");
-  static_assert(CLUSTER_M_ == 1 || (CLUSTER_M_ == 2 && BM == 64 && !PINGPONG_ && CLUSTER_N_ == 1 &&
-                                    CLUSTER_K_ == 1 && (B_KN_ ? B_CHUNKS % 2 == 0 : (BN_ / 2) % 8 == 0)),
-                "clusters of 2 along M: 64-row tiles, B split in two 1024-byte-aligned halves");
+  static_assert(CLUSTER_M_ == 1 || (CLUSTER_M_ == 2 && !PINGPONG_ && CLUSTER_K_ == 1 &&
+                                    (CLUSTER_N_ == 1 ? BM == 64 : (NC_ == 2 && WG_N_ == 1)) &&
+                                    (B_KN_ ? B_CHUNKS % 2 == 0 : (BN_ / 2) % 8 == 0)),
+                "clusters of 2 along M: 64-row tiles (or 2 x 2 clusters of 128-row tiles), B split in two "
+                "1024-byte-aligned halves");
   static_assert(CLUSTER_K_ == 1 || ((CLUSTER_K_ == 2 || CLUSTER_K_ == 4) && NC_ == 2 && !PINGPONG_ &&
                                     !TMA_STORE && CLUSTER_N_ == 1),
                 "cluster split-K: 2 or 4 blocks, cooperative configs with two slabs, register epilogue");
@@ -293,6 +305,30 @@ template <int BM, int BN, bool ALONG_M> struct MkClusterPairScheduler {
       t.cols = min(BN, extent - t.col0);
     }
     t.slot = 2 * t.slot + rank;
+    return true;
+  }
+};
+
+// Clusters of 2 x 2 blocks (Cfg::SHARING == 4): a quad takes the units of MkLinearScheduler over tiles
+// twice as tall and wide, cluster rank r = 2 * r_m + r_n tile (2i + r_m, 2j + r_n) of each.  A member
+// whose tile lies below M or right of N gets the unit anyway (rows or cols <= 0): it still loads and
+// multicasts its parts of the shared A and B tiles; the tile loop skips its epilogue.  Split tiles'
+// slots are 4 * slot + r.
+template <int BM, int BN> struct MkClusterQuadScheduler {
+  MkLinearScheduler<2 * BM, 2 * BN> quads;
+  int M, N, rank;
+  MK_DEVICE MkClusterQuadScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
+      : quads(M_, N_, group_m_, splits_, split_from_), M(M_), N(N_), rank((int)mk_cluster_ctarank()) {}
+  MK_DEVICE void init(int worker_id, int num_workers) { quads.init(worker_id / 4, num_workers / 4); }
+  MK_DEVICE bool next(MkTile& t) {
+    if (!quads.next(t)) return false;
+    t.tile_m = 2 * t.tile_m + (rank >> 1);
+    t.tile_n = 2 * t.tile_n + (rank & 1);
+    t.row0 = t.tile_m * BM;
+    t.rows = min(BM, M - t.row0);
+    t.col0 = t.tile_n * BN;
+    t.cols = min(BN, N - t.col0);
+    t.slot = 4 * t.slot + rank;
     return true;
   }
 };
@@ -565,7 +601,11 @@ template <class Cfg> struct MkGemmSmem {
 // (box {64, 64}) multicast to both blocks, which then each count the whole A tile on their barrier.
 template <class Cfg>
 MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmA, int k0, int a_row) {
-  if constexpr (Cfg::CLUSTER_N == 2) {
+  if constexpr (Cfg::SHARING == 4) {  // 2 x 2 clusters: slab r_n, to the row pair
+    const mk_u32 r = mk_cluster_ctarank();
+    const mk_u32 rn = Cfg::rank_n(r);
+    mk_tma_load_2d_multicast(sm.a(stage) + rn * 64 * 128, tmA, sm.full(stage), k0, a_row + 64 * (int)rn, Cfg::a_mask(r));
+  } else if constexpr (Cfg::CLUSTER_N == 2) {
     const mk_u32 r = mk_cluster_ctarank();
     mk_tma_load_2d_multicast(sm.a(stage) + r * 64 * 128, tmA, sm.full(stage), k0, a_row + 64 * (int)r, 0x3);
   } else {
@@ -579,18 +619,21 @@ MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
 template <class Cfg>
 MK_DEVICE void mk_gemm_load_b(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmB, const MkTile& t, int k0,
                               int nchunks) {
-  const int r = Cfg::CLUSTER_M == 2 ? (int)mk_cluster_ctarank() : 0;
+  // (2 x 2 clusters: half r_m, to the column pair)
+  const mk_u32 rank = Cfg::CLUSTER_M == 2 ? mk_cluster_ctarank() : 0u;
+  const int r = Cfg::SHARING == 4 ? (int)Cfg::rank_m(rank) : (int)rank;
+  const unsigned short mask = Cfg::SHARING == 4 ? Cfg::b_mask(rank) : (unsigned short)0x3;
   if constexpr (Cfg::B_KN) {
     for (int j = r; j < nchunks; j += Cfg::CLUSTER_M) {
       if constexpr (Cfg::CLUSTER_M == 2)
         mk_tma_load_3d_multicast(sm.b(stage) + Cfg::b_col_bytes(64 * j), tmB, sm.full(stage), t.col0 + 64 * j, k0,
-                                 t.group, 0x3);
+                                 t.group, mask);
       else
         mk_tma_load_3d(sm.b(stage) + Cfg::b_col_bytes(64 * j), tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
     }
   } else if constexpr (Cfg::CLUSTER_M == 2) {
     mk_tma_load_3d_multicast(sm.b(stage) + Cfg::b_col_bytes(r * (Cfg::BN / 2)), tmB, sm.full(stage), k0,
-                             t.col0 + r * (Cfg::BN / 2), t.group, 0x3);
+                             t.col0 + r * (Cfg::BN / 2), t.group, mask);
   } else {
 #pragma unroll
     for (int h = 0; h < Cfg::B_NK_BOXES; ++h) {
@@ -1008,7 +1051,8 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     }
     if (aborted) break;
     // a pair's half below M (along M) or right of N (along N): nothing to store
-    if (Cfg::SHARING > 1 && (Cfg::CLUSTER_M > 1 ? t.rows : t.cols) <= 0) continue;
+    if (Cfg::SHARING == 4 ? (t.rows <= 0 || t.cols <= 0) : (Cfg::SHARING > 1 && (Cfg::CLUSTER_M > 1 ? t.rows : t.cols) <= 0))
+      continue;
     if constexpr (Cfg::WG_N == 1) {
       epi.template store<Cfg::BN>(t, slab, acc);
     } else {

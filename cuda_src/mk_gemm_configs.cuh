@@ -37,6 +37,9 @@
 //                    (cuBLAS's tile for dsv3.kv_a M=8192: 129 tiles where 128x192 makes 192)
 //                42  BM=128 (2 consumer WGs), BN=320 with B "nk" (two n160 wgmmas per k16 slice, B as two 160-row
 //                    TMA boxes; "kn": config 3's 128x256), 3 stages, S=2 (cuBLAS's tile for llama qkv M=512)
+//                46  config 2's 128x128 tile in 2 x 2 clusters: A multicast to the row pair, B to the column
+//                    pair (half the L2 -> SMEM traffic for both; experiment, forced only)
+//                47  idem on config 3's 128x256 tile
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
 //                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
@@ -70,6 +73,8 @@ template <bool KN> struct MkCfgSel<32, KN> { typedef MkGemmConfig<2, KN ? 128 : 
 template <bool KN> struct MkCfgSel<36, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 6, true, MK_GEMM_IN, KN, false, 0, 1, 2> T; };
 template <bool KN> struct MkCfgSel<40, KN> { typedef MkGemmConfig<3, 192, 4, true, MK_GEMM_IN, KN, false, 1> T; };
 template <bool KN> struct MkCfgSel<42, KN> { typedef MkGemmConfig<2, KN ? 256 : 320, 3, true, MK_GEMM_IN, KN, false, 2> T; };
+template <bool KN> struct MkCfgSel<46, KN> { typedef MkGemmConfig<2, 128, 6, true, MK_GEMM_IN, KN, false, 2, 2, 1, 2> T; };
+template <bool KN> struct MkCfgSel<47, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2, 2, 1, 2> T; };
 template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 // (config 42's "kn" tile, config 3's, needs less shared memory than its 320-column "nk" one: launched with the latter)
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES >= MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&

@@ -230,6 +230,11 @@ CONFIGS = {
     # on N = 7168 (dsv3.o M=2048 733 vs 692).  Efficiency 0.94: the pick at qkv M=512 and nowhere else on
     # the bench's shapes.
     42: TileConfig(42, 128, 320, 3, 2, 0.94, bn_kn=256, staging_boxes=2),
+    # (experiment, forced only) configs 2 / 3's tiles in 2 x 2 clusters sharing A along N and B along M by
+    # TMA multicast: each block reads half of each operand tile from L2 (cuBLAS's 2 x 4 / 4 x 1 clusters on
+    # the mid-size shapes where every SM's L2 stream binds: docs/gemm.md entry 63)
+    46: TileConfig(46, 128, 128, 6, 2, 0.85, staging_boxes=2, cluster_n=2, cluster_m=2),
+    47: TileConfig(47, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_n=2, cluster_m=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)

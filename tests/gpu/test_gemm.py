@@ -107,12 +107,13 @@ def test_big_square(rng, layout, config):
 
 
 # configs 4, 5: 128x192 / 128x224 tiles (n192 / n224 wgmma, 224-row "nk" B box); 29 / 31: two
-# warpgroups side by side along N (n64 / n48 halves of one 64-row tile); many tiles per block so ring
-# positions are reused across tiles and warpgroups; ragged K so nkb is not a multiple of the stage count.
+# warpgroups side by side along N (n64 / n48 halves of one 64-row tile); 46 / 47: 2 x 2 clusters (a
+# quad's members past M or N still load and multicast); many tiles per block so ring positions are
+# reused across tiles and warpgroups; ragged K so nkb is not a multiple of the stage count.
 RING_SHAPES = [(2100, 4100, 328), (4100, 2100, 520), (300, 7168, 2048)]
 
 
-@pytest.mark.parametrize("config", [4, 5, 29, 31, 40, 42])
+@pytest.mark.parametrize("config", [4, 5, 29, 31, 40, 42, 46, 47])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("M,N,K", RING_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in RING_SHAPES])
 def test_new_configs_many_tiles(rng, M, N, K, layout, config):
@@ -181,7 +182,7 @@ SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K spl
     (200, 264, 1300, "nk", 29, 5), (300, 520, 2048, "kn", 30, 3), (129, 1000, 4097, "nk", 31, 3),
     (7, 7, 4000, "kn", 32, 4), (130, 100, 2000, "nk", 32, 2), (300, 520, 2048, "kn", 40, 3),
     (400, 1000, 4097, "nk", 40, 2), (129, 700, 4097, "nk", 42, 2),
-    (300, 520, 2048, "kn", 42, 3),
+    (300, 520, 2048, "kn", 42, 3), (300, 520, 2048, "nk", 46, 3), (129, 1000, 4097, "kn", 47, 2),
 ]
 
 
