@@ -1,0 +1,69 @@
+#!/usr/bin/env python
+"""Replay mkernel.gemm's heuristic on measured plan tables (bench/gemm_plan_table.py --json): no GPU.
+
+    python bench/gemm_heuristic_replay.py TABLE.json [TABLE.json ...] [-v]
+
+For every shape of the tables: the plan the heuristic picks today (gemm_engine._auto_plan, with the
+shape's operand-row alignment), its measured time where the table has that plan, the best measured plan,
+and the ratio of the two (the pick's regret).  Prints the geometric-mean regret, the worst one, the
+geometric mean of cuBLAS time / the pick's, and how many shapes the table could not judge (a pick it has
+no measurement of, e.g. a last-wave split).  A change to the heuristic's model can be checked here against
+every plan of every measured shape before any device time is spent (docs/gemm.md entry 62).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def misaligned(row) -> tuple[bool, bool]:
+    """Whether A's / B's rows are an odd multiple of 16 bytes apart (bf16, in-place views)."""
+    b_cols = row["N"] if row["layout"] == "kn" else row["K"]
+    return tuple(((c + row["pad"]) * 2) % 32 == 16 for c in (row["K"], b_cols))
+
+
+def _clean(label: str) -> str:
+    return label.split(" ")[0].rstrip("p")
+
+
+def replay(rows, sms: int = 132):
+    """Per shape: (row, pick label, pick us or None, best label, best us)."""
+    from mkernel import gemm_engine as G
+
+    out = []
+    for r in rows:
+        cfg, sp, sf = G._auto_plan(r["M"], r["N"], r["K"], r["layout"], sms, None, misaligned(r))
+        pick = f"c{cfg.id}x{sp}" + (f"f{sf}" if sp != 1 and sf else "")
+        measured = {}
+        for _, (label, us) in r["plans"].items():
+            if " ERR" not in label:
+                measured.setdefault(_clean(label), []).append(us)
+        times = {k: min(v) for k, v in measured.items()}
+        best = min(times, key=times.get)
+        out.append((r, pick, times.get(pick), best, times[best]))
+    return out
+
+
+def main(argv):
+    verbose = "-v" in argv
+    rows = [r for f in argv if f != "-v" for r in json.loads(Path(f).read_text())["rows"]]
+    res = replay(rows)
+    judged = [x for x in res if x[2] is not None]
+    g = lambda xs: math.exp(sum(math.log(v) for v in xs) / len(xs))  # noqa: E731
+    for r, pick, t, best, tb in res:
+        if verbose or t is None or t / tb > 1.1:
+            shape = f"{r['M']}x{r['N']}x{r['K']}:{r['layout']}+{r['pad']}"
+            got = f"{t:.1f} us, regret {t / tb:.2f}" if t is not None else "not in the table"
+            print(f"{shape:<24} pick {pick:<10} {got}; best {best} {tb:.1f}; cuBLAS {r['cublas']:.1f}")
+    regrets = [t / tb for _, _, t, _, tb in judged]
+    print(f"{len(judged)} of {len(res)} shapes judged: regret geometric mean {g(regrets):.3f}, max "
+          f"{max(regrets):.2f}; cuBLAS / pick geometric mean {g([r['cublas'] / t for r, _, t, _, _ in judged]):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

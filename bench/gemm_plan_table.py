@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Every plan mkernel.gemm has for a shape, timed against cuBLAS, as a table the heuristic can be replayed
+on without a GPU (bench/gemm_heuristic_replay.py).
+
+    python bench/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--json FILE]
+
+SHAPE: MxNxK[:kn|:nk][+PAD] -- B "nk" ([N, K]) unless ":kn"; PAD extra elements at the end of every
+operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/gemm.md
+entry 62).  Plans: the automatic one (with PDL as the heuristic decides, forced off, forced on) and every
+config (default: the heuristic's candidates) x forced split factor it allows (forced splits split every
+tile).  All of a shape's plans and cuBLAS are CUDA-graph replays timed in the same alternating rounds
+(median of 5).  Prints cuBLAS, the automatic plans and the six best; --json writes, per shape, every
+plan's label (c<config>x<splits>[f<split_from>][p: PDL]) and microseconds.  (First run as
+scratch/plans_probe.py in the twenty-first session: docs/gemm_plans_20261201.json.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+from _common import setup_env, time_interleaved  # noqa: E402
+
+
+def parse_shape(spec: str):
+    """(M, N, K, layout, pad) of MxNxK[:kn|:nk][+PAD]."""
+    body, _, pad = spec.partition("+")
+    dims, _, layout = body.partition(":")
+    M, N, K = (int(v) for v in dims.lower().split("x"))
+    return M, N, K, layout or "nk", int(pad or 0)
+
+
+def plan_label(plan) -> str:
+    """c<config>x<splits>[f<split_from>][p] of a plain GEMM plan (p: a programmatic dependent launch)."""
+    if getattr(plan, "cfg", None) is None:
+        return getattr(plan, "name", "other")
+    sf = f"f{plan.split_from}" if plan.splits != 1 and plan.split_from else ""
+    return f"c{plan.cfg.id}x{plan.splits}{sf}" + ("p" if plan.dependent else "")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shapes", nargs="+")
+    ap.add_argument("--configs", default=None, help="config ids (default: the heuristic's candidates)")
+    ap.add_argument("--splits", default="1,2,4,8")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    setup_env()
+    import torch
+
+    from gemm import _runner, batch_for
+    from mkernel import gemm_engine as G
+    from mkernel.arrays import as_device_array
+
+    torch.empty(1, device="cuda")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    cfgs = [int(c) for c in args.configs.split(",")] if args.configs else list(G.AUTO_CANDIDATES)
+    splits = [int(s) for s in args.splits.split(",")]
+    rows = []
+    for spec in args.shapes:
+        M, N, K, layout, pad = parse_shape(spec)
+        b_rows, b_cols = (K, N) if layout == "kn" else (N, K)
+        nsets = max(1, min(8, math.ceil(2 * l2 / (2 * (M * (K + pad) + b_rows * (b_cols + pad) + 2 * M * N)))))
+        A = [torch.randn(M, K + pad, device="cuda", dtype=torch.bfloat16)[:, :K] for _ in range(nsets)]
+        B = [torch.randn(b_rows, b_cols + pad, device="cuda", dtype=torch.bfloat16)[:, :b_cols] for _ in range(nsets)]
+        Bt = [b if layout == "kn" else b.t() for b in B]
+        C = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
+        Cr = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
+        dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
+        batch = batch_for(2.0 * M * N * K, nsets)
+        fns = {"cublas": _runner(lambda i: torch.matmul(A[i], Bt[i], out=Cr[i]), nsets, batch, False)}
+        plans = [("auto", None, None, "auto"), ("auto:pdl0", None, None, "0"), ("auto:pdl1", None, None, "1")]
+        for c in cfgs:
+            cfg = G.CONFIGS[c]
+            if cfg.cluster_m > 1 and math.ceil(M / cfg.bm) % cfg.cluster_m:
+                continue
+            ms = G.max_splits(cfg, M, N, K, layout)
+            plans += [(f"c{c}x{sp}", c, sp, "auto") for sp in splits if sp <= ms]
+        labels = {}
+        pdl_env = os.environ.get("MKERNEL_GEMM_PDL")
+        for name, c, sp, pdl in plans:
+            os.environ["MKERNEL_GEMM_PDL"] = pdl  # (part of the plan key: read when the plan is built)
+
+            def ours(i, c=c, sp=sp):
+                G.gemm(dA[i], dB[i], dC[i], b_layout=layout, stream=torch.cuda.current_stream(), config=c, splits=sp)
+            fns[name] = _runner(ours, nsets, batch, False)
+            torch.cuda.synchronize()
+            err = ((C[0].float() - Cr[0].float()).norm() / Cr[0].float().norm()).item()
+            labels[name] = plan_label(next(reversed(G._plans.values()))) + ("" if err < 1e-2 else " ERR")
+        if pdl_env is None:
+            os.environ.pop("MKERNEL_GEMM_PDL", None)
+        else:
+            os.environ["MKERNEL_GEMM_PDL"] = pdl_env
+        st = time_interleaved(fns, warmup=1, rounds=5)
+        us = {k: statistics.median(v["samples"]) / batch * 1e3 for k, v in st.items()}
+        cb = us.pop("cublas")
+        best = sorted((v, k) for k, v in us.items() if not k.startswith("auto"))[:6]
+        print(f"{spec}: cuBLAS {cb:.1f} | " + " ".join(f"{k}={labels[k]} {us[k]:.1f} ({cb / us[k]:.2f})"
+                                                      for k in ("auto", "auto:pdl0", "auto:pdl1"))
+              + " | best " + " ".join(f"{labels[k]} {v:.1f} ({cb / v:.2f})" for v, k in best), flush=True)
+        rows.append(dict(M=M, N=N, K=K, layout=layout, pad=pad, cublas=cb,
+                         plans={k: (labels[k], v) for k, v in us.items()}))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=0))
+        del fns
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
