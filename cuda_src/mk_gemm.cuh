@@ -137,9 +137,7 @@ struct MkGemmConfig {
   static constexpr int CLUSTER_N = CLUSTER_N_;
   static constexpr int CLUSTER_M = CLUSTER_M_;
   static constexpr int SHARING = CLUSTER_N_ * CLUSTER_M_;  // blocks a ring slot's multicast loads fill
-  // (2 x 2 clusters: the three blocks that write a slot -- itself, its row and its column partner -- not
-  // the diagonal one)
-  static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * (SHARING == 4 ? 3 : SHARING);
+  static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * SHARING;
   static_assert(CLUSTER_N_ == 1 || (CLUSTER_N_ == 2 && NC_ == 2 && !PINGPONG_),
                 "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
   // cluster rank r = CLUSTER_N * r_m + r_n; the blocks that share this block's A tile (same r_m) and B tile
@@ -757,12 +755,7 @@ MK_DEVICE void mk_gemm_setup(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, 
 // block's (the multicast writes the slot in all of them).
 template <class Cfg>
 MK_DEVICE void mk_gemm_release(mk_u64* empty_bar) {
-  if constexpr (Cfg::SHARING == 4) {  // this block, its row partner (A) and its column partner (B)
-    const mk_u32 r = mk_cluster_ctarank();
-    mk_mbar_arrive_cluster(empty_bar, r);
-    mk_mbar_arrive_cluster(empty_bar, r ^ 1u);
-    mk_mbar_arrive_cluster(empty_bar, r ^ 2u);
-  } else if constexpr (Cfg::SHARING > 1) {
+  if constexpr (Cfg::SHARING > 1) {
 #pragma unroll
     for (int r = 0; r < Cfg::SHARING; ++r) mk_mbar_arrive_cluster(empty_bar, (mk_u32)r);
   } else {
