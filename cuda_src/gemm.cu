@@ -54,10 +54,8 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
       MkClusterKEpilogue<Cfg, MkEpilogueStore<MkOut>> ck{epi, MkGemmSmem<Cfg>(mk_smem), mk_cluster_ctarank(), 0u};
       mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), ck, mk_smem, blockIdx.x, gridDim.x);
     } else {
-      typedef typename MkPick<
-          Cfg::SHARING == 4, MkClusterQuadScheduler<Cfg::BM, Cfg::BN>,
-          typename MkPick<Cfg::SHARING == 2, MkClusterPairScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_M == 2>,
-                          MkLinearScheduler<Cfg::BM, Cfg::BN>>::T>::T Sched;
+      typedef typename MkPick<Cfg::SHARING == 1, MkLinearScheduler<Cfg::BM, Cfg::BN>,
+                              MkClusterTileScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_M, Cfg::CLUSTER_N>>::T Sched;
       Sched sched(args.M, args.N, args.group_m, args.splits, args.split_from);
       mk_with_store_epilogue<Cfg>(epi, tmC, args.c_tma, 1, mk_smem, [&](auto& inner) {
         auto sk = mk_split_k_epilogue<Cfg::NC>(inner, args.partials, args.counters);

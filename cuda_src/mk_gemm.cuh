@@ -142,8 +142,8 @@ struct MkGemmConfig {
                 "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
   // cluster rank r = CLUSTER_N * r_m + r_n; the blocks that share this block's A tile (same r_m) and B tile
   // (same r_n), as multicast masks
-  static MK_DEVICE mk_u32 rank_n(mk_u32 r) { return CLUSTER_N_ == 2 ? (r & 1u) : 0u; }
-  static MK_DEVICE mk_u32 rank_m(mk_u32 r) { return CLUSTER_M_ == 2 ? r / (mk_u32)CLUSTER_N_ : 0u; }
+  static MK_DEVICE mk_u32 rank_n(mk_u32 r) { return CLUSTER_N_ == 2 ? (CLUSTER_M_ == 2 ? r & 1u : r) : 0u; }
+  static MK_DEVICE mk_u32 rank_m(mk_u32 r) { return CLUSTER_M_ == 2 ? (CLUSTER_N_ == 2 ? r >> 1 : r) : 0u; }
   static MK_DEVICE unsigned short a_mask(mk_u32 r) { return (unsigned short)(0x3u << (CLUSTER_N_ * rank_m(r))); }
   static MK_DEVICE unsigned short b_mask(mk_u32 r) { return (unsigned short)((1u | (1u << CLUSTER_N_)) << rank_n(r)); }
   static_assert(WG_N_ == 1 || (WG_N_ == 2 && NC_ == 2 && !PINGPONG_ && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 &&
@@ -282,53 +282,33 @@ template <int BM, int BN> struct MkLinearScheduler {
   }
 };
 
-// Clusters of two blocks along N (Cfg::CLUSTER_N == 2, ALONG_M = false) or along M (Cfg::CLUSTER_M == 2,
-// ALONG_M = true): a pair of blocks takes the units of MkLinearScheduler over tiles twice as wide (tall),
-// and cluster rank r the half r of each (tile_n = 2j + r, or tile_m = 2i + r).  A rank whose half lies
-// right of N (below M) gets the unit anyway with cols (rows) <= 0: it must still load and multicast its
-// part of the shared operand; the tile loop skips its epilogue.  Split tiles' slots are 2 * slot + r.
-template <int BM, int BN, bool ALONG_M> struct MkClusterPairScheduler {
-  MkLinearScheduler<ALONG_M ? 2 * BM : BM, ALONG_M ? BN : 2 * BN> pairs;
-  int extent, rank;  // M (ALONG_M) or N
-  MK_DEVICE MkClusterPairScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
-      : pairs(M_, N_, group_m_, splits_, split_from_), extent(ALONG_M ? M_ : N_), rank((int)mk_cluster_ctarank()) {}
-  MK_DEVICE void init(int worker_id, int num_workers) { pairs.init(worker_id / 2, num_workers / 2); }
-  MK_DEVICE bool next(MkTile& t) {
-    if (!pairs.next(t)) return false;
-    if constexpr (ALONG_M) {
-      t.tile_m = 2 * t.tile_m + rank;
-      t.row0 = t.tile_m * BM;
-      t.rows = min(BM, extent - t.row0);
-    } else {
-      t.tile_n = 2 * t.tile_n + rank;
-      t.col0 = t.tile_n * BN;
-      t.cols = min(BN, extent - t.col0);
-    }
-    t.slot = 2 * t.slot + rank;
-    return true;
-  }
-};
-
-// Clusters of 2 x 2 blocks (Cfg::SHARING == 4): a quad takes the units of MkLinearScheduler over tiles
-// twice as tall and wide, cluster rank r = 2 * r_m + r_n tile (2i + r_m, 2j + r_n) of each.  A member
-// whose tile lies below M or right of N gets the unit anyway (rows or cols <= 0): it still loads and
-// multicasts its parts of the shared A and B tiles; the tile loop skips its epilogue.  Split tiles'
-// slots are 4 * slot + r.
-template <int BM, int BN> struct MkClusterQuadScheduler {
-  MkLinearScheduler<2 * BM, 2 * BN> quads;
+// Clusters of CM x CN blocks sharing operand tiles by TMA multicast (Cfg::CLUSTER_M x Cfg::CLUSTER_N: 1 x 2
+// along N sharing A, 2 x 1 along M sharing B, 2 x 2 sharing both): a cluster takes the units of
+// MkLinearScheduler over tiles CM times as tall and CN times as wide, and cluster rank r = CN * r_m + r_n
+// the tile (CM i + r_m, CN j + r_n) of each.  A member whose tile lies below M or right of N gets the
+// unit anyway (rows or cols <= 0): it must still load and multicast its parts of the shared operands; the
+// tile loop skips its epilogue.  Split tiles' slots are CM * CN * slot + r.
+template <int BM, int BN, int CM, int CN> struct MkClusterTileScheduler {
+  static_assert(CM >= 1 && CM <= 2 && CN >= 1 && CN <= 2 && CM * CN > 1, "clusters of 1 x 2, 2 x 1 or 2 x 2 blocks");
+  static constexpr int CS = CM * CN;
+  MkLinearScheduler<CM * BM, CN * BN> units;
   int M, N, rank;
-  MK_DEVICE MkClusterQuadScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
-      : quads(M_, N_, group_m_, splits_, split_from_), M(M_), N(N_), rank((int)mk_cluster_ctarank()) {}
-  MK_DEVICE void init(int worker_id, int num_workers) { quads.init(worker_id / 4, num_workers / 4); }
+  MK_DEVICE MkClusterTileScheduler(int M_, int N_, int group_m_, int splits_ = 1, int split_from_ = 0)
+      : units(M_, N_, group_m_, splits_, split_from_), M(M_), N(N_), rank((int)mk_cluster_ctarank()) {}
+  MK_DEVICE void init(int worker_id, int num_workers) { units.init(worker_id / CS, num_workers / CS); }
   MK_DEVICE bool next(MkTile& t) {
-    if (!quads.next(t)) return false;
-    t.tile_m = 2 * t.tile_m + (rank >> 1);
-    t.tile_n = 2 * t.tile_n + (rank & 1);
-    t.row0 = t.tile_m * BM;
-    t.rows = min(BM, M - t.row0);
-    t.col0 = t.tile_n * BN;
-    t.cols = min(BN, N - t.col0);
-    t.slot = 4 * t.slot + rank;
+    if (!units.next(t)) return false;
+    if constexpr (CM == 2) {
+      t.tile_m = 2 * t.tile_m + (CN == 2 ? rank >> 1 : rank);
+      t.row0 = t.tile_m * BM;
+      t.rows = min(BM, M - t.row0);
+    }
+    if constexpr (CN == 2) {
+      t.tile_n = 2 * t.tile_n + (CM == 2 ? rank & 1 : rank);
+      t.col0 = t.tile_n * BN;
+      t.cols = min(BN, N - t.col0);
+    }
+    t.slot = CS * t.slot + rank;
     return true;
   }
 };
@@ -597,32 +577,31 @@ template <class Cfg> struct MkGemmSmem {
 // Producer (one lane): arm full[stage] with the bytes of K block kb of tile t and issue its TMA loads
 // (A rows from the map and row Hook::a_map gives; asked per K block, so nothing stays live in the
 // 40-register producer across the loop).
-// The A tile of a stage: one TMA load (box {64, BM}), or with clusters of 2 this block's 64-row slab
-// (box {64, 64}) multicast to both blocks, which then each count the whole A tile on their barrier.
+// The A tile of a stage: one TMA load (box {64, BM}), or with clusters along N this block's 64-row slab
+// (box {64, 64}) multicast to the two blocks sharing the tile, which then each count the whole A tile
+// on their barrier.
 template <class Cfg>
 MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmA, int k0, int a_row) {
-  if constexpr (Cfg::SHARING == 4) {  // 2 x 2 clusters: slab r_n, to the row pair
+  if constexpr (Cfg::CLUSTER_N == 2) {  // slab r_n, to the blocks sharing the A tile
     const mk_u32 r = mk_cluster_ctarank();
     const mk_u32 rn = Cfg::rank_n(r);
     mk_tma_load_2d_multicast(sm.a(stage) + rn * 64 * 128, tmA, sm.full(stage), k0, a_row + 64 * (int)rn, Cfg::a_mask(r));
-  } else if constexpr (Cfg::CLUSTER_N == 2) {
-    const mk_u32 r = mk_cluster_ctarank();
-    mk_tma_load_2d_multicast(sm.a(stage) + r * 64 * 128, tmA, sm.full(stage), k0, a_row + 64 * (int)r, 0x3);
   } else {
     mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
   }
 }
 
-// The B tile of a stage (kn: its first `nchunks` 64-column chunks), or with clusters of 2 along M this
+// The B tile of a stage (kn: its first `nchunks` 64-column chunks), or with clusters along M this
 // block's half -- BN/2 rows of an "nk" tile (the host's map has BN/2-row boxes), every other chunk of a
-// "kn" one -- multicast to both blocks, which then each count the whole tile on their barrier.
+// "kn" one -- multicast to the two blocks sharing the tile, which then each count the whole tile on
+// their barrier.
 template <class Cfg>
 MK_DEVICE void mk_gemm_load_b(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmB, const MkTile& t, int k0,
                               int nchunks) {
-  // (2 x 2 clusters: half r_m, to the column pair)
+  // (clusters along M: half r_m, to the blocks sharing the B tile)
   const mk_u32 rank = Cfg::CLUSTER_M == 2 ? mk_cluster_ctarank() : 0u;
-  const int r = Cfg::SHARING == 4 ? (int)Cfg::rank_m(rank) : (int)rank;
-  const unsigned short mask = Cfg::SHARING == 4 ? Cfg::b_mask(rank) : (unsigned short)0x3;
+  const int r = (int)Cfg::rank_m(rank);
+  const unsigned short mask = Cfg::b_mask(rank);
   if constexpr (Cfg::B_KN) {
     for (int j = r; j < nchunks; j += Cfg::CLUSTER_M) {
       if constexpr (Cfg::CLUSTER_M == 2)
@@ -1050,9 +1029,8 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
       MK_TRACE(14);
     }
     if (aborted) break;
-    // a pair's half below M (along M) or right of N (along N): nothing to store
-    if (Cfg::SHARING == 4 ? (t.rows <= 0 || t.cols <= 0) : (Cfg::SHARING > 1 && (Cfg::CLUSTER_M > 1 ? t.rows : t.cols) <= 0))
-      continue;
+    // a cluster member's tile below M or right of N: nothing to store
+    if ((Cfg::CLUSTER_M > 1 && t.rows <= 0) || (Cfg::CLUSTER_N > 1 && t.cols <= 0)) continue;
     if constexpr (Cfg::WG_N == 1) {
       epi.template store<Cfg::BN>(t, slab, acc);
     } else {

@@ -84,12 +84,12 @@ class TileConfig:
     # up to this M (above SMALL_M), efficiency_small_m also applies when the tiles make one whole wave
     # (FULL_WAVE_FILL of the SMs or more, at most all): 0 = never
     full_wave_max_m: int = 0
-    # 2: blocks in clusters of 2 along N sharing A by TMA multicast (MkClusterPairScheduler<..., false>)
+    # 2: blocks in clusters of 2 along N sharing A by TMA multicast (MkClusterTileScheduler<..., 1, 2>)
     cluster_n: int = 1
     # 2 or 4: split-K inside clusters of that many blocks, partials added through distributed shared
     # memory (MkClusterKScheduler / MkClusterKEpilogue); no running-sum split-K
     cluster_k: int = 1
-    # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterPairScheduler<..., true>)
+    # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterTileScheduler<..., 2, 1>)
     cluster_m: int = 1
 
     @property
