@@ -299,20 +299,22 @@ def write_report(out: Path, results, device: str, compile_s, reps: int, quick: b
     _plot(out / "gemm_bench.png", results, device)
 
 
-def make_inputs(M: int, N: int, K: int, layout: str, l2: int, seed: int = 1234):
+def make_inputs(M: int, N: int, K: int, layout: str, l2: int, seed: int = 1234, pad: int = 0):
     """(A, B, C, C_ref): lists of as many bf16 input sets (random normal; B [K, N] "kn" or [N, K] "nk")
     and outputs as it takes to exceed 2x L2 (at most 8; one where that would pass 40 GiB), so that
-    rotating over them makes every call read its inputs from HBM."""
+    rotating over them makes every call read its inputs from HBM.  ``pad``: A and B are views of
+    buffers with rows ``pad`` elements longer."""
     import torch
 
-    bytes_per_set = 2 * (M * K + N * K + M * N)
+    b_rows, b_cols = (K, N) if layout == "kn" else (N, K)
+    bytes_per_set = 2 * (M * (K + pad) + b_rows * (b_cols + pad) + M * N)
     nsets = max(1, min(8, math.ceil(2 * l2 / bytes_per_set)))
     if bytes_per_set * nsets > 40 << 30:
         nsets = 1
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    A = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
-    bshape = (K, N) if layout == "kn" else (N, K)
-    B = [torch.randn(*bshape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(nsets)]
+    A = [torch.randn(M, K + pad, device="cuda", dtype=torch.bfloat16, generator=gen)[:, :K] for _ in range(nsets)]
+    B = [torch.randn(b_rows, b_cols + pad, device="cuda", dtype=torch.bfloat16, generator=gen)[:, :b_cols]
+         for _ in range(nsets)]
     C = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
     Cr = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
     return A, B, C, Cr

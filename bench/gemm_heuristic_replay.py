@@ -20,12 +20,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def misaligned(row) -> tuple[bool, bool]:
-    """Whether A's / B's rows are an odd multiple of 16 bytes apart (bf16, in-place views)."""
-    b_cols = row["N"] if row["layout"] == "kn" else row["K"]
-    return tuple(((c + row["pad"]) * 2) % 32 == 16 for c in (row["K"], b_cols))
-
-
 def _clean(label: str) -> str:
     return label.split(" ")[0].rstrip("p")
 
@@ -36,7 +30,8 @@ def replay(rows, sms: int = 132):
 
     out = []
     for r in rows:
-        cfg, sp, sf = G._auto_plan(r["M"], r["N"], r["K"], r["layout"], sms, None, misaligned(r))
+        mis = G.misaligned_rows(r["K"], r["N"], r["layout"], pad=r["pad"])
+        cfg, sp, sf = G._auto_plan(r["M"], r["N"], r["K"], r["layout"], sms, None, mis)
         pick = f"c{cfg.id}x{sp}" + (f"f{sf}" if sp != 1 and sf else "")
         measured = {}
         for _, (label, us) in r["plans"].items():

@@ -54,7 +54,7 @@ def main():
     setup_env()
     import torch
 
-    from gemm import _runner, batch_for
+    from gemm import _runner, batch_for, make_inputs
     from mkernel import gemm_engine as G
     from mkernel.arrays import as_device_array
 
@@ -65,13 +65,9 @@ def main():
     rows = []
     for spec in args.shapes:
         M, N, K, layout, pad = parse_shape(spec)
-        b_rows, b_cols = (K, N) if layout == "kn" else (N, K)
-        nsets = max(1, min(8, math.ceil(2 * l2 / (2 * (M * (K + pad) + b_rows * (b_cols + pad) + 2 * M * N)))))
-        A = [torch.randn(M, K + pad, device="cuda", dtype=torch.bfloat16)[:, :K] for _ in range(nsets)]
-        B = [torch.randn(b_rows, b_cols + pad, device="cuda", dtype=torch.bfloat16)[:, :b_cols] for _ in range(nsets)]
+        A, B, C, Cr = make_inputs(M, N, K, layout, l2, pad=pad)
+        nsets = len(A)
         Bt = [b if layout == "kn" else b.t() for b in B]
-        C = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
-        Cr = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
         dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
         batch = batch_for(2.0 * M * N * K, nsets)
         fns = {"cublas": _runner(lambda i: torch.matmul(A[i], Bt[i], out=Cr[i]), nsets, batch, False)}

@@ -53,18 +53,14 @@ def shapes(seed: int, count: int):
 def run_shape(M, N, K, layout, pad, l2):
     import torch
 
-    from gemm import _runner, batch_for
+    from gemm import _runner, batch_for, make_inputs
     from mkernel import gemm_engine as G
     from mkernel.arrays import as_device_array
 
-    b_rows, b_cols = (K, N) if layout == "kn" else (N, K)
-    per_set = 2 * (M * (K + pad) + b_rows * (b_cols + pad) + 2 * M * N)
-    nsets = max(1, min(8, math.ceil(2 * l2 / per_set)))
-    A = [torch.randn(M, K + pad, device="cuda", dtype=torch.bfloat16)[:, :K] for _ in range(nsets)]
-    B = [torch.randn(b_rows, b_cols + pad, device="cuda", dtype=torch.bfloat16)[:, :b_cols]
-         for _ in range(nsets)]
-    C = [torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
-    Cr = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(nsets)]
+    A, B, C, Cr = make_inputs(M, N, K, layout, l2, pad=pad)
+    nsets = len(A)
+    for c in C:
+        c.fill_(float("nan"))
     dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
     batch = batch_for(2.0 * M * N * K, nsets)
     Bt = [b if layout == "kn" else b.t() for b in B]
@@ -85,8 +81,9 @@ def run_shape(M, N, K, layout, pad, l2):
 
 def misaligned(r) -> bool:
     """Whether A's or B's rows are an odd multiple of 16 bytes apart (bf16)."""
-    b_cols = r["N"] if r["layout"] == "kn" else r["K"]
-    return any(((c + r["pad"]) * 2) % 32 == 16 for c in (r["K"], b_cols))
+    from mkernel.gemm_engine import misaligned_rows
+
+    return any(misaligned_rows(r["K"], r["N"], r["layout"], pad=r["pad"]))
 
 
 def summarize(seed, rows) -> str:

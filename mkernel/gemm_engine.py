@@ -461,6 +461,12 @@ def _in_place(x: DeviceArray, batch: int, rows: int, cols: int, sb: int, sr: int
             and bat_b % 16 == 0 and (rows == 1 or sr >= cols) and (batch == 1 or sb >= rows * sr))
 
 
+def misaligned_rows(K: int, N: int, b_layout: str, itemsize: int = 2, pad: int = 0) -> tuple[bool, bool]:
+    """(A, B): whether dense operands of an M x N x K GEMM, each row padded by ``pad`` elements, have rows
+    an odd multiple of 16 bytes apart (load_bound; A's rows hold K elements, B's N ("kn") or K ("nk"))."""
+    return tuple(((c + pad) * itemsize) % 32 == 16 for c in (K, N if b_layout == "kn" else K))
+
+
 def row_misaligned(x: DeviceArray, rows: int, cols: int) -> bool:
     """Whether TMA reads 2-D operand x ([rows, cols], cols contiguous) in place from rows an odd multiple
     of 16 bytes apart (load_bound; a staged copy's rows are 32-byte multiples)."""
@@ -1086,7 +1092,7 @@ class _Sub:
 
 def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: str | None = None,
              b_layout: str = "kn", config: int | None = None, device: int | None = None) -> dict:
-    """What ``gemm`` would launch for this shape: config, tile, split-K factor, grid, threads, shared
+    """What ``gemm`` would launch for this shape (dense operands): config, tile, split-K factor, grid, threads, shared
     memory, registers per thread (ptxas; from the driver where NVRTC returned no ptxas report, as the
     NVRTC 13.0 of the H200 image does), spilled bytes (None without that report) and the NVRTC compile
     time of the module (0 if it came from cache)."""
@@ -1096,7 +1102,8 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
         from . import gemv
         if config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(N, sms):
             return gemv.describe(M, N, K, in_dtype, out_dtype)  # (aligned, contiguous operands assumed)
-        cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config)
+        mis_a, mis_b = misaligned_rows(K, N, b_layout)  # (dense 16-bit operands)
+        cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config, (mis_a and M > 1, mis_b))
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
         usage = _usage(mod, f"mk_gemm_{b_layout}")
     tiles = _tiles(cfg, M, N, b_layout)
