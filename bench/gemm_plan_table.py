@@ -16,7 +16,6 @@ scratch/plans_probe.py in the twenty-first session: docs/gemm_plans_20261201.jso
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from _common import setup_env, time_interleaved  # noqa: E402
+from _common import setup_env, time_interleaved, write_json  # noqa: E402
 
 
 def parse_shape(spec: str):
@@ -103,7 +102,7 @@ def main():
         rows.append(dict(M=M, N=N, K=K, layout=layout, pad=pad, cublas=cb,
                          plans={k: (labels[k], v) for k, v in us.items()}))
         if args.json:
-            Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=0))
+            write_json(args.json, {"device": torch.cuda.get_device_name(0), "rows": rows})
         del fns
         torch.cuda.empty_cache()
 
