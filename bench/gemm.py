@@ -351,10 +351,10 @@ class NkProblem:
         return ((c - r).norm() / r.norm()).item()
 
 
-def batch_for(flop: float, nsets: int) -> int:
-    """Calls per timed replay: ~50 ms of work at a guessed 600 TFLOP/s, a multiple of nsets, <= 200."""
+def batch_for(flop: float, nsets: int, target_ms: float = 50.0) -> int:
+    """Calls per timed replay: ~target_ms of work at a guessed 600 TFLOP/s, a multiple of nsets, <= 200."""
     est_ms = flop / 600e12 * 1e3
-    return max(nsets, min(200, int(math.ceil(50.0 / max(est_ms, 1e-3) / nsets)) * nsets))
+    return max(nsets, min(200, int(math.ceil(target_ms / max(est_ms, 1e-3) / nsets)) * nsets))
 
 
 def _runner(fn, nsets, batch, eager):

@@ -2,7 +2,7 @@
 """Every plan mkernel.gemm has for a shape, timed against cuBLAS, as a table the heuristic can be replayed
 on without a GPU (bench/gemm_heuristic_replay.py).
 
-    python bench/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--json FILE]
+    python bench/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--json FILE] [--batch-ms 50]
 
 SHAPE: MxNxK[:kn|:nk][+PAD] -- B "nk" ([N, K]) unless ":kn"; PAD extra elements at the end of every
 operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/gemm.md
@@ -49,6 +49,7 @@ def main():
     ap.add_argument("--configs", default=None, help="config ids (default: the heuristic's candidates)")
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--batch-ms", type=float, default=50.0, help="work per timed replay (ms, guessed)")
     args = ap.parse_args()
     setup_env()
     import torch
@@ -68,7 +69,7 @@ def main():
         nsets = len(A)
         Bt = [b if layout == "kn" else b.t() for b in B]
         dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
-        batch = batch_for(2.0 * M * N * K, nsets)
+        batch = batch_for(2.0 * M * N * K, nsets, args.batch_ms)
         fns = {"cublas": _runner(lambda i: torch.matmul(A[i], Bt[i], out=Cr[i]), nsets, batch, False)}
         plans = [("auto", None, None, "auto"), ("auto:pdl0", None, None, "0"), ("auto:pdl1", None, None, "1")]
         for c in cfgs:

@@ -150,9 +150,9 @@ struct MkGemmConfig {
                                 (B_KN_ ? WN % 64 == 0 : WN % 8 == 0)),
                 "warpgroups along N: two cooperative consumer warpgroups on a 64-row tile, whole column parts");
   static_assert(CLUSTER_M_ == 1 || (CLUSTER_M_ == 2 && !PINGPONG_ && CLUSTER_K_ == 1 &&
-                                    (CLUSTER_N_ == 1 ? BM == 64 : (NC_ == 2 && WG_N_ == 1)) &&
+                                    (BM == 64 || (NC_ == 2 && WG_N_ == 1)) &&
                                     (B_KN_ ? B_CHUNKS % 2 == 0 : (BN_ / 2) % 8 == 0)),
-                "clusters of 2 along M: 64-row tiles (or 2 x 2 clusters of 128-row tiles), B split in two "
+                "clusters of 2 along M: 64-row tiles or 128-row ones (two slabs), B split in two "
                 "1024-byte-aligned halves");
   static_assert(CLUSTER_K_ == 1 || ((CLUSTER_K_ == 2 || CLUSTER_K_ == 4) && NC_ == 2 && !PINGPONG_ &&
                                     !TMA_STORE && CLUSTER_N_ == 1),

@@ -40,6 +40,10 @@
 //                46  config 2's 128x128 tile in 2 x 2 clusters: A multicast to the row pair, B to the column
 //                    pair (half the L2 -> SMEM traffic for both; experiment, forced only)
 //                47  idem on config 3's 128x256 tile
+//                48  config 4's 128x192 tile ("kn": 128x128, 4 stages) in clusters of 2 along M sharing B
+//                49  config 3's 128x256 tile in clusters of 2 along M sharing B
+//                50  config 4's 128x192 tile in clusters of 2 along N sharing A
+//                    (48-50: experiments on misaligned rows, docs/gemm.md entry 64)
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
 //                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
@@ -75,6 +79,9 @@ template <bool KN> struct MkCfgSel<40, KN> { typedef MkGemmConfig<3, 192, 4, tru
 template <bool KN> struct MkCfgSel<42, KN> { typedef MkGemmConfig<2, KN ? 256 : 320, 3, true, MK_GEMM_IN, KN, false, 2> T; };
 template <bool KN> struct MkCfgSel<46, KN> { typedef MkGemmConfig<2, 128, 6, true, MK_GEMM_IN, KN, false, 2, 2, 1, 2> T; };
 template <bool KN> struct MkCfgSel<47, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2, 2, 1, 2> T; };
+template <bool KN> struct MkCfgSel<48, KN> { typedef MkGemmConfig<2, KN ? 128 : 192, 4, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
+template <bool KN> struct MkCfgSel<49, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
+template <bool KN> struct MkCfgSel<50, KN> { typedef MkGemmConfig<2, 192, 4, true, MK_GEMM_IN, KN, false, 2, 2> T; };
 template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 // (config 42's "kn" tile, config 3's, needs less shared memory than its 320-column "nk" one: launched with the latter)
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES >= MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&

@@ -235,11 +235,16 @@ CONFIGS = {
     # the mid-size shapes where every SM's L2 stream binds: docs/gemm.md entry 63)
     46: TileConfig(46, 128, 128, 6, 2, 0.85, staging_boxes=2, cluster_n=2, cluster_m=2),
     47: TileConfig(47, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_n=2, cluster_m=2),
+    # (experiment) 128-row tiles in pairs sharing one operand: configs 4 ("kn": 128 x 128, 4 stages) / 3's tiles along M
+    # sharing B, config 4's along N sharing A (docs/gemm.md entry 64)
+    48: TileConfig(48, 128, 192, 4, 2, 0.94, bn_kn=128, staging_boxes=2, cluster_m=2),
+    49: TileConfig(49, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_m=2),
+    50: TileConfig(50, 128, 192, 4, 2, 0.94, staging_boxes=2, cluster_n=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
-AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36, 40, 42)
+AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36, 40, 42, 8, 49, 11, 48, 50)
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
@@ -260,12 +265,14 @@ SPLIT_REDUCE_COST = 4.0
 # that load the most rows per multiply-accumulate then run bound by their load stream: a K block costs
 # at least (rows of A + rows of B loaded per block, each x MISALIGNED_ROW_COST if its operand is
 # misaligned) x LOAD_AREA_PER_ROW tile-area units instead of area / efficiency (load_bound; applied to
-# misaligned problems only: aligned ones plan as before).  LOAD_AREA_PER_ROW puts config 18 (320 rows
-# for a 64 x 256 tile at efficiency 0.90: the most rows per area of the cooperative configs) at the edge
-# of load-bound on aligned rows; misaligned problems move off it (measured on six such shapes: 1.13-1.42x
-# slower than the best plan, e.g. 1778x408x5544 42.0 vs 30.2 us for config 5 split 4) and config 1.
+# misaligned problems only: aligned ones plan as before).  Rows a cluster multicasts count once per
+# block that loads them (configs 8, 11, 50 share A along N; 30, 48, 49 share B along M), so on misaligned
+# rows the pairs beat the single-block configs of the same tile: measured (docs/gemm.md entry 64) config
+# 8 at 0.76-0.91x config 2's time, 50 at 0.80-0.92x config 4's, 49 at 0.80-0.98x config 3's.
+# LOAD_AREA_PER_ROW fitted there (70: geometric-mean regret 1.073 -> 1.023 on that table, the previous
+# table's unchanged); 56 before the pairs were candidates (entry 62).
 MISALIGNED_ROW_COST = 1.25
-LOAD_AREA_PER_ROW = 56
+LOAD_AREA_PER_ROW = 75
 # Split only the last wave's tiles when that is predicted to beat every other plan by this fraction
 # (measured: on large problems predicted gains of a few % came out as 1-3 % losses; kv_a M=8192,
 # predicted 16 %, gained 11 %).
@@ -407,6 +414,20 @@ def config_cost(cfg: TileConfig, tiles: int, num_sms: int, k: int | None, layout
     w = math.ceil(tiles / (2 * num_sms))
     exposed = (2 if w == 1 else 1) * area * EPILOGUE_K
     return 2 * w * area * k / cfg.efficiency + exposed
+
+
+# Clusters of four blocks fit 120 of an H200's 132 SMs (cuOccupancyMaxActiveClusters: a GPC's SMs do not all
+# group up); pairs fit every SM (the two SMs of a TPC).  The planning model's share for clusters of four or
+# more; the launch caps its grid by the driver's answer (_plan_gemm).
+CLUSTER4_FIT = 120 / 132
+
+
+def workers(cfg: TileConfig, sms: int) -> int:
+    """Blocks of ``cfg`` resident at once on ``sms`` SMs (the planning model's wave width)."""
+    c = cfg.cluster
+    if c < 4:
+        return sms
+    return max(c, int(sms * CLUSTER4_FIT) // c * c)
 
 
 def _grid(cfg: TileConfig, tiles: int, sms: int) -> int:
@@ -945,12 +966,12 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
     multiple of 16 bytes apart (load_bound)."""
     if config is not None:
         cfg = CONFIGS[config]
-        return (cfg, *choose_splits(cfg, M, N, K, b_layout, sms))
+        return (cfg, *choose_splits(cfg, M, N, K, b_layout, workers(cfg, sms)))
     cands = _env_candidates(AUTO_CANDIDATES)
     env = os.environ.get("MKERNEL_GEMM_CONFIG")
     if env and (int(env) == 0 or int(env) in cands):
         cfg = CONFIGS[int(env)]
-        return (cfg, *choose_splits(cfg, M, N, K, b_layout, sms))
+        return (cfg, *choose_splits(cfg, M, N, K, b_layout, workers(cfg, sms)))
     plans = []  # (cost, config, splits, split_from)
     for cid in cands:
         cfg = load_bound(CONFIGS[cid], misaligned, b_layout)
@@ -964,12 +985,13 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         if cfg.efficiency_small_m is not None and (
                 M <= SMALL_M or (M <= cfg.full_wave_max_m and FULL_WAVE_FILL * sms <= tiles <= sms)):
             cfg = replace(cfg, efficiency=cfg.efficiency_small_m)
-        if cfg.cluster_k > 1 and tiles * cfg.cluster_k > sms:  # measured: loses beyond one wave
+        w = workers(cfg, sms)
+        if cfg.cluster_k > 1 and tiles * cfg.cluster_k > w:  # measured: loses beyond one wave
             continue
-        sp, sf = choose_splits(cfg, M, N, K, b_layout, sms)
-        plans.append((split_cost(cfg, tiles, K, b_layout, sms, sp, sf), cid, sp, sf))
+        sp, sf = choose_splits(cfg, M, N, K, b_layout, w)
+        plans.append((split_cost(cfg, tiles, K, b_layout, w, sp, sf), cid, sp, sf))
         if sp > 1 and sf > 0:  # last-wave split: also keep this config's unsplit plan as a candidate
-            plans.append((config_cost(cfg, tiles, sms, K, b_layout), cid, 1, tiles))
+            plans.append((config_cost(cfg, tiles, w, K, b_layout), cid, 1, tiles))
     best = _pick_plan(plans)
     # Cluster split-K (configs 9, 36) replaces a split plan, never an unsplit one: where whole tiles
     # already fill the SMs, halving K per block only adds the exchange and the register epilogue

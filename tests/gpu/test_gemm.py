@@ -108,12 +108,13 @@ def test_big_square(rng, layout, config):
 
 # configs 4, 5: 128x192 / 128x224 tiles (n192 / n224 wgmma, 224-row "nk" B box); 29 / 31: two
 # warpgroups side by side along N (n64 / n48 halves of one 64-row tile); 46 / 47: 2 x 2 clusters (a
-# quad's members past M or N still load and multicast); many tiles per block so ring positions are
+# quad's members past M or N still load and multicast); 48 / 49 / 50: 128-row tiles in pairs along M
+# (B shared) / N (A shared); many tiles per block so ring positions are
 # reused across tiles and warpgroups; ragged K so nkb is not a multiple of the stage count.
 RING_SHAPES = [(2100, 4100, 328), (4100, 2100, 520), (300, 7168, 2048)]
 
 
-@pytest.mark.parametrize("config", [4, 5, 29, 31, 40, 42, 46, 47])
+@pytest.mark.parametrize("config", [4, 5, 29, 31, 40, 42, 46, 47, 48, 49, 50])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("M,N,K", RING_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in RING_SHAPES])
 def test_new_configs_many_tiles(rng, M, N, K, layout, config):
@@ -183,6 +184,8 @@ SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K spl
     (7, 7, 4000, "kn", 32, 4), (130, 100, 2000, "nk", 32, 2), (300, 520, 2048, "kn", 40, 3),
     (400, 1000, 4097, "nk", 40, 2), (129, 700, 4097, "nk", 42, 2),
     (300, 520, 2048, "kn", 42, 3), (300, 520, 2048, "nk", 46, 3), (129, 1000, 4097, "kn", 47, 2),
+    (300, 520, 2048, "nk", 48, 3), (129, 1000, 4097, "kn", 48, 2), (300, 520, 2048, "kn", 49, 3),
+    (129, 1000, 4097, "nk", 50, 2),
 ]
 
 
