@@ -154,7 +154,8 @@ CONFIGS = {
     # ping-pong 64x256, register epilogue: measured never the fastest (docs/gemm.md), forced only
     6: TileConfig(6, 64, 256, 5, 2, 0.90, pingpong=True),
     # config 2's tile in clusters of 2 along N sharing A by TMA multicast: measured at config 2's speed
-    # (docs/gemm.md entry 13), forced only
+    # (docs/gemm.md entry 13) and forced only until entry 64 (0.76-0.91x config 2's time on misaligned
+    # rows, 0.93-1.0x on most aligned ones: a candidate, planned as config 2 but for load_bound).
     8: TileConfig(8, 128, 128, 6, 2, 0.85, staging_boxes=2, cluster_n=2),
     # config 4's tile, split-K inside clusters of 2 / 4 (partials through distributed shared memory).
     # Sweep of 2026-11-30 (sixth session, docs/gemm.md entry 15): config 9 the fastest on llama qkv
@@ -169,8 +170,11 @@ CONFIGS = {
     # one consumer warpgroup on 64 x 256 tiles: n256 wgmmas, twice config 1's work per instruction for
     # about the same issue time (docs/gemm.md entries 27-28; with no loads it runs at config 3's rate).
     # Efficiency fitted on dsv3.moe_gate_up M=512 (44.3 us vs config 2's 48.1: 0.85 x 1.086 = 0.92),
-    # rounded down; it is the pick there only (128 tiles in one wave instead of config 2's 128)
-    18: TileConfig(18, 64, 256, 5, 1, 0.90, staging_boxes=2),
+    # rounded down; it was the pick there only (128 tiles in one wave instead of config 2's 128).  0.85
+    # above M = SMALL_M since entry 64: there it ties config 2 now (43.1 vs 43.9 us) and one-wave shapes
+    # with long K lose badly on it (713x2576x10896: 108.7 vs 72.3 us for config 2; 1862x904x2152: 17.8
+    # vs 16.1); at M <= SMALL_M (no measurement against it) 0.90 as before
+    18: TileConfig(18, 64, 256, 5, 1, 0.85, staging_boxes=2, efficiency_small_m=0.90),
     # 128 x 144 "nk" tiles (with "kn": config 4's 128 x 192): wave quantization where N / 144 fills the SMs
     # (dsv3.dense_gate_up, N = 36864: 256 tiles of 128 rows, 1.94 waves; cuBLAS's nvjet 144x128 there).
     # A candidate at M <= SMALL_M only (efficiency 0.60 above): measured (docs/gemm.md entry 32) it beat
