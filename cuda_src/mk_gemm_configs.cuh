@@ -14,12 +14,12 @@
 //                     6  ping-pong: 2 consumer WGs on alternate 64x256 tiles, 5 stages (small K: the
 //                        epilogue of one WG hides under the other's main loop); register epilogue
 //                     8  config 2's tile in clusters of 2 blocks along N sharing A by TMA multicast
-//                        (forced only: config 2's speed; launch with cluster dims (2, 1, 1), even grid)
+//                        (launch with cluster dims (2, 1, 1), even grid; the misaligned-row pick, entry 64)
 //                     9  128x192, 4 stages, register epilogue, split-K inside clusters of 2 (the blocks
 //                        of a cluster add their partials through distributed shared memory)
 //                    10  idem, 3 stages, clusters of 4 (experiments, forced only)
 //                    11  config 3's 128x256 tile in clusters of 2 along N sharing A by TMA multicast
-//                        (experiment, forced only: less L2 -> SMEM traffic and power on large problems)
+//                        (less L2 -> SMEM traffic; a heuristic candidate on misaligned rows, entry 64)
 //                18  BM=64 (1 consumer WG), BN=256, 5 stages, S=2: one warpgroup issuing n256 wgmmas (a
 //                    warpgroup's wgmma cost ~the same time for any N <= 128 with the old consumer loop: entries 27, 34)
 //                24  BM=128 (2 consumer WGs), BN=144 with B "nk" (config 4's 192 with "kn"), 4 stages, S=2:
@@ -43,7 +43,7 @@
 //                48  config 4's 128x192 tile ("kn": 128x128, 4 stages) in clusters of 2 along M sharing B
 //                49  config 3's 128x256 tile in clusters of 2 along M sharing B
 //                50  config 4's 128x192 tile in clusters of 2 along N sharing A
-//                    (48-50: experiments on misaligned rows, docs/gemm.md entry 64)
+//                    (48-50 and 8, 11: the heuristic's picks on misaligned rows, docs/gemm.md entry 64)
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
 //                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the

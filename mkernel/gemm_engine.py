@@ -239,8 +239,10 @@ CONFIGS = {
     # the mid-size shapes where every SM's L2 stream binds: docs/gemm.md entry 63)
     46: TileConfig(46, 128, 128, 6, 2, 0.85, staging_boxes=2, cluster_n=2, cluster_m=2),
     47: TileConfig(47, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_n=2, cluster_m=2),
-    # (experiment) 128-row tiles in pairs sharing one operand: configs 4 ("kn": 128 x 128, 4 stages) / 3's tiles along M
-    # sharing B, config 4's along N sharing A (docs/gemm.md entry 64)
+    # 128-row tiles in pairs sharing one operand by TMA multicast: configs 4 ("kn": 128 x 128, 4 stages) / 3's
+    # tiles along M sharing B, config 4's along N sharing A.  Candidates since entry 64 (docs/gemm.md): at the
+    # efficiency of their single-block config (which wins the tie on aligned rows), ahead of it on misaligned
+    # rows through load_bound (e.g. 696x3704x8360 "kn" on 50: 84.7 vs 99.2 us on config 4)
     48: TileConfig(48, 128, 192, 4, 2, 0.94, bn_kn=128, staging_boxes=2, cluster_m=2),
     49: TileConfig(49, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_m=2),
     50: TileConfig(50, 128, 192, 4, 2, 0.94, staging_boxes=2, cluster_n=2),
@@ -272,9 +274,10 @@ SPLIT_REDUCE_COST = 4.0
 # misaligned problems only: aligned ones plan as before).  Rows a cluster multicasts count once per
 # block that loads them (configs 8, 11, 50 share A along N; 30, 48, 49 share B along M), so on misaligned
 # rows the pairs beat the single-block configs of the same tile: measured (docs/gemm.md entry 64) config
-# 8 at 0.76-0.91x config 2's time, 50 at 0.80-0.92x config 4's, 49 at 0.80-0.98x config 3's.
-# LOAD_AREA_PER_ROW fitted there (70: geometric-mean regret 1.073 -> 1.023 on that table, the previous
-# table's unchanged); 56 before the pairs were candidates (entry 62).
+# 8 at 0.76-0.99x config 2's time on 26 of 27 shapes, 50 at 0.80-0.99x config 4's on 14 of 16, 49 at
+# 0.80-0.99x config 3's.  LOAD_AREA_PER_ROW fitted on that table (docs/gemm_plans_20261202.json: 70-80
+# all bring the geometric-mean regret from 1.07 to 1.02-1.03; the older table's is unchanged); 56 before
+# the pairs were candidates (entry 62).
 MISALIGNED_ROW_COST = 1.25
 LOAD_AREA_PER_ROW = 75
 # Split only the last wave's tiles when that is predicted to beat every other plan by this fraction
