@@ -87,6 +87,11 @@
 // CLUSTER_K_ = 2 or 4: split-K inside a cluster -- the CLUSTER_K blocks of a cluster compute the same
 // tile over K ranges of their own and add their fp32 partials through distributed shared memory
 // (MkClusterKScheduler, MkClusterKEpilogue: no global memory, no atomics); register epilogue only.
+// A CM x CN cluster's rank r = CN * r_m + r_n: the block's row r_m and column r_n within the cluster (0 along a
+// dimension of 1).  MkGemmConfig's multicast masks and MkClusterTileScheduler's tile offsets both use it.
+template <int CM, int CN, class T> MK_DEVICE constexpr T mk_cluster_rank_m(T r) { return CM == 2 ? (CN == 2 ? r >> 1 : r) : T(0); }
+template <int CM, int CN, class T> MK_DEVICE constexpr T mk_cluster_rank_n(T r) { return CN == 2 ? (CM == 2 ? r & T(1) : r) : T(0); }
+
 template <int NC_, int BN_, int STAGES_, bool PIPELINED_, int DT_, bool B_KN_, bool PINGPONG_ = false,
           int STAGING_BOXES_ = 0, int CLUSTER_N_ = 1, int CLUSTER_K_ = 1, int CLUSTER_M_ = 1, int WG_N_ = 1>
 struct MkGemmConfig {
@@ -142,8 +147,8 @@ struct MkGemmConfig {
                 "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
   // cluster rank r = CLUSTER_N * r_m + r_n; the blocks that share this block's A tile (same r_m) and B tile
   // (same r_n), as multicast masks
-  static MK_DEVICE mk_u32 rank_n(mk_u32 r) { return CLUSTER_N_ == 2 ? (CLUSTER_M_ == 2 ? r & 1u : r) : 0u; }
-  static MK_DEVICE mk_u32 rank_m(mk_u32 r) { return CLUSTER_M_ == 2 ? (CLUSTER_N_ == 2 ? r >> 1 : r) : 0u; }
+  static MK_DEVICE mk_u32 rank_n(mk_u32 r) { return mk_cluster_rank_n<CLUSTER_M_, CLUSTER_N_>(r); }
+  static MK_DEVICE mk_u32 rank_m(mk_u32 r) { return mk_cluster_rank_m<CLUSTER_M_, CLUSTER_N_>(r); }
   static MK_DEVICE unsigned short a_mask(mk_u32 r) { return (unsigned short)(0x3u << (CLUSTER_N_ * rank_m(r))); }
   static MK_DEVICE unsigned short b_mask(mk_u32 r) { return (unsigned short)((1u | (1u << CLUSTER_N_)) << rank_n(r)); }
   static_assert(WG_N_ == 1 || (WG_N_ == 2 && NC_ == 2 && !PINGPONG_ && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 &&
@@ -299,12 +304,12 @@ template <int BM, int BN, int CM, int CN> struct MkClusterTileScheduler {
   MK_DEVICE bool next(MkTile& t) {
     if (!units.next(t)) return false;
     if constexpr (CM == 2) {
-      t.tile_m = 2 * t.tile_m + (CN == 2 ? rank >> 1 : rank);
+      t.tile_m = 2 * t.tile_m + mk_cluster_rank_m<CM, CN>(rank);
       t.row0 = t.tile_m * BM;
       t.rows = min(BM, M - t.row0);
     }
     if constexpr (CN == 2) {
-      t.tile_n = 2 * t.tile_n + (CM == 2 ? rank & 1 : rank);
+      t.tile_n = 2 * t.tile_n + mk_cluster_rank_n<CM, CN>(rank);
       t.col0 = t.tile_n * BN;
       t.cols = min(BN, N - t.col0);
     }
