@@ -13,8 +13,8 @@ every plan of every measured shape before any device time is spent (docs/gemm.md
 from __future__ import annotations
 
 import json
-import math
 import sys
+from statistics import geometric_mean
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,7 +30,7 @@ def replay(rows, sms: int = 132):
 
     out = []
     for r in rows:
-        mis = G.misaligned_rows(r["K"], r["N"], r["layout"], pad=r["pad"])
+        mis = G.misaligned_rows(r["M"], r["N"], r["K"], r["layout"], pad=r["pad"])
         cfg, sp, sf = G._auto_plan(r["M"], r["N"], r["K"], r["layout"], sms, None, mis)
         pick = f"c{cfg.id}x{sp}" + (f"f{sf}" if sp != 1 and sf else "")
         measured = {}
@@ -48,15 +48,14 @@ def main(argv):
     rows = [r for f in argv if f != "-v" for r in json.loads(Path(f).read_text())["rows"]]
     res = replay(rows)
     judged = [x for x in res if x[2] is not None]
-    g = lambda xs: math.exp(sum(math.log(v) for v in xs) / len(xs))  # noqa: E731
     for r, pick, t, best, tb in res:
         if verbose or t is None or t / tb > 1.1:
             shape = f"{r['M']}x{r['N']}x{r['K']}:{r['layout']}+{r['pad']}"
             got = f"{t:.1f} us, regret {t / tb:.2f}" if t is not None else "not in the table"
             print(f"{shape:<24} pick {pick:<10} {got}; best {best} {tb:.1f}; cuBLAS {r['cublas']:.1f}")
     regrets = [t / tb for _, _, t, _, tb in judged]
-    print(f"{len(judged)} of {len(res)} shapes judged: regret geometric mean {g(regrets):.3f}, max "
-          f"{max(regrets):.2f}; cuBLAS / pick geometric mean {g([r['cublas'] / t for r, _, t, _, _ in judged]):.3f}")
+    print(f"{len(judged)} of {len(res)} shapes judged: regret geometric mean {geometric_mean(regrets):.3f}, max "
+          f"{max(regrets):.2f}; cuBLAS / pick geometric mean {geometric_mean([r['cublas'] / t for r, _, t, _, _ in judged]):.3f}")
     return 0
 
 

@@ -46,7 +46,7 @@ def main(argv):
         b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen)
         c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         cfg, splits, split_from = G._auto_plan(M, N, K, "nk", torch.cuda.get_device_properties(0).multi_processor_count,
-                                               None, G.misaligned_rows(K, N, "nk"))
+                                               None, G.misaligned_rows(M, N, K, "nk"))
         print(f"{name}: M={M} N={N} K={K}: mkernel config {cfg.id} ({cfg.bm}x{cfg.bn}) splits {splits} "
               f"from tile {split_from}", flush=True)
         da, db, dc = as_device_array(a), as_device_array(b), as_device_array(c)

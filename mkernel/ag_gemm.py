@@ -538,7 +538,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
             if P > 1 else (M * row_bytes / model.hbm_copy_bw if gathered else 0.0))
     # mkernel.gemm's own plan for the gathered problem (any config, split-K; dense operands)
     cfg_u, sp_u, sf_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), b_layout, sms, None,
-                                     G.misaligned_rows(K, N, b_layout))
+                                     G.misaligned_rows(M, N, K, b_layout))
     n_split = G._tiles(cfg_u, M, N, b_layout) - sf_u if sp_u > 1 else 0
     cfg_u_tile = tile_config(cfg_u.id, b_layout)
     t_gu = (_gemm_time(G._tiles(cfg_u, M, N, b_layout) - n_split, sms, cfg_u_tile, K, sms, model)

@@ -489,10 +489,12 @@ def _in_place(x: DeviceArray, batch: int, rows: int, cols: int, sb: int, sr: int
             and bat_b % 16 == 0 and (rows == 1 or sr >= cols) and (batch == 1 or sb >= rows * sr))
 
 
-def misaligned_rows(K: int, N: int, b_layout: str, itemsize: int = 2, pad: int = 0) -> tuple[bool, bool]:
+def misaligned_rows(M: int, N: int, K: int, b_layout: str, itemsize: int = 2, pad: int = 0) -> tuple[bool, bool]:
     """(A, B): whether dense operands of an M x N x K GEMM, each row padded by ``pad`` elements, have rows
-    an odd multiple of 16 bytes apart (load_bound; A's rows hold K elements, B's N ("kn") or K ("nk"))."""
-    return tuple(((c + pad) * itemsize) % 32 == 16 for c in (K, N if b_layout == "kn" else K))
+    an odd multiple of 16 bytes apart (load_bound; row_misaligned for the shape alone: A is M rows of K
+    elements, B K rows of N ("kn") or N rows of K ("nk"); an operand of one row has no row stride)."""
+    b_rows, b_cols = (K, N) if b_layout == "kn" else (N, K)
+    return tuple(rows > 1 and ((cols + pad) * itemsize) % 32 == 16 for rows, cols in ((M, K), (b_rows, b_cols)))
 
 
 def row_misaligned(x: DeviceArray, rows: int, cols: int) -> bool:
@@ -951,6 +953,12 @@ def _pick_plan(plans: list) -> tuple:
     return best
 
 
+def phantom_row_half(cfg: TileConfig, M: int) -> bool:
+    """Whether M's row tiles leave a pair along M with a half below M (one SM idle): the heuristic never
+    offers such a plan (a forced config still runs it)."""
+    return math.ceil(M / cfg.bm) % cfg.cluster_m != 0
+
+
 def load_bound(cfg: TileConfig, misaligned: tuple[bool, bool], b_layout: str = "nk") -> TileConfig:
     """``cfg`` with its efficiencies capped by what its load stream allows when A's and / or B's rows
     (``misaligned``) are an odd multiple of 16 bytes apart (MISALIGNED_ROW_COST, LOAD_AREA_PER_ROW);
@@ -984,7 +992,7 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         cfg = load_bound(CONFIGS[cid], misaligned, b_layout)
         if cfg.debug or (b_layout == "kn" and cfg.bn_kn is not None):
             continue
-        if math.ceil(M / cfg.bm) % cfg.cluster_m:  # a pair along M with a phantom half: one SM idle
+        if phantom_row_half(cfg, M):
             continue
         tiles = max(1, _tiles(cfg, M, N, b_layout))
         # one band of rows streaming B, or (up to full_wave_max_m) one whole wave of tiles: the small-M
@@ -1131,8 +1139,7 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
         from . import gemv
         if config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(N, sms):
             return gemv.describe(M, N, K, in_dtype, out_dtype)  # (aligned, contiguous operands assumed)
-        mis_a, mis_b = misaligned_rows(K, N, b_layout)  # (dense 16-bit operands)
-        cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config, (mis_a and M > 1, mis_b))
+        cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config, misaligned_rows(M, N, K, b_layout))
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
         usage = _usage(mod, f"mk_gemm_{b_layout}")
     tiles = _tiles(cfg, M, N, b_layout)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
+import statistics
 import os
 import sys
 from pathlib import Path
@@ -166,11 +166,14 @@ def test_heuristic_replay_on_the_measured_plan_table(bench_path, name, shapes, m
     res = replay.replay(table["rows"])
     judged = [(t, tb) for _, _, t, _, tb in res if t is not None]
     assert len(res) == shapes and len(judged) >= min_judged
-    regret = math.exp(sum(math.log(t / tb) for t, tb in judged) / len(judged))
+    regret = statistics.geometric_mean([t / tb for t, tb in judged])
     assert regret <= 1.035, f"geometric-mean regret {regret:.3f}"
     from mkernel.gemm_engine import misaligned_rows
-    assert misaligned_rows(4120, 64, "nk") == (True, True) and misaligned_rows(64, 4120, "kn") == (False, True)
-    assert misaligned_rows(64, 72, "kn", pad=8) == (True, False) and misaligned_rows(64, 64, "nk") == (False, False)
+    assert misaligned_rows(8, 64, 4120, "nk") == (True, True) and misaligned_rows(8, 4120, 64, "kn") == (False, True)
+    assert misaligned_rows(8, 72, 64, "kn", pad=8) == (True, False) and misaligned_rows(8, 64, 64, "nk") == (False, False)
+    # an operand of one row has no row stride (as row_misaligned: rows > 1)
+    assert misaligned_rows(1, 64, 4120, "nk") == (False, True) and misaligned_rows(8, 1, 4120, "nk") == (True, False)
+    assert misaligned_rows(1, 72, 1, "kn") == (False, False)
 
 
 def test_plan_table_shape_specs(bench_path):
