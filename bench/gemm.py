@@ -320,34 +320,52 @@ def make_inputs(M: int, N: int, K: int, layout: str, l2: int, seed: int = 1234, 
     return A, B, C, Cr
 
 
-class NkProblem:
-    """One M x N x K call with weights [N, K] for the probes (bench/gemm_rounds.py, gemv_variants.py):
-    make_inputs' torch tensors (A, B, C, Cr) and mkernel's views of them (dA, dB, dC), the input sets
-    and calls per timed replay, cuBLAS's CUDA-graph runner, and ``runner(fn)`` for ours."""
+def plan_label(plan) -> str:
+    """c<config>x<splits>[f<split_from>][p] of a plain GEMM plan (p: a programmatic dependent launch); a
+    decode plan's name."""
+    if getattr(plan, "cfg", None) is None:
+        return getattr(plan, "name", "other")
+    sf = f"f{plan.split_from}" if plan.splits != 1 and plan.split_from else ""
+    return f"c{plan.cfg.id}x{plan.splits}{sf}" + ("p" if plan.dependent else "")
 
-    def __init__(self, M: int, N: int, K: int, l2: int):
+
+class GemmProblem:
+    """One M x N x K call (B "nk" = [N, K] or "kn" = [K, N]; operand rows ``pad`` elements longer than
+    their data) for the probes and the plan / random-shape benches: make_inputs' torch tensors (A, B, C,
+    Cr; C NaN-poisoned) and mkernel's views of them (dA, dB, dC), the input sets and calls per timed
+    replay (~batch_ms of work), cuBLAS's CUDA-graph runner, and ``runner(fn)`` for ours."""
+
+    def __init__(self, M: int, N: int, K: int, l2: int, layout: str = "nk", pad: int = 0, batch_ms: float = 50.0):
         import torch
 
         from mkernel.arrays import as_device_array
 
-        self.A, self.B, self.C, self.Cr = make_inputs(M, N, K, "nk", l2)
+        self.layout = layout
+        self.A, self.B, self.C, self.Cr = make_inputs(M, N, K, layout, l2, pad=pad)
+        self.poison()
         self.dA, self.dB, self.dC = ([as_device_array(x) for x in xs] for xs in (self.A, self.B, self.C))
         self.nsets = len(self.A)
-        self.batch = batch_for(2.0 * M * N * K, self.nsets)
-        self.cublas = self.runner(lambda i: torch.matmul(self.A[i], self.B[i].t(), out=self.Cr[i]))
+        self.batch = batch_for(2.0 * M * N * K, self.nsets, batch_ms)
+        Bt = [b if layout == "kn" else b.t() for b in self.B]
+        self.cublas = self.runner(lambda i: torch.matmul(self.A[i], Bt[i], out=self.Cr[i]))
 
     def runner(self, fn):
         return _runner(fn, self.nsets, self.batch, False)
+
+    def poison(self):
+        """NaN in every output buffer of ours (so error() fails a call that left any element unwritten)."""
+        for c in self.C:
+            c.fill_(float("nan"))
 
     def ours(self, i: int, stream, **kw):
         """mkernel.gemm on input set i (kw: config, splits)."""
         from mkernel import gemm_engine as G
 
-        G.gemm(self.dA[i], self.dB[i], self.dC[i], b_layout="nk", stream=stream, **kw)
+        G.gemm(self.dA[i], self.dB[i], self.dC[i], b_layout=self.layout, stream=stream, **kw)
 
     def error(self) -> float:
-        """Relative Frobenius distance of ours from cuBLAS on input set 0 (both must have run)."""
-        c, r = self.C[0].float(), self.Cr[0].float()
+        """Relative Frobenius distance (float64) of ours from cuBLAS on input set 0 (both must have run)."""
+        c, r = self.C[0].double(), self.Cr[0].double()
         return ((c - r).norm() / r.norm()).item()
 
 

@@ -53,29 +53,17 @@ def shapes(seed: int, count: int):
 def run_shape(M, N, K, layout, pad, l2):
     import torch
 
-    from gemm import _runner, batch_for, make_inputs
+    from gemm import GemmProblem, plan_label
     from mkernel import gemm_engine as G
-    from mkernel.arrays import as_device_array
 
-    A, B, C, Cr = make_inputs(M, N, K, layout, l2, pad=pad)
-    nsets = len(A)
-    for c in C:
-        c.fill_(float("nan"))
-    dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
-    batch = batch_for(2.0 * M * N * K, nsets)
-    Bt = [b if layout == "kn" else b.t() for b in B]
-    stream = torch.cuda.current_stream
-    fns = {"cublas": _runner(lambda i: torch.matmul(A[i], Bt[i], out=Cr[i]), nsets, batch, False),
-           "ours": _runner(lambda i: G.gemm(dA[i], dB[i], dC[i], b_layout=layout, stream=stream()),
-                           nsets, batch, False)}
+    prob = GemmProblem(M, N, K, l2, layout, pad)
+    fns = {"cublas": prob.cublas, "ours": prob.runner(lambda i: prob.ours(i, torch.cuda.current_stream()))}
     plan = next(reversed(G._plans.values()))
     torch.cuda.synchronize()
-    ref = Cr[0].double()
-    err = ((C[0].double() - ref).norm() / ref.norm()).item()
+    err = prob.error()
     st = time_interleaved(fns, warmup=1, rounds=ROUNDS)
-    us = {k: statistics.median(v["samples"]) / batch * 1e3 for k, v in st.items()}
-    name = plan.name if plan.cfg is None else f"c{plan.cfg.id}x{plan.splits}"
-    return {"M": M, "N": N, "K": K, "layout": layout, "pad": pad, "plan": name, "err": err,
+    us = {k: statistics.median(v["samples"]) / prob.batch * 1e3 for k, v in st.items()}
+    return {"M": M, "N": N, "K": K, "layout": layout, "pad": pad, "plan": plan_label(plan), "err": err,
             "ours_us": us["ours"], "cublas_us": us["cublas"], "ratio": us["cublas"] / us["ours"]}
 
 
@@ -83,16 +71,16 @@ def misaligned(r) -> bool:
     """Whether A's or B's rows are an odd multiple of 16 bytes apart (bf16)."""
     from mkernel.gemm_engine import misaligned_rows
 
-    return any(misaligned_rows(r["K"], r["N"], r["layout"], pad=r["pad"]))
+    return any(misaligned_rows(r["M"], r["N"], r["K"], r["layout"], pad=r["pad"]))
 
 
 def summarize(seed, rows) -> str:
     ratios = [r["ratio"] for r in rows]
-    gm = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    gm = statistics.geometric_mean(ratios)
     low = [r for r in rows if r["ratio"] < 0.9]
     wrong = [r for r in rows if not r["err"] < 1e-2]
     al = [r["ratio"] for r in rows if not misaligned(r)]
-    gm_al = math.exp(sum(math.log(x) for x in al) / len(al)) if al else float("nan")
+    gm_al = statistics.geometric_mean(al) if al else float("nan")
     return (f"seed {seed}: {len(rows)} shapes, geometric mean {gm:.2f}x cuBLAS, min {min(ratios):.2f}, "
             f"{len(low)} below 0.9, {len(wrong)} wrong; {len(al)} with aligned operand rows: geometric mean "
             f"{gm_al:.2f}")

@@ -18,7 +18,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from _common import setup_env, time_interleaved
 setup_env()
 import torch
-from gemm import NkProblem
+from gemm import GemmProblem
 from gemm_profile import parse
 from mkernel import gemm_engine as G
 
@@ -31,7 +31,7 @@ def main(argv):
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for spec in specs.split(","):
         _, M, N, K = parse(spec)
-        prob = NkProblem(M, N, K, l2)
+        prob = GemmProblem(M, N, K, l2)
         nsets, batch, rt = prob.nsets, prob.batch, prob.cublas
         for phase in plans.split(","):
             cfg = None if phase == "auto" else int(phase.split("x")[0])

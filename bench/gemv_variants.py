@@ -27,7 +27,7 @@ def main(argv):
     shapes, rounds, variants = argv[0], int(argv[1]), argv[2]
     setup_env()
     import torch
-    from gemm import NkProblem
+    from gemm import GemmProblem
     from gemm_profile import parse
 
     from mkernel import gemm_engine as G
@@ -40,7 +40,7 @@ def main(argv):
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for spec in shapes.split(","):
         _, M, N, K = parse(spec)
-        prob = NkProblem(M, N, K, l2)
+        prob = GemmProblem(M, N, K, l2)
         nt = GV.column_tiles(M)
         res = []
         for v in variants.split(","):
