@@ -71,9 +71,8 @@
 // consumer warpgroup gets that many 8 KiB boxes (64 rows x 128 bytes) of shared memory through which
 // MkEpilogueTmaStore writes its slab with TMA stores (0: no staging, register epilogues only).
 // CLUSTER_N_ = 2: blocks run in clusters of two side by side along N (tiles (m, 2j) and (m, 2j+1));
-// each loads one half of the shared A tile (a 64-row slab of a 128-row tile, 32 rows of a 64-row one)
-// and multicasts it to both (half the L2 -> SMEM traffic for A), and a ring slot is free only when both
-// blocks' consumers released it.
+// each loads one 64-row slab of the shared A tile and multicasts it to both (half the L2 -> SMEM
+// traffic for A), and a ring slot is free only when both blocks' consumers released it.
 // CLUSTER_M_ = 2: clusters of two blocks one above the other along M (tiles (2i, n) and (2i+1, n)), one
 // consumer warpgroup each; each loads one half of the shared B tile (BN/2 rows of an "nk" tile, every
 // other 64-column chunk of a "kn" one) and multicasts it to both (half the L2 -> SMEM traffic for B,
@@ -145,15 +144,14 @@ struct MkGemmConfig {
   static constexpr int SHARING = CLUSTER_N_ * CLUSTER_M_;  // blocks a ring slot's multicast loads fill
   static constexpr int EMPTY_ARRIVALS = (PINGPONG_ ? 4 : 4 * NC_) * SHARING;
   static_assert(CLUSTER_N_ == 1 || (CLUSTER_N_ == 2 && NC_ == 2 && !PINGPONG_),
-                "clusters of 2 along N: cooperative configs with two consumer warpgroups (each block loads "
-                "half of the A tile: 64 of 128 rows, or 32 of 64 with WG_N = 2)");
+                "clusters of 2 along N: cooperative configs with two 64-row slabs (one per block)");
   // cluster rank r = CLUSTER_N * r_m + r_n; the blocks that share this block's A tile (same r_m) and B tile
   // (same r_n), as multicast masks
   static MK_DEVICE mk_u32 rank_n(mk_u32 r) { return mk_cluster_rank_n<CLUSTER_M_, CLUSTER_N_>(r); }
   static MK_DEVICE mk_u32 rank_m(mk_u32 r) { return mk_cluster_rank_m<CLUSTER_M_, CLUSTER_N_>(r); }
   static MK_DEVICE unsigned short a_mask(mk_u32 r) { return (unsigned short)(0x3u << (CLUSTER_N_ * rank_m(r))); }
   static MK_DEVICE unsigned short b_mask(mk_u32 r) { return (unsigned short)((1u | (1u << CLUSTER_N_)) << rank_n(r)); }
-  static_assert(WG_N_ == 1 || (WG_N_ == 2 && NC_ == 2 && !PINGPONG_ && CLUSTER_K_ == 1 &&
+  static_assert(WG_N_ == 1 || (WG_N_ == 2 && NC_ == 2 && !PINGPONG_ && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 &&
                                 (B_KN_ ? WN % 64 == 0 : WN % 8 == 0)),
                 "warpgroups along N: two cooperative consumer warpgroups on a 64-row tile, whole column parts");
   static_assert(CLUSTER_M_ == 1 || (CLUSTER_M_ == 2 && !PINGPONG_ && CLUSTER_K_ == 1 &&
@@ -584,17 +582,15 @@ template <class Cfg> struct MkGemmSmem {
 // Producer (one lane): arm full[stage] with the bytes of K block kb of tile t and issue its TMA loads
 // (A rows from the map and row Hook::a_map gives; asked per K block, so nothing stays live in the
 // 40-register producer across the loop).
-// The A tile of a stage: one TMA load (box {64, BM}), or with clusters along N this block's half of it
-// (box {64, BM / 2}: BM / 2 rows of 128 bytes, a whole number of 1024-byte swizzle atoms) multicast to
-// the two blocks sharing the tile, which then each count the whole A tile on their barrier.
+// The A tile of a stage: one TMA load (box {64, BM}), or with clusters along N this block's 64-row slab
+// (box {64, 64}) multicast to the two blocks sharing the tile, which then each count the whole A tile
+// on their barrier.
 template <class Cfg>
 MK_DEVICE void mk_gemm_load_a(const MkGemmSmem<Cfg>& sm, int stage, const MkTensorMap* tmA, int k0, int a_row) {
-  if constexpr (Cfg::CLUSTER_N == 2) {  // half r_n, to the blocks sharing the A tile
-    constexpr int HALF = Cfg::BM / 2;
-    static_assert(HALF % 8 == 0, "A halves of whole swizzle atoms");
+  if constexpr (Cfg::CLUSTER_N == 2) {  // slab r_n, to the blocks sharing the A tile
     const mk_u32 r = mk_cluster_ctarank();
     const mk_u32 rn = Cfg::rank_n(r);
-    mk_tma_load_2d_multicast(sm.a(stage) + rn * HALF * 128, tmA, sm.full(stage), k0, a_row + HALF * (int)rn, Cfg::a_mask(r));
+    mk_tma_load_2d_multicast(sm.a(stage) + rn * 64 * 128, tmA, sm.full(stage), k0, a_row + 64 * (int)rn, Cfg::a_mask(r));
   } else {
     mk_tma_load_2d(sm.a(stage), tmA, sm.full(stage), k0, a_row);
   }

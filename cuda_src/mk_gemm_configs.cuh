@@ -44,10 +44,6 @@
 //                49  config 3's 128x256 tile in clusters of 2 along M sharing B
 //                50  config 4's 128x192 tile in clusters of 2 along N sharing A
 //                    (48-50 and 8, 11: the heuristic's picks on misaligned rows, docs/gemm.md entry 64)
-//                51  config 32's 64x96 tile ("kn": 64x128; two WGs of 48 / 64 columns) in clusters of 2 along N
-//                    sharing A (each block loads 32 of the 64 rows): N <= 192 as one pair, twice the blocks
-//                    of a 128-row tile on tall-skinny shapes (cuBLAS's 64 x 88 / 64 x 72 tiles in 2 x 4 clusters)
-//                52  idem with config 29's 64x128 tile (N <= 256)
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
 //                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
@@ -86,8 +82,6 @@ template <bool KN> struct MkCfgSel<47, KN> { typedef MkGemmConfig<2, 256, 4, tru
 template <bool KN> struct MkCfgSel<48, KN> { typedef MkGemmConfig<2, KN ? 128 : 192, 4, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 template <bool KN> struct MkCfgSel<49, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 template <bool KN> struct MkCfgSel<50, KN> { typedef MkGemmConfig<2, 192, 4, true, MK_GEMM_IN, KN, false, 2, 2> T; };
-template <bool KN> struct MkCfgSel<51, KN> { typedef MkGemmConfig<2, KN ? 128 : 96, 8, true, MK_GEMM_IN, KN, false, 1, 2, 1, 1, 2> T; };
-template <bool KN> struct MkCfgSel<52, KN> { typedef MkGemmConfig<2, 128, 8, true, MK_GEMM_IN, KN, false, 1, 2, 1, 1, 2> T; };
 template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 // (config 42's "kn" tile, config 3's, needs less shared memory than its 320-column "nk" one: launched with the latter)
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES >= MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&

@@ -246,10 +246,6 @@ CONFIGS = {
     48: TileConfig(48, 128, 192, 4, 2, 0.94, bn_kn=128, staging_boxes=2, cluster_m=2),
     49: TileConfig(49, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_m=2),
     50: TileConfig(50, 128, 192, 4, 2, 0.94, staging_boxes=2, cluster_n=2),
-    # (experiment, forced only) 64-row tiles of two warpgroups side by side along N (configs 32 / 29) in
-    # pairs along N sharing A: tall-skinny shapes (N <= 256) in twice the blocks of a 128-row tile
-    51: TileConfig(51, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, cluster_n=2),
-    52: TileConfig(52, 64, 128, 8, 2, 0.60, staging_boxes=1, cluster_n=2),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
