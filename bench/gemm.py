@@ -231,11 +231,12 @@ def main():
 
 def tile_label(info: dict) -> str:
     """The table's tile column from ``mkernel.gemm_engine.describe``: ``BMxBNx64/Sst`` (``pp``: ping-pong,
-    ``split S``: split-K), or for the decode kernel its MMA rows and rows of B per block."""
+    ``split S``: split-K, ``T``: computed transposed, the tile over the N x M problem), or for the decode
+    kernel its MMA rows and rows of B per block."""
     if info["config"] == "gemv":
         return f"gemv {info['bm']}x{info['bn']}"
-    return (f"{info['bm']}x{info['bn']}x64/{info['stages']}st{' pp' if info['pingpong'] else ''}"
-            + (f" split {info['splits']}" if info["splits"] > 1 else ""))
+    return (f"{'T ' if info.get('swapped') else ''}{info['bm']}x{info['bn']}x64/{info['stages']}st"
+            f"{' pp' if info['pingpong'] else ''}" + (f" split {info['splits']}" if info["splits"] > 1 else ""))
 
 
 def summary(results) -> list[str]:
@@ -321,12 +322,12 @@ def make_inputs(M: int, N: int, K: int, layout: str, l2: int, seed: int = 1234, 
 
 
 def plan_label(plan) -> str:
-    """c<config>x<splits>[f<split_from>][p] of a plain GEMM plan (p: a programmatic dependent launch); a
-    decode plan's name."""
+    """c<config>x<splits>[f<split_from>][p] of a plain GEMM plan (p: a programmatic dependent launch; s
+    instead of c: computed transposed); a decode plan's name."""
     if getattr(plan, "cfg", None) is None:
         return getattr(plan, "name", "other")
     sf = f"f{plan.split_from}" if plan.splits != 1 and plan.split_from else ""
-    return f"c{plan.cfg.id}x{plan.splits}{sf}" + ("p" if plan.dependent else "")
+    return f"{'s' if plan.swapped else 'c'}{plan.cfg.id}x{plan.splits}{sf}" + ("p" if plan.dependent else "")
 
 
 class GemmProblem:
@@ -358,7 +359,7 @@ class GemmProblem:
             c.fill_(float("nan"))
 
     def ours(self, i: int, stream, **kw):
-        """mkernel.gemm on input set i (kw: config, splits)."""
+        """mkernel.gemm on input set i (kw: config, splits, swap)."""
         from mkernel import gemm_engine as G
 
         G.gemm(self.dA[i], self.dB[i], self.dC[i], b_layout=self.layout, stream=stream, **kw)

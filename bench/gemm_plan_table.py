@@ -2,13 +2,15 @@
 """Every plan mkernel.gemm has for a shape, timed against cuBLAS, as a table the heuristic can be replayed
 on without a GPU (bench/gemm_heuristic_replay.py).
 
-    python bench/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--json FILE] [--batch-ms 50]
+    python bench/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--swap-configs 53,54]
+                                    [--json FILE] [--batch-ms 50]
 
 SHAPE: MxNxK[:kn|:nk][+PAD] -- B "nk" ([N, K]) unless ":kn"; PAD extra elements at the end of every
 operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/gemm.md
 entry 62).  Plans: the automatic one (with PDL as the heuristic decides, forced off, forced on) and every
 config (default: the heuristic's candidates) x forced split factor it allows (forced splits split every
-tile).  All of a shape's plans and cuBLAS are CUDA-graph replays timed in the same alternating rounds
+tile; "auto:plain": the automatic plan with MKERNEL_GEMM_SWAP=0), and with --swap-configs every such config x split computed transposed (C^T = B A^T, "nk" only:
+labels s<config>x<splits>).  All of a shape's plans and cuBLAS are CUDA-graph replays timed in the same alternating rounds
 (median of 5).  Prints cuBLAS, the automatic plans and the six best; --json writes, per shape, every
 plan's label (c<config>x<splits>[f<split_from>][p: PDL]) and microseconds.  (First run as
 scratch/plans_probe.py in the twenty-first session: docs/gemm_plans_20261201.json.)
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("shapes", nargs="+")
     ap.add_argument("--configs", default=None, help="config ids (default: the heuristic's candidates)")
     ap.add_argument("--splits", default="1,2,4,8")
+    ap.add_argument("--swap-configs", default="", help="config ids to also time swapped (B \"nk\" only)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--batch-ms", type=float, default=50.0, help="work per timed replay (ms, guessed)")
     args = ap.parse_args()
@@ -57,32 +60,38 @@ def main():
         M, N, K, layout, pad = parse_shape(spec)
         prob = GemmProblem(M, N, K, l2, layout, pad, args.batch_ms)
         fns = {"cublas": prob.cublas}
-        plans = [("auto", None, None, "auto"), ("auto:pdl0", None, None, "0"), ("auto:pdl1", None, None, "1")]
+        plans = [("auto", None, None, "auto", None), ("auto:pdl0", None, None, "0", None),
+                 ("auto:pdl1", None, None, "1", None), ("auto:plain", None, None, "auto", None)]
         for c in cfgs:
             cfg = G.CONFIGS[c]
             if G.phantom_row_half(cfg, M):  # (plans the heuristic never offers)
                 continue
             ms = G.max_splits(cfg, M, N, K, layout)
-            plans += [(f"c{c}x{sp}", c, sp, "auto") for sp in splits if sp <= ms]
+            plans += [(f"c{c}x{sp}", c, sp, "auto", None) for sp in splits if sp <= ms]
+        for c in ([int(x) for x in args.swap_configs.split(",") if x] if layout == "nk" else []):
+            ms = G.max_splits(G.CONFIGS[c], N, M, K, layout)  # (the transposed problem)
+            plans += [(f"s{c}x{sp}", c, sp, "auto", True) for sp in splits if sp <= ms]
         labels = {}
         pdl_env = os.environ.get("MKERNEL_GEMM_PDL")
-        for name, c, sp, pdl in plans:
+        for name, c, sp, pdl, swap in plans:
             os.environ["MKERNEL_GEMM_PDL"] = pdl  # (part of the plan key: read when the plan is built)
+            os.environ["MKERNEL_GEMM_SWAP"] = "0" if name == "auto:plain" else "auto"  # (idem)
             prob.poison()  # (each plan's result checked on its own)
-            fns[name] = prob.runner(lambda i, c=c, sp=sp, p=prob: p.ours(i, torch.cuda.current_stream(),
-                                                                          config=c, splits=sp))
+            fns[name] = prob.runner(lambda i, c=c, sp=sp, sw=swap, p=prob: p.ours(
+                i, torch.cuda.current_stream(), config=c, splits=sp, swap=sw))
             torch.cuda.synchronize()
             labels[name] = plan_label(next(reversed(G._plans.values()))) + ("" if prob.error() < 1e-2 else " ERR")
         if pdl_env is None:
             os.environ.pop("MKERNEL_GEMM_PDL", None)
         else:
             os.environ["MKERNEL_GEMM_PDL"] = pdl_env
+        os.environ.pop("MKERNEL_GEMM_SWAP", None)
         st = time_interleaved(fns, warmup=1, rounds=5)
         us = {k: statistics.median(v["samples"]) / prob.batch * 1e3 for k, v in st.items()}
         cb = us.pop("cublas")
         best = sorted((v, k) for k, v in us.items() if not k.startswith("auto"))[:6]
         print(f"{spec}: cuBLAS {cb:.1f} | " + " ".join(f"{k}={labels[k]} {us[k]:.1f} ({cb / us[k]:.2f})"
-                                                      for k in ("auto", "auto:pdl0", "auto:pdl1"))
+                                                      for k in ("auto", "auto:pdl0", "auto:pdl1", "auto:plain"))
               + " | best " + " ".join(f"{labels[k]} {v:.1f} ({cb / v:.2f})" for v, k in best), flush=True)
         rows.append(dict(M=M, N=N, K=K, layout=layout, pad=pad, cublas=cb,
                          plans={k: (labels[k], v) for k, v in us.items()}))

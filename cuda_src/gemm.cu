@@ -1,7 +1,8 @@
 // gemm.cu - plain and grouped GEMM kernels built from the mk_gemm.cuh component, and the staging
 // copy used when an operand's row stride is not TMA-compatible.
 //
-// Specialization: MK_GEMM_IN, MK_GEMM_OUT, MK_GEMM_CONFIG (see mk_gemm_configs.cuh).
+// Specialization: MK_GEMM_IN, MK_GEMM_OUT, MK_GEMM_CONFIG (see mk_gemm_configs.cuh); MK_GEMM_SWAP = 1: the
+// plain kernels compute the transposed problem and store it transposed (MkEpilogueStoreT, below).
 //
 // Kernels (each block: MkCfg::THREADS threads, MkCfg::SMEM_BYTES of dynamic shared memory; grid:
 // any number of persistent blocks, normally the SM count):
@@ -9,6 +10,10 @@
 //   mk_grouped_gemm_kn / mk_grouped_gemm_nk  C[offs[g]:offs[g+1]] = A[offs[g]:offs[g+1]] @ B[g]
 //   mk_pad_copy_u16 / mk_pad_copy_u32        dense zero-padded staging copy (see below)
 #include "mk_gemm_configs.cuh"
+
+#ifndef MK_GEMM_SWAP
+#define MK_GEMM_SWAP 0
+#endif
 
 // Passed by value; mirrored by mkernel/gemm_engine.py:_GemmArgs (same order, natural alignment, 80 bytes).
 struct MkGemmArgs {
@@ -30,6 +35,9 @@ struct MkGemmArgs {
 };
 
 // tmC: {N, M} over C (used by configurations with TMA-store staging when args.c_tma).
+// MK_GEMM_SWAP = 1 (plain GEMM): the host passes the transposed problem -- args.M / args.N are C's columns /
+// rows, tmA maps the caller's B ([N, K]) and tmB the caller's A ([M, K], an "nk" operand) -- and every tile
+// is stored transposed into the row-major C (args.c, args.ldc) from registers; tmC is unused.
 template <bool KN, bool GROUPED>
 MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmC,
                             const MkGemmArgs& args) {
@@ -39,8 +47,23 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   epi.c = reinterpret_cast<MkOut*>(args.c);
   epi.ldc = args.ldc;
   epi.vec_ok = args.c_vec_ok;
-  if constexpr (GROUPED && (Cfg::SHARING > 1 || Cfg::CLUSTER_K > 1)) {
-    __trap();  // grouped GEMMs do not run in clusters (mkernel/gemm_engine.py never launches this)
+  if constexpr (GROUPED && (Cfg::SHARING > 1 || Cfg::CLUSTER_K > 1 || MK_GEMM_SWAP)) {
+    __trap();  // grouped GEMMs do not run in clusters or transposed (mkernel/gemm_engine.py never launches this)
+  } else if constexpr (MK_GEMM_SWAP) {
+    MkEpilogueStoreT<MkOut> epi_t{epi.c, epi.ldc};
+    if constexpr (Cfg::PINGPONG) {
+      __trap();  // (no swapped ping-pong plans)
+    } else if constexpr (Cfg::CLUSTER_K > 1) {
+      MkClusterKScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_K> sched(args.M, args.N, args.group_m);
+      MkClusterKEpilogue<Cfg, MkEpilogueStoreT<MkOut>> ck{epi_t, MkGemmSmem<Cfg>(mk_smem), mk_cluster_ctarank(), 0u};
+      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), ck, mk_smem, blockIdx.x, gridDim.x);
+    } else {
+      typedef typename MkPick<Cfg::SHARING == 1, MkLinearScheduler<Cfg::BM, Cfg::BN>,
+                              MkClusterTileScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_M, Cfg::CLUSTER_N>>::T Sched;
+      Sched sched(args.M, args.N, args.group_m, args.splits, args.split_from);
+      auto sk = mk_split_k_epilogue<Cfg::NC>(epi_t, args.partials, args.counters);
+      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), sk, mk_smem, blockIdx.x, gridDim.x);
+    }
   } else if constexpr (GROUPED) {
     // a tile ending inside a group must not write the next group's rows: clip_rows = 0
     MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);

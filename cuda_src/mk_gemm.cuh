@@ -112,7 +112,9 @@ struct MkGemmConfig {
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int B_CHUNK_BYTES = 64 * BK * 2;  // one 64-column chunk of an MN-major B tile
   static constexpr int B_CHUNKS = (BN_ + 63) / 64;
-  static constexpr int B_BYTES = B_CHUNKS * B_CHUNK_BYTES;  // smem reserved for B (BN*BK*2 rounded up to 8 KiB)
+  // smem reserved for B: BN*BK*2 rounded up to 8 KiB, or for an "nk" tile narrower than 64 rows to whole
+  // 1024-byte swizzle atoms (8 rows)
+  static constexpr int B_BYTES = (B_KN_ || BN_ >= 64) ? B_CHUNKS * B_CHUNK_BYTES : (BN_ * 128 + 1023) / 1024 * 1024;
   static constexpr int B_NK_TX_BYTES = BN_ * BK * 2;       // bytes an "nk" B tile's boxes deliver
   // "nk" B tiles wider than a TMA box (256 rows) load as two boxes of BN/2 rows (the host's map)
   static constexpr int B_NK_BOXES = BN_ > 256 ? 2 : 1;
@@ -125,14 +127,16 @@ struct MkGemmConfig {
   // boxes of 64 rows x 128 bytes (a round of boxes at a time) and writes it with TMA stores.
   static constexpr int STAGING_BOXES = STAGING_BOXES_;
   static constexpr bool TMA_STORE = STAGING_BOXES_ > 0;
-  static constexpr int STAGING_OFFSET = (BAR_OFFSET + 256 + 1023) / 1024 * 1024;
+  // the ring's mbarriers (full + empty per stage) and flags: 256 bytes, 512 past 12 stages
+  static constexpr int BAR_BYTES = STAGES_ > 12 ? 512 : 256;
+  static constexpr int STAGING_OFFSET = (BAR_OFFSET + BAR_BYTES + 1023) / 1024 * 1024;
   static constexpr int STAGING_BYTES = NC_ * STAGING_BOXES_ * 8192;
   // Cluster split-K: a block finishes the 16-row bands of CK_OWNED_WARPS consumer warps and receives
   // CLUSTER_K - 1 fp32 fragments (one per other block) for each of them, at RX_OFFSET.
   static constexpr int CLUSTER_K = CLUSTER_K_;
   static constexpr int CK_OWNED_WARPS = 4 * NC_ / CLUSTER_K_;
   static constexpr int RX_WARP_BYTES = 32 * (BN_ / 2) * 4;  // one warp's fp32 accumulator fragment
-  static constexpr int BODY_END = TMA_STORE ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + 256;
+  static constexpr int BODY_END = TMA_STORE ? STAGING_OFFSET + STAGING_BYTES : BAR_OFFSET + BAR_BYTES;
   static constexpr int RX_OFFSET = (BODY_END + 1023) / 1024 * 1024;
   // (reserved for the wider layout -- B_CHUNKS * 64 columns -- so "nk" and "kn" share one launch geometry)
   static constexpr int RX_BYTES = CLUSTER_K_ > 1 ? (CLUSTER_K_ - 1) * CK_OWNED_WARPS * 32 * (B_CHUNKS * 32) * 4 : 0;
@@ -162,7 +166,7 @@ struct MkGemmConfig {
   static_assert(CLUSTER_K_ == 1 || ((CLUSTER_K_ == 2 || CLUSTER_K_ == 4) && NC_ == 2 && !PINGPONG_ &&
                                     !TMA_STORE && CLUSTER_N_ == 1),
                 "cluster split-K: 2 or 4 blocks, cooperative configs with two slabs, register epilogue");
-  static_assert(2 * STAGES_ * 8 + 16 + 8 * (CK_OWNED_WARPS + 1) <= 256, "cluster split-K barriers");
+  static_assert(2 * STAGES_ * 8 + 16 + 8 * (CK_OWNED_WARPS + 1) <= BAR_BYTES, "cluster split-K barriers");
   // Register reallocation (with two or three consumer warpgroups: 128*40 + 256*232 = 64512,
   // 128*40 + 384*152 = 63488 <= 65536).
   static constexpr bool SETMAXNREG = NC_ >= 2;
@@ -171,16 +175,16 @@ struct MkGemmConfig {
   static_assert(NC_ >= 1 && NC_ <= 3, "one to three consumer warpgroups");
   static_assert(NC_ < 3 || (!PINGPONG_ && WG_N_ == 1 && CLUSTER_N_ == 1 && CLUSTER_K_ == 1 && CLUSTER_M_ == 1),
                 "three consumer warpgroups: plain cooperative 192-row tiles");
-  static_assert(BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 192 || BN_ == 224 || BN_ == 256 ||
-                    BN_ == 320,
-                "BN must be 64, 96, 128, 144, 192, 224, 256 or 320");
+  static_assert(BN_ == 16 || BN_ == 32 || BN_ == 64 || BN_ == 96 || BN_ == 128 || BN_ == 144 || BN_ == 192 ||
+                    BN_ == 224 || BN_ == 256 || BN_ == 320,
+                "BN must be 16, 32, 64, 96, 128, 144, 192, 224, 256 or 320");
   static_assert(BN_ <= 256 || (!B_KN_ && WG_N_ == 1 && CLUSTER_M_ == 1 && CLUSTER_K_ == 1),
                 "320-column tiles: B \"nk\" (two 160-row TMA boxes, two n160 wgmmas), one slab per warpgroup");
   static_assert(BN_ != 96 || WG_N_ == 2 || CLUSTER_K_ > 1, "96-column tiles: two warpgroups of 48 columns, or cluster split-K");
   static_assert(!B_KN_ || BN_ % 64 == 0, "an MN-major (kn) B tile is made of whole 64-column chunks");
   static_assert(!PINGPONG_ || (NC_ == 2 && PIPELINED_), "ping-pong needs two pipelined consumer warpgroups");
   static_assert(!TMA_STORE || !PINGPONG_, "TMA-store epilogue: cooperative configs only");
-  static_assert(2 * STAGES_ * 8 + 16 <= 256, "too many stages for the barrier area");
+  static_assert(2 * STAGES_ * 8 + 16 <= BAR_BYTES, "too many stages for the barrier area");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory budget exceeded");
 };
 
@@ -453,6 +457,30 @@ template <typename OutT> struct MkEpilogueStore {
         } else if (col < t.cols) {
           p[0] = mk_from_f32<OutT>(v0);
         }
+      }
+    });
+  }
+  MK_DEVICE void tile_done(const MkTile&) {}
+};
+
+// The transposed store: the kernel computed C^T = B A^T (a plain GEMM with the operands' roles exchanged,
+// mkernel/gemm_engine.py's swapped plans), so the tile's rows are C's columns and its columns C's rows:
+// element (r, col) goes to C[(col0 + col) * ldc + row0 + r], masked to the tile's valid rows / cols, from
+// registers (a warp's stores cover 8 consecutive columns of C in 4 rows: 16-byte pieces for 16-bit C).
+template <typename OutT> struct MkEpilogueStoreT {
+  OutT* c;
+  long long ldc;
+  static constexpr bool kTileDone = false;
+  static constexpr bool kDrain = false;
+  MK_DEVICE void drain() const {}
+  template <int BN> MK_DEVICE void store(const MkTile& t, int slab, const float (&acc)[BN / 2]) {
+    const int rbase = 64 * slab;
+    OutT* const cbase = c + (long long)t.col0 * ldc + t.row0;
+    mk_wgmma_frag_for_each<BN>(acc, [&](int r, int col, float v0, float v1) {
+      const int rr = rbase + r;
+      if (rr < t.rows) {
+        if (col < t.cols) cbase[(long long)col * ldc + rr] = mk_from_f32<OutT>(v0);
+        if (col + 1 < t.cols) cbase[(long long)(col + 1) * ldc + rr] = mk_from_f32<OutT>(v1);
       }
     });
   }

@@ -44,6 +44,10 @@
 //                49  config 3's 128x256 tile in clusters of 2 along M sharing B
 //                50  config 4's 128x192 tile in clusters of 2 along N sharing A
 //                    (48-50 and 8, 11: the heuristic's picks on misaligned rows, docs/gemm.md entry 64)
+//                53  BM=64 (1 consumer WG), BN=16 with B "nk" (64 with "kn"), 16 stages ("kn": 8), register epilogue:
+//                    N <= 16 -- a decode call computed transposed (C^T = B A^T: the weights as the 64-row side,
+//                    the tokens as 16 columns; cuBLAS's 64 x 16 "v" kernels, 16 stages)
+//                54  idem BN=32, 16 stages ("kn": 64, 8 stages): N <= 32
 //                19  config 1's 64x128 tile in clusters of 2 blocks along M sharing B by TMA multicast (each
 //                    block loads half of the B tile; cuBLAS's kernel for llama o M=128): the M <= 128 pick
 //   Configs with S > 0 write C through shared memory and TMA stores (MkEpilogueTmaStore) when the
@@ -82,6 +86,8 @@ template <bool KN> struct MkCfgSel<47, KN> { typedef MkGemmConfig<2, 256, 4, tru
 template <bool KN> struct MkCfgSel<48, KN> { typedef MkGemmConfig<2, KN ? 128 : 192, 4, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 template <bool KN> struct MkCfgSel<49, KN> { typedef MkGemmConfig<2, 256, 4, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 template <bool KN> struct MkCfgSel<50, KN> { typedef MkGemmConfig<2, 192, 4, true, MK_GEMM_IN, KN, false, 2, 2> T; };
+template <bool KN> struct MkCfgSel<53, KN> { typedef MkGemmConfig<1, KN ? 64 : 16, KN ? 8 : 16, true, MK_GEMM_IN, KN> T; };
+template <bool KN> struct MkCfgSel<54, KN> { typedef MkGemmConfig<1, KN ? 64 : 32, KN ? 8 : 16, true, MK_GEMM_IN, KN> T; };
 template <bool KN> struct MkCfgSel<19, KN> { typedef MkGemmConfig<1, 128, 8, true, MK_GEMM_IN, KN, false, 2, 1, 1, 2> T; };
 // (config 42's "kn" tile, config 3's, needs less shared memory than its 320-column "nk" one: launched with the latter)
 static_assert(MkCfgSel<MK_GEMM_CONFIG, false>::T::SMEM_BYTES >= MkCfgSel<MK_GEMM_CONFIG, true>::T::SMEM_BYTES &&

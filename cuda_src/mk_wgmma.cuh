@@ -91,6 +91,11 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
   "+f"(d[OFF + b + 0]), "+f"(d[OFF + b + 1]), "+f"(d[OFF + b + 2]), "+f"(d[OFF + b + 3]), \
   "+f"(d[OFF + b + 4]), "+f"(d[OFF + b + 5]), "+f"(d[OFF + b + 6]), "+f"(d[OFF + b + 7])
 #define MK_WGMMA_R1H "%16, %17, %18, %19, %20, %21, %22, %23"
+#define MK_WGMMA_R0H "%0, %1, %2, %3, %4, %5, %6, %7"
+#define MK_WGMMA_REGS_16 MK_WGMMA_R0H
+#define MK_WGMMA_ACC_16 MK_WGMMA_ACC8(0)
+#define MK_WGMMA_REGS_32 MK_WGMMA_R0
+#define MK_WGMMA_ACC_32 MK_WGMMA_ACC16(0)
 #define MK_WGMMA_REGS_48 MK_WGMMA_R0 "," MK_WGMMA_R1H
 #define MK_WGMMA_ACC_48 MK_WGMMA_ACC16(0), MK_WGMMA_ACC8(16)
 #define MK_WGMMA_REGS_144 MK_WGMMA_R0 "," MK_WGMMA_R1 "," MK_WGMMA_R2 "," MK_WGMMA_R3 "," MK_WGMMA_R4H
@@ -120,6 +125,10 @@ template <int R> MK_DEVICE void mk_wgmma_fence_regs(float (&d)[R]) {
                  : MK_WGMMA_ACC_##N                                                                             \
                  : "l"(da), "l"(db), "r"(scale_d), "n"(TB));                                                    \
   }
+MK_WGMMA_DEF(16, bf16, "%8", "%9", "%10", "%11")
+MK_WGMMA_DEF(16, f16, "%8", "%9", "%10", "%11")
+MK_WGMMA_DEF(32, bf16, "%16", "%17", "%18", "%19")
+MK_WGMMA_DEF(32, f16, "%16", "%17", "%18", "%19")
 MK_WGMMA_DEF(48, bf16, "%24", "%25", "%26", "%27")
 MK_WGMMA_DEF(48, f16, "%24", "%25", "%26", "%27")
 MK_WGMMA_DEF(64, bf16, "%32", "%33", "%34", "%35")
@@ -145,6 +154,11 @@ MK_WGMMA_DEF(256, f16, "%128", "%129", "%130", "%131")
 #undef MK_WGMMA_ACC8
 #undef MK_WGMMA_R1H
 #undef MK_WGMMA_R4H
+#undef MK_WGMMA_R0H
+#undef MK_WGMMA_REGS_16
+#undef MK_WGMMA_ACC_16
+#undef MK_WGMMA_REGS_32
+#undef MK_WGMMA_ACC_32
 #undef MK_WGMMA_REGS_48
 #undef MK_WGMMA_ACC_48
 #undef MK_WGMMA_REGS_144
@@ -178,6 +192,10 @@ template <int N, int DT, int TB> struct MkWgmma;
       NAME_<TB>(d, da, db, scale_d);                                                                       \
     }                                                                                                      \
   };
+MK_WGMMA_DISPATCH(16, MK_DTYPE_BF16, mk_wgmma_m64n16k16_bf16)
+MK_WGMMA_DISPATCH(16, MK_DTYPE_F16, mk_wgmma_m64n16k16_f16)
+MK_WGMMA_DISPATCH(32, MK_DTYPE_BF16, mk_wgmma_m64n32k16_bf16)
+MK_WGMMA_DISPATCH(32, MK_DTYPE_F16, mk_wgmma_m64n32k16_f16)
 MK_WGMMA_DISPATCH(48, MK_DTYPE_BF16, mk_wgmma_m64n48k16_bf16)
 MK_WGMMA_DISPATCH(48, MK_DTYPE_F16, mk_wgmma_m64n48k16_f16)
 MK_WGMMA_DISPATCH(64, MK_DTYPE_BF16, mk_wgmma_m64n64k16_bf16)

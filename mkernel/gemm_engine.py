@@ -131,14 +131,18 @@ class TileConfig:
 
     @property
     def smem(self) -> int:  # must match MkGemmConfig::SMEM_BYTES (B reserved in whole 8 KiB chunks)
-        bn = max(self.bn, self.bn_kn or 0)
-        ring = self.stages * (self.bm * 64 * 2 + -(-bn // 64) * 64 * 64 * 2)
+        # B: whole 8 KiB chunks (the "nk" tile's count fits the "kn" one's in every config), or an "nk"
+        # tile narrower than 64 rows in whole 1 KiB swizzle atoms (its "kn" variant: fewer stages)
+        b = -(-self.bn // 64) * 8192 if self.bn >= 64 else round_up(self.bn * 128, 1024)
+        ring = self.stages * (self.bm * 64 * 2 + b)
+        bars = 512 if self.stages > 12 else 256  # MkGemmConfig::BAR_BYTES
         if self.tma_store:  # 1024-aligned staging after the barriers
-            return round_up(ring + 256, 1024) + self.consumers * self.staging_boxes * 8192 + 1024
+            return round_up(ring + bars, 1024) + self.consumers * self.staging_boxes * 8192 + 1024
         if self.cluster_k > 1:  # 1024-aligned receive buffers: (CK-1) x owned warps x one warp's fp32 fragment
             owned = 4 * self.consumers // self.cluster_k
-            return round_up(ring + 256, 1024) + (self.cluster_k - 1) * owned * 32 * (bn // 2) * 4 + 1024
-        return ring + 256 + 1024
+            bn = max(self.bn, self.bn_kn or 0)  # (sized for the wider layout's fragment)
+            return round_up(ring + bars, 1024) + (self.cluster_k - 1) * owned * 32 * (bn // 2) * 4 + 1024
+        return ring + bars + 1024
 
 
 # Efficiencies (second session) and EPILOGUE_K_TMA (third session): checked against
@@ -246,11 +250,33 @@ CONFIGS = {
     48: TileConfig(48, 128, 192, 4, 2, 0.94, bn_kn=128, staging_boxes=2, cluster_m=2),
     49: TileConfig(49, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_m=2),
     50: TileConfig(50, 128, 192, 4, 2, 0.94, staging_boxes=2, cluster_n=2),
+    # (experiment, forced only) 64 x 16 / 64 x 32 tiles ("kn": 64 x 64, 8 stages), 16 stages: N <= 16 / 32
+    53: TileConfig(53, 64, 16, 16, 1, 0.60, bn_kn=64),
+    54: TileConfig(54, 64, 32, 16, 1, 0.60, bn_kn=64),
 }
 # Configs the fused kernels' sources (cuda_src/ag_gemm.cu) also define; choose_config's default set.
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
 AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36, 40, 42, 8, 49, 11, 48, 50)
+# Configs a swapped plan (B "nk" only: C^T = B A^T, the kernel's M x N x K problem is the caller's N x M x K
+# with the operands' roles exchanged, stored transposed) chooses among: the 64 x 16 / 64 x 32 tiles for
+# decode-shaped calls (the caller's few rows of A as the tile's columns) and the tiles that won the
+# transposed tall-skinny shapes (docs/gemm.md entry 65).
+SWAP_CANDIDATES = (53, 54, 1, 2, 3, 4, 9, 48, 49)
+DECODE_SWAP_CONFIGS = (53, 54)
+# swap_candidates' rules (docs/gemm.md entry 65).  Decode-shaped calls: the 64 x 16 / 64 x 32 tiles stream
+# B's rows 64 at a time, 16 stages deep (cuBLAS's "v" kernels): ahead of mk_gemv_nk and the plain tiles
+# where ceil(N / 64) tiles make whole waves (16x8192x8192 39.4 -> 32.6 us, cuBLAS 33.5; 16x8192x28672
+# 126.1 -> 106.3) and where N is too small for both (1x576x7168 8.6 -> 6.1), behind on a wave and a
+# fraction (1x10240x8192 44.0 vs 49.8) and on the small calls mk_gemv_nk takes (4x2048x2048 3.9 vs 5.4).
+SWAP_MAX_M = 32
+SWAP_FILL = 0.75
+# Tall-skinny calls: 128-row tiles along N's few columns, a long K hiding the transposed register
+# stores (9008x248x5752 69.0 -> 61.3 us, 10755x104x5184 47.1 -> 40.9); at short K those stores lose
+# (3750x80x3024 12.0 vs 15.7, 10980x208x232 8.3 vs 10.2).
+SWAP_MAX_N = 256
+SWAP_MIN_K = 4096
+SWAP_GAIN = 0.95
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
@@ -339,18 +365,23 @@ assert ctypes.sizeof(_GemmArgs) == 80
 # --------------------------------------------------------------------------------------------
 # compiled kernels, device facts
 # --------------------------------------------------------------------------------------------
-def _defines(in_dtype: str, out_dtype: str, config: int) -> dict:
-    return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMM_CONFIG=config)
+def _defines(in_dtype: str, out_dtype: str, config: int, swap: bool = False) -> dict:
+    d = dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMM_CONFIG=config)
+    if swap:  # the transposed problem, stored transposed (gemm.cu)
+        d["MK_GEMM_SWAP"] = 1
+    return d
 
 
 for _i in IN_DTYPES:
     for _o in OUT_DTYPES:
         for _c in CONFIGS:
             runtime.register_specialization(SOURCE, _defines(_i, _o, _c))
+        for _c in SWAP_CANDIDATES:
+            runtime.register_specialization(SOURCE, _defines(_i, _o, _c, swap=True))
 
 
-def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
-    return runtime.kernel(SOURCE, _defines(in_dtype, out_dtype, config), name)
+def _kernel(in_dtype: str, out_dtype: str, config: int, name: str, swap: bool = False):
+    return runtime.kernel(SOURCE, _defines(in_dtype, out_dtype, config, swap), name)
 
 
 def _num_sms(device: int) -> int:
@@ -598,6 +629,7 @@ class _Plan:
     zero: "ClearBeforeFirstUse | None" = None  # split-K sums and counters
     with_out: object = None  # plain GEMM: O -> the launch arguments for another output of the same layout
     dependent: bool = False  # a programmatic dependent launch (_pdl; MKERNEL_GEMM_PDL is in the plan key)
+    swapped: bool = False  # plain GEMM computed transposed (C^T = B A^T; _plan_gemm)
 
     def run(self, stream, out=None):
         if self.keep and (not self.pinned or (self.zero is not None and self.zero.pending)):
@@ -738,7 +770,7 @@ def _staging(op: _Operand, in_dtype: str, out_dtype: str, device: int):
 # public ops
 # --------------------------------------------------------------------------------------------
 def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, stream=None,
-         config: int | None = None, splits: int | None = None):
+         config: int | None = None, splits: int | None = None, swap: bool | None = None):
     """``out[M, N] = a[M, K] @ b`` (``b`` is ``[K, N]`` for ``b_layout="kn"``, ``[N, K]`` for "nk").
 
     a, b: bf16 or fp16 (same dtype), 2-D, on the current device, any strides (staged if TMA cannot
@@ -747,7 +779,9 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
     the legacy default stream).  config: force a tile config id (``CONFIGS``; debugging and
     benchmarks).  splits: force the split-K factor (1 = none; clamped to what the config allows,
     ``max_splits``); by default the heuristic splits K when the output tiles cannot fill the SMs (the
-    splits of a tile add into one fp32 sum, the last to finish stores it, in the same kernel).  Returns
+    splits of a tile add into one fp32 sum, the last to finish stores it, in the same kernel).  swap:
+    force (True) or forbid (False) computing B "nk" calls transposed, ``C^T = B A^T`` (the kernel's tiles
+    run along B's rows, A's few rows as their columns; stored transposed); None: the heuristic.  Returns
     ``out``.  Asynchronous with respect to the host.
     """
     A, B, M, K, N, _ = check_operands(a, b, b_layout, what="mkernel.gemm", stream=stream)
@@ -755,6 +789,11 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
     O_in = None if out is None else as_device_array(out, name="gemm: out", stream=stream)
     if config is not None and config not in CONFIGS:
         raise ValueError(f"mkernel.gemm: unknown config {config}; known: {sorted(CONFIGS)}")
+    if swap and b_layout != "nk":
+        raise ValueError('mkernel.gemm: swap=True needs b_layout="nk" (B [N, K] as the transposed '
+                         "problem's K-major A operand)")
+    if swap and config is not None and CONFIGS[config].pingpong:
+        raise ValueError(f"mkernel.gemm: config {config} (ping-pong) has no swapped kernel")
     dev = _check_device([A, B] + ([O_in] if O_in is not None else []), ["a", "b", "out"])
     with _on_device(dev):
         O = _prepare_out(O_in, out_dtype, in_dtype, (M, N), dev)
@@ -765,9 +804,10 @@ def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, 
         # (tensor maps, split-K workspace, LRU eviction freeing memory) per call.  Per stream: a plan's
         # workspace is never used by two calls that may run concurrently.
         okey = out_layout_key(O) if K > 0 else _akey(O)  # K = 0: the plan is a fill of O itself
-        key = ("gemm", dev, b_layout, config, splits, _env_key(), _akey(A), _akey(B), okey,
+        key = ("gemm", dev, b_layout, config, splits, swap, _env_key(), _akey(A), _akey(B), okey,
                runtime.stream_handle(stream))
-        plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits))
+        plan = _cached_plan(key, lambda: _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits,
+                                                          swap))
         plan.run(stream, out=O)
     return out if out is not None else O
 
@@ -779,7 +819,7 @@ def out_layout_key(O: DeviceArray) -> tuple:
     return (tuple(O.shape), tuple(O.strides), O.dtype.name, O.ptr % 16 == 0)
 
 
-def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -> _Plan:
+def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None, swap=None) -> _Plan:
     out_dtype = O.dtype.name
     ldc = O.strides[0] if M > 1 else N
     sms = _num_sms(dev)
@@ -787,19 +827,32 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
         pre = [_zero_fill_launch(O, M, N, ldc, in_dtype, dev)]
         return _Plan(CONFIGS[1], None, 0, [], pre, [])
     from . import gemv  # (imports this module's dtype tables: not at the top)
-    if (config is None and splits is None and gemv.supported(A, B, M, N, K, b_layout)
-            and gemv.worthwhile(N, sms)):  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
-        return gemv.plan(A, B, O, M, N, K)
     mis = (row_misaligned(A, M, K), row_misaligned(B, *((K, N) if b_layout == "kn" else (N, K))))
-    cfg, sp, split_from = _auto_plan(M, N, K, b_layout, sms, config, mis)
+    cands = SWAP_CANDIDATES
+    if config is None and splits is None and swap is None:
+        gemv_ok = gemv.supported(A, B, M, N, K, b_layout) and gemv.worthwhile(N, sms)
+        cands = swap_candidates(M, N, K, b_layout, sms, mis, gemv_ok)
+        swap = cands is not None
+        if not swap and gemv_ok:  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
+            return gemv.plan(A, B, O, M, N, K)
+    swap = bool(swap)
+    # the kernel's problem: M x N x K of A [M, K] and B, or swapped N x M x K of B [N, K] and A ("nk")
+    KA, KB, KM, KN = (B, A, N, M) if swap else (A, B, M, N)
+    if swap:
+        mis = mis[::-1]
+    cfg, sp, split_from = _auto_plan(KM, KN, K, b_layout, sms, config, mis, cands if swap else AUTO_CANDIDATES)
     if splits is not None:  # forced: every tile split
-        sp, split_from = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout))), 0
-    tma, pre, keep = _a_operand(A, M, K, cfg, in_dtype, out_dtype, dev)
-    tmb, pre_b, keep_b = b_operand(B, K, N, b_layout, cfg, in_dtype, out_dtype, dev)
+        sp, split_from = max(1, min(int(splits), max_splits(cfg, KM, KN, K, b_layout))), 0
+    tma, pre, keep = _a_operand(KA, KM, K, cfg, in_dtype, out_dtype, dev)
+    tmb, pre_b, keep_b = b_operand(KB, K, KN, b_layout, cfg, in_dtype, out_dtype, dev)
     pre, keep = pre + pre_b, keep + keep_b
-    tmc, c_tma = c_map(O, M, N, ldc, cfg, tma)
-    args = _GemmArgs(O.ptr, None, ldc, M, N, K, 1, GROUP_M, _vec_ok(O, ldc, M), 0, c_tma)
-    tiles = _tiles(cfg, M, N, b_layout)
+    if swap:  # stored transposed from registers (no C map: any valid map goes in its place)
+        tmc, c_tma, vec = tma, 0, 0
+    else:
+        tmc, c_tma = c_map(O, M, N, ldc, cfg, tma)
+        vec = _vec_ok(O, ldc, M)
+    args = _GemmArgs(O.ptr, None, ldc, KM, KN, K, 1, GROUP_M, vec, 0, c_tma)
+    tiles = _tiles(cfg, KM, KN, b_layout)
     if sp > 1:  # split-K workspace: fp32 running sums and counters per split tile (zero; the kernel keeps them so)
         n_split = tiles - split_from
         ws, partials, counters = split_workspace(n_split, cfg.bm * cfg.tile_n(b_layout), dev)
@@ -808,13 +861,13 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
     else:
         args.splits, args.split_from, split_from = 1, tiles, tiles
     maps = [tma, tmb, tmc]
-    kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}")
+    kernel = _kernel(in_dtype, out_dtype, cfg.id, f"mk_gemm_{b_layout}", swap)
     grid = _grid(cfg, _units(tiles, sp, split_from), sms)
     if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
         grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
-    dependent = _pdl(pdl_auto(M, N, K, cfg=cfg, blocks=grid, sms=sms))
-    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=dependent)
+    dependent = _pdl(pdl_auto(KM, KN, K, cfg=cfg, blocks=grid, sms=sms))
+    plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=dependent, swapped=swap)
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
 
@@ -825,6 +878,9 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None) -
         if O2.ptr == o_ptr:
             return plan.args
         a2 = _GemmArgs.from_buffer_copy(args)
+        if swap:
+            a2.c = O2.ptr
+            return [tma, tmb, tmc, a2]
         return [tma, tmb, point_out(a2, O2, M, N, ldc, cfg, tma), a2]
     plan.with_out = with_out
     return plan
@@ -854,7 +910,7 @@ def split_workspace(n_split: int, tile_elems: int, device: int):
 def _env_key():
     return (os.environ.get("MKERNEL_GEMM_CONFIG"), os.environ.get("MKERNEL_GEMM_CANDIDATES"),
             os.environ.get("MKERNEL_GEMM_EPILOGUE"), os.environ.get("MKERNEL_GEMM_PDL"),
-            os.environ.get("MKERNEL_GEMM_GEMV"))
+            os.environ.get("MKERNEL_GEMM_GEMV"), os.environ.get("MKERNEL_GEMM_SWAP"))
 
 
 def c_map(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, fallback: bytes):
@@ -975,14 +1031,15 @@ def load_bound(cfg: TileConfig, misaligned: tuple[bool, bool], b_layout: str = "
 
 
 def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | None = None,
-               misaligned: tuple[bool, bool] = (False, False)):
+               misaligned: tuple[bool, bool] = (False, False), candidates=AUTO_CANDIDATES, with_cost: bool = False):
     """(config, splits, split_from) for a plain GEMM: the heuristic's config and split-K plan (a
     forced config still gets its best split plan).  ``misaligned``: whether A's / B's rows are an odd
-    multiple of 16 bytes apart (load_bound)."""
+    multiple of 16 bytes apart (load_bound).  ``with_cost``: the pick's predicted cost as a fourth value
+    (not with a forced config)."""
     if config is not None:
         cfg = CONFIGS[config]
         return (cfg, *choose_splits(cfg, M, N, K, b_layout, workers(cfg, sms)))
-    cands = _env_candidates(AUTO_CANDIDATES)
+    cands = _env_candidates(candidates)
     env = os.environ.get("MKERNEL_GEMM_CONFIG")
     if env and (int(env) == 0 or int(env) in cands):
         cfg = CONFIGS[int(env)]
@@ -1016,7 +1073,37 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
         alt = _pick_plan(rest) if rest else None
         if alt is not None and alt[2] == 1:
             best = alt
+    if with_cost:
+        return CONFIGS[best[1]], best[2], best[3], best[0]
     return CONFIGS[best[1]], best[2], best[3]
+
+
+def swap_candidates(M: int, N: int, K: int, b_layout: str, sms: int, misaligned=(False, False),
+                    gemv_ok: bool = False):
+    """The configs a transposed plan (C^T = B A^T, computed as the N x M x K problem) of an M x N x K call
+    chooses among, or None for a plain plan (docs/gemm.md entry 65; ``MKERNEL_GEMM_SWAP=0``: never).
+    ``misaligned``: A's / B's rows (load_bound); ``gemv_ok``: mkernel/gemv.py would take the call.
+
+    Decode-shaped calls (B "nk", M <= SWAP_MAX_M): config 53 (M <= 16) / 54 where ceil(N / 64) tiles make
+    whole waves (SWAP_FILL of the SMs up to one wave, or two waves and more), and where N is too small for
+    both those and the decode kernel.  Tall-skinny calls (B "nk", N <= SWAP_MAX_N, K >= SWAP_MIN_K, M >= 8 N):
+    SWAP_CANDIDATES' plain tiles where the cost model puts the transposed plan at most SWAP_GAIN of the
+    plain one."""
+    if b_layout != "nk" or os.environ.get("MKERNEL_GEMM_SWAP") == "0":
+        return None
+    if M <= SWAP_MAX_M:
+        tiles = -(-N // 64)
+        whole = SWAP_FILL * sms <= tiles and (tiles <= sms or tiles >= 2 * sms)
+        if whole or (tiles < SWAP_FILL * sms and not gemv_ok):
+            return (53,) if M <= 16 else (54,)
+        return None
+    if N <= SWAP_MAX_N and K >= SWAP_MIN_K and M >= 8 * N:
+        plain = _auto_plan(M, N, K, b_layout, sms, None, misaligned, with_cost=True)[3]
+        cands = tuple(c for c in SWAP_CANDIDATES if c not in DECODE_SWAP_CONFIGS)
+        swapped = _auto_plan(N, M, K, b_layout, sms, None, misaligned[::-1], cands, with_cost=True)[3]
+        if swapped <= SWAP_GAIN * plain:
+            return cands
+    return None
 
 
 def _vec_ok(O: DeviceArray, ldc: int, M: int) -> int:
@@ -1131,19 +1218,26 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
              b_layout: str = "kn", config: int | None = None, device: int | None = None) -> dict:
     """What ``gemm`` would launch for this shape (dense operands): config, tile, split-K factor, grid, threads, shared
     memory, registers per thread (ptxas; from the driver where NVRTC returned no ptxas report, as the
-    NVRTC 13.0 of the H200 image does), spilled bytes (None without that report) and the NVRTC compile
-    time of the module (0 if it came from cache)."""
+    NVRTC 13.0 of the H200 image does), spilled bytes (None without that report), the NVRTC compile
+    time of the module (0 if it came from cache) and whether it is computed transposed (``swapped``: the
+    tile, tiles and grid are then the N x M x K problem's)."""
     out_dtype = out_dtype or in_dtype
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
         from . import gemv
-        if config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(N, sms):
+        mis = misaligned_rows(M, N, K, b_layout)
+        gemv_ok = config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(N, sms)
+        cands = swap_candidates(M, N, K, b_layout, sms, mis, gemv_ok) if config is None else None
+        if cands is None and gemv_ok:
             return gemv.describe(M, N, K, in_dtype, out_dtype)  # (aligned, contiguous operands assumed)
-        cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config, misaligned_rows(M, N, K, b_layout))
-        mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id))
+        swapped = cands is not None
+        if swapped:
+            M, N, mis = N, M, mis[::-1]
+        cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config, mis, cands or AUTO_CANDIDATES)
+        mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id, swapped))
         usage = _usage(mod, f"mk_gemm_{b_layout}")
     tiles = _tiles(cfg, M, N, b_layout)
-    return dict(config=cfg.id, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
+    return dict(config=cfg.id, swapped=swapped, bm=cfg.bm, bn=cfg.tile_n(b_layout), stages=cfg.stages, threads=cfg.threads,
                 smem=cfg.smem, pingpong=cfg.pingpong, tma_store=cfg.tma_store, splits=sp,
                 split_tiles=(tiles - sf) if sp > 1 else 0,
                 registers=usage.get("registers"),

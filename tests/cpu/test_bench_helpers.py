@@ -128,6 +128,8 @@ def test_gemm_bench_decode_rows_summarized_apart(monkeypatch):
         assert gb.summary(rows[:2])[1:] == []
         assert gb.tile_label(dict(config="gemv", bm=16, bn=16)) == "gemv 16x16"
         assert gb.tile_label(dict(config=3, bm=128, bn=256, stages=4, pingpong=False, splits=2)) == "128x256x64/4st split 2"
+        assert gb.tile_label(dict(config=53, bm=64, bn=16, stages=16, pingpong=False, splits=1,
+                                  swapped=True)) == "T 64x16x64/16st"
     finally:
         sys.modules.pop("gemm", None)
 
@@ -182,7 +184,9 @@ def test_plan_table_shape_specs(bench_path):
     assert pt.parse_shape("9916x216x6512:kn+64") == (9916, 216, 6512, "kn", 64)
 
     class P:  # a plan's fields plan_label reads
-        cfg, splits, split_from, dependent = type("C", (), {"id": 18})(), 5, 132, True
+        cfg, splits, split_from, dependent, swapped = type("C", (), {"id": 18})(), 5, 132, True, False
     assert pt.plan_label(P()) == "c18x5f132p"
     P.splits, P.dependent = 1, False
     assert pt.plan_label(P()) == "c18x1"
+    P.swapped = True
+    assert pt.plan_label(P()) == "s18x1"

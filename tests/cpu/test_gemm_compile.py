@@ -47,7 +47,8 @@ def compile_cache(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
-    f"in{d['MK_GEMM_IN']}-out{d['MK_GEMM_OUT']}-cfg{d['MK_GEMM_CONFIG']}" for _, d in SPECS])
+    f"in{d['MK_GEMM_IN']}-out{d['MK_GEMM_OUT']}-cfg{d['MK_GEMM_CONFIG']}{'-swap' if d.get('MK_GEMM_SWAP') else ''}"
+    for _, d in SPECS])
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
     cfg = G.CONFIGS[defines["MK_GEMM_CONFIG"]]
@@ -80,7 +81,7 @@ class FakeKernel:
 
     def launch(self, grid, block, args, *, stream=None, smem=0, cluster=None, dependent=False, **kw):
         self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=grid, block=block, args=args, smem=smem,
-                             cluster=cluster, dependent=dependent))
+                             cluster=cluster, dependent=dependent, swap="swap" in self.key[4:]))
 
     def max_active_clusters(self, grid, block, smem, cluster):
         return 60  # (a GPU on which not every SM pairs up)
@@ -104,7 +105,8 @@ def fake(monkeypatch):
         maps.append(dict(ptr=ptr, dtype=dtype, dims=tuple(dims), strides=tuple(strides), box=tuple(box)))
         return bytes(128)
 
-    monkeypatch.setattr(G, "_kernel", lambda i, o, c, name: FakeKernel(launches, (i, o, c, name)))
+    monkeypatch.setattr(G, "_kernel", lambda i, o, c, name, swap=False: FakeKernel(
+        launches, (i, o, c, name) + (("swap",) if swap else ())))
     monkeypatch.setattr(G, "_num_sms", lambda dev: 132)
     monkeypatch.setattr(G, "encode_tiled", encode)
     monkeypatch.setattr(G, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
@@ -696,22 +698,24 @@ def fake_gemv(fake, monkeypatch):
     return launches, empty
 
 
-def test_gemv_routes_decode_shapes(fake_gemv):
+def test_gemv_routes_decode_shapes(fake_gemv, monkeypatch):
     """M <= 16 with B "nk", K % 8 == 0, 16-byte aligned operands, >= 66 blocks of 16 B rows (half of 132
     SMs) and < 99 tiles of 256 columns (0.75 of them) go to mk_gemv_nk: one block of 256 threads per 16
     rows of B, one MMA column tile up to 8 rows, two up to 16; arguments A, lda, B, ldb, C, ldc, M, N, K;
     a programmatic dependent launch (the kernel waits for its predecessor before its first load)."""
     launches, empty = fake_gemv
-    for M, nt in ((1, 1), (5, 1), (8, 1), (9, 2), (16, 2)):
-        a, b = empty((M, 8192), "bfloat16"), empty((8192, 8192), "bfloat16")
+    for M, nt in ((1, 1), (5, 1), (8, 1), (9, 2), (16, 2)):  # (N = 10240: 160 tiles of 64 rows, not swapped)
+        a, b = empty((M, 8192), "bfloat16"), empty((10240, 8192), "bfloat16")
         out = G.gemm(a, b, b_layout="nk", out_dtype="float32")
         l = launches[-1]
-        assert l["kernel"] == "mk_gemv_nk" and l["config"] == nt and l["grid"] == 512 and l["block"] == 256
+        assert l["kernel"] == "mk_gemv_nk" and l["config"] == nt and l["grid"] == 640 and l["block"] == 256
         assert l["dependent"] is True and l["smem"] == 0
         args = [x.value for x in l["args"]]
-        assert args == [a.ptr, 8192, b.ptr, 8192, out.ptr, 8192, M, 8192, 8192]
+        assert args == [a.ptr, 8192, b.ptr, 8192, out.ptr, 10240, M, 10240, 8192]
     # the smallest N that still fills half of the SMs: ceil(N / 16) >= 66; the largest below 99 tiles
+    # (which swap_candidates would compute transposed: 392 tiles of 64 rows)
     G.gemm(empty((4, 1056), "float16"), empty((1041, 1056), "float16"), b_layout="nk")
+    monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")
     assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["grid"] == 66
     G.gemm(empty((2, 1024), "bfloat16"), empty((25088, 1024), "bfloat16"), b_layout="nk")
     assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["grid"] == 1568
@@ -725,9 +729,43 @@ def test_gemv_routes_decode_shapes(fake_gemv):
     assert launches[-2]["args"][4].value == o1.ptr
 
 
+def test_swapped_routes(fake_gemv, monkeypatch):
+    """B "nk" calls computed transposed (swap_candidates): decode-shaped M <= 32 where ceil(N / 64) tiles make
+    whole waves (config 53 up to 16 rows, 54 up to 32) or N is too small for the decode kernel; tall-skinny
+    calls with a long K where the model gains SWAP_GAIN.  The launch: the kernel's M x N = the caller's
+    N x M, tmA over B and tmB over A, register stores (c_tma = 0), C and ldc the caller's."""
+    launches, empty = fake_gemv
+    for M, N, K, cfg in [(1, 8192, 8192, 53), (16, 8192, 8192, 53), (16, 8192, 28672, 53), (8, 7168, 2048, 53),
+                         (4, 57344, 8192, 53), (1, 576, 7168, 53), (17, 8192, 8192, 54), (32, 7168, 2048, 54),
+                         (9008, 248, 5752, 48), (10755, 104, 5184, 9)]:
+        a, b = empty((M, K), "bfloat16"), empty((N, K), "bfloat16")
+        out = G.gemm(a, b, b_layout="nk")
+        l = launches[-1]
+        assert l["kernel"] == "mk_gemm_nk" and l["swap"] and l["config"] == cfg, (M, N, K, l["config"])
+        args = l["args"][3]
+        assert (args.c, args.ldc, args.M, args.N, args.K, args.c_tma) == (out.ptr, N, N, M, K, 0)
+        plan = next(reversed(G._plans.values()))
+        assert plan.swapped
+    for M, N, K, layout in [(1, 10240, 8192, "nk"), (4, 2048, 2048, "nk"), (3750, 80, 3024, "nk"),
+                            (16, 8192, 8192, "kn"), (9008, 248, 5752, "kn"), (64, 8192, 8192, "nk")]:
+        G.gemm(empty((M, K), "bfloat16"), empty((K, N) if layout == "kn" else (N, K), "bfloat16"), b_layout=layout)
+        assert not launches[-1]["swap"], (M, N, K, layout)
+    w = empty((8192, 8192), "bfloat16")
+    G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="nk", config=1)  # a forced config: plain unless swap=True
+    assert not launches[-1]["swap"] and launches[-1]["config"] == 1
+    G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="nk", config=2, swap=True)
+    assert launches[-1]["swap"] and launches[-1]["config"] == 2
+    monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")
+    G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="nk")
+    assert launches[-1]["kernel"] == "mk_gemv_nk"
+    with pytest.raises(ValueError, match="swap"):
+        G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="kn", swap=True)
+
+
 def test_gemv_not_routed(fake_gemv, monkeypatch):
     """Everything else stays on the GEMM tiles."""
     launches, empty = fake_gemv
+    monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")  # (swapped plans: test_swapped_routes)
     w = empty((8192, 8192), "bfloat16")
     cases = [
         dict(a=empty((17, 8192), "bfloat16"), b=w),  # M > 16

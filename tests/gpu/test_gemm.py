@@ -48,11 +48,12 @@ def check(got, ref, what):
     assert e < TOL, f"{what}: relative Frobenius error {e:.3e}"
 
 
-def run_gemm(rng, M, N, K, layout, in_dt="bfloat16", out_dt="bfloat16", config=None, sample=None, splits=None):
+def run_gemm(rng, M, N, K, layout, in_dt="bfloat16", out_dt="bfloat16", config=None, sample=None, splits=None,
+             swap=None):
     a, av = rand(rng, (M, K), in_dt)
     b, bv = rand(rng, (K, N) if layout == "kn" else (N, K), in_dt)
     out = poisoned((M, N), out_dt)
-    G.gemm(a, b, out, b_layout=layout, config=config, splits=splits)
+    G.gemm(a, b, out, b_layout=layout, config=config, splits=splits, swap=swap)
     got = download(out)
     bmat = bv if layout == "kn" else bv.T
     if sample is None:
@@ -140,6 +141,61 @@ def test_big_auto(rng):
     run_gemm(rng, 4096, 8192, 1000, "kn", in_dt="float16", out_dt="float32", sample=192)
 
 
+# ---- swapped plans: C^T = B A^T ------------------------------------------------------------------
+# B "nk" computed transposed (the kernel's rows run along B's rows, A's rows are its columns) and stored
+# transposed from registers: a few rows of A (the 64 x 16 / 64 x 32 decode tiles, M = 1 among them),
+# tall-skinny shapes, forced splits (the running-sum epilogue around the transposed store), cluster
+# split-K (config 9), pairs along M / N (48 / 49, 8), ragged edges on both sides, every dtype pair.
+SWAP_CASES = [  # (M, N, K, config, splits, in_dt, out_dt)
+    (16, 8192, 8192, 53, None, "bfloat16", "bfloat16"), (1, 1000, 4097, 53, None, "bfloat16", "bfloat16"),
+    (7, 1543, 40, 53, 3, "float16", "float32"), (13, 300, 1000, 53, None, "float16", "float16"),
+    (30, 7168, 2048, 54, None, "bfloat16", "bfloat16"), (32, 300, 777, 54, 2, "float16", "float32"),
+    (17, 65, 129, 54, None, "bfloat16", "float16"), (3573, 168, 1584, 1, None, "bfloat16", "bfloat16"),
+    (2000, 129, 1000, 2, 3, "bfloat16", "float32"), (1000, 250, 520, 3, None, "float16", "bfloat16"),
+    (1000, 250, 520, 4, 2, "bfloat16", "bfloat16"), (10755, 104, 5184, 9, None, "bfloat16", "bfloat16"),
+    (9008, 248, 5752, 48, None, "bfloat16", "bfloat16"), (600, 130, 700, 49, None, "bfloat16", "float32"),
+    (129, 1000, 4097, 48, 2, "bfloat16", "bfloat16"), (77, 1000, 1000, 8, None, "bfloat16", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("M,N,K,config,splits,in_dt,out_dt", SWAP_CASES,
+                         ids=[f"{m}x{n}x{k}-c{c}-s{s}-{i}-{o}" for m, n, k, c, s, i, o in SWAP_CASES])
+def test_swapped(rng, M, N, K, config, splits, in_dt, out_dt):
+    run_gemm(rng, M, N, K, "nk", in_dt, out_dt, config=config, splits=splits, swap=True,
+             sample=256 if M * N * K > 1 << 32 else None)
+    plan = next(reversed(G._plans.values()))
+    assert plan.swapped and plan.cfg.id == config
+
+
+@pytest.mark.parametrize("config", G.SWAP_CANDIDATES)
+def test_swapped_every_candidate_ragged(rng, config):
+    for M, N, K in [(77, 1000, 1000), (1000, 77, 200)]:
+        run_gemm(rng, M, N, K, "nk", config=config, swap=True)
+
+
+@pytest.mark.parametrize("out_dt,pad", [("bfloat16", 8), ("float32", 3), ("float16", 1)])
+def test_swapped_output_view_and_reuse(rng, out_dt, pad):
+    """A swapped plan writes only its output view (rows of ldc = N + pad), and re-pointed at another
+    output of the same layout (the plan's with_out) writes that one."""
+    M, N, K = 20, 1100, 520
+    a, av = rand(rng, (M, K), "bfloat16")
+    b, bv = rand(rng, (N, K), "bfloat16")
+    ref = av @ bv.T
+    for _ in range(2):
+        buf = poisoned((M + 1, N + pad), out_dt)
+        G.gemm(a, b, corner(buf, M, N), b_layout="nk", config=53, swap=True)
+        h = download(buf)
+        check(h[:M, :N], ref, f"swapped strided out {out_dt} pad={pad}")
+        assert not written_outside(h, M, N), "swapped gemm wrote outside the output view"
+
+
+def test_swap_needs_nk(rng):
+    a, _ = rand(rng, (16, 64), "bfloat16")
+    b, _ = rand(rng, (64, 128), "bfloat16")
+    with pytest.raises(ValueError, match="swap"):
+        G.gemm(a, b, b_layout="kn", swap=True)
+
+
 # ---- split-K ---------------------------------------------------------------------------------
 # configs 9 / 10: split-K inside clusters of 2 / 4 (partials through distributed shared memory): many
 # tiles per cluster (the receive buffers' phases), K ranges that leave a block no K block at all
@@ -185,7 +241,8 @@ SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K spl
     (400, 1000, 4097, "nk", 40, 2), (129, 700, 4097, "nk", 42, 2),
     (300, 520, 2048, "kn", 42, 3), (300, 520, 2048, "nk", 46, 3), (129, 1000, 4097, "kn", 47, 2),
     (300, 520, 2048, "nk", 48, 3), (129, 1000, 4097, "kn", 48, 2), (300, 520, 2048, "kn", 49, 3),
-    (129, 1000, 4097, "nk", 50, 2),
+    (129, 1000, 4097, "nk", 50, 2), (1000, 16, 4097, "nk", 53, 3), (300, 30, 2048, "kn", 54, 2),
+    (2000, 32, 1000, "nk", 54, 4),
 ]
 
 
