@@ -479,6 +479,7 @@ def gemv_route(monkeypatch):
     monkeypatch.setattr(GV, "MIN_BLOCK_FILL", 0.0)
     monkeypatch.setattr(GV, "ROUTE_MAX_TILE_FILL", float("inf"))
     monkeypatch.delenv("MKERNEL_GEMM_GEMV", raising=False)
+    monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")  # (not the transposed 64 x 16 tiles: test_swapped)
 
 
 def last_plan():
