@@ -274,9 +274,13 @@ SWAP_FILL = 0.75
 # Tall-skinny calls: 128-row tiles along N's few columns, a long K hiding the transposed register
 # stores (9008x248x5752 69.0 -> 61.3 us, 10755x104x5184 47.1 -> 40.9); at short K those stores lose
 # (3750x80x3024 12.0 vs 15.7, 10980x208x232 8.3 vs 10.2).
+# Only 128-row tiles, N filling 3/4 of them: 64-row ones (config 1) lost where the model put them ahead
+# (8192x128x8192 45.0 -> 48.2 us, 6000x64x7000 32.6 -> 34.2).
 SWAP_MAX_N = 256
 SWAP_MIN_K = 4096
 SWAP_GAIN = 0.95
+SWAP_MIN_FILL = 0.75
+TALL_SWAP_CONFIGS = (2, 3, 4, 9, 48, 49)
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
@@ -841,6 +845,8 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None, s
     if swap:
         mis = mis[::-1]
     cfg, sp, split_from = _auto_plan(KM, KN, K, b_layout, sms, config, mis, cands if swap else AUTO_CANDIDATES)
+    if swap:
+        sp, split_from = _decode_swap_splits(cfg, KM, KN, b_layout, sms, sp, split_from)
     if splits is not None:  # forced: every tile split
         sp, split_from = max(1, min(int(splits), max_splits(cfg, KM, KN, K, b_layout))), 0
     tma, pre, keep = _a_operand(KA, KM, K, cfg, in_dtype, out_dtype, dev)
@@ -866,7 +872,8 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None, s
     if cfg.cluster > 1:  # no more clusters than fit at once (a GPC's SMs may not all group up)
         fit = kernel.max_active_clusters(grid, cfg.threads, cfg.smem, cfg.cluster)
         grid = max(cfg.cluster, min(grid, fit * cfg.cluster))
-    dependent = _pdl(pdl_auto(KM, KN, K, cfg=cfg, blocks=grid, sms=sms))
+    # (swapped plans in clusters without PDL: 9008x248x5752 on config 48 63.6 us with, 57.0 without)
+    dependent = _pdl(pdl_auto(KM, KN, K, cfg=cfg, blocks=grid, sms=sms) and not (swap and cfg.cluster > 1))
     plan = _Plan(cfg, kernel, grid, [*maps, args], pre, keep, sp, split_from, dependent=dependent, swapped=swap)
     if sp > 1:
         plan.zero = ClearBeforeFirstUse(ws.ptr, ws.size)
@@ -1078,6 +1085,15 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
     return CONFIGS[best[1]], best[2], best[3]
 
 
+def _decode_swap_splits(cfg: TileConfig, M: int, N: int, b_layout: str, sms: int, sp: int, sf: int):
+    """A transposed decode plan's (configs 53 / 54) split: none where its tiles make one whole wave -- B's
+    rows stream once either way, splits only cut the stream (16x7168x16384: 59.5 us unsplit, 67.1 in 7
+    splits); other plans keep (sp, sf)."""
+    if cfg.id in DECODE_SWAP_CONFIGS and SWAP_FILL * sms <= _tiles(cfg, M, N, b_layout) <= sms:
+        return 1, 0
+    return sp, sf
+
+
 def swap_candidates(M: int, N: int, K: int, b_layout: str, sms: int, misaligned=(False, False),
                     gemv_ok: bool = False):
     """The configs a transposed plan (C^T = B A^T, computed as the N x M x K problem) of an M x N x K call
@@ -1086,9 +1102,9 @@ def swap_candidates(M: int, N: int, K: int, b_layout: str, sms: int, misaligned=
 
     Decode-shaped calls (B "nk", M <= SWAP_MAX_M): config 53 (M <= 16) / 54 where ceil(N / 64) tiles make
     whole waves (SWAP_FILL of the SMs up to one wave, or two waves and more), and where N is too small for
-    both those and the decode kernel.  Tall-skinny calls (B "nk", N <= SWAP_MAX_N, K >= SWAP_MIN_K, M >= 8 N):
-    SWAP_CANDIDATES' plain tiles where the cost model puts the transposed plan at most SWAP_GAIN of the
-    plain one."""
+    both those and the decode kernel.  Tall-skinny calls (B "nk", N <= SWAP_MAX_N, K >= SWAP_MIN_K, M >= 8 N,
+    N filling SWAP_MIN_FILL of its 128-row tiles): TALL_SWAP_CONFIGS where the cost model puts the
+    transposed plan at most SWAP_GAIN of the plain one."""
     if b_layout != "nk" or os.environ.get("MKERNEL_GEMM_SWAP") == "0":
         return None
     if M <= SWAP_MAX_M:
@@ -1097,9 +1113,9 @@ def swap_candidates(M: int, N: int, K: int, b_layout: str, sms: int, misaligned=
         if whole or (tiles < SWAP_FILL * sms and not gemv_ok):
             return (53,) if M <= 16 else (54,)
         return None
-    if N <= SWAP_MAX_N and K >= SWAP_MIN_K and M >= 8 * N:
+    if N <= SWAP_MAX_N and K >= SWAP_MIN_K and M >= 8 * N and N >= SWAP_MIN_FILL * 128 * -(-N // 128):
         plain = _auto_plan(M, N, K, b_layout, sms, None, misaligned, with_cost=True)[3]
-        cands = tuple(c for c in SWAP_CANDIDATES if c not in DECODE_SWAP_CONFIGS)
+        cands = TALL_SWAP_CONFIGS
         swapped = _auto_plan(N, M, K, b_layout, sms, None, misaligned[::-1], cands, with_cost=True)[3]
         if swapped <= SWAP_GAIN * plain:
             return cands
@@ -1234,6 +1250,8 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
         if swapped:
             M, N, mis = N, M, mis[::-1]
         cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config, mis, cands or AUTO_CANDIDATES)
+        if swapped:
+            sp, sf = _decode_swap_splits(cfg, M, N, b_layout, sms, sp, sf)
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id, swapped))
         usage = _usage(mod, f"mk_gemm_{b_layout}")
     tiles = _tiles(cfg, M, N, b_layout)

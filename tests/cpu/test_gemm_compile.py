@@ -746,7 +746,13 @@ def test_swapped_routes(fake_gemv, monkeypatch):
         assert (args.c, args.ldc, args.M, args.N, args.K, args.c_tma) == (out.ptr, N, N, M, K, 0)
         plan = next(reversed(G._plans.values()))
         assert plan.swapped
+    # one whole wave of decode tiles: unsplit; a swapped plan in clusters: no programmatic dependent launch
+    G.gemm(empty((16, 16384), "bfloat16"), empty((7168, 16384), "bfloat16"), b_layout="nk")
+    assert launches[-1]["swap"] and launches[-1]["args"][3].splits == 1 and launches[-1]["dependent"]
+    G.gemm(empty((9008, 5752), "bfloat16"), empty((248, 5752), "bfloat16"), b_layout="nk")
+    assert launches[-1]["swap"] and launches[-1]["cluster"] == (2, 1, 1) and not launches[-1]["dependent"]
     for M, N, K, layout in [(1, 10240, 8192, "nk"), (4, 2048, 2048, "nk"), (3750, 80, 3024, "nk"),
+                            (8192, 128, 8192, "nk"), (6000, 64, 7000, "nk"),  # (64-row tiles / half-empty ones)
                             (16, 8192, 8192, "kn"), (9008, 248, 5752, "kn"), (64, 8192, 8192, "nk")]:
         G.gemm(empty((M, K), "bfloat16"), empty((K, N) if layout == "kn" else (N, K), "bfloat16"), b_layout=layout)
         assert not launches[-1]["swap"], (M, N, K, layout)
