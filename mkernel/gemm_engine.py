@@ -250,7 +250,8 @@ CONFIGS = {
     48: TileConfig(48, 128, 192, 4, 2, 0.94, bn_kn=128, staging_boxes=2, cluster_m=2),
     49: TileConfig(49, 128, 256, 4, 2, 1.00, staging_boxes=2, cluster_m=2),
     50: TileConfig(50, 128, 192, 4, 2, 0.94, staging_boxes=2, cluster_n=2),
-    # (experiment, forced only) 64 x 16 / 64 x 32 tiles ("kn": 64 x 64, 8 stages), 16 stages: N <= 16 / 32
+    # 64 x 16 / 64 x 32 tiles ("kn": 64 x 64, 8 stages), 16 stages: the transposed decode plans' tiles (the
+    # caller's M <= 16 / 32 rows as N; swap_candidates), forced only otherwise
     53: TileConfig(53, 64, 16, 16, 1, 0.60, bn_kn=64),
     54: TileConfig(54, 64, 32, 16, 1, 0.60, bn_kn=64),
 }
@@ -261,10 +262,10 @@ AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36, 40, 42, 8, 49, 11, 48, 50)
 # Configs a swapped plan (B "nk" only: C^T = B A^T, the kernel's M x N x K problem is the caller's N x M x K
 # with the operands' roles exchanged, stored transposed) chooses among: the 64 x 16 / 64 x 32 tiles for
 # decode-shaped calls (the caller's few rows of A as the tile's columns) and the tiles that won the
-# transposed tall-skinny shapes (docs/gemm.md entry 65).
+# transposed tall-skinny shapes (docs/gemm.md entry 66).
 SWAP_CANDIDATES = (53, 54, 1, 2, 3, 4, 9, 48, 49)
 DECODE_SWAP_CONFIGS = (53, 54)
-# swap_candidates' rules (docs/gemm.md entry 65).  Decode-shaped calls: the 64 x 16 / 64 x 32 tiles stream
+# swap_candidates' rules (docs/gemm.md entry 66).  Decode-shaped calls: the 64 x 16 / 64 x 32 tiles stream
 # B's rows 64 at a time, 16 stages deep (cuBLAS's "v" kernels): ahead of mk_gemv_nk and the plain tiles
 # where ceil(N / 64) tiles make whole waves (16x8192x8192 39.4 -> 32.6 us, cuBLAS 33.5; 16x8192x28672
 # 126.1 -> 106.3) and where N is too small for both (1x576x7168 8.6 -> 6.1), behind on a wave and a
@@ -1097,7 +1098,8 @@ def _decode_swap_splits(cfg: TileConfig, M: int, N: int, b_layout: str, sms: int
 def swap_candidates(M: int, N: int, K: int, b_layout: str, sms: int, misaligned=(False, False),
                     gemv_ok: bool = False):
     """The configs a transposed plan (C^T = B A^T, computed as the N x M x K problem) of an M x N x K call
-    chooses among, or None for a plain plan (docs/gemm.md entry 65; ``MKERNEL_GEMM_SWAP=0``: never).
+    chooses among, or None for a plain plan (docs/gemm.md entry 66; ``MKERNEL_GEMM_SWAP=0`` or a config
+    forced by ``MKERNEL_GEMM_CONFIG``: never).
     ``misaligned``: A's / B's rows (load_bound); ``gemv_ok``: mkernel/gemv.py would take the call.
 
     Decode-shaped calls (B "nk", M <= SWAP_MAX_M): config 53 (M <= 16) / 54 where ceil(N / 64) tiles make
@@ -1105,7 +1107,7 @@ def swap_candidates(M: int, N: int, K: int, b_layout: str, sms: int, misaligned=
     both those and the decode kernel.  Tall-skinny calls (B "nk", N <= SWAP_MAX_N, K >= SWAP_MIN_K, M >= 8 N,
     N filling SWAP_MIN_FILL of its 128-row tiles): TALL_SWAP_CONFIGS where the cost model puts the
     transposed plan at most SWAP_GAIN of the plain one."""
-    if b_layout != "nk" or os.environ.get("MKERNEL_GEMM_SWAP") == "0":
+    if b_layout != "nk" or os.environ.get("MKERNEL_GEMM_SWAP") == "0" or os.environ.get("MKERNEL_GEMM_CONFIG"):
         return None
     if M <= SWAP_MAX_M:
         tiles = -(-N // 64)

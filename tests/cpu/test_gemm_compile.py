@@ -761,6 +761,10 @@ def test_swapped_routes(fake_gemv, monkeypatch):
     assert not launches[-1]["swap"] and launches[-1]["config"] == 1
     G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="nk", config=2, swap=True)
     assert launches[-1]["swap"] and launches[-1]["config"] == 2
+    monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "3")  # a config forced by the environment: plain
+    G.gemm(empty((9008, 5752), "bfloat16"), empty((248, 5752), "bfloat16"), b_layout="nk")
+    assert not launches[-1]["swap"] and launches[-1]["config"] == 3
+    monkeypatch.delenv("MKERNEL_GEMM_CONFIG")
     monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")
     G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="nk")
     assert launches[-1]["kernel"] == "mk_gemv_nk"
