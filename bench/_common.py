@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import socket
 import statistics
 import time
@@ -155,8 +156,19 @@ def gpu_lead_cycles(host_ms_per_batch: float, clock_ghz: float = 2.0) -> int:
     return int(max(0.05, 2.0 * host_ms_per_batch) * 1e-3 * clock_ghz * 1e9)
 
 
+def round_order(n: int, r: int, order: str = "rotate") -> list:
+    """The order of ``n`` methods in round ``r`` of :func:`time_interleaved`: ``rotate`` starts round r
+    at method r (with many methods each keeps nearly its place in every round), ``shuffle`` a permutation
+    drawn from round r alone (the same on every rank; a method's place varies from round to round)."""
+    if order == "shuffle":
+        idx = list(range(n))
+        random.Random(r).shuffle(idx)
+        return idx
+    return [(i + r) % n for i in range(n)]
+
+
 def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1, barrier=None,
-                     host_lead: bool = False, agree=None) -> dict:
+                     host_lead: bool = False, agree=None, order: str = "rotate") -> dict:
     """Time several ways of doing the same work in alternating rounds, so they all see the same clocks:
     a GPU near its power or thermal limit drifts over seconds, and methods timed one after another
     inherit whatever state the previous left (e.g. a fused kernel timed right after a long NCCL run
@@ -164,7 +176,8 @@ def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1
 
     ``fns``: name -> fn (enqueues GPU work on torch's current stream).  Each gets ``warmup`` untimed
     calls; then ``rounds`` rounds, each timing one batch of ``batch`` calls of every fn (the order
-    rotates from round to round; device synchronized and ``barrier()`` before every batch).  Returns
+    rotates from round to round, or is shuffled: ``order``, :func:`round_order`; device synchronized and
+    ``barrier()`` before every batch).  Returns
     name -> ``time_stats``-style dict (``median_ms``, ``min_ms``, ``max_ms``, ``samples``, ``host_ms``).
 
     ``host_lead``: enqueue a GPU-side delay (``torch.cuda._sleep``, sized by :func:`gpu_lead_cycles`
@@ -200,8 +213,8 @@ def time_interleaved(fns: dict, warmup: int = 2, rounds: int = 7, batch: int = 1
     samples = {n: [] for n in names}
     host = {n: [] for n in names}
     for r in range(rounds):
-        for i in range(len(names)):
-            name = names[(i + r) % len(names)]
+        for i in round_order(len(names), r, order):
+            name = names[i]
             torch.cuda.synchronize()
             if barrier is not None:
                 barrier()

@@ -10,8 +10,8 @@ operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misa
 entry 62).  Plans: the automatic one (with PDL as the heuristic decides, forced off, forced on) and every
 config (default: the heuristic's candidates) x forced split factor it allows (forced splits split every
 tile; "auto:plain": the automatic plan with MKERNEL_GEMM_SWAP=0), and with --swap-configs every such config x split computed transposed (C^T = B A^T, "nk" only:
-labels s<config>x<splits>).  All of a shape's plans and cuBLAS are CUDA-graph replays timed in the same alternating rounds
-(median of 5).  Prints cuBLAS, the automatic plans and the six best; --json writes, per shape, every
+labels s<config>x<splits>).  All of a shape's plans and cuBLAS are CUDA-graph replays timed in the same rounds, in an order
+shuffled each round (median of 5).  Prints cuBLAS, the automatic plans and the six best; --json writes, per shape, every
 plan's label (c<config>x<splits>[f<split_from>][p: PDL]) and microseconds.  (First run as
 scratch/plans_probe.py in the twenty-first session: docs/gemm_plans_20261201.json.)
 """
@@ -86,7 +86,9 @@ def main():
         else:
             os.environ["MKERNEL_GEMM_PDL"] = pdl_env
         os.environ.pop("MKERNEL_GEMM_SWAP", None)
-        st = time_interleaved(fns, warmup=1, rounds=5)
+        # (shuffled: rotated by one a round, dozens of plans keep their places, and on long plans the
+        # place moved a plan's median by up to 15 % -- docs/validation.md twenty-third session, call 1)
+        st = time_interleaved(fns, warmup=1, rounds=5, order="shuffle")
         us = {k: statistics.median(v["samples"]) / prob.batch * 1e3 for k, v in st.items()}
         cb = us.pop("cublas")
         best = sorted((v, k) for k, v in us.items() if not k.startswith("auto"))[:6]

@@ -98,6 +98,16 @@ def test_time_interleaved_agrees_on_the_lead(bench_modules, monkeypatch):
     assert slept == [7_000_000] * 4 and out["a"]["median_ms"] == 0.25
 
 
+def test_round_order(bench_modules):
+    """rotate: round r starts at method r; shuffle: a permutation of every method, the same for a round on
+    every call (ranks agree), not the same in every round."""
+    common, _ = bench_modules
+    assert common.round_order(4, 1) == [1, 2, 3, 0] and common.round_order(4, 5) == [1, 2, 3, 0]
+    orders = [common.round_order(30, r, "shuffle") for r in range(5)]
+    assert all(sorted(o) == list(range(30)) for o in orders)
+    assert orders[2] == common.round_order(30, 2, "shuffle") and len({tuple(o) for o in orders}) == 5
+
+
 def test_ag_gemm_paths_option(bench_modules):
     _, ag = bench_modules
     paths = ("fused", "fused_ce", "unfused")
