@@ -7,12 +7,14 @@ on without a GPU (bench/gemm_heuristic_replay.py).
 
 SHAPE: MxNxK[:kn|:nk][+PAD] -- B "nk" ([N, K]) unless ":kn"; PAD extra elements at the end of every
 operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/gemm.md
-entry 62).  Plans: the automatic one (with PDL as the heuristic decides, forced off, forced on) and every
-config (default: the heuristic's candidates) x forced split factor it allows (forced splits split every
-tile; "auto:plain": the automatic plan with MKERNEL_GEMM_SWAP=0), and with --swap-configs every such config x split computed transposed (C^T = B A^T, "nk" only:
-labels s<config>x<splits>).  All of a shape's plans and cuBLAS are CUDA-graph replays timed in the same rounds, in an order
-shuffled each round (median of 5).  Prints cuBLAS, the automatic plans and the six best; --json writes, per shape, every
-plan's label (c<config>x<splits>[f<split_from>][p: PDL]) and microseconds.  (First run as
+entry 62).  Plans: the automatic one (with PDL as the heuristic decides, forced off, forced on; and
+"auto:plain", with MKERNEL_GEMM_SWAP=0) and every config (default: the heuristic's candidates) x forced
+split factor it allows (forced splits split every tile), and with --swap-configs every such config x
+split computed transposed (C^T = B A^T, "nk" only: labels s<config>x<splits>, and s<config>xa with the
+split plan the heuristic gives it).  All of a shape's plans and cuBLAS are CUDA-graph replays timed in
+the same rounds, in an order shuffled each round (median of 5).  Prints cuBLAS, the automatic plans and
+the six best; --json writes, per shape, every plan's label (c<config>x<splits>[f<split_from>][p: PDL])
+and microseconds.  (First run as
 scratch/plans_probe.py in the twenty-first session: docs/gemm_plans_20261201.json.)
 """
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main():
         for c in ([int(x) for x in args.swap_configs.split(",") if x] if layout == "nk" else []):
             ms = G.max_splits(G.CONFIGS[c], N, M, K, layout)  # (the transposed problem)
             plans += [(f"s{c}x{sp}", c, sp, "auto", True) for sp in splits if sp <= ms]
+            plans.append((f"s{c}xa", c, None, "auto", True))  # (its own split plan, as the heuristic's)
         labels = {}
         pdl_env = os.environ.get("MKERNEL_GEMM_PDL")
         for name, c, sp, pdl, swap in plans:
