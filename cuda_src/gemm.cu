@@ -34,6 +34,16 @@ struct MkGemmArgs {
   int split_from;   // split-K: tiles (rasterized order) before this one are not split
 };
 
+// A plain GEMM's register store: the direct one, or transposed (MK_GEMM_SWAP).
+template <bool SWAP> struct MkRegisterStore {
+  typedef MkEpilogueStore<MkOut> T;
+  static MK_DEVICE T make(const MkEpilogueStore<MkOut>& direct) { return direct; }
+};
+template <> struct MkRegisterStore<true> {
+  typedef MkEpilogueStoreT<MkOut> T;
+  static MK_DEVICE T make(const MkEpilogueStore<MkOut>& direct) { return T{direct.c, direct.ldc}; }
+};
+
 // tmC: {N, M} over C (used by configurations with TMA-store staging when args.c_tma).
 // MK_GEMM_SWAP = 1 (plain GEMM): the host passes the transposed problem -- args.M / args.N are C's columns /
 // rows, tmA maps the caller's B ([N, K]) and tmB the caller's A ([M, K], an "nk" operand) -- and every tile
@@ -49,41 +59,37 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   epi.vec_ok = args.c_vec_ok;
   if constexpr (GROUPED && (Cfg::SHARING > 1 || Cfg::CLUSTER_K > 1 || MK_GEMM_SWAP)) {
     __trap();  // grouped GEMMs do not run in clusters or transposed (mkernel/gemm_engine.py never launches this)
-  } else if constexpr (MK_GEMM_SWAP) {
-    MkEpilogueStoreT<MkOut> epi_t{epi.c, epi.ldc};
-    if constexpr (Cfg::PINGPONG) {
-      __trap();  // (no swapped ping-pong plans)
-    } else if constexpr (Cfg::CLUSTER_K > 1) {
-      MkClusterKScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_K> sched(args.M, args.N, args.group_m);
-      MkClusterKEpilogue<Cfg, MkEpilogueStoreT<MkOut>> ck{epi_t, MkGemmSmem<Cfg>(mk_smem), mk_cluster_ctarank(), 0u};
-      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), ck, mk_smem, blockIdx.x, gridDim.x);
-    } else {
-      typedef typename MkPick<Cfg::SHARING == 1, MkLinearScheduler<Cfg::BM, Cfg::BN>,
-                              MkClusterTileScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_M, Cfg::CLUSTER_N>>::T Sched;
-      Sched sched(args.M, args.N, args.group_m, args.splits, args.split_from);
-      auto sk = mk_split_k_epilogue<Cfg::NC>(epi_t, args.partials, args.counters);
-      mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), sk, mk_smem, blockIdx.x, gridDim.x);
-    }
   } else if constexpr (GROUPED) {
     // a tile ending inside a group must not write the next group's rows: clip_rows = 0
     MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);
     mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 0, mk_smem, blockIdx.x, gridDim.x);
-  } else {
-    if constexpr (Cfg::PINGPONG) {  // (no split-K: the ping-pong loop's ring positions assume whole tiles)
+  } else if constexpr (Cfg::PINGPONG) {  // (no split-K: the ping-pong loop's ring positions assume whole tiles)
+    if constexpr (MK_GEMM_SWAP) {
+      __trap();  // (no swapped ping-pong plans)
+    } else {
       MkLinearScheduler<Cfg::BM, Cfg::BN> sched(args.M, args.N, args.group_m);
       mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 1, mk_smem, blockIdx.x, gridDim.x);
-    } else if constexpr (Cfg::CLUSTER_K > 1) {  // split-K inside clusters, partials added through DSMEM
+    }
+  } else {
+    typedef typename MkRegisterStore<MK_GEMM_SWAP>::T RegEpi;
+    const RegEpi reg = MkRegisterStore<MK_GEMM_SWAP>::make(epi);
+    if constexpr (Cfg::CLUSTER_K > 1) {  // split-K inside clusters, partials added through DSMEM
       MkClusterKScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_K> sched(args.M, args.N, args.group_m);
-      MkClusterKEpilogue<Cfg, MkEpilogueStore<MkOut>> ck{epi, MkGemmSmem<Cfg>(mk_smem), mk_cluster_ctarank(), 0u};
+      MkClusterKEpilogue<Cfg, RegEpi> ck{reg, MkGemmSmem<Cfg>(mk_smem), mk_cluster_ctarank(), 0u};
       mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), ck, mk_smem, blockIdx.x, gridDim.x);
     } else {
       typedef typename MkPick<Cfg::SHARING == 1, MkLinearScheduler<Cfg::BM, Cfg::BN>,
                               MkClusterTileScheduler<Cfg::BM, Cfg::BN, Cfg::CLUSTER_M, Cfg::CLUSTER_N>>::T Sched;
       Sched sched(args.M, args.N, args.group_m, args.splits, args.split_from);
-      mk_with_store_epilogue<Cfg>(epi, tmC, args.c_tma, 1, mk_smem, [&](auto& inner) {
+      auto run_split = [&](auto& inner) {
         auto sk = mk_split_k_epilogue<Cfg::NC>(inner, args.partials, args.counters);
         return mk_gemm_run<Cfg>(tmA, tmB, args.K, sched, MkNoWait(), sk, mk_smem, blockIdx.x, gridDim.x);
-      });
+      };
+      if constexpr (MK_GEMM_SWAP) {
+        run_split(reg);  // (no TMA store of a transposed tile)
+      } else {
+        mk_with_store_epilogue<Cfg>(epi, tmC, args.c_tma, 1, mk_smem, run_split);
+      }
     }
   }
 }
