@@ -75,7 +75,7 @@ def main():
             plans += [(f"s{c}x{sp}", c, sp, "auto", True) for sp in splits if sp <= ms]
             plans.append((f"s{c}xa", c, None, "auto", True))  # (its own split plan, as the heuristic's)
         labels = {}
-        pdl_env = os.environ.get("MKERNEL_GEMM_PDL")
+        saved = {k: os.environ.get(k) for k in ("MKERNEL_GEMM_PDL", "MKERNEL_GEMM_SWAP")}
         for name, c, sp, pdl, swap in plans:
             os.environ["MKERNEL_GEMM_PDL"] = pdl  # (part of the plan key: read when the plan is built)
             os.environ["MKERNEL_GEMM_SWAP"] = "0" if name == "auto:plain" else "auto"  # (idem)
@@ -84,11 +84,11 @@ def main():
                 i, torch.cuda.current_stream(), config=c, splits=sp, swap=sw))
             torch.cuda.synchronize()
             labels[name] = plan_label(next(reversed(G._plans.values()))) + ("" if prob.error() < 1e-2 else " ERR")
-        if pdl_env is None:
-            os.environ.pop("MKERNEL_GEMM_PDL", None)
-        else:
-            os.environ["MKERNEL_GEMM_PDL"] = pdl_env
-        os.environ.pop("MKERNEL_GEMM_SWAP", None)
+        for k, v in saved.items():  # (the caller's settings back)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         # (shuffled: rotated by one a round, dozens of plans keep their places, and on long plans the
         # place moved a plan's median by up to 15 % -- docs/validation.md twenty-third session, call 1)
         st = time_interleaved(fns, warmup=1, rounds=5, order="shuffle")

@@ -833,23 +833,13 @@ def _plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits=None, s
         return _Plan(CONFIGS[1], None, 0, [], pre, [])
     from . import gemv  # (imports this module's dtype tables: not at the top)
     mis = (row_misaligned(A, M, K), row_misaligned(B, *((K, N) if b_layout == "kn" else (N, K))))
-    cands = SWAP_CANDIDATES
-    if config is None and splits is None and swap is None:
-        gemv_ok = gemv.supported(A, B, M, N, K, b_layout) and gemv.worthwhile(N, sms)
-        cands = swap_candidates(M, N, K, b_layout, sms, mis, gemv_ok)
-        swap = cands is not None
-        if not swap and gemv_ok:  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
-            return gemv.plan(A, B, O, M, N, K)
-    swap = bool(swap)
+    gemv_ok = gemv.supported(A, B, M, N, K, b_layout) and gemv.worthwhile(N, sms)
+    choice = _orient_and_plan(M, N, K, b_layout, sms, config, splits, swap, mis, gemv_ok)
+    if choice is None:  # decode-shaped (M <= 16): a stream of B (mkernel/gemv.py)
+        return gemv.plan(A, B, O, M, N, K)
+    swap, cfg, sp, split_from = choice
     # the kernel's problem: M x N x K of A [M, K] and B, or swapped N x M x K of B [N, K] and A ("nk")
     KA, KB, KM, KN = (B, A, N, M) if swap else (A, B, M, N)
-    if swap:
-        mis = mis[::-1]
-    cfg, sp, split_from = _auto_plan(KM, KN, K, b_layout, sms, config, mis, cands if swap else AUTO_CANDIDATES)
-    if swap:
-        sp, split_from = _decode_swap_splits(cfg, KM, KN, b_layout, sms, sp, split_from)
-    if splits is not None:  # forced: every tile split
-        sp, split_from = max(1, min(int(splits), max_splits(cfg, KM, KN, K, b_layout))), 0
     tma, pre, keep = _a_operand(KA, KM, K, cfg, in_dtype, out_dtype, dev)
     tmb, pre_b, keep_b = b_operand(KB, K, KN, b_layout, cfg, in_dtype, out_dtype, dev)
     pre, keep = pre + pre_b, keep + keep_b
@@ -1086,6 +1076,29 @@ def _auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | No
     return CONFIGS[best[1]], best[2], best[3]
 
 
+def _orient_and_plan(M: int, N: int, K: int, b_layout: str, sms: int, config, splits, swap, misaligned,
+                     gemv_ok: bool):
+    """``(swap, config, splits, split_from)`` of a plain GEMM's plan, or None where mkernel/gemv.py takes the
+    call (``gemv_ok``).  Unless a config, a split factor or ``swap`` is forced, swap_candidates decides the
+    orientation; a transposed plan is the N x M x K problem's (``misaligned`` exchanged too), a decode one's
+    split as _decode_swap_splits says.  ``splits``: forced on every tile."""
+    cands = SWAP_CANDIDATES  # (swap forced)
+    if config is None and splits is None and swap is None:
+        cands = swap_candidates(M, N, K, b_layout, sms, misaligned, gemv_ok)
+        if cands is None and gemv_ok:
+            return None
+        swap = cands is not None
+    swap = bool(swap)
+    if swap:
+        M, N, misaligned = N, M, misaligned[::-1]
+    cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config, misaligned, cands if swap else AUTO_CANDIDATES)
+    if swap:
+        sp, sf = _decode_swap_splits(cfg, M, N, b_layout, sms, sp, sf)
+    if splits is not None:  # forced: every tile split
+        sp, sf = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout))), 0
+    return swap, cfg, sp, sf
+
+
 def _decode_swap_splits(cfg: TileConfig, M: int, N: int, b_layout: str, sms: int, sp: int, sf: int):
     """A transposed decode plan's (configs 53 / 54) split: none where its tiles make one whole wave -- B's
     rows stream once either way, splits only cut the stream (16x7168x16384: 59.5 us unsplit, 67.1 in 7
@@ -1243,17 +1256,14 @@ def describe(M: int, N: int, K: int, *, in_dtype: str = "bfloat16", out_dtype: s
     with _on_device(device) as (_, dev):
         sms = _num_sms(dev)
         from . import gemv
-        mis = misaligned_rows(M, N, K, b_layout)
-        gemv_ok = config is None and gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(N, sms)
-        cands = swap_candidates(M, N, K, b_layout, sms, mis, gemv_ok) if config is None else None
-        if cands is None and gemv_ok:
+        gemv_ok = gemv.shape_ok(M, N, K, b_layout) and gemv.worthwhile(N, sms)
+        choice = _orient_and_plan(M, N, K, b_layout, sms, config, None, None, misaligned_rows(M, N, K, b_layout),
+                                  gemv_ok)
+        if choice is None:
             return gemv.describe(M, N, K, in_dtype, out_dtype)  # (aligned, contiguous operands assumed)
-        swapped = cands is not None
+        swapped, cfg, sp, sf = choice
         if swapped:
-            M, N, mis = N, M, mis[::-1]
-        cfg, sp, sf = _auto_plan(M, N, K, b_layout, sms, config, mis, cands or AUTO_CANDIDATES)
-        if swapped:
-            sp, sf = _decode_swap_splits(cfg, M, N, b_layout, sms, sp, sf)
+            M, N = N, M
         mod = runtime.compile_module(SOURCE, _defines(in_dtype, out_dtype, cfg.id, swapped))
         usage = _usage(mod, f"mk_gemm_{b_layout}")
     tiles = _tiles(cfg, M, N, b_layout)

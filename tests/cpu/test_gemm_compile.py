@@ -772,6 +772,23 @@ def test_swapped_routes(fake_gemv, monkeypatch):
         G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="kn", swap=True)
 
 
+def test_describe_transposed(monkeypatch):
+    """describe() reports the plan gemm builds: transposed (the N x M problem's tile, tiles and grid) where
+    swap_candidates says so, the decode kernel or a plain plan elsewhere."""
+    compile_module = runtime.compile_module
+    monkeypatch.setattr(runtime, "compile_module", lambda s, d, **kw: compile_module(s, d, **{"arch": ARCH, **kw}))
+    monkeypatch.setattr(G, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(G, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
+    monkeypatch.delenv("MKERNEL_GEMM_SWAP", raising=False)
+    d = G.describe(16, 8192, 8192, b_layout="nk")
+    assert (d["swapped"], d["config"], d["bm"], d["bn"], d["splits"], d["tiles"]) == (True, 53, 64, 16, 1, 128)
+    assert d["spills"] in (0, None)
+    d = G.describe(9008, 248, 5752, b_layout="nk")
+    assert d["swapped"] and d["config"] == 48
+    assert G.describe(1, 10240, 8192, b_layout="nk")["config"] == "gemv"
+    assert not G.describe(16, 8192, 8192, b_layout="nk", config=1)["swapped"]
+
+
 def test_gemv_not_routed(fake_gemv, monkeypatch):
     """Everything else stays on the GEMM tiles."""
     launches, empty = fake_gemv
