@@ -259,11 +259,10 @@ CONFIGS = {
 LEGACY_CANDIDATES = (1, 2, 3)
 # Configs mkernel.gemm / grouped_gemm choose among.
 AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36, 40, 42, 8, 49, 11, 48, 50)
-# Configs a swapped plan (B "nk" only: C^T = B A^T, the kernel's M x N x K problem is the caller's N x M x K
-# with the operands' roles exchanged, stored transposed) chooses among: the 64 x 16 / 64 x 32 tiles for
-# decode-shaped calls (the caller's few rows of A as the tile's columns) and the tiles that won the
-# transposed tall-skinny shapes (docs/gemm.md entry 66).
-SWAP_CANDIDATES = (53, 54, 1, 2, 3, 4, 9, 48, 49)
+# Swapped plans (B "nk" only: C^T = B A^T, the kernel's M x N x K problem is the caller's N x M x K with the
+# operands' roles exchanged, stored transposed; docs/gemm.md entry 66): the 64 x 16 / 64 x 32 tiles for
+# decode-shaped calls (the caller's few rows of A as the tile's columns), the 128-row tiles for tall-skinny
+# ones (TALL_SWAP_CONFIGS, below).
 DECODE_SWAP_CONFIGS = (53, 54)
 # swap_candidates' rules (docs/gemm.md entry 66).  Decode-shaped calls: the 64 x 16 / 64 x 32 tiles stream
 # B's rows 64 at a time, 16 stages deep (cuBLAS's "v" kernels): ahead of mk_gemv_nk and the plain tiles
@@ -282,6 +281,8 @@ SWAP_MIN_K = 4096
 SWAP_GAIN = 0.95
 SWAP_MIN_FILL = 0.75
 TALL_SWAP_CONFIGS = (2, 3, 4, 9, 48, 49)
+# Every config a swapped plan may use (compiled transposed; config 1: forced plans and the tests)
+SWAP_CANDIDATES = DECODE_SWAP_CONFIGS + (1,) + TALL_SWAP_CONFIGS
 # Configs grouped_gemm chooses among (no clusters: a cluster's blocks would straddle groups).
 GROUPED_CANDIDATES = tuple(c for c in AUTO_CANDIDATES if CONFIGS[c].cluster == 1)
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long
