@@ -704,14 +704,14 @@ def test_gemv_routes_decode_shapes(fake_gemv, monkeypatch):
     rows of B, one MMA column tile up to 8 rows, two up to 16; arguments A, lda, B, ldb, C, ldc, M, N, K;
     a programmatic dependent launch (the kernel waits for its predecessor before its first load)."""
     launches, empty = fake_gemv
-    for M, nt in ((1, 1), (5, 1), (8, 1), (9, 2), (16, 2)):  # (N = 10240: 160 tiles of 64 rows, not swapped)
-        a, b = empty((M, 8192), "bfloat16"), empty((10240, 8192), "bfloat16")
+    for M, nt in ((1, 1), (5, 1), (8, 1), (9, 2), (16, 2)):  # (N = 6144: 96 tiles of 64 rows, not swapped)
+        a, b = empty((M, 8192), "bfloat16"), empty((6144, 8192), "bfloat16")
         out = G.gemm(a, b, b_layout="nk", out_dtype="float32")
         l = launches[-1]
-        assert l["kernel"] == "mk_gemv_nk" and l["config"] == nt and l["grid"] == 640 and l["block"] == 256
+        assert l["kernel"] == "mk_gemv_nk" and l["config"] == nt and l["grid"] == 384 and l["block"] == 256
         assert l["dependent"] is True and l["smem"] == 0
         args = [x.value for x in l["args"]]
-        assert args == [a.ptr, 8192, b.ptr, 8192, out.ptr, 10240, M, 10240, 8192]
+        assert args == [a.ptr, 8192, b.ptr, 8192, out.ptr, 6144, M, 6144, 8192]
     # the smallest N that still fills half of the SMs: ceil(N / 16) >= 66; the largest below 99 tiles
     # (which swap_candidates would compute transposed: 392 tiles of 64 rows)
     G.gemm(empty((4, 1056), "float16"), empty((1041, 1056), "float16"), b_layout="nk")
@@ -737,6 +737,7 @@ def test_swapped_routes(fake_gemv, monkeypatch):
     launches, empty = fake_gemv
     for M, N, K, cfg in [(1, 8192, 8192, 53), (16, 8192, 8192, 53), (16, 8192, 28672, 53), (8, 7168, 2048, 53),
                          (4, 57344, 8192, 53), (1, 576, 7168, 53), (17, 8192, 8192, 54), (32, 7168, 2048, 54),
+                         (1, 10240, 8192, 53), (16, 14336, 4096, 53),  # a wave and a fraction: 53 only
                          (9008, 248, 5752, 48), (10755, 104, 5184, 9)]:
         a, b = empty((M, K), "bfloat16"), empty((N, K), "bfloat16")
         out = G.gemm(a, b, b_layout="nk")
@@ -751,7 +752,11 @@ def test_swapped_routes(fake_gemv, monkeypatch):
     assert launches[-1]["swap"] and launches[-1]["args"][3].splits == 1 and launches[-1]["dependent"]
     G.gemm(empty((9008, 5752), "bfloat16"), empty((248, 5752), "bfloat16"), b_layout="nk")
     assert launches[-1]["swap"] and launches[-1]["cluster"] == (2, 1, 1) and not launches[-1]["dependent"]
-    for M, N, K, layout in [(1, 10240, 8192, "nk"), (4, 2048, 2048, "nk"), (3750, 80, 3024, "nk"),
+    # ... only the partial last wave split (160 tiles on 132 SMs: 28 tiles of 4 units after 132 whole ones)
+    G.gemm(empty((16, 8192), "bfloat16"), empty((10240, 8192), "bfloat16"), b_layout="nk")
+    assert launches[-1]["swap"] and launches[-1]["args"][3].splits == 4
+    assert launches[-1]["args"][3].split_from == 132
+    for M, N, K, layout in [(24, 10240, 8192, "nk"), (4, 2048, 2048, "nk"), (3750, 80, 3024, "nk"),
                             (8192, 128, 8192, "nk"), (6000, 64, 7000, "nk"),  # (64-row tiles / half-empty ones)
                             (16, 8192, 8192, "kn"), (9008, 248, 5752, "kn"), (64, 8192, 8192, "nk")]:
         G.gemm(empty((M, K), "bfloat16"), empty((K, N) if layout == "kn" else (N, K), "bfloat16"), b_layout=layout)
@@ -785,7 +790,8 @@ def test_describe_transposed(monkeypatch):
     assert d["spills"] in (0, None)
     d = G.describe(9008, 248, 5752, b_layout="nk")
     assert d["swapped"] and d["config"] == 48
-    assert G.describe(1, 10240, 8192, b_layout="nk")["config"] == "gemv"
+    assert G.describe(1, 10240, 8192, b_layout="nk")["config"] == 53
+    assert G.describe(4, 2048, 2048, b_layout="nk")["config"] == "gemv"
     assert not G.describe(16, 8192, 8192, b_layout="nk", config=1)["swapped"]
 
 
