@@ -268,9 +268,10 @@ DECODE_SWAP_CONFIGS = (53, 54)
 # B's rows 64 at a time, 16 stages deep (cuBLAS's "v" kernels): ahead of mk_gemv_nk and the plain tiles
 # where ceil(N / 64) tiles make whole waves (16x8192x8192 39.4 -> 32.6 us, cuBLAS 33.5; 16x8192x28672
 # 126.1 -> 106.3) and where N is too small for both (1x576x7168 8.6 -> 6.1), behind on the small calls
-# mk_gemv_nk takes (4x2048x2048 3.9 vs 5.4).  On a wave and a fraction the 64 x 16 tiles win too once only
-# the last partial wave is split (entry 67: 16x10240x8192 49.3 -> 43.4, 1x10240x8192 43.9 -> 43.2,
-# 16x9216x4096 25.7 -> 21.2; 1x14336x4096 31.8 -> 32.8 the one loss); the 64 x 32 tiles there: whole waves only.
+# mk_gemv_nk takes (4x2048x2048 3.9 vs 5.4).  On a wave and a fraction they win too once only the last
+# partial wave is split (entry 67: 16x10240x8192 49.3 -> 43.4, 1x10240x8192 43.9 -> 43.2, 16x9216x4096
+# 25.7 -> 21.2; 1x14336x4096 31.8 -> 32.8 the one loss; 17-32 rows against the plain tiles: 32x10240x8192
+# 50.3 -> 44.1, 32x9216x4096 29.4 -> 22.4).  So every decode-shaped call but the small ones mk_gemv_nk takes.
 SWAP_MAX_M = 32
 SWAP_FILL = 0.75
 # Tall-skinny calls: 128-row tiles along N's few columns, a long K hiding the transposed register
@@ -1118,19 +1119,17 @@ def swap_candidates(M: int, N: int, K: int, b_layout: str, sms: int, misaligned=
     forced by ``MKERNEL_GEMM_CONFIG``: never).
     ``misaligned``: A's / B's rows (load_bound); ``gemv_ok``: mkernel/gemv.py would take the call.
 
-    Decode-shaped calls (B "nk", M <= SWAP_MAX_M): config 53 (M <= 16) where ceil(N / 64) tiles fill
-    SWAP_FILL of the SMs, config 54 (17-32 rows) where they make whole waves (SWAP_FILL of the SMs up to
-    one wave, or two waves and more), and either where N is too small for both those and the decode kernel.  Tall-skinny calls (B "nk", N <= SWAP_MAX_N, K >= SWAP_MIN_K, M >= 8 N,
-    N filling SWAP_MIN_FILL of its 128-row tiles): TALL_SWAP_CONFIGS where the cost model puts the
-    transposed plan at most SWAP_GAIN of the plain one."""
+    Decode-shaped calls (B "nk", M <= SWAP_MAX_M): config 53 (M <= 16) / 54, but for the calls the decode
+    kernel takes (``gemv_ok``) whose ceil(N / 64) tiles would not fill SWAP_FILL of the SMs.  Tall-skinny
+    calls (B "nk", N <= SWAP_MAX_N, K >= SWAP_MIN_K, M >= 8 N, N filling SWAP_MIN_FILL of its 128-row
+    tiles): TALL_SWAP_CONFIGS where the cost model puts the transposed plan at most SWAP_GAIN of the plain
+    one."""
     if b_layout != "nk" or os.environ.get("MKERNEL_GEMM_SWAP") == "0" or os.environ.get("MKERNEL_GEMM_CONFIG"):
         return None
     if M <= SWAP_MAX_M:
-        tiles = -(-N // 64)
-        filled = SWAP_FILL * sms <= tiles
-        if (filled and (M <= 16 or tiles <= sms or tiles >= 2 * sms)) or (not filled and not gemv_ok):
-            return (53,) if M <= 16 else (54,)
-        return None
+        if gemv_ok and -(-N // 64) < SWAP_FILL * sms:
+            return None
+        return (53,) if M <= 16 else (54,)
     if N <= SWAP_MAX_N and K >= SWAP_MIN_K and M >= 8 * N and N >= SWAP_MIN_FILL * 128 * -(-N // 128):
         plain = _auto_plan(M, N, K, b_layout, sms, None, misaligned, with_cost=True)[3]
         cands = TALL_SWAP_CONFIGS

@@ -730,14 +730,14 @@ def test_gemv_routes_decode_shapes(fake_gemv, monkeypatch):
 
 
 def test_swapped_routes(fake_gemv, monkeypatch):
-    """B "nk" calls computed transposed (swap_candidates): decode-shaped M <= 32 where ceil(N / 64) tiles make
-    whole waves (config 53 up to 16 rows, 54 up to 32) or N is too small for the decode kernel; tall-skinny
+    """B "nk" calls computed transposed (swap_candidates): decode-shaped M <= 32 (config 53 up to 16 rows, 54
+    up to 32) but the small ones the decode kernel takes (ceil(N / 64) < 0.75 of the SMs); tall-skinny
     calls with a long K where the model gains SWAP_GAIN.  The launch: the kernel's M x N = the caller's
     N x M, tmA over B and tmB over A, register stores (c_tma = 0), C and ldc the caller's."""
     launches, empty = fake_gemv
     for M, N, K, cfg in [(1, 8192, 8192, 53), (16, 8192, 8192, 53), (16, 8192, 28672, 53), (8, 7168, 2048, 53),
                          (4, 57344, 8192, 53), (1, 576, 7168, 53), (17, 8192, 8192, 54), (32, 7168, 2048, 54),
-                         (1, 10240, 8192, 53), (16, 14336, 4096, 53),  # a wave and a fraction: 53 only
+                         (1, 10240, 8192, 53), (16, 14336, 4096, 53), (24, 10240, 8192, 54),  # 1.x waves
                          (9008, 248, 5752, 48), (10755, 104, 5184, 9)]:
         a, b = empty((M, K), "bfloat16"), empty((N, K), "bfloat16")
         out = G.gemm(a, b, b_layout="nk")
@@ -756,7 +756,7 @@ def test_swapped_routes(fake_gemv, monkeypatch):
     G.gemm(empty((16, 8192), "bfloat16"), empty((10240, 8192), "bfloat16"), b_layout="nk")
     assert launches[-1]["swap"] and launches[-1]["args"][3].splits == 4
     assert launches[-1]["args"][3].split_from == 132
-    for M, N, K, layout in [(24, 10240, 8192, "nk"), (4, 2048, 2048, "nk"), (3750, 80, 3024, "nk"),
+    for M, N, K, layout in [(4, 2048, 2048, "nk"), (3750, 80, 3024, "nk"),
                             (8192, 128, 8192, "nk"), (6000, 64, 7000, "nk"),  # (64-row tiles / half-empty ones)
                             (16, 8192, 8192, "kn"), (9008, 248, 5752, "kn"), (64, 8192, 8192, "nk")]:
         G.gemm(empty((M, K), "bfloat16"), empty((K, N) if layout == "kn" else (N, K), "bfloat16"), b_layout=layout)
