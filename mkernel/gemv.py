@@ -12,8 +12,9 @@ other starts up or reduces.
 multiple of 8, 16-byte aligned operands and row strides) and :func:`worthwhile` (enough 16-row blocks
 to occupy half of the SMs, too few GEMM tiles to stream B on most of them: measured, see MIN_BLOCK_FILL);
 ``MKERNEL_GEMM_GEMV=0`` turns the route off (benchmarks), as does forcing a tile config, a split
-factor or ``swap``; calls whose 64-row tiles make whole waves go to the transposed GEMM plans first
-(``gemm_engine.swap_candidates``: 64 x 16 tiles, 16 stages, faster there -- docs/gemm.md entry 66).  The launch is a programmatic dependent one (``MKERNEL_GEMM_PDL=0``: plain), as the GEMM
+factor or ``swap``; calls whose 64-row tiles fill 3/4 of the SMs go to the transposed GEMM plans
+first (``gemm_engine.swap_candidates``: 64 x 16 tiles, 16 stages, faster there -- docs/gemm.md entries
+66, 67).  The launch is a programmatic dependent one (``MKERNEL_GEMM_PDL=0``: plain), as the GEMM
 plans' are: it starts while the previous kernel in the stream finishes and waits for it before its
 first load.
 """
