@@ -264,14 +264,13 @@ AUTO_CANDIDATES = (1, 2, 3, 4, 5, 9, 18, 24, 30, 36, 40, 42, 8, 49, 11, 48, 50)
 # decode-shaped calls (the caller's few rows of A as the tile's columns), the 128-row tiles for tall-skinny
 # ones (TALL_SWAP_CONFIGS, below).
 DECODE_SWAP_CONFIGS = (53, 54)
-# swap_candidates' rules (docs/gemm.md entry 66).  Decode-shaped calls: the 64 x 16 / 64 x 32 tiles stream
-# B's rows 64 at a time, 16 stages deep (cuBLAS's "v" kernels): ahead of mk_gemv_nk and the plain tiles
-# where ceil(N / 64) tiles make whole waves (16x8192x8192 39.4 -> 32.6 us, cuBLAS 33.5; 16x8192x28672
-# 126.1 -> 106.3) and where N is too small for both (1x576x7168 8.6 -> 6.1), behind on the small calls
-# mk_gemv_nk takes (4x2048x2048 3.9 vs 5.4).  On a wave and a fraction they win too once only the last
-# partial wave is split (entry 67: 16x10240x8192 49.3 -> 43.4, 1x10240x8192 43.9 -> 43.2, 16x9216x4096
-# 25.7 -> 21.2; 1x14336x4096 31.8 -> 32.8 the one loss; 17-32 rows against the plain tiles: 32x10240x8192
-# 50.3 -> 44.1, 32x9216x4096 29.4 -> 22.4).  So every decode-shaped call but the small ones mk_gemv_nk takes.
+# swap_candidates' rules (docs/gemm.md entries 66, 67).  Decode-shaped calls (M <= SWAP_MAX_M): the
+# 64 x 16 / 64 x 32 tiles stream B's rows 64 at a time, 16 stages deep (cuBLAS's "v" kernels), ahead of
+# mk_gemv_nk and the plain tiles wherever ceil(N / 64) tiles fill SWAP_FILL of the SMs -- whole waves
+# (16x8192x8192 39.4 -> 32.6 us, cuBLAS 33.5) and, with only the partial last wave split, a wave and a
+# fraction (16x10240x8192 49.3 -> 43.4, 32x10240x8192 50.3 -> 44.1; the one loss 1x14336x4096 31.8 ->
+# 32.8) -- and where N is too small for both (1x576x7168 8.6 -> 6.1); behind only on the small calls
+# mk_gemv_nk takes (4x2048x2048 3.9 vs 5.4).
 SWAP_MAX_M = 32
 SWAP_FILL = 0.75
 # Tall-skinny calls: 128-row tiles along N's few columns, a long K hiding the transposed register

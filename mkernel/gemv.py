@@ -43,7 +43,9 @@ VARIANTS = {1: (8, 2), 2: (4, 2)}
 #   SMs would stream all of B; the GEMM path splits K over every SM instead);
 # - only while the GEMM path's 64 x 256 tiles (config 18, unsplit) cover less than ROUTE_MAX_TILE_FILL of
 #   the SMs: where they do, they stream B about as fast, within ~5 % either way (1x28672x8192 114.4 /
-#   ~114 / 105.6, 16x28672x8192 123.7 / 114.1).
+#   ~114 / 105.6, 16x28672x8192 123.7 / 114.1).  With transposed plans on (the default), swap_candidates
+#   takes every call from ceil(N / 64) >= 0.75 SMs on, far below this bound: it decides only under
+#   ``MKERNEL_GEMM_SWAP=0``.
 MIN_BLOCK_FILL = 0.5
 ROUTE_MAX_TILE_FILL = 0.75
 
