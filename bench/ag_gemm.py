@@ -132,7 +132,7 @@ class TorchSymmMem:
 
 
 def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick, paths=()):
-    from mkernel.arrays import as_device_array
+    from mkernel.core.interop import as_device_array
 
     P, comm = ctx.local_size, ctx.world
     dev = torch.device("cuda", ctx.device)
@@ -358,7 +358,7 @@ def main() -> int:
 
     import mkernel as mk
 
-    agm = importlib.import_module("mkernel.ag_gemm")
+    agm = importlib.import_module("mkernel.ops.ag_gemm.op")
     comm, P = ctx.world, ctx.local_size
     say = lambda *a: C.rank0_print(comm, *a)  # noqa: E731
     if ctx.size != P:

@@ -24,8 +24,9 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mkernel  # noqa: E402
 import importlib  # noqa: E402
-from mkernel.arrays import DeviceArray, f32_to_bf16  # noqa: E402
-from mkernel.runtime import check  # noqa: E402
+from mkernel.core.arrays import DeviceArray  # noqa: E402
+from mkernel.core.dtypes import f32_to_bf16  # noqa: E402
+from mkernel.core.driver import check  # noqa: E402
 
 SHAPES = {  # name: (M_total, N over all ranks, K)
     "qkv70": (4096, 10240, 8192),
@@ -42,7 +43,7 @@ SHAPES = {  # name: (M_total, N over all ranks, K)
 }
 
 
-agm = importlib.import_module("mkernel.ag_gemm")  # the module (mkernel.ag_gemm is the function)
+agm = importlib.import_module("mkernel.ops.ag_gemm.op")  # the module (mkernel.ag_gemm is the function)
 
 
 def main():

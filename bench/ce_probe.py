@@ -104,7 +104,7 @@ def ops(pair):
 
 def gemm(pair):
     import mkernel
-    from mkernel.arrays import as_device_array
+    from mkernel.core.interop import as_device_array
 
     gs = {d: torch.cuda.Stream(device=d) for d in DEVS}
     A = {d: torch.randn(16384, 16384, dtype=torch.bfloat16, device=f"cuda:{d}") for d in DEVS}

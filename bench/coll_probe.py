@@ -12,8 +12,8 @@ from cuda.bindings import driver as cu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mkernel  # noqa: E402
-from mkernel.arrays import DeviceArray  # noqa: E402
-from mkernel.runtime import check  # noqa: E402
+from mkernel.core.arrays import DeviceArray  # noqa: E402
+from mkernel.core.driver import check  # noqa: E402
 
 
 def main():

@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import _common as C  # noqa: E402
-from mkernel import collectives as MC  # noqa: E402  (no GPU work at import)
+from mkernel.ops.collectives import api as MC  # noqa: E402  (no GPU work at import)
 
 _f = C.fmt_or_na  # a number, or "n/a" for a baseline that did not run
 
@@ -96,7 +96,7 @@ class Case:
         import torch
         import torch.distributed as dist
 
-        from mkernel.arrays import as_device_array
+        from mkernel.core.interop import as_device_array
 
         self.ctx, self.op, self.dtype = ctx, op, dtype
         self.torch, self.dist = torch, dist

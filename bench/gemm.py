@@ -119,9 +119,10 @@ def main():
     import torch
 
     import mkernel
-    from mkernel import gemm_engine as G
-    from mkernel import runtime
-    from mkernel.arrays import as_device_array
+    from mkernel.ops.gemm import engine as G
+    from mkernel.core import compiler as CP
+    from mkernel.core import driver as DRV
+    from mkernel.core.interop import as_device_array
 
     torch.cuda.init()
     dev = torch.cuda.current_device()
@@ -133,11 +134,11 @@ def main():
           f"cuda-python/mkernel {mkernel.__version__}", flush=True)
 
     # NVRTC compile time of every module we may use (fresh compiles, not the disk cache)
-    arch = runtime.current_arch()
+    arch = DRV.current_arch()
     compile_s = {}
     for cid in sorted(G.CONFIGS):
         t0 = time.perf_counter()
-        runtime.compile_module(G.SOURCE, G._defines("bfloat16", "bfloat16", cid), arch=arch, use_disk_cache=False)
+        CP.compile_module(G.SOURCE, G._defines("bfloat16", "bfloat16", cid), arch=arch, use_disk_cache=False)
         compile_s[cid] = time.perf_counter() - t0
     print("# NVRTC compile seconds per module (bf16->bf16):",
           ", ".join(f"config {c}: {s:.1f}" for c, s in compile_s.items()), flush=True)
@@ -230,7 +231,7 @@ def main():
 
 
 def tile_label(info: dict) -> str:
-    """The table's tile column from ``mkernel.gemm_engine.describe``: ``BMxBNx64/Sst`` (``pp``: ping-pong,
+    """The table's tile column from ``mkernel.ops.gemm.engine.describe``: ``BMxBNx64/Sst`` (``pp``: ping-pong,
     ``split S``: split-K, ``T``: computed transposed, the tile over the N x M problem), or for the decode
     kernel its MMA rows and rows of B per block."""
     if info["config"] == "gemv":
@@ -339,7 +340,7 @@ class GemmProblem:
     def __init__(self, M: int, N: int, K: int, l2: int, layout: str = "nk", pad: int = 0, batch_ms: float = 50.0):
         import torch
 
-        from mkernel.arrays import as_device_array
+        from mkernel.core.interop import as_device_array
 
         self.layout = layout
         self.A, self.B, self.C, self.Cr = make_inputs(M, N, K, layout, l2, pad=pad)
@@ -360,7 +361,7 @@ class GemmProblem:
 
     def ours(self, i: int, stream, **kw):
         """mkernel.gemm on input set i (kw: config, splits, swap)."""
-        from mkernel import gemm_engine as G
+        from mkernel.ops.gemm import engine as G
 
         G.gemm(self.dA[i], self.dB[i], self.dC[i], b_layout=self.layout, stream=stream, **kw)
 

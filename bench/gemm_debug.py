@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cuda.bindings import driver as cu  # noqa: E402
 
-from mkernel import gemm_engine as G  # noqa: E402
-from mkernel.arrays import DeviceArray, bf16_to_f32, f32_to_bf16  # noqa: E402
-from mkernel.runtime import check  # noqa: E402
+from mkernel.ops.gemm import engine as G  # noqa: E402
+from mkernel.core.arrays import DeviceArray  # noqa: E402
+from mkernel.core.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
+from mkernel.core.driver import check  # noqa: E402
 
 SHAPES = [# one block, two tiles: K blocks 4 < stages, 5, 16 (ping-pong parity aliasing, docs/gemm.md)
           (128, 256, 256), (128, 256, 320), (128, 256, 1024),
@@ -107,7 +108,7 @@ def identity_probe(cfg, layout, stream):
 
 def main():
     t0 = time.time()
-    from mkernel.arrays import _on_device
+    from mkernel.core.device import on_device as _on_device
 
     with _on_device(None):
         stream = check(cu.cuStreamCreate(0))

@@ -26,7 +26,7 @@ def _clean(label: str) -> str:
 
 def replay(rows, sms: int = 132):
     """Per shape: (row, pick label, pick us or None, best label, best us)."""
-    from mkernel import gemm_engine as G
+    from mkernel.ops.gemm import engine as G
 
     out = []
     for r in rows:

@@ -51,7 +51,7 @@ def main():
     setup_env()
     import torch
 
-    from mkernel import gemm_engine as G
+    from mkernel.ops.gemm import engine as G
 
     torch.empty(1, device="cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size

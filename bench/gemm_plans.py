@@ -34,8 +34,8 @@ def main():
     import torch
 
     from gemm import DEEPSEEK_V3, LLAMA3_70B, _runner, _time_alternating, batch_for, make_inputs
-    from mkernel import gemm_engine as G
-    from mkernel.arrays import as_device_array
+    from mkernel.ops.gemm import engine as G
+    from mkernel.core.interop import as_device_array
 
     torch.cuda.init()
     torch.empty(1, device="cuda")

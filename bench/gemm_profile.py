@@ -21,8 +21,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import torch  # noqa: E402
 
 from gemm import WEIGHTS  # noqa: E402
-from mkernel import gemm_engine as G  # noqa: E402
-from mkernel.arrays import as_device_array  # noqa: E402
+from mkernel.ops.gemm import engine as G  # noqa: E402
+from mkernel.core.interop import as_device_array  # noqa: E402
 
 
 def parse(spec: str):

@@ -20,7 +20,7 @@ setup_env()
 import torch
 from gemm import GemmProblem
 from gemm_profile import parse
-from mkernel import gemm_engine as G
+from mkernel.ops.gemm import engine as G
 
 
 def main(argv):

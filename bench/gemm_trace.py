@@ -26,8 +26,9 @@ import torch  # noqa: E402
 from cuda.bindings import driver as cu  # noqa: E402
 
 from gemm_profile import parse  # noqa: E402
-from mkernel import gemm_engine as G, runtime  # noqa: E402
-from mkernel.arrays import as_device_array  # noqa: E402
+from mkernel.ops.gemm import engine as G
+from mkernel.core import compiler as runtime  # noqa: E402
+from mkernel.core.interop import as_device_array  # noqa: E402
 
 EVENTS = 16  # cuda_src/mk_trace.cuh MK_TRACE_EVENTS
 COLD = os.environ.get("TRACE_COLD", "0") == "1"  # evict L2 (write 256 MiB) before every timed call
@@ -37,7 +38,7 @@ FLUSH = None
 def trace_buffers():
     out = []
     for (source, _, _), k in list(runtime._kernels.items()):
-        if source != "gemm.cu":
+        if source != "gemm/gemm.cu":
             continue
         ptr, size = runtime.check(cu.cuModuleGetGlobal(k.module._module_handle(), b"mk_trace_buf"))
         out.append((int(ptr), size))

@@ -30,8 +30,8 @@ def main(argv):
     from gemm import GemmProblem
     from gemm_profile import parse
 
-    from mkernel import gemm_engine as G
-    from mkernel import gemv as GV
+    from mkernel.ops.gemm import engine as G
+    from mkernel.ops.gemm import gemv as GV
 
     GV.MIN_BLOCK_FILL = 0.0
     GV.ROUTE_MAX_TILE_FILL = float("inf")

@@ -94,9 +94,9 @@ def main():
     import torch
 
     import mkernel
-    from mkernel import gemm_engine as G
-    from mkernel import runtime
-    from mkernel.arrays import as_device_array
+    from mkernel.ops.gemm import engine as G
+
+    from mkernel.core.interop import as_device_array
 
     comm = ctx.world
     s = torch.cuda.current_stream()
@@ -128,7 +128,7 @@ def main():
     A, W, CO = (as_device_array(v, stream=sh) for v in (a, w, c))
     cases.append(("gemm 128x8192x8192 nk", lambda A=A, W=W, CO=CO: G.gemm(A, W, CO, b_layout="nk", stream=sh)))
 
-    coll, agm = sys.modules["mkernel.collectives"], sys.modules["mkernel.ag_gemm"]  # (mkernel.ag_gemm: the function)
+    coll, agm = sys.modules["mkernel.ops.collectives.api"], sys.modules["mkernel.ops.ag_gemm.op"]  # (mkernel.ag_gemm: the function)
     clock = DriverClock([runtime, coll, agm])
     rows = []
     try:

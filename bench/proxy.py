@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 from mkernel.proxy import NO_FLAG, OP_WRITE, Proxy  # noqa: E402
-from mkernel.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
+from mkernel.proxy.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
 
 
 def cpu_loop(n=3_000_000):

@@ -57,7 +57,7 @@ def chain(rng, G, GV, steps: int = 30, M: int = 11) -> int:
     """Failures of a dependent chain x_{i+1} = x_i @ W_i^T (config 1 forced every seventh step)."""
     from _util import download, rel_fro, upload
 
-    from mkernel.arrays import DeviceArray
+    from mkernel.core.arrays import DeviceArray
 
     GV.MIN_BLOCK_FILL, GV.ROUTE_MAX_TILE_FILL = 0.0, float("inf")
     widths = [8 * int(rng.integers(1, 1000)) for _ in range(steps + 1)]
@@ -83,8 +83,8 @@ def chain(rng, G, GV, steps: int = 30, M: int = 11) -> int:
 
 
 def main(argv):
-    from mkernel import gemm_engine as G
-    from mkernel import gemv as GV
+    from mkernel.ops.gemm import engine as G
+    from mkernel.ops.gemm import gemv as GV
 
     rng = np.random.default_rng(int(argv[0]) if argv else 20261201)
     fails, routed = single_calls(rng, G, GV)

@@ -54,7 +54,7 @@ def one_call(rng, G, M, N, K, layout, config=None, splits=None) -> tuple[bool, s
 
 
 def main(argv):
-    from mkernel import gemm_engine as G
+    from mkernel.ops.gemm import engine as G
 
     rng = np.random.default_rng(int(argv[0]) if argv else 20261202)
     configs = [int(c) for c in argv[1].split(",")] if len(argv) > 1 else [40, 42]

@@ -17,7 +17,7 @@ import numpy as np
 import mkernel
 from mkernel import DeviceArray, bf16_to_f32, f32_to_bf16
 
-agm = importlib.import_module("mkernel.ag_gemm")
+agm = importlib.import_module("mkernel.ops.ag_gemm.op")
 
 
 def main():

@@ -7,15 +7,20 @@ driver API (cuda-python).  Arrays come and go through ``__cuda_array_interface__
     ctx = mkernel.init()                      # MPI.COMM_WORLD; one GPU per rank
     y = mkernel.all_reduce(ctx, x)            # x: any CUDA array (torch, cupy, jax, DeviceArray)
     ctx.synchronize()                         # raises mkernel.CommTimeout if a peer never came
+
+Packages: :mod:`mkernel.core` (driver, compiler, launch, arrays), :mod:`mkernel.dist` (topology,
+context, symmetric memory, signals), :mod:`mkernel.proxy` (inter-node proxy and transports),
+:mod:`mkernel.ops` (the op pipeline and every op).
 """
-from .arrays import DeviceArray, as_device_array, bf16_to_f32, dtype_of, f32_to_bf16
-from .collectives import all_gather, all_reduce, reduce_scatter
-from .context import Context, init
-from .gemm_engine import gemm, grouped_gemm
-from . import gemv  # noqa: F401 (registers the decode-shaped kernel's specializations)
-from .ag_gemm import ag_gemm
+from .core.arrays import DeviceArray
+from .core.dtypes import bf16_to_f32, dtype_of, f32_to_bf16
+from .core.interop import as_device_array
+from .dist.context import Context, init
+from .dist.topology import Topology
 from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, MkernelError
-from .topology import Topology
+from .ops.ag_gemm import ag_gemm
+from .ops.collectives import all_gather, all_reduce, reduce_scatter
+from .ops.gemm import gemm, grouped_gemm
 
 __version__ = "0.1.0"
 

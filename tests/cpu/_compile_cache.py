@@ -1,5 +1,5 @@
 """A disk cache of NVRTC compiles shared by one test module's compile tests, filled first by parallel
-worker processes (``runtime.precompile``: one NVRTC compile per core -- NVRTC is single-threaded per
+worker processes (``CP.precompile``: one NVRTC compile per core -- NVRTC is single-threaded per
 program), so that each test then reads its cubin and ptxas log from the cache instead of compiling
 serially.  A specialization that fails to compile in the workers is compiled, and reported, by its
 own test."""
@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mkernel import runtime
-
-
+from mkernel.core import compiler as CP
 def selected(request, test_name: str) -> list:
     """The ``(source, defines)`` parameters of the collected (selected) items of ``test_name``."""
     return [(it.callspec.params["source"], it.callspec.params["defines"]) for it in request.session.items
@@ -22,7 +20,7 @@ def fill(tmp_path_factory, specs, arch: str):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MKERNEL_CACHE_DIR", str(d))  # (the spawned workers inherit it)
         try:
-            runtime.precompile(specs, arch=arch)
+            CP.precompile(specs, arch=arch)
         except Exception:  # noqa: BLE001 -- the failing spec's own test compiles it and reports why
             pass
     return d

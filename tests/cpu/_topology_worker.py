@@ -2,7 +2,7 @@
 import json
 import sys
 
-from mkernel.topology import Topology
+from mkernel.dist.topology import Topology
 
 rpn = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "none" else None
 t = Topology.from_comm(ranks_per_node=rpn)

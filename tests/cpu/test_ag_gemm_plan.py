@@ -7,11 +7,11 @@ import importlib
 import numpy as np
 import pytest
 
-from mkernel import gemm_engine as G
-from mkernel import runtime
-from mkernel.arrays import DeviceArray
+from mkernel.ops.gemm import engine as G
+from mkernel.core import compiler as CP
+from mkernel.core.arrays import DeviceArray
 
-agm = importlib.import_module("mkernel.ag_gemm")
+agm = importlib.import_module("mkernel.ops.ag_gemm.op")
 
 
 def test_plan_prefers_copy_engines_where_communication_matters():
@@ -34,7 +34,7 @@ def test_sm_paths_cut_shards_for_their_blocks():
     """SM communication: every pushing block gets >= chunks_per_block chunks of the largest shard,
     down to min_chunk_bytes (a power of two of rows); the unfused gather takes the collectives' grid:
     every SM from 2 MiB shards, SMALL_SLOT_BLOCKS below."""
-    from mkernel import collectives as C
+    from mkernel.ops.collectives import api as C
 
     m = agm.MODEL
     rb = 4096 * 2  # the M = K = 4096 sweep point: 2048-row shards of 8 KiB rows
@@ -161,10 +161,10 @@ def test_ce_copies_in_groups():
 
 def test_env_defines(monkeypatch):
     monkeypatch.setenv("MKERNEL_DEFINES", "MK_A=1, MK_B ,")
-    assert runtime._env_defines() == {"MK_A": "1", "MK_B": True}
+    assert CP._env_defines() == {"MK_A": "1", "MK_B": True}
     monkeypatch.setenv("MKERNEL_DEFINES", "1BAD=2")
     with pytest.raises(ValueError, match="MKERNEL_DEFINES"):
-        runtime._env_defines()
+        CP._env_defines()
 
 
 
@@ -339,9 +339,10 @@ def test_config5_only_when_every_b_is_nk():
 def test_ce_values_match_the_kernel():
     """The flag-value slots the planner's copy groups rely on are the ones the kernel writes."""
     import re
-    from pathlib import Path
 
-    src = (Path(agm.__file__).resolve().parent.parent / "cuda_src" / "ag_gemm.cu").read_text()
+    from mkernel.core.compiler import cuda_src_dir
+
+    src = (cuda_src_dir() / agm.SOURCE).read_text()
     assert int(re.search(r"#define AG_CE_VALUES (\d+)", src).group(1)) == agm.CE_VALUES
     assert max(agm.CE_GROUP_OPTIONS) <= agm.CE_VALUES
 

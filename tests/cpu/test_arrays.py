@@ -15,9 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mkernel import arrays as A
-from mkernel.arrays import (DeviceArray, as_device_array, bf16_to_f32, bfloat16, dtype_of, f32_to_bf16,
-                            float16, float32, from_dlpack_capsule, int32, int64, require)
+from mkernel.core import arrays as A
+
+from mkernel.core import dlpack as DL
+
+from mkernel.core import dtypes as DT
+from mkernel.core.arrays import DeviceArray
+from mkernel.core import interop as IO
+from mkernel.core.interop import as_device_array, from_dlpack_capsule, require
+from mkernel.core.dtypes import bf16_to_f32, bfloat16, dtype_of, f32_to_bf16, float16, float32, int32, int64
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,19 +67,19 @@ def capsule_name(cap) -> str:
 # dtypes
 # --------------------------------------------------------------------------------------------
 def test_dtype_codes_match_cuda_header():
-    text = (ROOT / "cuda_src" / "mk_common.cuh").read_text()
+    text = (ROOT / "cuda_src" / "core" / "mk_common.cuh").read_text()
     codes = {m[0]: int(m[1]) for m in re.findall(r"#define MK_DTYPE_(\w+) (\d+)", text)}
     assert codes == {"BF16": bfloat16.code, "F16": float16.code, "F32": float32.code, "I32": int32.code,
                      "I64": int64.code}
-    assert [d.code for d in A.DTYPES] == [0, 1, 2, 3, 4]
+    assert [d.code for d in DT.DTYPES] == [0, 1, 2, 3, 4]
 
 
 def test_dtype_properties():
-    assert [d.name for d in A.DTYPES] == ["bfloat16", "float16", "float32", "int32", "int64"]
-    assert [d.itemsize for d in A.DTYPES] == [2, 2, 4, 4, 8]
-    assert [d.typestr for d in A.DTYPES] == ["<V2", "<f2", "<f4", "<i4", "<i8"]
-    assert [d.dlpack for d in A.DTYPES] == [(4, 16), (2, 16), (2, 32), (0, 32), (0, 64)]
-    assert [d.numpy_dtype for d in A.DTYPES] == [np.uint16, np.float16, np.float32, np.int32, np.int64]
+    assert [d.name for d in DT.DTYPES] == ["bfloat16", "float16", "float32", "int32", "int64"]
+    assert [d.itemsize for d in DT.DTYPES] == [2, 2, 4, 4, 8]
+    assert [d.typestr for d in DT.DTYPES] == ["<V2", "<f2", "<f4", "<i4", "<i8"]
+    assert [d.dlpack for d in DT.DTYPES] == [(4, 16), (2, 16), (2, 32), (0, 32), (0, 64)]
+    assert [d.numpy_dtype for d in DT.DTYPES] == [np.uint16, np.float16, np.float32, np.int32, np.int64]
     assert bfloat16.is_float and float16.is_float and not int32.is_float
     assert repr(bfloat16) == "mkernel.bfloat16" and str(float32) == "float32"
     assert pickle.loads(pickle.dumps(bfloat16)) is bfloat16
@@ -299,7 +305,7 @@ def test_cai_import_contiguous_and_strided():
     assert not c.is_contiguous()
 
 
-@pytest.mark.parametrize("dtype", A.DTYPES)
+@pytest.mark.parametrize("dtype", DT.DTYPES)
 def test_cai_round_trip(dtype):
     a = fake((6, 5), dtype, ptr=0x10000, device=0)
     for x in (a, a[1:5], a[::3]):
@@ -321,7 +327,7 @@ def test_cai_import_errors():
 
 def test_cai_stream_is_waited_on(monkeypatch):
     seen = []
-    monkeypatch.setattr(A, "_stream_wait", lambda producer, consumer: seen.append((producer, consumer)))
+    monkeypatch.setattr(IO, "stream_wait", lambda producer, consumer: seen.append((producer, consumer)))
     cai = {"shape": (4,), "typestr": "<f4", "data": (0x1000, False), "version": 3, "stream": 77}
     as_device_array(CAIObject(cai), stream=5)
     as_device_array(CAIObject(dict(cai, stream=None)), stream=5)
@@ -332,10 +338,10 @@ def test_cai_stream_is_waited_on(monkeypatch):
 # DLPack
 # --------------------------------------------------------------------------------------------
 def test_dlpack_struct_layout():
-    assert ctypes.sizeof(A.DLTensor) == 48
-    assert ctypes.sizeof(A.DLManagedTensor) == 64
-    assert ctypes.sizeof(A.DLManagedTensorVersioned) == 80
-    assert A.DLManagedTensorVersioned.dl_tensor.offset == 32
+    assert ctypes.sizeof(DL.DLTensor) == 48
+    assert ctypes.sizeof(DL.DLManagedTensor) == 64
+    assert ctypes.sizeof(DL.DLManagedTensorVersioned) == 80
+    assert DL.DLManagedTensorVersioned.dl_tensor.offset == 32
 
 
 def test_dlpack_device():
@@ -350,14 +356,14 @@ def test_dlpack_capsule_names(max_version, name):
 
 
 @pytest.mark.parametrize("new_protocol", [True, False])
-@pytest.mark.parametrize("dtype", A.DTYPES)
+@pytest.mark.parametrize("dtype", DT.DTYPES)
 def test_dlpack_round_trip(dtype, new_protocol):
     a = DeviceArray(ptr=0x1000, shape=(3, 4), dtype=dtype, device=0, owner=None)
     for x in (a, a[1:3], a[::2], a[1]):
         w = DLPackWrapper(x, new_protocol=new_protocol)
         y = as_device_array(w, name="x")
         assert (y.ptr, y.shape, y.strides, y.dtype, y.device) == (x.ptr, x.shape, x.strides, x.dtype, 0)
-        assert isinstance(y.owner, A.DLPackOwner) and y.owner.versioned == new_protocol
+        assert isinstance(y.owner, DL.DLPackOwner) and y.owner.versioned == new_protocol
         assert w.calls[-1]["stream"] == 1  # None -> the legacy default stream, never 0
         assert y.is_contiguous() == x.is_contiguous()
 
@@ -381,7 +387,7 @@ def test_dlpack_lifetime_consumed():
     assert ref() is not None  # ... including through views of it
     del v
     gc.collect()
-    assert ref() is None and not A._exports  # the deleter ran
+    assert ref() is None and not DL._exports  # the deleter ran
 
 
 @pytest.mark.parametrize("max_version", [None, (1, 0)])
@@ -391,10 +397,10 @@ def test_dlpack_lifetime_unconsumed(max_version):
     cap = a.__dlpack__(max_version=max_version)
     del a
     gc.collect()
-    assert ref() is not None and len(A._exports) == 1
+    assert ref() is not None and len(DL._exports) == 1
     del cap  # capsule destructor frees the never-consumed manager
     gc.collect()
-    assert ref() is None and not A._exports
+    assert ref() is None and not DL._exports
 
 
 def test_dlpack_capsule_consumed_once():
@@ -413,9 +419,9 @@ def test_dlpack_capsule_consumed_once():
 @pytest.mark.parametrize("versioned", [False, True])
 def test_dlpack_byte_offset_and_flags(versioned):
     cap = fake((8,), float32, ptr=0x1000, readonly=True).__dlpack__(max_version=(1, 0) if versioned else None)
-    name = A._NAME_V if versioned else A._NAME
-    addr = A._Capsule_GetPointer(cap, name)
-    mt = (A.DLManagedTensorVersioned if versioned else A.DLManagedTensor).from_address(addr)
+    name = DL._NAME_V if versioned else DL._NAME
+    addr = DL._Capsule_GetPointer(cap, name)
+    mt = (DL.DLManagedTensorVersioned if versioned else DL.DLManagedTensor).from_address(addr)
     mt.dl_tensor.byte_offset = 64
     y = from_dlpack_capsule(cap)
     assert y.ptr == 0x1000 + 64 and y.shape == (8,)
@@ -433,18 +439,18 @@ def test_dlpack_export_options():
 
 def test_dlpack_unsupported_dtype_and_version():
     cap = fake((4,), float32).__dlpack__()
-    mt = A.DLManagedTensor.from_address(A._Capsule_GetPointer(cap, A._NAME))
+    mt = DL.DLManagedTensor.from_address(DL._Capsule_GetPointer(cap, DL._NAME))
     mt.dl_tensor.dtype.code, mt.dl_tensor.dtype.bits = 2, 64
     with pytest.raises(TypeError, match=r"w: unsupported DLPack dtype \(code=2, bits=64"):
         from_dlpack_capsule(cap, name="w")
     assert capsule_name(cap) == "dltensor"  # refused before consuming: the producer still frees it
     capv = fake((4,), float32).__dlpack__(max_version=(1, 0))
-    A.DLManagedTensorVersioned.from_address(A._Capsule_GetPointer(capv, A._NAME_V)).version.major = 2
+    DL.DLManagedTensorVersioned.from_address(DL._Capsule_GetPointer(capv, DL._NAME_V)).version.major = 2
     with pytest.raises(BufferError, match="version 2.0"):
         from_dlpack_capsule(capv)
     del cap, capv
     gc.collect()
-    assert not A._exports
+    assert not DL._exports
 
 
 def test_numpy_dlpack_is_rejected():

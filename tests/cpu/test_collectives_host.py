@@ -8,8 +8,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from mkernel import collectives as C
-from mkernel.arrays import DeviceArray
+from mkernel.ops.collectives import api as C
+from mkernel.core.arrays import DeviceArray
 
 
 class FakeCtx:
@@ -321,32 +321,33 @@ def test_eager_fast_path_replays_identical_calls(env, monkeypatch):
 def test_forked_copies_order(monkeypatch):
     """fork: the side stream waits for the caller, then runs begin, then the copies in order; resume:
     it waits for the caller again; join: the caller waits for it."""
-    from mkernel import runtime as R
+    from mkernel.core import driver as DRV
+    from mkernel.dist import sidestream as SIDE
     log = []
 
     class FakeCu:
         CUstream = staticmethod(lambda h: ("stream", int(h)))
-        CUresult = R.cu.CUresult
+        CUresult = DRV.cu.CUresult
 
         @staticmethod
         def cuEventRecord(ev, s):
             log.append(("record", ev, s))
-            return (R.cu.CUresult.CUDA_SUCCESS,)
+            return (DRV.cu.CUresult.CUDA_SUCCESS,)
 
         @staticmethod
         def cuStreamWaitEvent(s, ev, flags):
             log.append(("wait", s, ev))
-            return (R.cu.CUresult.CUDA_SUCCESS,)
+            return (DRV.cu.CUresult.CUDA_SUCCESS,)
 
     class FakeEvents:
         def __init__(self, *names):
             for n in names:
                 setattr(self, n, n)
 
-    monkeypatch.setattr(R, "cu", FakeCu)
-    monkeypatch.setattr(R, "Events", FakeEvents)
-    monkeypatch.setattr(R, "copy_async", lambda copies, side: log.append(("copies", side, tuple(copies))))
-    f = R.ForkedCopies(11)
+    monkeypatch.setattr(SIDE, "cu", FakeCu)
+    monkeypatch.setattr(SIDE, "Events", FakeEvents)
+    monkeypatch.setattr(SIDE, "copy_async", lambda copies, side: log.append(("copies", side, tuple(copies))))
+    f = SIDE.ForkedCopies(11)
     side = ("stream", 11)
     f.fork("caller", lambda sd: log.append(("begin", sd)))
     f.copies(["a", "b"])
@@ -357,7 +358,7 @@ def test_forked_copies_order(monkeypatch):
                    ("record", "fork", "caller"), ("wait", side, "fork"), ("copies", side, ("c",)),
                    ("record", "join", side), ("wait", "caller", "join")]
     log.clear()
-    R.ForkedCopies(11).fork("caller")  # no begin
+    SIDE.ForkedCopies(11).fork("caller")  # no begin
     assert log == [("record", "fork", "caller"), ("wait", side, "fork")]
 
 

@@ -6,7 +6,7 @@ import pytest
 
 def test_context_timeout_updates_cached_comm_args():
     """ops keep the MkComm structs comm_args hands out; a new timeout must reach them."""
-    from mkernel.context import Context
+    from mkernel.dist.context import Context
 
     ctx = object.__new__(Context)  # no GPU: only the fields comm_args reads
     ctx._timeout, ctx._comm_cache, ctx._err_dev = 5.0, {}, 0x1000
@@ -25,7 +25,7 @@ def test_workspace_setup_inside_a_capture_raises_clearly(monkeypatch):
     """Creating or growing an op's workspace (a collective allocation that synchronizes the device)
     while the op's stream is being captured raises a RuntimeError naming the op -- before any driver
     call could invalidate the caller's capture; a workspace that already fits is returned as usual."""
-    from mkernel import context as X
+    from mkernel.dist import context as X
 
     ctx = object.__new__(X.Context)
     ctx._workspaces = {}
@@ -48,7 +48,7 @@ def test_workspace_setup_inside_a_capture_raises_clearly(monkeypatch):
 
 def test_comm_args_carry_the_call_signature():
     """comm_args(op, sig): one struct per (op, signature), its sig field set; timeouts reach every one."""
-    from mkernel.context import Context
+    from mkernel.dist.context import Context
 
     ctx = object.__new__(Context)
     ctx._timeout, ctx._comm_cache, ctx._err_dev = 5.0, {}, 0x1000
@@ -67,7 +67,7 @@ def test_agree_returns_a_stable_digest_and_exchanges_once():
     32-bit digest -- the same on every rank for the same call (the kernels compare it on the device)."""
     import numpy as np
 
-    from mkernel.context import Context
+    from mkernel.dist.context import Context
 
     ctx = object.__new__(Context)
     ctx._agreed = {}
@@ -90,7 +90,7 @@ def test_mismatch_record_raises_comm_mismatch():
     import ctypes
 
     import mkernel
-    from mkernel.signals import MK_ERR_MISMATCH, OPS, ErrorRecordView, MkErrorRecord
+    from mkernel.dist.signals import MK_ERR_MISMATCH, OPS, ErrorRecordView, MkErrorRecord
 
     rec = MkErrorRecord()
     rec.rank, rec.op, rec.peer, rec.flag_index = 0, OPS["all_reduce"], 0x40000000 | 1, -1001
@@ -106,8 +106,8 @@ def test_symmetric_views_and_region_lookup():
     """SymmetricBuffer.array: a view of this rank's copy at an offset (bounds and alignment checked);
     Context.symmetric_region finds the live node-wide buffer holding a range (not a freed one, not one
     over a smaller communicator, not a range that runs past the end)."""
-    from mkernel.context import Context
-    from mkernel.symmetric import SymmetricBuffer
+    from mkernel.dist.context import Context
+    from mkernel.dist.symmetric import SymmetricBuffer
 
     class Ctx:
         device = 0

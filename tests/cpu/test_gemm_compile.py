@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import _compile_cache
-from mkernel import runtime
-from mkernel import gemm_engine as G
-from mkernel.arrays import DeviceArray
+from mkernel.core import compiler as CP
+from mkernel.core import launch as LCH
+from mkernel.ops.gemm import engine as G
+from mkernel.core.arrays import DeviceArray
 
 ARCH = "sm_90a"
-SPECS = [(s, d) for s, d in runtime.registered_specializations() if s == G.SOURCE]
+SPECS = [(s, d) for s, d in CP.registered_specializations() if s == G.SOURCE]
 GEMM_KERNELS = ("mk_gemm_kn", "mk_gemm_nk", "mk_grouped_gemm_kn", "mk_grouped_gemm_nk")
 
 
@@ -52,7 +53,7 @@ def compile_cache(request, tmp_path_factory):
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
     cfg = G.CONFIGS[defines["MK_GEMM_CONFIG"]]
-    mod = runtime.compile_module(source, _with_expectations(defines), arch=ARCH)
+    mod = CP.compile_module(source, _with_expectations(defines), arch=ARCH)
     usage = mod.resource_usage
     for name in GEMM_KERNELS + ("mk_pad_copy_u16", "mk_pad_copy_u32"):
         assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
@@ -113,7 +114,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(G.DeviceArray, "empty", staticmethod(empty))
     monkeypatch.setattr(G.DeviceArray, "from_numpy", staticmethod(from_numpy))
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    monkeypatch.setattr(G.runtime, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(G, "is_capturing", lambda stream: False)
     CLEARS.clear()
     monkeypatch.setattr(G, "_clear_i32", lambda ptr, n, stream: CLEARS.append((ptr, n)))
     G._plans.clear()
@@ -326,7 +327,7 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     GEMMs) only where the plan's arithmetic intensity reaches PDL_MIN_INTENSITY and, for the former,
     their blocks fill the SMs or their K ranges are short -- (MKERNEL_GEMM_PDL=1 / 0: always /
     never); the launch configuration, with the
-    attribute, is built by runtime._launch_config."""
+    attribute, is built by LCH._launch_config."""
     launches, maps, empty = fake
     monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)
     monkeypatch.setenv("MKERNEL_GEMM_GEMV", "0")  # (the M = 1 calls below: the GEMM tiles, not mkernel/gemv.py)
@@ -369,9 +370,9 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     assert not G.pdl_auto(64, 64, 64, cfg=c36, blocks=132, sms=132)  # intensity first
     from cuda.bindings import driver as cu
 
-    cfg = G.runtime._launch_config(132, 384, 1024, 0, False, None, True)
+    cfg = LCH._launch_config(132, 384, 1024, 0, False, None, True)
     assert cfg.numAttrs == 1 and cfg.attrs[0].id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    assert G.runtime._launch_config(132, 384, 1024, 0, False, None).numAttrs == 0
+    assert LCH._launch_config(132, 384, 1024, 0, False, None).numAttrs == 0
 
 
 def test_split_k_plans(fake):
@@ -641,19 +642,19 @@ def test_captured_plans_outlive_the_lru(fake, monkeypatch):
     a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
     G.gemm(a, b, b_layout="nk")  # not captured
     free = next(reversed(G._plans.values()))
-    monkeypatch.setattr(G.runtime, "is_capturing", lambda stream: True)
+    monkeypatch.setattr(G, "is_capturing", lambda stream: True)
     a2 = empty((128, 7168), "bfloat16")
     G.gemm(a2, b, b_layout="nk")  # captured
     kept = next(reversed(G._plans.values()))
     assert kept.splits > 1 and kept.pinned and G._pinned == [kept] and not free.pinned
     # its counter clear was captured (it happens when the graph runs): the next eager call clears again
     assert kept.zero.pending and not free.zero.pending
-    monkeypatch.setattr(G.runtime, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(G, "is_capturing", lambda stream: False)
     for _ in range(G._PLANS_MAX + 1):  # evict both from the LRU
         G.gemm(empty((256, 256), "bfloat16"), empty((256, 256), "bfloat16"))
     assert kept not in G._plans.values() and free not in G._plans.values()
     assert G._pinned == [kept] and kept.keep  # its partials and counters are still referenced
-    monkeypatch.setattr(G.runtime, "is_capturing", lambda stream: True)
+    monkeypatch.setattr(G, "is_capturing", lambda stream: True)
     G.gemm(empty((8, 8), "bfloat16"), empty((8, 8), "bfloat16"))  # captured, but no buffers: not pinned
     assert G._pinned == [kept] and not next(reversed(G._plans.values())).pinned
 
@@ -662,9 +663,9 @@ def test_captured_plans_outlive_the_lru(fake, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # decode-shaped GEMMs (mkernel/gemv.py, cuda_src/gemv.cu)
 # ---------------------------------------------------------------------------------------------
-from mkernel import gemv as GV  # noqa: E402
+from mkernel.ops.gemm import gemv as GV  # noqa: E402
 
-GEMV_SPECS = [(s, d) for s, d in runtime.registered_specializations() if s == GV.SOURCE]
+GEMV_SPECS = [(s, d) for s, d in CP.registered_specializations() if s == GV.SOURCE]
 
 
 def test_gemv_all_combinations_registered():
@@ -683,7 +684,7 @@ def test_gemv_compiles_clean(source, defines, compile_cache, monkeypatch):
     """No spills, no stack, registers within the budget of MK_GEMV_MINB blocks of 256 threads per SM
     (64 K registers an SM: <= 128 a thread for two blocks), no warnings."""
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
-    mod = runtime.compile_module(source, defines, arch=ARCH)
+    mod = CP.compile_module(source, defines, arch=ARCH)
     u = mod.resource_usage["mk_gemv_nk"]
     assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 and u.get("stack", 0) == 0, u
     assert u["registers"] * GV.THREADS * defines["MK_GEMV_MINB"] <= 65536, u
@@ -780,8 +781,9 @@ def test_swapped_routes(fake_gemv, monkeypatch):
 def test_describe_transposed(monkeypatch):
     """describe() reports the plan gemm builds: transposed (the N x M problem's tile, tiles and grid) where
     swap_candidates says so, the decode kernel or a plain plan elsewhere."""
-    compile_module = runtime.compile_module
-    monkeypatch.setattr(runtime, "compile_module", lambda s, d, **kw: compile_module(s, d, **{"arch": ARCH, **kw}))
+    compile_module = CP.compile_module
+    for mod in (G, GV):
+        monkeypatch.setattr(mod, "compile_module", lambda s, d, **kw: compile_module(s, d, **{"arch": ARCH, **kw}))
     monkeypatch.setattr(G, "_num_sms", lambda dev: 132)
     monkeypatch.setattr(G, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
     monkeypatch.delenv("MKERNEL_GEMM_SWAP", raising=False)
@@ -827,10 +829,10 @@ def test_gemv_not_routed(fake_gemv, monkeypatch):
 
 
 def test_gemv_describe(monkeypatch):
-    """describe() of a routed call (mkernel.gemm_engine.describe hands it to gemv.describe): config "gemv",
+    """describe() of a routed call (mkernel.ops.gemm.engine.describe hands it to gemv.describe): config "gemv",
     8 or 16 MMA rows, one block of 256 threads per 16 rows of B, registers from ptxas, no spills."""
-    compile_module = runtime.compile_module
-    monkeypatch.setattr(runtime, "compile_module", lambda s, d, **kw: compile_module(s, d, **{"arch": ARCH, **kw}))
+    compile_module = CP.compile_module
+    monkeypatch.setattr(GV, "compile_module", lambda s, d, **kw: compile_module(s, d, **{"arch": ARCH, **kw}))
     d = GV.describe(4, 8192, 8192, "bfloat16", "float32")
     assert (d["config"], d["bm"], d["bn"], d["threads"], d["grid"], d["tiles"], d["splits"]) == ("gemv", 8, 16, 256, 512, 512, 1)
     assert 0 < d["registers"] <= 255 and d["spills"] == 0

@@ -16,7 +16,7 @@ nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
 
 
 def _compile(src: str, name: str = "layout_check.cu"):
-    from mkernel.runtime import cuda_src_dir, include_dirs
+    from mkernel.core.compiler import cuda_src_dir, include_dirs
 
     prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], [])[1]
     opts = [b"-std=c++17", b"--gpu-architecture=sm_90a", f"-I{cuda_src_dir()}".encode(),
@@ -30,7 +30,7 @@ def _compile(src: str, name: str = "layout_check.cu"):
 
 
 def test_cmd_and_proxy_struct_layout_match_header():
-    lines = ['#include "mk_proxy.cuh"', "#define OFF(T, f) __builtin_offsetof(T, f)"]
+    lines = ['#include "core/mk_proxy.cuh"', "#define OFF(T, f) __builtin_offsetof(T, f)"]
     lines.append(f"static_assert(sizeof(MkProxyCmd) == {proxy.CMD_DTYPE.itemsize}, \"cmd size\");")
     for name, (off, typ) in proxy.LAYOUT.items():
         lines.append(f"static_assert(OFF(MkProxyCmd, {name}) == {off}, \"{name}\");")
@@ -47,9 +47,9 @@ def test_cmd_and_proxy_struct_layout_match_header():
 
 
 def test_proxy_test_kernel_compiles_without_spills():
-    from mkernel.runtime import compile_module
+    from mkernel.core.compiler import compile_module
 
-    mod = compile_module("proxy_test.cu", arch="sm_90a", use_disk_cache=False)
+    mod = compile_module("testing/proxy_test.cu", arch="sm_90a", use_disk_cache=False)
     usage = mod.resource_usage
     assert set(usage) >= {"mk_proxy_test_push", "mk_proxy_layout"}
     for k, u in usage.items():

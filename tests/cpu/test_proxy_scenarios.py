@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from mkernel.errors import CommError  # noqa: E402
 from mkernel.proxy import OP_BARRIER, OP_FLAG, OP_WRITE, Proxy  # noqa: E402
-from mkernel.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
+from mkernel.proxy.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
 
 SMALL = os.environ.get("MK_TEST_SMALL") == "1"  # soft-RoCE VM under emulation: smaller runs
 DATA_BYTES = (4 << 20) if SMALL else (24 << 20)
@@ -255,8 +255,9 @@ def sc_gpu(env):
 
     from cuda.bindings import driver as cu
 
-    from mkernel.runtime import check, compile_module, current_arch
-    from mkernel.transport import GpuWindow
+    from mkernel.core.driver import check, current_arch
+    from mkernel.core.compiler import compile_module
+    from mkernel.proxy.transport import GpuWindow
 
     check(cu.cuInit(0))
     ndev = check(cu.cuDeviceGetCount())
@@ -284,7 +285,7 @@ def sc_gpu(env):
 
     epoch = 1
     if env.rank == 0:
-        k = compile_module("proxy_test.cu", arch=current_arch()).function("mk_proxy_test_push")
+        k = compile_module("testing/proxy_test.cu", arch=current_arch()).function("mk_proxy_test_push")
         comm = MkComm(err_d, 10_000_000_000, 0, env.size, 0, 1, 0, env.size, 0, 0)
         k.launch(blocks, 128, [comm, p.ring_device_struct(), ctypes.c_uint64(data_d), ctypes.c_int32(per_block),
                                ctypes.c_int32(1), ctypes.c_uint64(chunk), ctypes.c_uint64(0), ctypes.c_uint64(epoch),

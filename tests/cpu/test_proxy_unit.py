@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from mkernel.errors import CommError
-from mkernel.proxy import (CMD_DTYPE, OP_BARRIER, OP_FLAG, OP_NOP, OP_WRITE, Proxy, Ring,
-                           _coalesce)
-from mkernel.transport import Exchanger, Transport
+from mkernel.proxy import CMD_DTYPE, OP_BARRIER, OP_FLAG, OP_NOP, OP_WRITE, Proxy, Ring
+from mkernel.proxy.engine import _coalesce
+from mkernel.proxy.transport import Exchanger, Transport
 
 
 class FakeEx(Exchanger):

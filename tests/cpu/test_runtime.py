@@ -9,32 +9,36 @@ import pytest
 
 import _compile_cache
 import mkernel
-from mkernel import runtime
+from mkernel.core import compiler as CP
+from mkernel.core import driver as DRV
+from mkernel.core import streams as STR
+from mkernel.ops import base as BASE
 from mkernel.errors import CompileError
 
 ARCH = "sm_90a"
 
 
 def _import_all_ops():
-    for m in pkgutil.iter_modules(mkernel.__path__):
-        if not m.name.startswith("_"):
+    for m in pkgutil.walk_packages(mkernel.__path__, "mkernel."):
+        if not m.name.rsplit(".", 1)[-1].startswith("_"):
             try:
-                importlib.import_module(f"mkernel.{m.name}")
+                importlib.import_module(m.name)
             except ImportError as exc:  # optional deps (pyverbs) only
                 if "pyverbs" not in str(exc):
                     raise
 
 
 _import_all_ops()
-SPECS = runtime.registered_specializations()
+SPECS = CP.registered_specializations()
 # gemm.cu and gemv.cu are compiled (with stricter checks: no stack at all, no ptxas warnings) by
 # test_gemm_compile.py
-COMPILE_SPECS = [(s, d) for s, d in SPECS if s not in ("gemm.cu", "gemv.cu")]
+COMPILE_SPECS = [(s, d) for s, d in SPECS if not s.startswith("gemm/")]
 
 
 def test_every_kernel_source_is_registered():
     registered = {s for s, _ in SPECS}
-    sources = {p.name for p in runtime.cuda_src_dir().glob("*.cu") if not p.name.endswith("_test.cu")}
+    root = CP.cuda_src_dir()
+    sources = {p.relative_to(root).as_posix() for p in root.rglob("*.cu") if p.parent.name != "testing"}
     missing = sources - registered
     assert not missing, f"kernel sources with no registered specialization: {missing}"
 
@@ -47,7 +51,7 @@ def compile_cache(request, tmp_path_factory):
 @pytest.mark.parametrize("source,defines", COMPILE_SPECS, ids=[f"{s}:{d}" for s, d in COMPILE_SPECS])
 def test_compiles_without_spills(source, defines, compile_cache, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
-    mod = runtime.compile_module(source, defines, arch=ARCH)
+    mod = CP.compile_module(source, defines, arch=ARCH)
     usage = mod.resource_usage
     assert usage, f"no ptxas report for {source} {defines}:\n{mod.log}"
     for fn, u in usage.items():
@@ -62,8 +66,8 @@ def test_a_second_fresh_compile_still_reports_ptxas(tmp_path, monkeypatch):
     spills (the compile tests and bench/gemm.py's compile times rely on it)."""
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
     for _ in range(2):
-        runtime._module_cache.clear()
-        m = runtime.compile_module("collectives.cu", {"MK_DTYPE": 2}, arch=ARCH, use_disk_cache=False)
+        CP._module_cache.clear()
+        m = CP.compile_module("ops/collectives.cu", {"MK_DTYPE": 2}, arch=ARCH, use_disk_cache=False)
         assert not m.cached and m.resource_usage, m.log
 
 
@@ -72,22 +76,22 @@ def test_disk_cache_hits_in_a_new_process(tmp_path, monkeypatch):
     import sys
 
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
-    code = ("import sys; from mkernel import runtime; "
-            "m = runtime.compile_module('collectives.cu', {'MK_DTYPE': 2}, arch='sm_90a'); "
+    code = ("import sys; from mkernel.core import compiler as CP; "
+            "m = CP.compile_module('ops/collectives.cu', {'MK_DTYPE': 2}, arch='sm_90a'); "
             "print('cached' if m.cached else 'compiled')")
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert (first, second) == ("compiled", "cached")
     # a different define is a different cubin
-    m = runtime.compile_module("collectives.cu", {"MK_DTYPE": 1}, arch=ARCH)
+    m = CP.compile_module("ops/collectives.cu", {"MK_DTYPE": 1}, arch=ARCH)
     assert not m.cached
 
 
 def test_compile_error_has_log(tmp_path, monkeypatch):
-    src = runtime.cuda_src_dir()
+    src = CP.cuda_src_dir()
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))
     with pytest.raises(CompileError) as ei:
-        runtime.compile_module("collectives.cu", {"MK_DTYPE": "this_is_not_a_type"}, arch=ARCH)
+        CP.compile_module("ops/collectives.cu", {"MK_DTYPE": "this_is_not_a_type"}, arch=ARCH)
     assert "error" in ei.value.log.lower()
     assert src.is_dir()
 
@@ -100,12 +104,12 @@ def test_stream_handle_forms():
     class T:
         cuda_stream = 99
 
-    assert runtime.stream_handle(None) == 0
-    assert runtime.stream_handle(7) == 7
-    assert runtime.stream_handle(S()) == 1234
-    assert runtime.stream_handle(T()) == 99
+    assert STR.stream_handle(None) == 0
+    assert STR.stream_handle(7) == 7
+    assert STR.stream_handle(S()) == 1234
+    assert STR.stream_handle(T()) == 99
     with pytest.raises(TypeError):
-        runtime.stream_handle(object())
+        STR.stream_handle(object())
 
 
 def test_ptxas_log_parse():
@@ -113,18 +117,18 @@ def test_ptxas_log_parse():
 ptxas info    : Function properties for k
 ptxas         .     0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 232 registers, used 1 barriers"""
-    assert runtime.parse_ptxas_log(log) == {"k": {"stack": 0, "spill_stores": 8, "spill_loads": 4, "registers": 232}}
+    assert CP.parse_ptxas_log(log) == {"k": {"stack": 0, "spill_stores": 8, "spill_loads": 4, "registers": 232}}
 
 
 def test_kernel_lookup_is_memoized(monkeypatch):
     """Ops look their kernel up on every launch: only the first lookup compiles (or loads) the module."""
-    monkeypatch.setattr(runtime, "_kernels", {})
+    monkeypatch.setattr(CP, "_kernels", {})
     calls = []
-    real = runtime.compile_module
-    monkeypatch.setattr(runtime, "compile_module", lambda *a, **k: calls.append(a) or real(*a, arch="sm_90a", **k))
-    k1 = runtime.kernel("collectives.cu", {"MK_DTYPE": 0}, "mk_all_gather")
-    k2 = runtime.kernel("collectives.cu", {"MK_DTYPE": 0}, "mk_all_gather")
-    k3 = runtime.kernel("collectives.cu", {"MK_DTYPE": 2}, "mk_all_gather")
+    real = CP.compile_module
+    monkeypatch.setattr(CP, "compile_module", lambda *a, **k: calls.append(a) or real(*a, arch="sm_90a", **k))
+    k1 = CP.kernel("ops/collectives.cu", {"MK_DTYPE": 0}, "mk_all_gather")
+    k2 = CP.kernel("ops/collectives.cu", {"MK_DTYPE": 0}, "mk_all_gather")
+    k3 = CP.kernel("ops/collectives.cu", {"MK_DTYPE": 2}, "mk_all_gather")
     assert k1 is k2 and k3 is not k1 and k1.name == "mk_all_gather" and len(calls) == 2
 
 
@@ -132,11 +136,11 @@ def test_capture_relaxed_restores_and_tolerates_no_driver():
     """capture_relaxed swaps the thread's capture mode to relaxed and back; without a usable driver
     (CI) the swap fails quietly and the body still runs."""
     ran = []
-    with runtime.capture_relaxed():
+    with DRV.capture_relaxed():
         ran.append(1)
     assert ran == [1]
     with pytest.raises(KeyError):
-        with runtime.capture_relaxed():
+        with DRV.capture_relaxed():
             raise KeyError("the body's error propagates")
 
 
@@ -160,26 +164,25 @@ def test_precompile_falls_back_when_the_workers_die(monkeypatch):
 
     done = []
     monkeypatch.setattr(cf, "ProcessPoolExecutor", DyingPool)
-    monkeypatch.setattr(runtime, "_compile_one", lambda item: done.append(item[1]["X"]) or 1.5)
+    monkeypatch.setattr(CP, "_compile_one", lambda item: done.append(item[1]["X"]) or 1.5)
     with pytest.warns(RuntimeWarning, match="__main__"):
-        total = runtime.precompile([("a.cu", {"X": 1}), ("b.cu", {"X": 2})], arch="sm_90a", workers=2)
+        total = CP.precompile([("a.cu", {"X": 1}), ("b.cu", {"X": 2})], arch="sm_90a", workers=2)
     assert total == 3.0 and done == [1, 2]
 
 
 def test_fast_calls_cache():
-    """runtime.fast_get / fast_put: per context, nothing for a None key, every entry dropped at FAST_MAX."""
-    from mkernel import runtime as R
-
+    """BASE.fast_get / fast_put: per context, nothing for a None key, every entry dropped at FAST_MAX."""
+    from mkernel.ops import base as BASE
     class Ctx:
         pass
 
     a, b = Ctx(), Ctx()
-    R.fast_put(a, None, 1)
-    assert R.fast_get(a, None) is None and not a.__dict__.get("_fast_calls")
-    R.fast_put(a, ("op", 1), "x")
-    assert R.fast_get(a, ("op", 1)) == "x" and R.fast_get(b, ("op", 1)) is None
-    for i in range(2, R.FAST_MAX + 1):
-        R.fast_put(a, ("op", i), i)
-    assert R.fast_get(a, ("op", 1)) == "x" and len(a._fast_calls) == R.FAST_MAX
-    R.fast_put(a, ("op", 0), 0)  # one more: the cache starts over
+    BASE.fast_put(a, None, 1)
+    assert BASE.fast_get(a, None) is None and not a.__dict__.get("_fast_calls")
+    BASE.fast_put(a, ("op", 1), "x")
+    assert BASE.fast_get(a, ("op", 1)) == "x" and BASE.fast_get(b, ("op", 1)) is None
+    for i in range(2, BASE.FAST_MAX + 1):
+        BASE.fast_put(a, ("op", i), i)
+    assert BASE.fast_get(a, ("op", 1)) == "x" and len(a._fast_calls) == BASE.FAST_MAX
+    BASE.fast_put(a, ("op", 0), 0)  # one more: the cache starts over
     assert a._fast_calls == {("op", 0): 0}

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mkernel.arrays import DeviceArray, bf16_to_f32, f32_to_bf16
+from mkernel.core.arrays import DeviceArray
+from mkernel.core.dtypes import bf16_to_f32, f32_to_bf16
 
 TOL = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -22}
 
@@ -56,7 +57,7 @@ def on_other_device(device: int, shape, dtype: str):
     with a single GPU (bad-input tests: an operand on the wrong device)."""
     from cuda.bindings import driver as cu
 
-    from mkernel.runtime import check
+    from mkernel.core.driver import check
 
     ndev = check(cu.cuDeviceGetCount())
     if ndev < 2:
@@ -81,7 +82,7 @@ def poison_workspace_tail(ctx, ws, offset: int) -> None:
     reads as raised for any call.  Between calls: every rank's work is done before and after."""
     from cuda.bindings import driver as cu
 
-    from mkernel.runtime import check
+    from mkernel.core.driver import check
     ctx.synchronize()
     ctx.world.Barrier()
     if offset < ws.nbytes:

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from cuda.bindings import driver as cu
 
-from mkernel.arrays import DeviceArray
-from mkernel.runtime import check
+from mkernel.core.arrays import DeviceArray
+from mkernel.core.driver import check
 
 from _util import (assert_missing_peer_times_out, download, on_other_device, poison_workspace_tail, poisoned, rel_fro,
                    upload)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
-agm = importlib.import_module("mkernel.ag_gemm")  # the module (mkernel.ag_gemm may be the function)
+agm = importlib.import_module("mkernel.ops.ag_gemm.op")  # the module (mkernel.ag_gemm may be the function)
 REL_TOL = 1e-2
 
 
@@ -367,7 +367,7 @@ def test_graph_capture_replay(ctx, shared_rng):
     calls(int(stream))
     graph = check(cu.cuStreamEndCapture(stream))
     gexec = check(cu.cuGraphInstantiate(graph, 0))
-    from mkernel.arrays import f32_to_bf16, bf16_to_f32
+    from mkernel.core.dtypes import f32_to_bf16, bf16_to_f32
 
     for rep in range(100):
         As = shared_rng.standard_normal((P, Mr, K)).astype(np.float32)

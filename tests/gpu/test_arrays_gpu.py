@@ -12,8 +12,12 @@ import os
 import numpy as np
 import pytest
 
-from mkernel import arrays as A
-from mkernel.arrays import DeviceArray, as_device_array, bf16_to_f32, f32_to_bf16
+from mkernel.core import arrays as A
+
+from mkernel.core import dtypes as DT
+from mkernel.core.arrays import DeviceArray
+from mkernel.core.interop import as_device_array
+from mkernel.core.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def _gpu_count() -> int:
@@ -35,7 +39,7 @@ if _gpu_count() == 0:
 
 from cuda.bindings import driver as cu  # noqa: E402
 
-from mkernel.runtime import check  # noqa: E402
+from mkernel.core.driver import check  # noqa: E402
 
 from _util import poisoned  # noqa: E402
 
@@ -51,8 +55,8 @@ def rng(request):
 
 def host_data(dtype, shape, rng) -> np.ndarray:
     """Fresh random host data in the dtype's host storage (uint16 bits for bf16)."""
-    d = A.dtype_of(dtype)
-    if d is A.bfloat16:
+    d = DT.dtype_of(dtype)
+    if d is DT.bfloat16:
         return f32_to_bf16(rng.standard_normal(shape).astype(np.float32) * 3)
     if d.is_float:
         return (rng.standard_normal(shape) * 3).astype(d.numpy_dtype)
@@ -77,7 +81,7 @@ def sync():
 # allocation, copies, poison
 # --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(1000,), (37, 129), (3, 5, 7)])
-@pytest.mark.parametrize("dtype", A.DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DT.DTYPES, ids=lambda d: d.name)
 def test_round_trip(dtype, shape, rng):
     h = host_data(dtype, shape, rng)
     a = DeviceArray.from_numpy(h, dtype=dtype)
@@ -88,11 +92,11 @@ def test_round_trip(dtype, shape, rng):
     assert_bits_equal(out.to_numpy(), h)
 
 
-@pytest.mark.parametrize("dtype", A.DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DT.DTYPES, ids=lambda d: d.name)
 def test_fill_nan(dtype, rng):
     a = DeviceArray.from_numpy(host_data(dtype, (513,), rng), dtype=dtype)
     r = a.fill_nan().to_numpy()
-    if dtype is A.bfloat16:
+    if dtype is DT.bfloat16:
         assert np.isnan(bf16_to_f32(r)).all()
     elif dtype.is_float:
         assert np.isnan(r).all()
@@ -112,7 +116,7 @@ def test_from_numpy_ml_dtypes(rng):
     ml = pytest.importorskip("ml_dtypes")
     x = rng.standard_normal(77).astype(ml.bfloat16)
     a = DeviceArray.from_numpy(x)
-    assert a.dtype is A.bfloat16
+    assert a.dtype is DT.bfloat16
     assert_bits_equal(a.to_numpy(), x.view(np.uint16))
 
 
@@ -213,7 +217,7 @@ def torch_bits(t) -> np.ndarray:
         {2: np.uint16, 4: np.uint32, 8: np.uint64}[t.element_size()])
 
 
-@pytest.mark.parametrize("dtype", A.DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DT.DTYPES, ids=lambda d: d.name)
 def test_torch_from_dlpack(dtype, rng):
     torch = _torch()
     h = host_data(dtype, (33, 20), rng)
@@ -231,12 +235,12 @@ def test_torch_from_dlpack(dtype, rng):
     assert np.array_equal(torch_bits(ts), bits(np.ascontiguousarray(h[1::3])))
 
 
-@pytest.mark.parametrize("dtype", A.DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", DT.DTYPES, ids=lambda d: d.name)
 def test_as_device_array_of_torch(dtype, rng):
     torch = _torch()
     h = host_data(dtype, (24, 16), rng)
-    t = torch.from_numpy(h.view(np.int16) if dtype is A.bfloat16 else h).cuda()
-    if dtype is A.bfloat16:
+    t = torch.from_numpy(h.view(np.int16) if dtype is DT.bfloat16 else h).cuda()
+    if dtype is DT.bfloat16:
         t = t.view(torch.bfloat16)
     a = as_device_array(t, name="t")
     assert a.ptr == t.data_ptr() and a.dtype is dtype and a.shape == (24, 16) and a.is_contiguous()
@@ -284,7 +288,7 @@ class DLPackOnly:
         return self.x.__dlpack_device__()
 
 
-@pytest.mark.parametrize("dtype", [A.float16, A.float32, A.int32, A.int64], ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype", [DT.float16, DT.float32, DT.int32, DT.int64], ids=lambda d: d.name)
 def test_cupy(dtype, rng):
     cp = pytest.importorskip("cupy")
     h = host_data(dtype, (40, 24), rng)
@@ -320,7 +324,7 @@ def test_jax(rng):
     f = rng.standard_normal((32, 16)).astype(np.float32)
     x = jax.device_put(jnp.asarray(f).astype(jnp.bfloat16), gpus[0])
     a = as_device_array(x, name="x")
-    assert a.dtype is A.bfloat16 and a.shape == (32, 16)
+    assert a.dtype is DT.bfloat16 and a.shape == (32, 16)
     assert_bits_equal(a.to_numpy(), np.asarray(x).view(np.uint16))
     d = DeviceArray.from_numpy(f)
     y = jnp.from_dlpack(d)

@@ -11,8 +11,8 @@ import pytest
 from cuda.bindings import driver as cu
 
 import mkernel
-from mkernel.arrays import DeviceArray
-from mkernel.runtime import check
+from mkernel.core.arrays import DeviceArray
+from mkernel.core.driver import check
 
 from _util import (assert_close, assert_missing_peer_times_out, check_all_reduce, download, on_other_device,
                    poison_workspace_tail, poisoned, upload)
@@ -100,7 +100,7 @@ def test_all_reduce_sizes(ctx, shared_rng, dtype):
 def test_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
     """The SM path's reduce-scatter + all-gather all-reduce (2 ranks take it only above 32 MiB: forced
     here from 256 KiB), out of place and in place, bit-identical on every rank."""
-    from mkernel import collectives
+    from mkernel.ops.collectives import api as collectives
 
     monkeypatch.setattr(collectives, "ONE_SHOT_MAX_BYTES_2RANKS", collectives.ONE_SHOT_MAX_BYTES)
     monkeypatch.setenv("MKERNEL_COLL_CE", "0")
@@ -111,7 +111,7 @@ def test_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
 def _sm_data_off(ctx, op: str, n: int, itemsize: int) -> int:
     """Where the SM path's receive slots begin for ``op`` on ``n`` elements (x's size; all_gather and
     all_reduce) or ``n`` output elements (reduce_scatter)."""
-    from mkernel import collectives as C
+    from mkernel.ops.collectives import api as C
 
     P = ctx.local_size
     grid_max = min(ctx.sm_count, C.MAX_BLOCKS) if C.MAX_BLOCKS > 0 else ctx.sm_count
@@ -133,7 +133,7 @@ def test_stale_slot_bytes_are_never_flags(ctx, shared_rng, monkeypatch):
     the block that meets it has just waited for a real flag of the same peer, whose push of the
     chunk is then under way; the deterministic guard is tests/cpu
     test_control_words_do_not_move_with_the_size.)"""
-    from mkernel import collectives as C
+    from mkernel.ops.collectives import api as C
 
     P, me = ctx.local_size, ctx.local_rank
     if P < 2:
@@ -280,7 +280,7 @@ def test_copy_engine_path(ctx, shared_rng, monkeypatch, dtype):
 def test_copy_engine_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
     """The copy-engine all-reduce as reduce-scatter + all-gather (the choice above 2 ranks; forced
     here), out of place and in place, bit-identical on every rank."""
-    from mkernel import collectives
+    from mkernel.ops.collectives import api as collectives
 
     monkeypatch.setenv("MKERNEL_COLL_CE", "1")
     monkeypatch.setattr(collectives, "CE_ONE_SHOT_MAX_RANKS", 1)

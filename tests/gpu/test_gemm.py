@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mkernel import gemm_engine as G
-from mkernel.arrays import DeviceArray
+from mkernel.ops.gemm import engine as G
+from mkernel.core.arrays import DeviceArray
 
 from _util import corner, download, poisoned, rel_fro, upload, written_outside
 
@@ -299,7 +299,7 @@ def test_graph_replay_after_plan_eviction(rng):
     was evicted from the plan cache: the plan and its workspace are kept once captured."""
     from cuda.bindings import driver as cu
 
-    from mkernel.runtime import check as ok
+    from mkernel.core.driver import check as ok
 
     M, N, K = 128, 1536, 7168
     a, _ = rand(rng, (M, K), "bfloat16")
@@ -337,7 +337,7 @@ def replay_and_check(stream, graph, out, reps, reference, what):
     returns the float64 result), poison ``out``, launch, check; destroy the graph and the stream."""
     from cuda.bindings import driver as cu
 
-    from mkernel.runtime import check as ok
+    from mkernel.core.driver import check as ok
 
     gexec = ok(cu.cuGraphInstantiate(graph, 0))
     for rep in range(reps):
@@ -359,7 +359,7 @@ def test_plan_built_and_evicted_inside_global_capture(rng):
 
     from cuda.bindings import driver as cu
 
-    from mkernel.runtime import check as ok
+    from mkernel.core.driver import check as ok
 
     y = rand(rng, (128, 512), "bfloat16")[0]
     fill = [rand(rng, (64, 512), "bfloat16")[0] for _ in range(G._PLANS_MAX)]
@@ -478,7 +478,7 @@ def test_repeat_uses_plan(rng):
 
 
 # ---- decode-shaped calls: mkernel/gemv.py ------------------------------------------------------
-from mkernel import gemv as GV  # noqa: E402
+from mkernel.ops.gemm import gemv as GV  # noqa: E402
 
 GEMV_SHAPES = [  # (M, N, K); the route's block-count threshold is lifted, so small N runs it too
     (1, 8192, 8192), (2, 1056, 8), (7, 1543, 40), (8, 4099, 2056), (9, 2048, 7168), (16, 1100, 1024),
@@ -617,7 +617,7 @@ def rerun_poisoned(chain, outs, graph: bool):
     launched -- with no host sync inside either run; returns the first run's result."""
     from cuda.bindings import driver as cu
 
-    from mkernel.runtime import check as ok
+    from mkernel.core.driver import check as ok
 
     stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
     first = chain(int(stream))

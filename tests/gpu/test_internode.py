@@ -13,8 +13,8 @@ import pytest
 from cuda.bindings import driver as cu
 
 import mkernel
-from mkernel.arrays import DeviceArray
-from mkernel.runtime import check
+from mkernel.core.arrays import DeviceArray
+from mkernel.core.driver import check
 
 from _util import assert_close, check_all_reduce, download, poisoned, upload
 

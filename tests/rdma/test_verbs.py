@@ -18,8 +18,8 @@ from test_proxy_tcp import run_socket_ranks  # noqa: E402
 os.environ.setdefault("MK_TEST_SMALL", "1")  # inherited by the rank processes
 
 from mkernel.errors import CommError  # noqa: E402
-from mkernel.transport import Exchanger, HostWindow, select_transport  # noqa: E402
-from mkernel.transport import verbs  # noqa: E402
+from mkernel.proxy.transport import Exchanger, HostWindow, select_transport  # noqa: E402
+from mkernel.proxy.transport import verbs  # noqa: E402
 
 pytestmark = [pytest.mark.rdma,
               pytest.mark.skipif(not verbs.available(), reason="no pyverbs or no ACTIVE RDMA port")]

@@ -1,0 +1,336 @@
+"""Run-time compilation of ``cuda_src/`` with NVRTC and an on-disk cubin cache.
+
+Kernels are compiled on first use for the architecture of the current device (``sm_90a`` on
+Hopper), with C++17, the CUDA headers taken from the installed ``nvidia-cuda-runtime`` wheel (or a
+CUDA toolkit), and specializations passed as preprocessor defines.  A cubin is cached on disk under
+``$MKERNEL_CACHE_DIR`` (default ``~/.cache/mkernel``), keyed by the source text of the kernel and
+every header it includes, the options, the architecture and the NVRTC version: a second process
+start compiles nothing.  Every op registers the specializations it can launch
+(:func:`register_specialization`), so CI and :func:`precompile` can compile all of them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from cuda.bindings import driver as cu
+from cuda.bindings import nvrtc
+
+from ..errors import CompileError
+from .device import on_device
+from .driver import capture_relaxed, check, current_arch
+from .launch import Kernel
+
+__all__ = ["cuda_src_dir", "include_dirs", "nvrtc_version", "cache_dir", "compile_module", "Module", "kernel",
+           "register_specialization", "registered_specializations", "precompile", "precompile_source",
+           "parse_ptxas_log"]
+
+
+def cuda_src_dir() -> Path:
+    """The kernel sources: ``cuda_src/`` beside the package in a source tree, else the installed copy."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "cuda_src", here / "cuda_src"):
+        if (cand / "core" / "mk_common.cuh").is_file():
+            return cand
+    try:
+        import mkernel.cuda_src as pkg  # installed: setuptools maps cuda_src/ to mkernel.cuda_src
+
+        return Path(pkg.__file__).resolve().parent
+    except ImportError as exc:  # pragma: no cover - broken install
+        raise FileNotFoundError("mkernel: cannot find the cuda_src/ kernel sources") from exc
+
+
+_include_cache: list[str] | None = None
+
+
+def include_dirs() -> list[str]:
+    """CUDA header directories for NVRTC: $MKERNEL_CUDA_INCLUDE, the nvidia-cuda-runtime wheel, CUDA_HOME."""
+    global _include_cache
+    if _include_cache is not None:
+        return _include_cache
+    dirs: list[str] = []
+    env = os.environ.get("MKERNEL_CUDA_INCLUDE")
+    if env:
+        dirs += [d for d in env.split(os.pathsep) if d]
+    try:
+        from cuda import pathfinder
+
+        d = pathfinder.find_nvidia_header_directory("cudart")
+        if d:
+            dirs.append(str(d))
+    except Exception:  # pragma: no cover - older pathfinder
+        pass
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_bf16.h").is_file():
+            dirs.append(str(Path(home) / "include"))
+    dirs = [d for i, d in enumerate(dirs) if d not in dirs[:i]]
+    if not any((Path(d) / "cuda_bf16.h").is_file() for d in dirs):
+        raise FileNotFoundError(
+            "mkernel: no CUDA headers found for NVRTC; `pip install nvidia-cuda-runtime` or set "
+            "MKERNEL_CUDA_INCLUDE to a directory holding cuda_bf16.h")
+    _include_cache = dirs
+    return dirs
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = check(nvrtc.nvrtcVersion())
+    return int(major), int(minor)
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("MKERNEL_CACHE_DIR", Path.home() / ".cache" / "mkernel"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def _collect_sources(name: str, root: Path, seen: dict[str, str]) -> None:
+    if name in seen:
+        return
+    path = root / name
+    text = path.read_text()
+    seen[name] = text
+    for inc in _INCLUDE_RE.findall(text):
+        rel = (Path(name).parent / inc).as_posix() if (root / Path(name).parent / inc).is_file() else inc
+        if (root / rel).is_file():
+            _collect_sources(rel, root, seen)
+
+
+_PTXAS_FUNC_RE = re.compile(r"Function properties for (\S+)")
+_PTXAS_SPILL_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS_RE = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
+    """Per-kernel registers / stack / spills from ``--ptxas-options=-v`` output."""
+    usage: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        m = _PTXAS_FUNC_RE.search(line)
+        if m:
+            current = m.group(1)
+            usage[current] = {}
+            continue
+        if current is None:
+            continue
+        m = _PTXAS_SPILL_RE.search(line)
+        if m:
+            usage[current].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = _PTXAS_REGS_RE.search(line)
+        if m:
+            usage[current]["registers"] = int(m.group(1))
+    return usage
+
+
+@dataclass
+class Module:
+    """A compiled cubin; functions are loaded into the current context on first use."""
+
+    source: str
+    defines: dict
+    arch: str
+    cubin: bytes
+    log: str
+    compile_seconds: float
+    cached: bool
+    _handles: dict = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def resource_usage(self) -> dict[str, dict[str, int]]:
+        return parse_ptxas_log(self.log)
+
+    def _module_handle(self):
+        ctx = check(cu.cuCtxGetCurrent())
+        key = int(ctx)
+        with self._lock:
+            h = self._handles.get(key)
+            if h is None:
+                with capture_relaxed():
+                    h = check(cu.cuModuleLoadData(self.cubin))
+                self._handles[key] = h
+            return h
+
+    def function(self, name: str) -> "Kernel":
+        return Kernel(self, name)
+
+
+def _define_flags(defines: Mapping[str, object]) -> list[str]:
+    out = []
+    for k in sorted(defines):
+        v = defines[k]
+        if v is True:
+            out.append(f"-D{k}")
+        elif v is False or v is None:
+            continue
+        else:
+            out.append(f"-D{k}={v}")
+    return out
+
+
+def _env_defines() -> dict:
+    """Extra defines for every module from ``MKERNEL_DEFINES`` (``"A=1,B"``): experiments only
+    (e.g. timing-only switches documented in docs/); they enter the cache key like any define."""
+    out: dict = {}
+    for item in os.environ.get("MKERNEL_DEFINES", "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, eq, value = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):
+            raise ValueError(f"MKERNEL_DEFINES: bad define {item!r} (expected NAME or NAME=VALUE, comma-separated)")
+        out[name.strip()] = value.strip() if eq else True
+    return out
+
+
+_module_cache: dict[tuple, Module] = {}
+_module_cache_lock = threading.Lock()
+
+
+def compile_module(source: str, defines: Mapping[str, object] | None = None, *, arch: str | None = None,
+                   extra_options: Sequence[str] = (), use_disk_cache: bool = True) -> Module:
+    """Compile ``cuda_src/<source>`` (memoized in-process and on disk).
+
+    ``defines`` become ``-DNAME=VALUE`` flags (specializations); ``arch`` defaults to the current
+    device's (``sm_90a`` on Hopper).  Raises :class:`CompileError` with the NVRTC log on failure.
+    """
+    defines = dict(defines or {})
+    defines.update(_env_defines())
+    arch = arch or current_arch()
+    root = cuda_src_dir()
+    sources: dict[str, str] = {}
+    _collect_sources(source, root, sources)
+    ver = nvrtc_version()
+    # NVRTC >= 12.9 keeps a compile cache of its own: a hit returns no ptxas report (the registers and
+    # spills Module.resource_usage and the CPU compile tests read) and makes a "fresh" compile's time
+    # (bench/gemm.py) a cache lookup.  mkernel's disk cache, keyed by sources and options, keeps the log.
+    options = ["-std=c++17", f"--gpu-architecture={arch}", "--ptxas-options=-v", "-default-device",
+               "--no-cache" if ver >= (12, 9) else "",
+               "--use_fast_math" if defines.pop("MK_FAST_MATH", False) else "",
+               *(f"-I{d}" for d in [str(root), *include_dirs()]), *_define_flags(defines), *extra_options]
+    options = [o for o in options if o]
+    h = hashlib.sha256()
+    for k in sorted(sources):
+        h.update(k.encode() + b"\0" + sources[k].encode() + b"\0")
+    # include paths are machine-specific; hash only the options that change the code
+    h.update(repr([o for o in options if not o.startswith("-I")]).encode())
+    h.update(repr(ver).encode())
+    key = h.hexdigest()[:32]
+    mem_key = (source, key)
+    with _module_cache_lock:
+        mod = _module_cache.get(mem_key)
+    if mod is not None:
+        return mod
+    stem = f"{Path(source).stem}-{arch}-{key}"
+    cubin_path = cache_dir() / f"{stem}.cubin"
+    log_path = cache_dir() / f"{stem}.log"
+    if use_disk_cache and cubin_path.is_file() and log_path.is_file():
+        mod = Module(source, defines, arch, cubin_path.read_bytes(), log_path.read_text(), 0.0, True)
+    else:
+        t0 = time.perf_counter()
+        prog = check(nvrtc.nvrtcCreateProgram(sources[source].encode(), source.encode(), 0, [], []))
+        try:
+            opts = [o.encode() for o in options]
+            err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+            size = check(nvrtc.nvrtcGetProgramLogSize(prog))
+            buf = b" " * size
+            check(nvrtc.nvrtcGetProgramLog(prog, buf))
+            log = buf.decode(errors="replace").rstrip("\0 \n")
+            if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                raise CompileError(source, defines, arch, log)
+            size = check(nvrtc.nvrtcGetCUBINSize(prog))
+            cubin = b" " * size
+            check(nvrtc.nvrtcGetCUBIN(prog, cubin))
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+        dt = time.perf_counter() - t0
+        mod = Module(source, defines, arch, cubin, log, dt, False)
+        if use_disk_cache:
+            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(cubin)
+            os.replace(tmp, cubin_path)
+            tmp = log_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(log)
+            os.replace(tmp, log_path)
+    with _module_cache_lock:
+        _module_cache[mem_key] = mod
+    return mod
+
+
+_kernels: dict[tuple, "Kernel"] = {}
+
+
+def kernel(source: str, defines: Mapping[str, object], name: str) -> "Kernel":
+    """The ``__global__`` function ``name`` of ``cuda_src/<source>`` compiled with ``defines``,
+    memoized per process (ops call this on every launch: the first call compiles or loads the cubin,
+    later ones are a dict lookup; the architecture and ``MKERNEL_DEFINES`` are those of that first
+    call)."""
+    key = (source, tuple(sorted(defines.items())), name)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels.setdefault(key, compile_module(source, defines).function(name))
+    return k
+
+
+# Every op module registers the specializations it can launch, so CI compiles all of them.
+_specializations: list[tuple[str, dict]] = []
+
+
+def register_specialization(source: str, defines: Mapping[str, object] | None = None) -> None:
+    item = (source, dict(defines or {}))
+    if item not in _specializations:
+        _specializations.append(item)
+
+
+def registered_specializations() -> list[tuple[str, dict]]:
+    return list(_specializations)
+
+
+def _compile_one(item) -> float:
+    source, defines, arch = item
+    return compile_module(source, defines, arch=arch).compile_seconds
+
+
+def precompile_source(source: str, specs=None, *, arch: str | None = None, workers: int | None = None) -> float:
+    """:func:`precompile` for one source: ``specs`` are define dicts (default: every registered
+    specialization of ``source``), ``arch`` defaults to the current device's (the first device's
+    primary context when none is current)."""
+    if arch is None:
+        with on_device(None):
+            arch = current_arch()
+    if specs is None:
+        specs = [d for src, d in registered_specializations() if src == source]
+    return precompile([(source, d) for d in specs], arch=arch, workers=workers)
+
+
+def precompile(specs, *, arch: str, workers: int | None = None) -> float:
+    """Compile ``(source, defines)`` pairs for ``arch`` into the disk cache, in parallel worker
+    processes (NVRTC is single-threaded per program); returns the summed NVRTC seconds (0 for cubins
+    already cached).  Later ``compile_module`` calls load them from disk.  The workers are spawned
+    and import the main module: a script calling this must do so under ``if __name__ ==
+    "__main__":``; where the workers die anyway, it warns and compiles in this process."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    items = [(src, dict(d), arch) for src, d in specs]
+    workers = workers or max(1, min(len(items), (os.cpu_count() or 2)))
+    if workers == 1 or len(items) <= 1:
+        return sum(_compile_one(it) for it in items)
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            return sum(ex.map(_compile_one, items))
+    except cf.process.BrokenProcessPool:
+        import warnings
+
+        warnings.warn("mkernel.precompile: the compile worker processes died (spawned workers import the main "
+                      "module: call precompile under `if __name__ == '__main__':`); compiling in this process",
+                      RuntimeWarning, stacklevel=2)
+        return sum(_compile_one(it) for it in items)

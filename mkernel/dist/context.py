@@ -1,0 +1,300 @@
+"""Bootstrap, topology, and the per-rank context every op takes.
+
+``mkernel.init(comm=None)`` (``MPI.COMM_WORLD`` by default) returns a :class:`Context`:
+
+* world ``rank``/``size``;
+* ``node``/``num_nodes``: nodes come from a shared-memory split of the communicator;
+  ``ranks_per_node`` (argument, or ``MKERNEL_RANKS_PER_NODE``) groups each host's ranks into smaller
+  *emulated* nodes (e.g. 1: every rank its own node), so every multi-node code path runs on one box;
+* ``local_rank``/``local_size``: the ranks of this (possibly emulated) node, joined by NVLink;
+* ``device``: the GPU, by default the rank's index among the processes on its host (physical, so
+  emulated nodes on one host use different GPUs), modulo the GPU count; ``device=`` or
+  ``MKERNEL_DEVICE`` override it.
+
+The context owns the host-mapped error record kernels write on a timeout, symmetric memory
+(:mod:`mkernel.symmetric`) and per-op workspaces.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+import zlib
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from ..core.driver import check, device_attribute
+from ..core.streams import is_capturing, stream_handle
+from ..errors import CommError, CommTimeout
+from .signals import OPS, ErrorRecordView, MkComm
+from .topology import Topology
+
+__all__ = ["init", "Context"]
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def _env_int(name: str):
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+class Context:
+    """Per-rank state: communicators, topology, GPU, error record, symmetric memory and workspaces."""
+
+    def __init__(self, comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
+                 timeout: float | None = None):
+        topo = Topology.from_comm(comm, ranks_per_node)
+        self.topology = topo
+        self.world, self.node_comm, self.host_comm = topo.world, topo.node_comm, topo.host_comm
+        self.rank, self.size = topo.rank, topo.size
+        self.node, self.num_nodes = topo.node, topo.num_nodes
+        self.local_rank, self.local_size = topo.local_rank, topo.local_size
+        self.emulated = topo.emulated
+        self.local_world_ranks, self.node_of_rank = topo.local_world_ranks, topo.node_of_rank
+        host_rank = topo.host_rank
+        # GPU
+        check(cu.cuInit(0))
+        ndev = check(cu.cuDeviceGetCount())
+        if ndev == 0:
+            raise CommError("mkernel.init: no CUDA device")
+        dev = device if device is not None else _env_int("MKERNEL_DEVICE")
+        self.device = int(dev) if dev is not None else host_rank % ndev
+        if not 0 <= self.device < ndev:
+            raise ValueError(f"mkernel.init: device {self.device} out of range (this host has {ndev})")
+        from cuda.core import Device
+
+        self._cu_device = Device(self.device)
+        self._cu_device.set_current()
+        self.cu_context = check(cu.cuCtxGetCurrent())
+        A = cu.CUdevice_attribute
+        self.sm_count = device_attribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device)
+        # timeout
+        t = timeout if timeout is not None else os.environ.get("MKERNEL_TIMEOUT")
+        self._timeout = float(t) if t not in (None, "") else DEFAULT_TIMEOUT_S
+        # host-mapped error record
+        flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
+        self._err_host = int(check(cu.cuMemHostAlloc(4096, flags)))
+        ctypes.memset(self._err_host, 0, 4096)
+        self._err_dev = int(check(cu.cuMemHostGetDevicePointer(self._err_host, 0)))
+        self.error_record = ErrorRecordView(self._err_host, self.local_world_ranks)
+        self._workspaces: dict = {}
+        self._agreed: dict = {}  # (what, signature, comm) -> 32-bit digest
+        self._ws_gen = 0  # bumped whenever a workspace is (re)allocated: prepared launches keyed on it
+        self._symmetric: list = []
+        self._sym_seq = 0  # alloc_symmetric's count: a buffer's collective identity
+        self._closers: list = []  # close() hooks of op state (e.g. inter-node proxies), run first
+        self._checks: list = []   # check() hooks raising host-side failures (e.g. a proxy's)
+        self._closed = False
+        self._side = None  # side_stream()
+        self._comm_cache: dict = {}
+
+    # ------------------------------------------------------------------ kernel arguments
+    @property
+    def timeout(self) -> float:
+        """Seconds every device-side wait of this context may take (settable; applies to later launches)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        seconds = float(seconds)
+        if not seconds > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {seconds}")
+        self._timeout = seconds
+        for c in self._comm_cache.values():  # ops keep these structs (launches copy them by value)
+            c.timeout_ns = int(seconds * 1e9)
+
+    def comm_args(self, op: str | int, sig: int = 0) -> MkComm:
+        """The MkComm a kernel of ``op`` takes by value (cached per op and signature: launches copy it);
+        ``sig``: the call signature ``agree`` returned, for kernels that check their peers'."""
+        c = self._comm_cache.get((op, sig))
+        if c is None:
+            c = self._comm_cache[(op, sig)] = self._make_comm_args(op)
+            c.sig = sig
+        return c
+
+    def _make_comm_args(self, op: str | int) -> MkComm:
+        c = MkComm()
+        c.err = self._err_dev
+        c.timeout_ns = int(self.timeout * 1e9)
+        c.rank, c.world_size = self.rank, self.size
+        c.local_rank, c.local_size = self.local_rank, self.local_size
+        c.node, c.num_nodes = self.node, self.num_nodes
+        c.op = OPS[op] if isinstance(op, str) else int(op)
+        return c
+
+    # ------------------------------------------------------------------ errors
+    def check(self) -> None:
+        """Raise :class:`~mkernel.CommTimeout` if any kernel of this rank reported a failure (non-blocking)."""
+        for fn in self._checks:  # host-side failures first: they carry the cause (e.g. the transport's)
+            fn()
+        self.error_record.raise_if_set()
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for ``stream`` (or the whole device when None) and raise what the kernels reported."""
+        if stream is None:
+            r = cu.cuCtxSynchronize()
+        else:
+            # poll, sleeping between queries, so threads of this process that the GPU may be
+            # waiting on (the inter-node proxy) keep getting the GIL
+            s = cu.CUstream(stream_handle(stream))
+            while True:
+                r, = cu.cuStreamQuery(s)
+                if r != cu.CUresult.CUDA_ERROR_NOT_READY:
+                    break
+                time.sleep(20e-6)
+        self.check()
+        check(r)
+
+    def _report_host_failure(self, code: int, peer: int = -1) -> None:
+        """A host-side failure (e.g. the proxy's transport died): write the error record so every
+        device-side wait of this rank stops; the failing component's check hook raises the cause."""
+        rec = self.error_record._rec
+        if rec.code == 0:
+            rec.rank, rec.op, rec.peer, rec.flag_index = self.rank, OPS["proxy"], peer, -1
+            rec.code = code
+
+    # ------------------------------------------------------------------ agreement across ranks
+    def agree(self, what: str, signature: tuple, comm=None) -> int:
+        """Check, once per distinct ``signature``, that every rank of ``comm`` makes the same call.
+
+        Raises ``ValueError`` naming the ranks that differ, or :class:`CommTimeout` if a rank does not
+        join within the context timeout.  Later calls with an agreed signature cost nothing (no
+        exchange: a rank repeating an agreed call while a peer makes another agreed one is caught on
+        the device by kernels that compare ``comm_args(op, sig)``'s signatures -- the collectives).
+        Returns the call's 32-bit signature (``MkComm.sig``).
+        """
+        comm = comm if comm is not None else self.world
+        key = (what, signature, id(comm))
+        digest = self._agreed.get(key)
+        if digest is not None:
+            return digest
+        digest = zlib.crc32(repr((what, signature)).encode()) & 0xFFFFFFFF
+        allv = self.bounded_allgather(np.array([digest], dtype=np.int64), what, comm)[:, 0]
+        if not np.all(allv == digest):
+            sigs = comm.allgather(signature)
+            bad = [i for i, s in enumerate(sigs) if s != signature]
+            raise ValueError(f"mkernel: {what}: ranks disagree on the call: this rank (rank {comm.Get_rank()} of "
+                             f"the communicator) has {signature}, ranks {bad} have {[sigs[i] for i in bad]}")
+        self._agreed[key] = digest
+        return digest
+
+    def bounded_allgather(self, vec: np.ndarray, what: str, comm=None) -> np.ndarray:
+        """Allgather one int64 vector per rank of ``comm`` (default: the world) -> ``[size, len]``,
+        raising :class:`CommTimeout` instead of hanging when a rank does not join within 4x the
+        timeout (at least 4 s)."""
+        comm = comm if comm is not None else self.world
+        vec = np.ascontiguousarray(vec, dtype=np.int64).reshape(-1)
+        allv = np.empty((comm.Get_size(), vec.shape[0]), dtype=np.int64)
+        req = comm.Iallgather(vec, allv)
+        limit = max(self.timeout, 1.0) * 4
+        deadline = time.monotonic() + limit
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"mkernel: rank {self.rank} waited {limit:.1f} s for the other ranks to join "
+                                  f"{what}; a rank is dead or made a different call", {"rank": self.rank, "op": what})
+            time.sleep(1e-4)
+        return allv
+
+    # ------------------------------------------------------------------ memory
+    def alloc_symmetric(self, nbytes: int, comm=None):
+        """Collectively allocate ``nbytes`` on every rank of this node and map every peer's copy."""
+        from .symmetric import SymmetricBuffer
+
+        buf = SymmetricBuffer(self, nbytes, comm if comm is not None else self.node_comm)
+        buf.seq = self._sym_seq  # (collective: the same number on every rank)
+        self._sym_seq += 1
+        self._symmetric.append(buf)
+        return buf
+
+    def symmetric_region(self, ptr: int, nbytes: int):
+        """``(buffer, offset)`` when ``[ptr, ptr + nbytes)`` lies inside one live symmetric buffer of this
+        context allocated over the whole node (:meth:`alloc_symmetric`), else None."""
+        for buf in self._symmetric:
+            if (not buf.freed and buf.local_size == self.local_size and buf.ptr <= ptr
+                    and ptr + nbytes <= buf.ptr + buf.nbytes):
+                return buf, ptr - buf.ptr
+        return None
+
+    def workspace(self, key, nbytes: int, stream=None, what: str = "mkernel"):
+        """A cached symmetric workspace for ``key``, re-allocated (collectively) when it must grow.
+
+        Every rank calls ops in the same order with the same sizes (checked by :meth:`agree`), so
+        growth happens on all ranks at the same call.  A fresh workspace is zeroed: flags and epochs
+        start at 0.  Creating or growing one allocates collectively and synchronizes the device, which
+        a CUDA-graph capture forbids: when ``stream`` (the op's stream) is being captured, that raises
+        a RuntimeError naming ``what`` before anything touches the capture.
+        """
+        ws = self._workspaces.get(key)
+        if ws is not None and ws.nbytes >= nbytes:
+            return ws
+        if stream is not None and is_capturing(stream):
+            raise RuntimeError(
+                f"{what}: this call needs a larger communication workspace ({nbytes} bytes; a collective "
+                "allocation that synchronizes the device), which cannot be set up while its stream is being "
+                "captured into a CUDA graph: make one call of this size (or larger) before capturing")
+        if ws is not None:
+            self.synchronize()
+            ws.free()
+        grow = max(nbytes, int(ws.nbytes * 1.5) if ws is not None else nbytes)
+        ws = self.alloc_symmetric(grow)
+        self._workspaces[key] = ws
+        self._ws_gen += 1
+        return ws
+
+    def side_stream(self) -> int:
+        """This rank's side stream (non-blocking, created on first use, destroyed by close()): ops
+        fork work onto it (e.g. copy-engine transfers) and join it back with events, so the caller
+        only ever sees its own stream; inside a CUDA graph capture the fork/join is captured too."""
+        if self._side is None:
+            self._side = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        return int(self._side)
+
+    def barrier(self) -> None:
+        self.world.Barrier()
+
+    def close(self) -> None:
+        """Free workspaces and symmetric buffers (collective), stop the proxy, release the error record."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            check(cu.cuCtxSynchronize())
+        except Exception:
+            pass
+        for fn in list(self._closers):  # a closer removes itself
+            try:
+                fn()
+            except Exception:
+                pass
+        for ws in list(self._symmetric):
+            if not ws.freed:
+                ws.free()
+        self._workspaces.clear()
+        self._ws_gen += 1
+        if self._side is not None:
+            check(cu.cuStreamDestroy(self._side))
+            self._side = None
+        check(cu.cuMemFreeHost(self._err_host))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"Context(rank={self.rank}/{self.size}, node={self.node}/{self.num_nodes}, "
+                f"local_rank={self.local_rank}/{self.local_size}, device={self.device}"
+                f"{', emulated nodes' if self.emulated else ''})")
+
+
+def init(comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
+         timeout: float | None = None) -> Context:
+    """Create the per-rank :class:`Context` (collective over ``comm``, default ``MPI.COMM_WORLD``).
+
+    ``ranks_per_node`` (or env ``MKERNEL_RANKS_PER_NODE``) splits each host into emulated nodes;
+    ``timeout`` (seconds, or env ``MKERNEL_TIMEOUT``, default 5) bounds every device-side wait.
+    """
+    return Context(comm, device=device, ranks_per_node=ranks_per_node, timeout=timeout)

@@ -1,0 +1,4 @@
+"""GPU-driven collectives (all-gather, reduce-scatter, all-reduce) over NVLink and, across nodes, the proxy."""
+from .api import all_gather, all_reduce, reduce_scatter
+
+__all__ = ["all_gather", "reduce_scatter", "all_reduce"]

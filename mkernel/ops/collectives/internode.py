@@ -1,0 +1,164 @@
+"""Collectives across nodes: NVLink inside a node, the CPU proxy (RDMA or TCP) across nodes.
+
+Hierarchical and rail-aligned: across nodes every rank exchanges data only with the ranks of the
+same local index on the other nodes, then NVLink spreads it inside the node; each kernel is one
+persistent, cooperative launch (``cuda_src/internode.cu``) that pushes commands to this rank's
+proxy (``mkernel/proxy.py``).  Used by :func:`mkernel.all_gather` / ``reduce_scatter`` /
+``all_reduce`` when the context has more than one node (real, or emulated with
+``MKERNEL_RANKS_PER_NODE``); ranks must be node-major (world rank = node * L + local rank) with the
+same number of ranks L on every node, which ``mpirun``'s default by-slot mapping gives.
+
+No host synchronization between calls; every wait (NVLink flags, proxy ring room, proxy completion)
+is under the context timeout; a dead remote rank gives :class:`mkernel.CommTimeout` naming it.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from cuda.bindings import driver as cu
+
+from ...core.arrays import DeviceArray
+from ...core.compiler import kernel, register_specialization
+from ...core.driver import check
+from ...core.streams import stream_handle
+from ...core.util import round_up
+from ...dist.signals import MK_ERR_PROXY
+
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "InterLayout", "check_layout"]
+
+_SOURCE = "ops/internode.cu"
+_THREADS = 512
+GRID = 32  # blocks per call; fixed per context (the grid barrier counts arrivals across calls)
+
+for _code in (0, 1, 2):
+    register_specialization(_SOURCE, {"MK_DTYPE": _code})
+
+
+class InterLayout(ctypes.Structure):
+    _fields_ = [("consumed_off", ctypes.c_uint64), ("ready_off", ctypes.c_uint64), ("data_off", ctypes.c_uint64),
+                ("slot_bytes", ctypes.c_uint64), ("L", ctypes.c_int32), ("N", ctypes.c_int32)]
+
+
+def check_layout(ctx) -> None:
+    """Node-major ranks, the same count on every node (what the kernels assume)."""
+    L, N = ctx.local_size, ctx.num_nodes
+    ok = ctx.size == L * N and list(ctx.node_of_rank) == [r // L for r in range(ctx.size)]
+    if not ok:
+        raise ValueError(f"mkernel: multi-node collectives need node-major ranks with the same number of ranks on "
+                         f"every node (world rank = node*L + local rank); this job has nodes {ctx.node_of_rank}")
+
+
+def _layout(ctx, nslots: int, nflags: int, slot_bytes: int) -> tuple[InterLayout, int]:
+    P = ctx.size
+    Lo = InterLayout()
+    Lo.consumed_off = 128
+    Lo.ready_off = round_up(Lo.consumed_off + 8 * P, 256)
+    Lo.data_off = round_up(Lo.ready_off + 8 * nflags, 4096)
+    Lo.slot_bytes = round_up(max(slot_bytes, 16), 256)
+    Lo.L, Lo.N = ctx.local_size, ctx.num_nodes
+    return Lo, Lo.data_off + nslots * Lo.slot_bytes
+
+
+class _State:
+    """Workspace + proxy of one op on one context (re-made together when the workspace must grow)."""
+
+    def __init__(self, ctx, op: str, nbytes: int):
+        from ...proxy import Proxy
+        from ...proxy.transport.window import GpuWindow
+
+        self.ws = ctx.workspace(("internode", op), nbytes)
+        self.window = GpuWindow(self.ws.ptr, self.ws.nbytes)
+
+        self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024,
+                           on_error=lambda exc: ctx._report_host_failure(MK_ERR_PROXY))
+        self.proxy.start()
+        self.ctx = ctx
+        ctx._closers.append(self.close)
+        ctx._checks.append(self.proxy.check)
+        self.closed = False
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.ctx._closers.remove(self.close)
+            self.ctx._checks.remove(self.proxy.check)
+            self.proxy.close()
+
+
+def _state(ctx, op: str, nbytes: int) -> _State:
+    states = ctx.__dict__.setdefault("_internode_states", {})
+    st = states.get(op)
+    if st is not None and st.ws.nbytes >= nbytes and not st.closed:
+        return st
+    if st is not None:
+        ctx.synchronize()
+        st.close()
+    st = _State(ctx, op, nbytes)
+    states[op] = st
+    return st
+
+
+def _kernel(op: str, dtype_code: int):
+    return kernel(_SOURCE, {"MK_DTYPE": dtype_code}, op)
+
+
+def _grid(ctx) -> int:
+    return min(GRID, ctx.sm_count)
+
+
+def all_gather(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
+    """``o`` (``[P*n, ...]``) = every world rank's ``x`` (``[n, ...]``) in world-rank order."""
+    check_layout(ctx)
+    P = ctx.size
+    Lo, total = _layout(ctx, P, P, x.nbytes)
+    st = _state(ctx, "all_gather", total)
+    k = _kernel("mk_inter_all_gather", 0)
+    args = [ctx.comm_args("internode_all_gather"), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
+            ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes), ctypes.c_uint64(st.ws.ptr),
+            ctypes.c_uint64(st.ws.peer_table), Lo]
+    k.launch(_grid(ctx), _THREADS, args, stream=stream, cooperative=True)
+
+
+def reduce_scatter(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
+    """``o`` (``[n, ...]``) on world rank r = sum over world ranks of ``x[r*n:(r+1)*n]``."""
+    check_layout(ctx)
+    L, N = ctx.local_size, ctx.num_nodes
+    n = o.size
+    Lo, total = _layout(ctx, L * N + 2 * N, L * N + N, n * x.dtype.itemsize)
+    st = _state(ctx, "reduce_scatter", total)
+    k = _kernel("mk_inter_reduce_scatter", x.dtype.code)
+    args = [ctx.comm_args("internode_reduce_scatter"), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
+            ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(st.ws.ptr),
+            ctypes.c_uint64(st.ws.peer_table), Lo]
+    k.launch(_grid(ctx), _THREADS, args, stream=stream, cooperative=True)
+
+
+class _ARBuffers:
+    def __init__(self, n_pad: int, P: int, dtype):
+        self.inp = DeviceArray.empty((n_pad,), dtype)
+        self.mid = DeviceArray.empty((n_pad // P,), dtype)
+        self.out = DeviceArray.empty((n_pad,), dtype)
+
+
+def all_reduce(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
+    """``o`` = sum over world ranks of ``x``: reduce-scatter then all-gather, both hierarchical.
+
+    Sizes that are not a multiple of the world size go through padded buffers cached per size
+    (async copies on ``stream``: graph-capturable)."""
+    P = ctx.size
+    n = x.size
+    isz = x.dtype.itemsize
+    chunk = round_up(-(-n // P), max(1, 16 // isz))
+    n_pad = chunk * P
+    s = cu.CUstream(stream_handle(stream))
+    bufs = ctx.__dict__.setdefault("_internode_ar", {})
+    key = (n_pad, x.dtype.name)
+    b = bufs.get(key)
+    if b is None:
+        b = bufs[key] = _ARBuffers(n_pad, P, x.dtype)
+    check(cu.cuMemcpyDtoDAsync(b.inp.ptr, x.ptr, n * isz, s))
+    if n_pad > n:
+        check(cu.cuMemsetD8Async(b.inp.ptr + n * isz, 0, (n_pad - n) * isz, s))
+    reduce_scatter(ctx, b.inp, b.mid, stream)
+    all_gather(ctx, b.mid, b.out, stream)
+    check(cu.cuMemcpyDtoDAsync(o.ptr, b.out.ptr, n * isz, s))
