@@ -56,3 +56,21 @@ def shared_rng(ctx):
     """A generator seeded identically on every rank, freshly per test (seed from rank 0's entropy)."""
     seed = ctx.world.bcast(int(np.random.SeedSequence().entropy % (1 << 63)) if ctx.rank == 0 else None, root=0)
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def mkenv(monkeypatch):
+    """``mkenv(name, value)`` sets (``value=None``: unsets) an ``MKERNEL_*`` variable for one test.  The
+    library reads them into a snapshot (mkernel.core.env), re-read here after every change and at the
+    end of the test."""
+    from mkernel.core import env
+
+    def set_(name, value=None):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+        env.reload()
+    yield set_
+    monkeypatch.undo()
+    env.reload()

@@ -154,6 +154,15 @@ class DeviceArray:
         self.readonly = bool(readonly)
         self._dl_device_type = KDL_CUDA
 
+    @classmethod
+    def _trusted(cls, ptr: int, shape: tuple, dtype: DType, strides: tuple, device: int, owner,
+                 readonly: bool = False) -> "DeviceArray":
+        """A DeviceArray from already-normalized fields (the importers' fast path: no checks)."""
+        a = cls.__new__(cls)
+        a.ptr, a.shape, a.dtype, a.strides, a.device, a.owner = ptr, shape, dtype, strides, device, owner
+        a.readonly, a._dl_device_type = readonly, KDL_CUDA
+        return a
+
     def call_key(self) -> tuple:
         """What makes this view the same argument of an op call as another: pointer, shape, strides,
         dtype, device and the read-only flag (the ops' eager fast paths key on it: runtime.fast_get)."""

@@ -5,6 +5,7 @@ the stream rules) and checks them with :func:`require`.
 """
 from __future__ import annotations
 
+import sys
 from typing import Iterable
 
 import numpy as np
@@ -12,7 +13,7 @@ from cuda.bindings import driver as cu
 
 from . import dlpack
 from .arrays import KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED, DeviceArray, as_shape
-from .device import current_device_or, pointer_device, stream_wait
+from .device import cu_init, current_device_or, pointer_device, stream_wait
 from .dtypes import SUPPORTED, DType, dtype_from_dlpack, dtype_from_typestr, dtype_of, dtype_names
 from .streams import stream_handle
 
@@ -94,26 +95,124 @@ def _from_dlpack_obj(obj, name: str, stream) -> DeviceArray:
 def as_device_array(obj, *, name: str = "array", stream=None) -> DeviceArray:
     """View ``obj`` as a :class:`DeviceArray` without copying.
 
-    ``obj``: a DeviceArray (returned as is); an object with ``__cuda_array_interface__`` (v0-v3;
-    owner = obj); an object with ``__dlpack__`` on CUDA / CUDA-managed memory (its capsule is
-    consumed; used when CAI is absent or fails, e.g. torch bf16); or ``(ptr, shape, dtype[,
-    device])``.  ``stream`` is the stream the caller will use the data on (for the producers'
-    stream synchronization).  Host arrays raise TypeError; ``name`` appears in every message.
+    ``obj``: a DeviceArray (returned as is); a PyTorch CUDA tensor (read through its own accessors: the
+    cheapest route); an object with ``__cuda_array_interface__`` (v0-v3; owner = obj); an object with
+    ``__dlpack__`` on CUDA / CUDA-managed memory (its capsule is consumed; used when CAI is absent or
+    fails); or ``(ptr, shape, dtype[, device])`` (the pointer is checked with the driver: a host or null
+    pointer raises).  ``stream`` is the stream the caller will use the data on: work the producer queued
+    on its own stream (CAI v3 ``stream``, DLPack's stream argument, torch's current stream) is ordered
+    before it.  Host arrays raise TypeError; ``name`` appears in every message.
+
+    The route is chosen once per Python type and remembered (a call costs a dict lookup and the
+    importer itself: about a microsecond for a torch tensor).
     """
-    if isinstance(obj, DeviceArray):
-        return obj
-    if isinstance(obj, (np.ndarray, np.generic)):
-        raise _host_error(name, f"numpy.ndarray {obj.dtype}{list(np.shape(obj))}")
-    if isinstance(obj, tuple):
-        if len(obj) not in (3, 4):
-            raise TypeError(f"{name}: a raw array is (ptr, shape, dtype) or (ptr, shape, dtype, device), "
-                            f"got a tuple of {len(obj)}")
-        ptr, shape, dtype = obj[:3]
-        device = obj[3] if len(obj) == 4 else None
+    imp = _importers.get(type(obj))
+    if imp is None:
+        imp = _importer_for(obj)
+    return imp(obj, name, stream)
+
+
+def _identity(obj, name, stream):
+    return obj
+
+
+def _from_tuple(obj, name, stream) -> DeviceArray:
+    if len(obj) not in (3, 4):
+        raise TypeError(f"{name}: a raw array is (ptr, shape, dtype) or (ptr, shape, dtype, device), "
+                        f"got a tuple of {len(obj)}")
+    ptr, shape, dtype = obj[:3]
+    device = obj[3] if len(obj) == 4 else None
+    try:
+        ptr = int(ptr)
+        arr = DeviceArray(ptr, shape, dtype, None, device, None)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+    if arr.nbytes:
+        _check_raw_pointer(ptr, name)
+    return arr
+
+
+def _check_raw_pointer(ptr: int, name: str) -> None:
+    """A raw pointer must be device (or managed) memory the driver knows: a null, host or stray
+    pointer would fault the CUDA context at launch."""
+    if ptr == 0:
+        raise ValueError(f"{name}: null device pointer")
+    try:
+        cu_init()
+    except Exception:  # noqa: BLE001 -- no driver at all: nothing can be launched with it either
+        return
+    err, mem_type = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise ValueError(f"{name}: 0x{ptr:x} is not a pointer the CUDA driver knows (host memory or freed?)")
+    if int(mem_type) not in (int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE), int(cu.CUmemorytype.CU_MEMORYTYPE_UNIFIED)):
+        raise ValueError(f"{name}: 0x{ptr:x} is host memory; mkernel takes device memory")
+
+
+def _host_array(obj, name, stream):
+    raise _host_error(name, f"numpy.ndarray {obj.dtype}{list(np.shape(obj))}")
+
+
+# torch.dtype object -> DType (filled on first sight of each dtype)
+_TORCH_DTYPES: dict = {}
+
+
+def _from_torch(t, name, stream) -> DeviceArray:
+    """A torch tensor through its accessors (no DLPack capsule, no CAI dict).  Ordering as torch's own
+    exports: our stream waits for torch's current stream on the tensor's device when they differ."""
+    if not t.is_cuda:
+        raise _host_error(name, f"torch.Tensor on {t.device}")
+    dt = _TORCH_DTYPES.get(t.dtype)
+    if dt is None:
         try:
-            return DeviceArray(int(ptr), shape, dtype, None, device, None)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{name}: {exc}") from None
+            dt = _TORCH_DTYPES[t.dtype] = dtype_of(t.dtype)
+        except TypeError:
+            raise TypeError(f"{name}: unsupported dtype {t.dtype}; mkernel supports {SUPPORTED}") from None
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{name}: a lazily negated / conjugated torch view; call .resolve_neg() first")
+    dev = t.get_device()
+    producer = _torch_current_stream(dev)
+    consumer = stream_handle(stream)
+    if producer != consumer:
+        stream_wait(producer, consumer)
+    return DeviceArray._trusted(t.data_ptr(), tuple(t.shape), dt, t.stride(), dev, t)
+
+
+def _torch_current_stream(device: int) -> int:
+    torch = sys.modules["torch"]
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _is_torch_tensor_type(tp) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(getattr(torch, "Tensor", None), type) and issubclass(tp, torch.Tensor)
+
+
+def _importer_for(obj):
+    """The import route for ``type(obj)``, remembered in ``_importers``."""
+    tp = type(obj)
+    if issubclass(tp, DeviceArray):
+        imp = _identity
+    elif issubclass(tp, (np.ndarray, np.generic)):
+        imp = _host_array
+    elif issubclass(tp, tuple):
+        imp = _from_tuple
+    elif _is_torch_tensor_type(tp):
+        imp = _from_torch
+    else:
+        imp = _from_protocols
+    if len(_importers) < 256:
+        _importers[tp] = imp
+    return imp
+
+
+_importers: dict = {}
+
+
+def _from_protocols(obj, name: str, stream) -> DeviceArray:
+    """CAI first (one dict, no capsule), DLPack when CAI is absent or refuses."""
     cai_error = None
     try:
         cai = obj.__cuda_array_interface__

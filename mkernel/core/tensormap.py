@@ -12,11 +12,16 @@ TMA's requirements, checked here with clear messages before the driver sees them
 Out-of-bounds box elements are zero-filled on loads and skipped on stores.
 
 Encoded maps are memoized (bounded LRU keyed by every argument), so a repeated call with the same
-pointers and shapes encodes nothing.
+pointers and shapes encodes nothing.  A :class:`TensorMapArg` is a launch argument whose base address
+changes from call to call (an op's bound call re-pointed at new arrays of the same layout): the
+address word is patched in place when the driver's encoding of it has been verified on this machine
+(:func:`address_codec`: the descriptor is linear in the address, checked on probe addresses), and
+the map is encoded again otherwise.
 """
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from collections import OrderedDict
 
@@ -24,7 +29,7 @@ from cuda.bindings import driver as cu
 
 from ..errors import CudaError
 
-__all__ = ["encode_tiled", "TensorMapError", "tma_compatible", "clear_cache"]
+__all__ = ["encode_tiled", "TensorMapError", "tma_compatible", "clear_cache", "TensorMapArg", "address_codec"]
 
 _DTYPES = {
     "bfloat16": (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
@@ -163,3 +168,76 @@ def _encode_ctypes(dt, rank, ptr, dims, strides, box, sw, l2) -> bytes:
         raise CudaError(int(res), f"cuTensorMapEncodeTiled failed (CUresult {res}) for dims={dims} "
                                   f"strides={strides} box={box}")
     return ctypes.string_at(addr, 128)
+
+
+# --------------------------------------------------------------------------------------------
+# re-pointing a map at another base address
+# --------------------------------------------------------------------------------------------
+_PROBE = ("bfloat16", (64, 64), (128,), (64, 64), 128, 128)
+_PROBE_PTRS = (1 << 21, (1 << 40) + 16 * 12345, (1 << 47) - (1 << 12), 0x7F12_3456_7890)
+_codec = None  # (byte offset, shift) of the address word; False: not linear (encode instead)
+_codec_lock = threading.Lock()
+
+
+def address_codec():
+    """``(offset, shift)`` such that a descriptor's u64 at ``offset`` is ``c + (address >> shift)`` with
+    every other byte independent of the address -- verified by encoding probe descriptors at several
+    addresses -- or None when no such word exists (then maps are encoded per address)."""
+    global _codec
+    if _codec is None:
+        with _codec_lock:
+            if _codec is None:
+                _codec = _discover_codec()
+    return _codec or None
+
+
+def _discover_codec():
+    try:
+        maps = [_encode(p, *_PROBE) for p in _PROBE_PTRS]
+    except Exception:  # noqa: BLE001 -- no driver, or the driver refuses the probe addresses
+        return False
+    for off in range(0, 128, 8):
+        for shift in (0, 4):
+            base = int.from_bytes(maps[0][off:off + 8], "little") - (_PROBE_PTRS[0] >> shift)
+            if all(m == maps[0][:off] + ((base + (p >> shift)) & (2**64 - 1)).to_bytes(8, "little")
+                   + maps[0][off + 8:] for p, m in zip(_PROBE_PTRS, maps)):
+                return off, shift
+    return False
+
+
+class TensorMapArg:
+    """A 128-byte tensor map as a launch argument (``buf``, passed by value) that can be re-pointed at
+    another array of the same layout: ``point(ptr)`` (``ptr`` 16-byte aligned, like the first)."""
+
+    __slots__ = ("buf", "ptr", "_spec", "_base")
+
+    def __init__(self, ptr: int, dtype: str, dims, strides_bytes, box, *, swizzle: int = 128,
+                 l2_promotion: int = 128):
+        raw = encode_tiled(ptr, dtype, dims, strides_bytes, box, swizzle=swizzle, l2_promotion=l2_promotion)
+        self.buf = ctypes.create_string_buffer(raw, 128)
+        self.ptr = int(ptr)
+        self._spec = (dtype, tuple(int(d) for d in dims), tuple(int(s) for s in strides_bytes),
+                      tuple(int(b) for b in box), swizzle, l2_promotion)
+        codec = address_codec()
+        self._base = None
+        if codec is not None:
+            off, shift = codec
+            self._base = int.from_bytes(raw[off:off + 8], "little") - (self.ptr >> shift)
+
+    def point(self, ptr: int) -> None:
+        ptr = int(ptr)
+        if ptr == self.ptr:
+            return
+        if ptr % 16:
+            raise TensorMapError(f"tensor map: base address 0x{ptr:x} is not 16-byte aligned")
+        if self._base is not None:
+            off, shift = _codec
+            struct.pack_into("<Q", self.buf, off, (self._base + (ptr >> shift)) & (2**64 - 1))
+        else:
+            dtype, dims, strides, box, swizzle, l2 = self._spec
+            ctypes.memmove(self.buf, encode_tiled(ptr, dtype, dims, strides, box, swizzle=swizzle, l2_promotion=l2), 128)
+        self.ptr = ptr
+
+    @property
+    def raw(self) -> bytes:
+        return self.buf.raw

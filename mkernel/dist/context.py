@@ -12,21 +12,22 @@
   ``MKERNEL_DEVICE`` override it.
 
 The context owns the host-mapped error record kernels write on a timeout, symmetric memory
-(:mod:`mkernel.symmetric`) and per-op workspaces.
+(:mod:`mkernel.dist.symmetric`), per-op workspaces, the agreement on calls across ranks
+(:mod:`mkernel.dist.agreement`) and every op's state (:meth:`Context.op_state`: bound calls, plans,
+op-owned structures), all in one place.  Its communicators are private duplicates of the one it was
+made from: mkernel's exchanges never interleave with the application's MPI traffic.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import time
-import zlib
-
-import numpy as np
 from cuda.bindings import driver as cu
 
 from ..core.driver import check, device_attribute
 from ..core.streams import is_capturing, stream_handle
-from ..errors import CommError, CommTimeout
+from ..errors import CommError
+from .agreement import Agreement
 from .signals import OPS, ErrorRecordView, MkComm
 from .topology import Topology
 
@@ -80,8 +81,9 @@ class Context:
         self._err_dev = int(check(cu.cuMemHostGetDevicePointer(self._err_host, 0)))
         self.error_record = ErrorRecordView(self._err_host, self.local_world_ranks)
         self._workspaces: dict = {}
-        self._agreed: dict = {}  # (what, signature, comm) -> 32-bit digest
-        self._ws_gen = 0  # bumped whenever a workspace is (re)allocated: prepared launches keyed on it
+        self.agreement = Agreement(self.rank, lambda: self._timeout)
+        self._ws_gen = 0  # bumped whenever a workspace is (re)allocated: bound calls are keyed on it
+        self._op_states: dict = {}
         self._symmetric: list = []
         self._sym_seq = 0  # alloc_symmetric's count: a buffer's collective identity
         self._closers: list = []  # close() hooks of op state (e.g. inter-node proxies), run first
@@ -147,7 +149,7 @@ class Context:
         self.check()
         check(r)
 
-    def _report_host_failure(self, code: int, peer: int = -1) -> None:
+    def report_host_failure(self, code: int, peer: int = -1) -> None:
         """A host-side failure (e.g. the proxy's transport died): write the error record so every
         device-side wait of this rank stops; the failing component's check hook raises the cause."""
         rec = self.error_record._rec
@@ -157,45 +159,53 @@ class Context:
 
     # ------------------------------------------------------------------ agreement across ranks
     def agree(self, what: str, signature: tuple, comm=None) -> int:
-        """Check, once per distinct ``signature``, that every rank of ``comm`` makes the same call.
+        """Check, once per distinct ``signature``, that every rank of ``comm`` (default: the world) makes
+        the same call; returns the call's 32-bit digest (``MkComm.sig``).  See
+        :meth:`mkernel.dist.agreement.Agreement.agree`."""
+        return self.agreement.agree(what, signature, comm if comm is not None else self.world)
 
-        Raises ``ValueError`` naming the ranks that differ, or :class:`CommTimeout` if a rank does not
-        join within the context timeout.  Later calls with an agreed signature cost nothing (no
-        exchange: a rank repeating an agreed call while a peer makes another agreed one is caught on
-        the device by kernels that compare ``comm_args(op, sig)``'s signatures -- the collectives).
-        Returns the call's 32-bit signature (``MkComm.sig``).
-        """
-        comm = comm if comm is not None else self.world
-        key = (what, signature, id(comm))
-        digest = self._agreed.get(key)
-        if digest is not None:
-            return digest
-        digest = zlib.crc32(repr((what, signature)).encode()) & 0xFFFFFFFF
-        allv = self.bounded_allgather(np.array([digest], dtype=np.int64), what, comm)[:, 0]
-        if not np.all(allv == digest):
-            sigs = comm.allgather(signature)
-            bad = [i for i, s in enumerate(sigs) if s != signature]
-            raise ValueError(f"mkernel: {what}: ranks disagree on the call: this rank (rank {comm.Get_rank()} of "
-                             f"the communicator) has {signature}, ranks {bad} have {[sigs[i] for i in bad]}")
-        self._agreed[key] = digest
-        return digest
-
-    def bounded_allgather(self, vec: np.ndarray, what: str, comm=None) -> np.ndarray:
+    def bounded_allgather(self, vec, what: str, comm=None):
         """Allgather one int64 vector per rank of ``comm`` (default: the world) -> ``[size, len]``,
-        raising :class:`CommTimeout` instead of hanging when a rank does not join within 4x the
-        timeout (at least 4 s)."""
-        comm = comm if comm is not None else self.world
-        vec = np.ascontiguousarray(vec, dtype=np.int64).reshape(-1)
-        allv = np.empty((comm.Get_size(), vec.shape[0]), dtype=np.int64)
-        req = comm.Iallgather(vec, allv)
-        limit = max(self.timeout, 1.0) * 4
-        deadline = time.monotonic() + limit
-        while not req.Test():
-            if time.monotonic() > deadline:
-                raise CommTimeout(f"mkernel: rank {self.rank} waited {limit:.1f} s for the other ranks to join "
-                                  f"{what}; a rank is dead or made a different call", {"rank": self.rank, "op": what})
-            time.sleep(1e-4)
-        return allv
+        bounded by the timeout (:meth:`mkernel.dist.agreement.Agreement.exchange`)."""
+        return self.agreement.exchange(what, vec, comm if comm is not None else self.world)
+
+    # ------------------------------------------------------------------ op state
+    def op_state(self, name: str):
+        """The state of op ``name`` on this context (:class:`mkernel.ops.base.OpState`: bound calls,
+        the last plan, op-owned data), created on first use and dropped by :meth:`close`."""
+        st = self._op_states.get(name)
+        if st is None:
+            from ..ops.base import OpState
+
+            st = self._op_states[name] = OpState(name)
+        return st
+
+    def last_plan(self, op: str):
+        """The plan of ``op``'s latest call on this context (None before the first)."""
+        st = self._op_states.get(op)
+        return None if st is None else st.last_plan
+
+    @property
+    def workspace_generation(self) -> int:
+        """Bumped whenever a workspace is (re)allocated: every bound call keyed on it is rebuilt."""
+        return self._ws_gen
+
+    def add_closer(self, fn) -> None:
+        """Run ``fn()`` first in :meth:`close` (op-owned resources: proxies, side structures)."""
+        self._closers.append(fn)
+
+    def remove_closer(self, fn) -> None:
+        if fn in self._closers:
+            self._closers.remove(fn)
+
+    def add_check(self, fn) -> None:
+        """Run ``fn()`` in :meth:`check` before the error record is read (host-side failures, e.g. a
+        proxy's transport error, raise their own cause)."""
+        self._checks.append(fn)
+
+    def remove_check(self, fn) -> None:
+        if fn in self._checks:
+            self._checks.remove(fn)
 
     # ------------------------------------------------------------------ memory
     def alloc_symmetric(self, nbytes: int, comm=None):
@@ -268,6 +278,9 @@ class Context:
                 fn()
             except Exception:
                 pass
+        for st in self._op_states.values():
+            st.clear()
+        self._op_states.clear()
         for ws in list(self._symmetric):
             if not ws.freed:
                 ws.free()

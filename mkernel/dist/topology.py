@@ -4,8 +4,9 @@ Needs MPI only (no GPU), so it is tested on the CPU.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from ..core import env
 
 __all__ = ["Topology"]
 
@@ -38,16 +39,16 @@ class Topology:
     @classmethod
     def from_comm(cls, comm=None, ranks_per_node: int | None = None) -> "Topology":
         """Collective over ``comm``.  ``ranks_per_node`` (or env ``MKERNEL_RANKS_PER_NODE``) groups each
-        host's ranks, in host order, into emulated nodes of that many ranks."""
+        host's ranks, in host order, into emulated nodes of that many ranks.  ``world`` is a private
+        duplicate of ``comm`` (mkernel's exchanges never match the application's messages)."""
         from mpi4py import MPI
 
-        world = comm if comm is not None else MPI.COMM_WORLD
+        world = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         rank, size = world.Get_rank(), world.Get_size()
         host_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         host_rank, host_size = host_comm.Get_rank(), host_comm.Get_size()
         if ranks_per_node is None:
-            env = os.environ.get("MKERNEL_RANKS_PER_NODE")
-            ranks_per_node = int(env) if env else None
+            ranks_per_node = env.get("MKERNEL_RANKS_PER_NODE")
         if ranks_per_node is not None and ranks_per_node <= 0:
             raise ValueError(f"mkernel: ranks_per_node must be positive, got {ranks_per_node}")
         host_leader = host_comm.bcast(rank, root=0)

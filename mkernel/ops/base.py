@@ -1,6 +1,156 @@
-"""The op pipeline every op goes through (placeholder: the eager-call cache until the pipeline lands)."""
+"""The op pipeline: the one entry path every op goes through.
+
+    prepare -> key lookup -> (miss: validate -> agree -> plan -> bind) -> run
+
+* **prepare** (every call): the arguments become DeviceArrays through :mod:`mkernel.core.interop` (the
+  cheapest route per Python type) and the stream a raw handle, once, at the entry; checks that depend
+  on this call's pointers (overlaps) run here; the result is an op-specific *call* object whose ``key``
+  holds everything the plan depends on except the pointers: shapes, strides, dtypes, alignment,
+  devices, the options, the stream (and, for ops with workspaces, the context's workspace generation).
+* **validate** (first call of a key): every check of the arguments; a clear exception before any launch.
+* **agree** (first call of a key, ops across ranks): :class:`mkernel.dist.agreement.Agreement` -> the
+  digest the kernels announce and compare on the device for every later call.
+* **plan**: the op's decisions (path, tile config, chunking), inspectable as ``last_plan``.
+* **bind**: a :class:`BoundCall` -- prepared launches, the buffers they use, zeroing before first use.
+* **run** (every call): the bound call is re-pointed at this call's arrays (tensor maps patched in
+  place, pointer fields set) and submitted.
+
+Bound calls live in the op's :class:`OpState`: a context's (``ctx.op_state(name)``) for ops across
+ranks, a device's (:func:`device_state`) for single-GPU ops.  A bound call whose launches use buffers
+of its own (staging copies, split-K sums) and that runs while its stream is being captured into a
+CUDA graph is kept for the life of the process: the graph replays those buffers after the LRU may
+have dropped the bound call.
+"""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
+from ..core.streams import is_capturing, stream_handle
+
+__all__ = ["Op", "OpState", "BoundCall", "device_state", "pinned_calls", "STATE_CAPACITY"]
+
+STATE_CAPACITY = 64  # bound calls kept per op state (least recently used dropped first)
+
+_pinned: list = []
+_pinned_lock = threading.Lock()
+
+
+def pinned_calls() -> list:
+    """Bound calls captured into CUDA graphs (kept for the life of the process)."""
+    return list(_pinned)
+
+
+class BoundCall:
+    """An op call bound to one layout of its arguments.  Subclasses implement :meth:`run` (re-point at
+    ``call``'s arrays and submit on ``stream``) and set ``plan`` (what ``last_plan`` reports),
+    ``buffers`` (device memory the launches use) and ``clears`` (callables ``(stream, capturing)`` that
+    zero some of it before first use)."""
+
+    plan = None
+    buffers: tuple = ()
+    clears: tuple = ()
+    pinned = False
+
+    def run(self, stream: int, call) -> None:
+        raise NotImplementedError
+
+    def __call__(self, stream: int, call) -> None:
+        if self.clears or (self.buffers and not self.pinned):
+            capturing = is_capturing(stream)
+            if capturing and self.buffers and not self.pinned:
+                self.pinned = True
+                with _pinned_lock:
+                    _pinned.append(self)
+            for clear in self.clears:
+                clear(stream, capturing)
+        self.run(stream, call)
+
+
+class OpState:
+    """One op's state in one place.  ``calls``: bound calls by key (LRU of ``capacity``); ``last_plan``:
+    the plan of the latest call; ``data``: whatever else the op keeps (workspaces, agreed signatures,
+    side structures), owned by the op."""
+
+    __slots__ = ("name", "calls", "capacity", "last_plan", "data", "lock")
+
+    def __init__(self, name: str, capacity: int = STATE_CAPACITY):
+        self.name, self.capacity = name, capacity
+        self.calls: OrderedDict = OrderedDict()
+        self.last_plan = None
+        self.data: dict = {}
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        b = self.calls.get(key)
+        if b is not None:
+            self.calls.move_to_end(key)
+        return b
+
+    def put(self, key, bound) -> None:
+        with self.lock:
+            self.calls[key] = bound
+            while len(self.calls) > self.capacity:
+                self.calls.popitem(last=False)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.calls.clear()
+            self.data.clear()
+            self.last_plan = None
+
+
+_device_states: dict = {}
+_device_states_lock = threading.Lock()
+
+
+def device_state(name: str, device: int) -> OpState:
+    """The state of single-GPU op ``name`` on ``device`` (created on first use)."""
+    key = (name, device)
+    st = _device_states.get(key)
+    if st is None:
+        with _device_states_lock:
+            st = _device_states.setdefault(key, OpState(name))
+    return st
+
+
+class Op:
+    """One op's stages.  Subclasses define ``name`` and the stage methods; ``invoke(state, call, ctx)``
+    runs the pipeline for a prepared call (whose ``key`` and ``stream`` attributes it reads)."""
+
+    name = "op"
+
+    def validate(self, ctx, call) -> None:
+        """Every check of the arguments (first call of a key)."""
+
+    def agree(self, ctx, call) -> int:
+        """The call's digest across ranks (0 for single-GPU ops)."""
+        return 0
+
+    def plan(self, ctx, call, digest: int):
+        raise NotImplementedError
+
+    def bind(self, ctx, call, plan) -> BoundCall:
+        raise NotImplementedError
+
+    def invoke(self, state: OpState, call, ctx=None) -> BoundCall:
+        bound = state.get(call.key)
+        if bound is None:
+            self.validate(ctx, call)
+            digest = self.agree(ctx, call)
+            bound = self.bind(ctx, call, self.plan(ctx, call, digest))
+            state.put(call.key, bound)
+        state.last_plan = bound.plan
+        bound(call.stream, call)
+        return bound
+
+
+def as_stream(stream) -> int:
+    """The raw handle of ``stream`` (converted once per call, at the entry)."""
+    return stream if type(stream) is int else stream_handle(stream)
+
+
+# The eager-call cache AllGather+GEMM still uses until it runs on the pipeline.
 FAST_MAX = 256
 
 
@@ -10,8 +160,7 @@ def fast_get(ctx, key):
 
 
 def fast_put(ctx, key, value) -> None:
-    """Store ``value`` for ``key`` on ``ctx`` (nothing when ``key`` is None; all entries are dropped when
-    there are FAST_MAX)."""
+    """Store ``value`` for ``key`` on ``ctx`` (nothing when ``key`` is None; all entries dropped at FAST_MAX)."""
     if key is None:
         return
     cache = ctx.__dict__.setdefault("_fast_calls", {})

@@ -34,7 +34,7 @@ def test_sm_paths_cut_shards_for_their_blocks():
     """SM communication: every pushing block gets >= chunks_per_block chunks of the largest shard,
     down to min_chunk_bytes (a power of two of rows); the unfused gather takes the collectives' grid:
     every SM from 2 MiB shards, SMALL_SLOT_BLOCKS below."""
-    from mkernel.ops.collectives import api as C
+    from mkernel.ops.collectives import layout as C
 
     m = agm.MODEL
     rb = 4096 * 2  # the M = K = 4096 sweep point: 2048-row shards of 8 KiB rows

@@ -67,22 +67,50 @@ def test_agree_returns_a_stable_digest_and_exchanges_once():
     32-bit digest -- the same on every rank for the same call (the kernels compare it on the device)."""
     import numpy as np
 
-    from mkernel.dist.context import Context
+    from mkernel.dist.agreement import Agreement
 
-    ctx = object.__new__(Context)
-    ctx._agreed = {}
+    ag = Agreement(0, lambda: 5.0)
     exchanges = []
 
-    def fake_allgather(vec, what, comm=None):
+    def fake_exchange(what, vec, comm):
         exchanges.append(int(vec[0]))
         return np.array([vec, vec])  # two ranks, same call
 
-    ctx.bounded_allgather = fake_allgather
-    ctx.world = object()
-    d1 = ctx.agree("mkernel.all_reduce", ("bfloat16", (8,), False))
-    d2 = ctx.agree("mkernel.all_reduce", ("bfloat16", (8,), False))
-    d3 = ctx.agree("mkernel.all_reduce", ("bfloat16", (9,), False))
+    ag.exchange = fake_exchange
+    world = object()
+    d1 = ag.agree("mkernel.all_reduce", ("bfloat16", (8,), False), world)
+    d2 = ag.agree("mkernel.all_reduce", ("bfloat16", (8,), False), world)
+    d3 = ag.agree("mkernel.all_reduce", ("bfloat16", (9,), False), world)
     assert d1 == d2 != d3 and 0 <= d1 < 1 << 32 and exchanges == [d1, d3]
+
+
+def test_a_timed_out_exchange_breaks_the_agreement():
+    """An exchange that times out leaves an MPI request a late rank would pair with: every later
+    exchange of that agreement raises at once instead of hanging."""
+    from mkernel import CommTimeout
+    from mkernel.dist.agreement import Agreement
+
+    class NeverComm:
+        def Get_size(self):
+            return 2
+
+        def Iallgather(self, send, recv):
+            class Req:
+                def Test(self):
+                    return False
+            return Req()
+
+    ag = Agreement(3, lambda: 0.05)  # (bounded by 4 x max(timeout, 1 s))
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="rank 3 waited 4.0 s"):
+        ag.exchange("mkernel.test", [1], NeverComm())
+    assert 3.9 < time.monotonic() - t0 < 6
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="agreement is broken"):
+        ag.agree("mkernel.test", ("x",), NeverComm())
+    assert time.monotonic() - t0 < 0.1
 
 
 def test_mismatch_record_raises_comm_mismatch():

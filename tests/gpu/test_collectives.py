@@ -97,13 +97,11 @@ def test_all_reduce_sizes(ctx, shared_rng, dtype):
         check_all_reduce(ctx, ctx.node_comm, shared_rng, n, dtype, "all_reduce")
 
 
-def test_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
+def test_all_reduce_two_phase(ctx, mkenv, shared_rng, monkeypatch):
     """The SM path's reduce-scatter + all-gather all-reduce (2 ranks take it only above 32 MiB: forced
     here from 256 KiB), out of place and in place, bit-identical on every rank."""
-    from mkernel.ops.collectives import api as collectives
-
-    monkeypatch.setattr(collectives, "ONE_SHOT_MAX_BYTES_2RANKS", collectives.ONE_SHOT_MAX_BYTES)
-    monkeypatch.setenv("MKERNEL_COLL_CE", "0")
+    mkenv("MKERNEL_COLL_ONE_SHOT_MAX_BYTES", 256 * 1024)
+    mkenv("MKERNEL_COLL_CE", "0")
     for dtype, n in [("bfloat16", 131072 + 1), ("float16", 1_000_003), ("float32", 2_500_000)]:
         check_all_reduce(ctx, ctx.node_comm, shared_rng, n, dtype, "two-phase", in_place=True)
 
@@ -111,18 +109,20 @@ def test_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
 def _sm_data_off(ctx, op: str, n: int, itemsize: int) -> int:
     """Where the SM path's receive slots begin for ``op`` on ``n`` elements (x's size; all_gather and
     all_reduce) or ``n`` output elements (reduce_scatter)."""
-    from mkernel.ops.collectives import api as C
+    from mkernel.ops.collectives import CollectiveOptions
+    from mkernel.ops.collectives import layout as LY
 
     P = ctx.local_size
-    grid_max = min(ctx.sm_count, C.MAX_BLOCKS) if C.MAX_BLOCKS > 0 else ctx.sm_count
+    o = CollectiveOptions.default()
+    grid_max = min(ctx.sm_count, o.max_blocks) if o.max_blocks > 0 else ctx.sm_count
     phases = 1
     slot = n * itemsize
-    if op == "all_reduce" and not (n * itemsize <= C.one_shot_max_bytes(P)):
-        slot, phases = C._shard(n, P, itemsize) * itemsize, 2
-    return C._layout(P, slot, grid_max, phases)[0].data0_off
+    if op == "all_reduce" and not LY.one_shot(n * itemsize, P, o):
+        slot, phases = LY.shard_elems(n, P, itemsize) * itemsize, 2
+    return LY.sm_layout(P, slot, grid_max, phases, o.min_chunk)[0].data0_off
 
 
-def test_stale_slot_bytes_are_never_flags(ctx, shared_rng, monkeypatch):
+def test_stale_slot_bytes_are_never_flags(ctx, mkenv, shared_rng, monkeypatch):
     """Every call of an op shares its workspace, so bytes a call left in its receive slots must never
     read as a later call's ready flag, whatever the sizes: the control words sit at offsets of P only
     (mkernel.collectives MAX_CHUNKS).  Before every call each rank fills the op's workspace from the
@@ -133,13 +133,11 @@ def test_stale_slot_bytes_are_never_flags(ctx, shared_rng, monkeypatch):
     the block that meets it has just waited for a real flag of the same peer, whose push of the
     chunk is then under way; the deterministic guard is tests/cpu
     test_control_words_do_not_move_with_the_size.)"""
-    from mkernel.ops.collectives import api as C
-
     P, me = ctx.local_size, ctx.local_rank
     if P < 2:
         pytest.skip("needs 2 or more local ranks")
-    monkeypatch.setenv("MKERNEL_COLL_CE", "0")
-    monkeypatch.setattr(C, "ONE_SHOT_MAX_BYTES_2RANKS", C.ONE_SHOT_MAX_BYTES)
+    mkenv("MKERNEL_COLL_CE", "0")
+    mkenv("MKERNEL_COLL_ONE_SHOT_MAX_BYTES", 256 * 1024)
     prev = {}
     for n in [(8 << 20) + 3, 4096, (8 << 20) + 3, (3 << 20) + 5, 777, 8 << 20]:
         xs = shared_rng.standard_normal((P, n)).astype(np.float32)
@@ -243,11 +241,11 @@ def _ce_sizes(rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_copy_engine_path(ctx, shared_rng, monkeypatch, dtype):
+def test_copy_engine_path(ctx, mkenv, shared_rng, monkeypatch, dtype):
     """The copy-engine path (MKERNEL_COLL_CE=1 forces it at every size): all-gather, reduce-scatter,
     all-reduce (out of place and in place) against float64 references; all-reduce bit-identical on
     every rank."""
-    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    mkenv("MKERNEL_COLL_CE", "1")
     P, me = ctx.local_size, ctx.local_rank
     for n in _ce_sizes(shared_rng):
         xs = [shared_rng.standard_normal(n) for _ in range(P)]
@@ -277,26 +275,26 @@ def test_copy_engine_path(ctx, shared_rng, monkeypatch, dtype):
         assert_close(download(x), sum(exacts), dtype, sum(np.abs(e) for e in exacts) * 1e-3, f"CE in place n={n}")
 
 
-def test_copy_engine_all_reduce_two_phase(ctx, shared_rng, monkeypatch):
+def test_copy_engine_all_reduce_two_phase(ctx, mkenv, shared_rng, monkeypatch):
     """The copy-engine all-reduce as reduce-scatter + all-gather (the choice above 2 ranks; forced
     here), out of place and in place, bit-identical on every rank."""
     from mkernel.ops.collectives import api as collectives
 
-    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    mkenv("MKERNEL_COLL_CE", "1")
     monkeypatch.setattr(collectives, "CE_ONE_SHOT_MAX_RANKS", 1)
     for dtype, n in [("bfloat16", 65536 + 3), ("float32", 1 << 20), ("float16", 5_000_017)]:
         check_all_reduce(ctx, ctx.node_comm, shared_rng, n, dtype, "CE two-phase", in_place=True)
 
 
-def test_copy_engine_back_to_back_and_graph(ctx, shared_rng, monkeypatch):
+def test_copy_engine_back_to_back_and_graph(ctx, mkenv, shared_rng, monkeypatch):
     """Copy-engine path: 300 mixed calls with changing data and no host sync, then a CUDA graph of an
     all-reduce + all-gather replayed 20 times with new inputs."""
-    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    mkenv("MKERNEL_COLL_CE", "1")
     _mixed_back_to_back(ctx, shared_rng, 300, 40_000, "bfloat16", 1e-2, "CE")
     _graph_replay(ctx, shared_rng, 300_001, 20, "CE replay")
 
 
-def test_copy_engine_all_gather_into_symmetric_out(ctx, shared_rng, monkeypatch):
+def test_copy_engine_all_gather_into_symmetric_out(ctx, mkenv, shared_rng, monkeypatch):
     """All-gather into a symmetric ``out`` on the copy-engine path (zero-copy: the peers' copy engines
     write straight into it): odd sizes, buffer offsets, in place; then 24 calls back to back on one
     stream, each result copied away right after its call -- a peer writing call i+1 into our ``out``
@@ -305,7 +303,7 @@ def test_copy_engine_all_gather_into_symmetric_out(ctx, shared_rng, monkeypatch)
     P, me = ctx.local_size, ctx.local_rank
     if P < 2:
         pytest.skip("the copy-engine path needs 2+ local ranks")
-    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    mkenv("MKERNEL_COLL_CE", "1")
     buf = ctx.alloc_symmetric(64 << 20)
     try:
         for i, n in enumerate(_ce_sizes(shared_rng)):
@@ -395,11 +393,11 @@ def test_zzz_missing_peer_times_out(ctx):
     assert_missing_peer_times_out(lambda c2: mkernel.all_reduce(c2, x), "all_reduce")
 
 
-def test_zzz_missing_peer_times_out_copy_engines(ctx, monkeypatch):
+def test_zzz_missing_peer_times_out_copy_engines(ctx, mkenv, monkeypatch):
     """Copy-engine path: a rank that never makes the call -> CommTimeout on the other."""
     if ctx.local_size < 2:
         pytest.skip("needs 2 ranks")
-    monkeypatch.setenv("MKERNEL_COLL_CE", "1")
+    mkenv("MKERNEL_COLL_CE", "1")
     x = DeviceArray.empty((1 << 20,), "float32")
     x.copy_from(upload(np.ones(1 << 20), "float32")[0])
     assert_missing_peer_times_out(lambda c2: mkernel.all_reduce(c2, x), "all_reduce")
@@ -428,7 +426,7 @@ def test_first_call_inside_a_capture_raises_clearly(ctx):
 
 
 @pytest.mark.parametrize("path", ["sm", "ce"])
-def test_zzz_mismatched_call_after_agreement(ctx, monkeypatch, path):
+def test_zzz_mismatched_call_after_agreement(ctx, mkenv, monkeypatch, path):
     """Two sizes agreed on earlier (so the host exchanges nothing more), then rank 0 repeats one while
     rank 1 makes the other: every rank raises CommMismatch naming the other -- from the call
     signatures announced on the device -- before it reads anything a peer sent (the peers' rows of
@@ -437,7 +435,7 @@ def test_zzz_mismatched_call_after_agreement(ctx, monkeypatch, path):
         pytest.skip("needs 2 ranks")
     from mpi4py import MPI
 
-    monkeypatch.setenv("MKERNEL_COLL_CE", "1" if path == "ce" else "0")
+    mkenv("MKERNEL_COLL_CE", "1" if path == "ce" else "0")
     op = mkernel.all_gather if path == "ce" else mkernel.all_reduce
     c2 = mkernel.init(MPI.COMM_WORLD.Dup(), timeout=2.0)
     a = upload(np.ones(1000 + 7), "float32")[0]

@@ -77,7 +77,7 @@ from ...core.util import round_up
 from ...dist.sidestream import ForkedCopies
 from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..base import fast_get, fast_put
-from ..collectives.api import grid_for
+from ..collectives.layout import grid_for
 from ..gemm import engine as G
 
 

@@ -70,31 +70,30 @@ class _State:
         self.window = GpuWindow(self.ws.ptr, self.ws.nbytes)
 
         self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024,
-                           on_error=lambda exc: ctx._report_host_failure(MK_ERR_PROXY))
+                           on_error=lambda exc: ctx.report_host_failure(MK_ERR_PROXY))
         self.proxy.start()
         self.ctx = ctx
-        ctx._closers.append(self.close)
-        ctx._checks.append(self.proxy.check)
+        ctx.add_closer(self.close)
+        ctx.add_check(self.proxy.check)
         self.closed = False
 
     def close(self):
         if not self.closed:
             self.closed = True
-            self.ctx._closers.remove(self.close)
-            self.ctx._checks.remove(self.proxy.check)
+            self.ctx.remove_closer(self.close)
+            self.ctx.remove_check(self.proxy.check)
             self.proxy.close()
 
 
 def _state(ctx, op: str, nbytes: int) -> _State:
-    states = ctx.__dict__.setdefault("_internode_states", {})
-    st = states.get(op)
+    data = ctx.op_state("internode_" + op).data
+    st = data.get("proxy")
     if st is not None and st.ws.nbytes >= nbytes and not st.closed:
         return st
     if st is not None:
         ctx.synchronize()
         st.close()
-    st = _State(ctx, op, nbytes)
-    states[op] = st
+    st = data["proxy"] = _State(ctx, op, nbytes)
     return st
 
 
@@ -151,7 +150,7 @@ def all_reduce(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
     chunk = round_up(-(-n // P), max(1, 16 // isz))
     n_pad = chunk * P
     s = cu.CUstream(stream_handle(stream))
-    bufs = ctx.__dict__.setdefault("_internode_ar", {})
+    bufs = ctx.op_state("internode_all_reduce").data
     key = (n_pad, x.dtype.name)
     b = bufs.get(key)
     if b is None:
