@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Every plan mkernel.gemm has for a shape, timed against cuBLAS, as a table the heuristic can be replayed
-on without a GPU (bench/gemm_heuristic_replay.py).
+on without a GPU (experiments/gemm_heuristic_replay.py).
 
-    python bench/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--swap-configs 53,54]
-                                    [--json FILE] [--batch-ms 50]
+    python experiments/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--swap-configs 53,54]
+                                          [--json FILE] [--batch-ms 50]
 
 SHAPE: MxNxK[:kn|:nk][+PAD] -- B "nk" ([N, K]) unless ":kn"; PAD extra elements at the end of every
 operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/gemm.md
@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # bench/_common.py, bench/gemm.py; the package
 from _common import setup_env, time_interleaved, write_json  # noqa: E402
 from gemm import GemmProblem, plan_label  # noqa: E402
 
