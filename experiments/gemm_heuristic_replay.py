@@ -8,7 +8,7 @@ shape's operand-row alignment), its measured time where the table has that plan,
 and the ratio of the two (the pick's regret).  Prints the geometric-mean regret, the worst one, the
 geometric mean of cuBLAS time / the pick's, and how many shapes the table could not judge (a pick it has
 no measurement of, e.g. a last-wave split).  A change to the heuristic's model can be checked here against
-every plan of every measured shape before any device time is spent (docs/gemm.md entry 62).
+every plan of every measured shape before any device time is spent (docs/journal/gemm.md entry 62).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ on without a GPU (experiments/gemm_heuristic_replay.py).
                                           [--json FILE] [--batch-ms 50]
 
 SHAPE: MxNxK[:kn|:nk][+PAD] -- B "nk" ([N, K]) unless ":kn"; PAD extra elements at the end of every
-operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/gemm.md
+operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/journal/gemm.md
 entry 62).  Plans: the automatic one (with PDL as the heuristic decides, forced off, forced on; and
 "auto:plain", with MKERNEL_GEMM_SWAP=0) and every config (default: the heuristic's candidates) x forced
 split factor it allows (forced splits split every tile), and with --swap-configs every such config x
@@ -15,7 +15,7 @@ split plan the heuristic gives it).  All of a shape's plans and cuBLAS are CUDA-
 the same rounds, in an order shuffled each round (median of 5).  Prints cuBLAS, the automatic plans and
 the six best; --json writes, per shape, every plan's label (c<config>x<splits>[f<split_from>][p: PDL])
 and microseconds.  (First run as
-scratch/plans_probe.py in the twenty-first session: docs/gemm_plans_20261201.json.)
+scratch/plans_probe.py in the twenty-first session: docs/journal/results/gemm_plans_20261201.json.)
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def main():
             else:
                 os.environ[k] = v
         # (shuffled: rotated by one a round, dozens of plans keep their places, and on long plans the
-        # place moved a plan's median by up to 15 % -- docs/validation.md twenty-third session, call 1)
+        # place moved a plan's median by up to 15 % -- docs/journal/validation.md twenty-third session, call 1)
         st = time_interleaved(fns, warmup=1, rounds=5, order="shuffle")
         us = {k: statistics.median(v["samples"]) / prob.batch * 1e3 for k, v in st.items()}
         cb = us.pop("cublas")

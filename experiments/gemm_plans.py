@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Every plan mkernel.gemm has for a shape -- each tile config x each split-K factor it allows --
 against cuBLAS, all timed in the same alternating rounds (bench/gemm.py's CUDA-graph runners), to
-check whether the heuristic's pick is the best plan there is (docs/gemm.md entry 24).
+check whether the heuristic's pick is the best plan there is (docs/journal/gemm.md entry 24).
 
     python experiments/gemm_plans.py [NAME@M ...] [--configs 1,2,3,4,5,9] [--splits 1,2,3,4,6,8] [--reps 7]
 

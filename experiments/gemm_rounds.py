@@ -3,7 +3,7 @@ NAME@M of bench/gemm.py's tables, squareS or MxNxK; weights [N, K]) and each pla
 or CONFIGxSPLITS), after a pause of SLEEP seconds: ROUNDS rounds of one CUDA-graph replay each
 (bench/gemm.py's runners, 200 calls a replay), ours and cuBLAS alternating; prints every round's
 per-call microseconds, so a drift over a run (clocks under the power cap) shows instead of hiding in a
-median (docs/gemm.md entry 25), then a summary line: the plan that ran (c<config>x<splits>), the relative error, and the median of
+median (docs/journal/gemm.md entry 25), then a summary line: the plan that ran (c<config>x<splits>), the relative error, and the median of
 rounds 0-3 ("cool") and of rounds 8 on ("steady", given more than 8 rounds), ours / cuBLAS.
 
     python experiments/gemm_rounds.py llama70b.o@128,dsv3.moe_down@128,square4096 20 1.5 auto,1,19x2 [--summary]

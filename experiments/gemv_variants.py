@@ -9,7 +9,7 @@ and cuBLAS alternating; one line per shape: median us of each variant, ours / cu
 
 Shapes: MxNxK, or NAME@M of bench/gemm.py's tables (tools/gemm_profile.py's specs).
 
-(docs/gemm.md entries 48-51 ran it with the extra fields of their experimental kernels.)
+(docs/journal/gemm.md entries 48-51 ran it with the extra fields of their experimental kernels.)
 """
 from __future__ import annotations
 
