@@ -1,4 +1,5 @@
-"""Helpers shared by the benches, which run as ``mpirun -np N python bench/<name>.py``.
+"""Helpers shared by the benches, which run as ``mpirun -np N python bench/<name>.py`` (and by the
+probes in ``experiments/`` and the tools in ``tools/``, which put ``bench/`` on ``sys.path``).
 
 * :func:`setup_env`: NCCL / torch environment (no NVLink multicast); call before importing torch.
 * :func:`bootstrap`: ``mkernel.init()`` + ``torch.cuda.set_device(ctx.device)`` + ``torch.distributed``

@@ -6,6 +6,7 @@
 #   python bench/gemm.py --replot DIR/gemm/gemm_bench.json
 #   python bench/collectives.py --replot DIR/coll/collectives_bench.json
 #   python bench/ag_gemm.py --merge DIR/ag1/ag_gemm_bench.json DIR/ag2/ag_gemm_bench.json
+# (The debugging aids in tools/ and the probes in experiments/ are run by hand, not here.)
 # Usage: bash bench/device_run.sh [DIR]      (about 5 minutes on 2x H200; benchmarks first: a fresh
 # machine's first compiles then land in the GEMM bench's compile-time column)
 set -u

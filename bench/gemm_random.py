@@ -12,7 +12,7 @@ per round, ours and cuBLAS alternating for ROUNDS (5) rounds; the median per cal
 compared (relative Frobenius distance, must be < 1e-2).  Prints one row per shape and a summary: the
 geometric mean and minimum of cuBLAS time / ours, and the shapes below 0.9x.  --out DIR also writes
 gemm_random_SEED.json / .md / .png there (the plot: ratio against the call's flop, misaligned operand
-rows -- an odd multiple of 16 bytes apart, docs/gemm.md entry 62 -- marked).
+rows -- an odd multiple of 16 bytes apart, docs/journal/gemm.md entry 62 -- marked).
 """
 from __future__ import annotations
 
@@ -155,4 +155,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     sys.exit(main(sys.argv[1:]))

@@ -10,7 +10,7 @@ typedef unsigned int mk_u32;
 
 #define MK_DEVICE __device__ __forceinline__
 
-// dtype codes shared with mkernel/arrays.py (DType.code)
+// dtype codes shared with mkernel/core/dtypes.py (DType.code)
 #define MK_DTYPE_BF16 0
 #define MK_DTYPE_F16 1
 #define MK_DTYPE_F32 2

@@ -1,7 +1,7 @@
 // mk_proxy.cuh - GPU -> CPU proxy command ring: a kernel asks the host proxy of its rank to move
 // data to another node ("write this chunk to rank R, then raise flag F to V").
 //
-// Memory (allocated by mkernel/proxy.py, handed to kernels by value as `MkProxy`):
+// Memory (allocated by mkernel/proxy/engine.py, handed to kernels by value as `MkProxy`):
 //   ring[capacity]  MkProxyCmd slots in host-mapped pinned memory (GPU writes, host reads)
 //   head            u64 in device memory: next ticket; producers claim tickets with atomicAdd
 //   tail            u64 in host-mapped memory: tickets < tail have been taken out of the ring by the
@@ -21,12 +21,12 @@
 // If the chunk was written by TMA (cp.async.bulk, the async proxy) first wait for the bulk group
 // (cp.async.bulk.wait_group 0) and issue fence.proxy.async before the __syncthreads.
 //
-// The layout of MkProxyCmd / MkProxy is mirrored by mkernel/proxy.py (CMD_DTYPE, MkProxyStruct);
+// The layout of MkProxyCmd / MkProxy is mirrored by mkernel/proxy/engine.py (CMD_DTYPE, MkProxyStruct);
 // tests/cpu/test_proxy_layout.py checks that both agree.
 #pragma once
 #include "core/mk_signal.cuh"
 
-// Command ops (mkernel/proxy.py OP_*)
+// Command ops (mkernel/proxy/engine.py OP_*)
 #define MK_PROXY_OP_NOP 0      // consumed and completed, nothing sent (padding / tests)
 #define MK_PROXY_OP_WRITE 1    // copy bytes [src_offset, +bytes) of window `win` to dst_rank's window
                                // `win` at dst_offset, then (if flag_offset != MK_PROXY_NO_FLAG) set
@@ -55,7 +55,7 @@ struct __align__(64) MkProxyCmd {
 };
 static_assert(sizeof(MkProxyCmd) == MK_PROXY_CMD_BYTES, "MkProxyCmd must be 64 bytes");
 
-// Passed by value to kernels that push (mkernel/proxy.py MkProxyStruct).
+// Passed by value to kernels that push (mkernel/proxy/engine.py MkProxyStruct).
 struct MkProxy {
   MkProxyCmd* ring;    // device pointer of the host-mapped ring
   mk_u64* head;        // device memory

@@ -12,7 +12,7 @@
 #pragma once
 #include "core/mk_common.cuh"
 
-// Error codes, shared with mkernel/signals.py.
+// Error codes, shared with mkernel/dist/signals.py.
 #define MK_OK 0
 #define MK_ERR_TIMEOUT 1
 #define MK_ERR_MISMATCH 2
@@ -26,7 +26,7 @@
 struct MkErrorRecord {
   int code;        // MK_ERR_*; 0 while nothing failed
   int rank;        // world rank of the waiter
-  int op;          // op id (mkernel/signals.py OPS)
+  int op;          // op id (mkernel/dist/signals.py OPS)
   int peer;        // world rank waited on, or MK_LOCAL_PEER(local rank); -1 if unknown
   int flag_index;  // which flag (op-specific index)
   int block;       // blockIdx.x of the waiter

@@ -2,7 +2,7 @@
 // proxy fences, named barriers and register reallocation.
 //
 // Tensor maps (CUtensorMap, 128 opaque bytes, 64-byte aligned) are encoded on the host with
-// cuTensorMapEncodeTiled (mkernel/tensormap.py) and passed by value as
+// cuTensorMapEncodeTiled (mkernel/core/tensormap.py) and passed by value as
 // `const __grid_constant__ MkTensorMap` kernel parameters; device code takes their address (a
 // generic address of the parameter) and hands it to cp.async.bulk.tensor.
 //

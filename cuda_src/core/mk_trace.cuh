@@ -4,7 +4,7 @@
 // is empty.  Recording is a store (a count, event 15, a read-modify-write of the block's own slot):
 // nothing waits.  Block b's events live at mk_trace_buf[b * MK_TRACE_EVENTS + ev] (SM clock64 ticks
 // unless noted; blocks >= MK_TRACE_BLOCKS are not recorded).  The host zeroes the buffer before a
-// launch and reads it back (bench/gemm_trace.py).  Events (one designated thread each):
+// launch and reads it back (tools/gemm_trace.py).  Events (one designated thread each):
 //   0 entry, 1 entry globaltimer (ns), 2 after barrier setup, 3 / 4 producer's first / last TMA issue,
 //   5 / 13 consumer's first full barrier of its first / last unit, 6 / 14 end of that unit's main loop,
 //   7 last split-K unit's running-sum additions fenced, 8 its count taken, 9 last store returned,
@@ -14,7 +14,7 @@
 
 #ifdef MK_GEMM_TRACE
 #define MK_TRACE_BLOCKS 264
-#define MK_TRACE_EVENTS 16  // (bench/gemm_trace.py EVENTS)
+#define MK_TRACE_EVENTS 16  // (tools/gemm_trace.py EVENTS)
 __device__ mk_u64 mk_trace_buf[MK_TRACE_BLOCKS * MK_TRACE_EVENTS];
 MK_DEVICE mk_u64 mk_clock64() {
   mk_u64 c;

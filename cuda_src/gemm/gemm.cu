@@ -15,7 +15,7 @@
 #define MK_GEMM_SWAP 0
 #endif
 
-// Passed by value; mirrored by mkernel/gemm_engine.py:_GemmArgs (same order, natural alignment, 80 bytes).
+// Passed by value; mirrored by mkernel/ops/gemm/engine.py:_GemmArgs (same order, natural alignment, 80 bytes).
 struct MkGemmArgs {
   void* c;                    // output, row-major, row stride ldc elements
   const void* group_offsets;  // grouped: G+1 row offsets (int64, or int32 if offsets_i32)
@@ -58,7 +58,7 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
   epi.ldc = args.ldc;
   epi.vec_ok = args.c_vec_ok;
   if constexpr (GROUPED && (Cfg::SHARING > 1 || Cfg::CLUSTER_K > 1 || MK_GEMM_SWAP)) {
-    __trap();  // grouped GEMMs do not run in clusters or transposed (mkernel/gemm_engine.py never launches this)
+    __trap();  // grouped GEMMs do not run in clusters or transposed (mkernel/ops/gemm/engine.py never launches this)
   } else if constexpr (GROUPED) {
     // a tile ending inside a group must not write the next group's rows: clip_rows = 0
     MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);

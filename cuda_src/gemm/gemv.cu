@@ -6,14 +6,14 @@
 // Specialization: MK_GEMM_IN (bf16 | f16) of A and B, MK_GEMM_OUT (bf16 | f16 | f32) of C, MK_GEMV_NT
 // (1: M <= 8, 2: M <= 16), MK_GEMV_UNROLL (32-element K chunks a warp has in flight), MK_GEMV_MINB
 // (blocks per SM the registers are budgeted for: a second resident block keeps loads in flight while
-// the first starts up or reduces).  mkernel/gemv.py's VARIANTS pick the last two per NT.
+// the first starts up or reduces).  mkernel/ops/gemm/gemv.py's VARIANTS pick the last two per NT.
 //
 // Launch: grid ceil(N / 16) blocks of MK_GEMV_THREADS threads, no dynamic shared memory; may be a
 // programmatic dependent launch (it waits for the previous kernel before its first load and lets the
 // next one launch at once).  Block b owns rows [16 b, 16 b + 16) of B (columns of C); its warps split K
 // in runs of MK_GEMV_UNROLL chunks of 32 and add their partial 16 x 8 NT tiles through shared memory.
 //
-// Requirements (checked on the host, mkernel/gemv.py): K a multiple of 8; A, B 16-byte aligned with row
+// Requirements (checked on the host, mkernel/ops/gemm/gemv.py): K a multiple of 8; A, B 16-byte aligned with row
 // strides lda, ldb multiples of 8 elements; C any row stride ldc >= N.  Rows of A past M, rows of B past
 // N and K past K (whole 8-element pieces) read as zeros.
 //

@@ -464,7 +464,7 @@ template <typename OutT> struct MkEpilogueStore {
 };
 
 // The transposed store: the kernel computed C^T = B A^T (a plain GEMM with the operands' roles exchanged,
-// mkernel/gemm_engine.py's swapped plans), so the tile's rows are C's columns and its columns C's rows:
+// mkernel/ops/gemm/engine.py's swapped plans), so the tile's rows are C's columns and its columns C's rows:
 // element (r, col) goes to C[(col0 + col) * ldc + row0 + r], masked to the tile's valid rows / cols, from
 // registers (a warp's stores cover 8 consecutive columns of C in 4 rows: 16-byte pieces for 16-bit C).
 template <typename OutT> struct MkEpilogueStoreT {
@@ -498,7 +498,7 @@ template <typename OutT> struct MkEpilogueStoreT {
 //
 // Masking: TMA clips a box only at C's bounds (rows >= M, columns >= N16).  Columns: a TMA store writes
 // whole 16-byte pieces of a row -- it would write up to 15 bytes past N into a padded row (measured:
-// bench/recheck_tiles.py) -- so the host's map ends at N16, N rounded down to 16 bytes, and the last
+// tools/recheck_tiles.py) -- so the host's map ends at N16, N rounded down to 16 bytes, and the last
 // tile's columns N16 .. N-1 are stored from registers; a tile's columns end at N or at the next tile
 // (a 16-byte multiple), so clipping is exact.  Rows: a slab with fewer than 64 valid rows is
 // written through TMA only if `clip_rows` (its rows end at M: a plain GEMM); otherwise (a group of a
@@ -656,7 +656,7 @@ MK_DEVICE void mk_gemm_load_b(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
 }
 
 #ifndef MK_GEMM_PROBE
-#define MK_GEMM_PROBE 0  // timing probes only (wrong results; docs/gemm.md "A model that fits"): 1 = no loads at
+#define MK_GEMM_PROBE 0  // timing probes only (wrong results; docs/gemm.md, "Debugging on a GPU"): 1 = no loads at
                          // all (the consumers multiply whatever the ring holds), 2 = every K block loads K
                          // block kb % 2 (A and B tiles stay in L2: the fill without HBM), 3 = loads but no
                          // wgmma (the consumers wait for each K block and release it)
@@ -888,7 +888,7 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
 
 // ---- the tile loop ----------------------------------------------------------------------------------------
 // tmA: 2-D map over A (dims {K, rows}, box {64, BM}).  tmB: 3-D map over B (kn: dims {N, K, groups},
-// box {64, 64, 1}; nk: dims {K, N, groups}, box {64, BN, 1}); both 128B-swizzled (mkernel/tensormap.py).
+// box {64, 64, 1}; nk: dims {K, N, groups}, box {64, BN, 1}); both 128B-swizzled (mkernel/core/tensormap.py).
 // K: the reduction length (k blocks = ceil(K / 64); loads past the maps' bounds are zero-filled).
 // Returns false if the hook aborted.
 template <class Cfg, class Sched, class Hook, class Epi>

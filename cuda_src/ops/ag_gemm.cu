@@ -1,9 +1,9 @@
 // ag_gemm.cu - AllGather + GEMM in one persistent kernel: C = AllGather_rows(A) @ B on every local rank,
-// each A shard multiplied as soon as it lands.  Host side: mkernel/ag_gemm.py; design: docs/ag_gemm.md.
+// each A shard multiplied as soon as it lands.  Host side: mkernel/ops/ag_gemm/op.py; design: docs/ag_gemm.md.
 //
 // Local rank j holds A_j [M_j, K] (row-major, dense); the gathered A [M_total, K] lives in this op's
 // symmetric workspace, rows of rank j at row offs[j].  Workspace layout (same on every local rank;
-// every offset before data_off depends on P only -- nch_stride is MAX_CHUNKS of mkernel/ag_gemm.py for
+// every offset before data_off depends on P only -- nch_stride is MAX_CHUNKS of mkernel/ops/ag_gemm/op.py for
 // every call -- so no control word ever sits on bytes an earlier call of another shape wrote as data):
 //
 //   [0]             MkEpochState      this rank's call counter
@@ -46,7 +46,7 @@
 // value stays at e-1). A mismatch is MK_ERR_MISMATCH, and the waits of both ranks stop on the error
 // record: no rank ever reads rows a peer sent for another call.
 //
-// Copy-engine path (mkernel/ag_gemm.py, path "fused_ce"): mk_ag_gemm_* runs with n_comm = 0 (every
+// Copy-engine path (mkernel/ops/ag_gemm/op.py, path "fused_ce"): mk_ag_gemm_* runs with n_comm = 0 (every
 // block a GEMM worker, one per SM) while a side stream moves the rows with the copy engines.  The
 // side stream waits (cuStreamWaitValue32) for the word at ce_go_off, which worker 0's otherwise idle
 // producer warp 1 raises once it has opened the call (ag_ce_open: the call number e, every peer's
@@ -69,12 +69,12 @@
 #include "core/mk_signal.cuh"
 
 #define MK_AG_MAXP 16  // local ranks; tile_m carries the source rank in its low 4 bits
-#define AG_CE_VALUES 64  // copy-engine path: flag-value slots (mkernel/ag_gemm.py CE_VALUES)
+#define AG_CE_VALUES 64  // copy-engine path: flag-value slots (mkernel/ops/ag_gemm/op.py CE_VALUES)
 #ifndef MK_AG_ERR_CHECK_SPINS
 #define MK_AG_ERR_CHECK_SPINS 2048  // a power of two: at MK_POLL_SLEEP_MAX_NS = 512, ~1 ms of polling
 #endif
 
-// Passed by value; mirrored by mkernel/ag_gemm.py:AgArgs (same order, natural alignment, 232 bytes).
+// Passed by value; mirrored by mkernel/ops/ag_gemm/op.py:AgArgs (same order, natural alignment, 232 bytes).
 struct AgArgs {
   const char* a_shard;   // this rank's rows, dense [M_me, K]
   char* ws;              // this rank's workspace
@@ -309,7 +309,7 @@ template <int BM> struct AgWaitRows {
     if (!unit_start) return true;  // the unit's first K block waits for the rows; its later ones find them
     if (a->local_map && (tile_m & 15) == a->me) return true;  // read in place: nothing to wait for
 #ifdef MK_AG_TIMING_NO_WAIT
-    return true;  // timing experiment only (docs/ag_gemm.md): the GEMM without its waits; wrong output
+    return true;  // timing experiment only (docs/journal/ag_gemm.md): the GEMM without its waits; wrong output
 #endif
     const int src = tile_m & 15;
     if ((landed >> src) & 1u) return true;  // (fenced when it was seen)

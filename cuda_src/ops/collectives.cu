@@ -288,7 +288,7 @@ mk_all_reduce(MkComm c, const T* in, T* out, mk_u64 n, mk_u64 shard, int one_sho
 }
 
 // ---------------------------------------------------------------------------------------------
-// Copy-engine path (large messages; mkernel/collectives.py decides).  The copy engines move the
+// Copy-engine path (large messages; mkernel/ops/collectives/api.py decides).  The copy engines move the
 // data between GPUs -- at the link's copy-engine rate, with no SM spent on NVLink traffic -- and
 // SM kernels only wait, reduce and copy locally.  Same workspace layout and protocol as above (a
 // separate workspace per op and path), plus one u64 at MK_COLL_CE_VALUE_OFF: this call's number,

@@ -7,7 +7,7 @@
 //   block waits for local completion of its last command before returning.
 //   Pattern: byte k of chunk g is (g * 131 + k * 7 + epoch) & 0xff.
 // mk_proxy_layout: writes sizeof/offsetof of MkProxyCmd and MkProxy into out[0..15], so a GPU test
-//   can check mkernel/proxy.py's mirror against the compiler's layout.
+//   can check mkernel/proxy/engine.py's mirror against the compiler's layout.
 #include "core/mk_proxy.cuh"
 
 extern "C" __global__ void mk_proxy_test_push(MkComm c, MkProxy p, unsigned char* data, int n_per_block,

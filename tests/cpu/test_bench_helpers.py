@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+EXPERIMENTS = ROOT / "experiments"  # the probes and plan tables (gemm_plan_table, gemm_heuristic_replay)
 
 
 @pytest.fixture()
 def bench_path(monkeypatch):
-    """bench/ importable; the environment the benches set at import restored afterwards."""
+    """bench/ and experiments/ importable; the environment the benches set at import restored afterwards."""
+    monkeypatch.syspath_prepend(str(EXPERIMENTS))
     monkeypatch.syspath_prepend(str(BENCH))
     for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
         monkeypatch.setenv(var, os.environ.get(var, ""))
@@ -168,13 +171,13 @@ def test_gemm_random_shapes_and_report(bench_path, tmp_path):
 @pytest.mark.parametrize("name,shapes,min_judged", [("gemm_plans_20261201.json", 37, 24),
                                                    ("gemm_plans_20261202.json", 58, 54)])
 def test_heuristic_replay_on_the_measured_plan_table(bench_path, name, shapes, min_judged):
-    """bench/gemm_heuristic_replay.py on the measured plan tables in docs/ (every plan of each shape, timed
+    """experiments/gemm_heuristic_replay.py on the measured plan tables in docs/journal/results/ (every plan of each shape, timed
     on an H200): today's heuristic picks within 3.5 % of the best measured plan in geometric mean.
     20261201 (37 shapes, no cluster pairs measured): 1.045 before entry 62, 1.020 after, 1.019 with entry
     64's pairs (a pick the table has no time for is not judged); 20261202 (the pairs and quads
     measured, 58 shapes): 1.073 / 1.081 before entry 64 on its first 44 / last 14, 1.023 / 1.037 after.  A model change that loses this fails."""
     replay = importlib.import_module("gemm_heuristic_replay")
-    table = json.loads((BENCH.parent / "docs" / name).read_text())
+    table = json.loads((ROOT / "docs" / "journal" / "results" / name).read_text())
     res = replay.replay(table["rows"])
     judged = [(t, tb) for _, _, t, _, tb in res if t is not None]
     assert len(res) == shapes and len(judged) >= min_judged

@@ -335,11 +335,11 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     G.gemm(a, b)  # intensity 2*512*1024*768 / (2*(512*1024 + 1024*768 + 512*768)) = 237
     assert launches[-1]["dependent"] is True
     a128, w = empty((128, 8192), "bfloat16"), empty((8192, 8192), "bfloat16")
-    G.gemm(a128, w, b_layout="nk")  # ~124: an HBM-bound B stream (on since docs/gemm.md entry 35)
+    G.gemm(a128, w, b_layout="nk")  # ~124: an HBM-bound B stream (on since docs/journal/gemm.md entry 35)
     assert launches[-1]["dependent"] is True
     G.gemm(a128, empty((10240, 8192), "bfloat16"), b_layout="nk")  # llama qkv M=128: cluster split-K (config 9),
     assert launches[-1]["config"] == 9 and launches[-1]["dependent"] is False  # 108 blocks, K ranges of 4096
-    # cluster split-K: on where the blocks fill the SMs or K ranges are short (docs/gemm.md entry 45)
+    # cluster split-K: on where the blocks fill the SMs or K ranges are short (docs/journal/gemm.md entry 45)
     G.gemm(empty((512, 7168), "bfloat16"), empty((1536, 7168), "bfloat16"), b_layout="nk")  # dsv3.q_a M=512
     # (the fake GPU fits 60 clusters: 120 blocks, still 0.9 of its 132 SMs; an H200 fits all 64)
     assert launches[-1]["config"] == 36 and launches[-1]["grid"] == 120 and launches[-1]["dependent"] is True
@@ -424,7 +424,7 @@ def test_split_k_plans(fake):
     (512, 7168, 2048, "nk", 5),      # dsv3.moe_down: 128 tiles of 128x224 (was 112 of 128x256)
     (8192, 32768, 512, "nk", 3),     # dsv3.kv_b: K = 512 (ping-pong config 6 disabled)
     (128, 57344, 8192, "nk", 5),     # llama gate_up: 256 tiles (2 full waves) instead of 224
-    (128, 1024, 8192, "nk", 30),     # config 1's tile, B shared by the two row tiles (docs/gemm.md entries
+    (128, 1024, 8192, "nk", 30),     # config 1's tile, B shared by the two row tiles (docs/journal/gemm.md entries
                                      # 34, 37), two warpgroups side by side along N
     (128, 4096, 7168, "nk", 30),     # dsv3.moe_gate_up M=128: 64 tiles split 2 (measured 337 vs 306 TFLOP/s
                                      # for 32 tiles of 128x128 split 4): SMALL_M efficiency; config 1 -> 30
@@ -451,7 +451,7 @@ def test_split_k_plans(fake):
     (2048, 7168, 16384, "nk", 5),    # ... not on N = 7168 (dsv3.o M=2048: 733 vs 692 for config 5)
     (512, 10240, 8192, "kn", 3),     # "kn": no 320-wide tile (config 42 is config 3's tile there)
     (512, 1536, 7168, "nk", 36),     # dsv3.q_a M=512: 64 tiles of 128x96 x 2 in clusters (24.7 vs 25.7 us
-                                     # steady for config 4 split 4; docs/gemm.md entry 40)
+                                     # steady for config 4 split 4; docs/journal/gemm.md entry 40)
     (384, 1536, 4096, "nk", 36),     # (14.0 vs 16.6 us for config 18 split 3)
     (512, 1536, 2048, "nk", 1),      # ... not where whole tiles fill the SMs (config 1 unsplit 9.9 vs 11.0)
     (512, 512, 512, "nk", 1),        # (square512: 3.5 vs 6.0)
@@ -467,7 +467,7 @@ def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
 
 
 @pytest.mark.parametrize("M,N,K,layout,aligned,misaligned", [
-    # measured (docs/gemm.md entries 62, 64), us on misaligned rows: 1778x408x5544 config 18 x 2 42.0, 5 x 4
+    # measured (docs/journal/gemm.md entries 62, 64), us on misaligned rows: 1778x408x5544 config 18 x 2 42.0, 5 x 4
     # 29.8, 8 x 2 30.4; 325x4584x4184 18: 49.5, 2: 41.7, 8: 34.5; 7950x1744x952 18: 57.4, 4: 47.9, 50: 44.9.
     # (The aligned picks were config 18 until entry 64 lowered its efficiency above M = 128; unmeasured.)
     (1778, 408, 5544, "nk", 5, 8),
@@ -496,7 +496,7 @@ def test_misaligned_rows_reach_the_planner(fake):
     """mkernel.gemm passes in-place operands' row alignment to the heuristic; staged copies are aligned."""
     launches, maps, empty = fake
     G.gemm(empty((1778, 5544), "bfloat16"), empty((408, 5544), "bfloat16"), b_layout="nk")
-    assert launches[-1]["config"] == 8  # (a pair sharing A: docs/gemm.md entry 64)
+    assert launches[-1]["config"] == 8  # (a pair sharing A: docs/journal/gemm.md entry 64)
     G.gemm(empty((1778, 5536), "bfloat16"), empty((408, 5536), "bfloat16"), b_layout="nk")
     assert launches[-1]["config"] == 5
     assert not G.row_misaligned(empty((1, 5544), "bfloat16"), 1, 5544)

@@ -1,12 +1,12 @@
-"""Probe: mkernel.gemm against cuBLAS replay by replay.  For each shape (bench/gemm_profile.py's specs:
+"""Probe: mkernel.gemm against cuBLAS replay by replay.  For each shape (tools/gemm_profile.py's specs:
 NAME@M of bench/gemm.py's tables, squareS or MxNxK; weights [N, K]) and each plan ("auto", a config id,
 or CONFIGxSPLITS), after a pause of SLEEP seconds: ROUNDS rounds of one CUDA-graph replay each
 (bench/gemm.py's runners, 200 calls a replay), ours and cuBLAS alternating; prints every round's
 per-call microseconds, so a drift over a run (clocks under the power cap) shows instead of hiding in a
-median (docs/gemm.md entry 25), then a summary line: the plan that ran (c<config>x<splits>), the relative error, and the median of
+median (docs/journal/gemm.md entry 25), then a summary line: the plan that ran (c<config>x<splits>), the relative error, and the median of
 rounds 0-3 ("cool") and of rounds 8 on ("steady", given more than 8 rounds), ours / cuBLAS.
 
-    python bench/gemm_rounds.py llama70b.o@128,dsv3.moe_down@128,square4096 20 1.5 auto,1,19x2 [--summary]
+    python experiments/gemm_rounds.py llama70b.o@128,dsv3.moe_down@128,square4096 20 1.5 auto,1,19x2 [--summary]
 
 --summary: the summary lines only.
 """
@@ -14,7 +14,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tools"), str(ROOT)]  # _common, gemm; gemm_profile; the package
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    sys.exit(print(__doc__))  # before the imports that need a GPU machine (torch, the driver)
 from _common import setup_env, time_interleaved
 setup_env()
 import torch

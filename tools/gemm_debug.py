@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One short GPU run (< 30 s) that tells a layout bug from a pipeline bug in mkernel.gemm.
 
-    python bench/gemm_debug.py
+    python tools/gemm_debug.py
 
 For every tile config (0 = simple: 1 consumer warpgroup, 2 stages, every wgmma batch waited on;
 1..6 = the pipelined ones: 4/5 = 128x192 / 128x224 tiles, 6 = ping-pong 64x256) and both B layouts, runs a few shapes and prints the relative Frobenius
@@ -133,4 +133,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     main()

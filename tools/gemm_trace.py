@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Phase timeline of one mkernel.gemm call, from timestamps the kernel records itself
-(cuda_src/mk_trace.cuh, compiled in with MK_GEMM_TRACE): where a few-tile GEMM's time goes --
+(cuda_src/core/mk_trace.cuh, compiled in with MK_GEMM_TRACE): where a few-tile GEMM's time goes --
 launch skew, barrier setup, pipeline fill, main loop, split-K reduction, epilogue.
 
-    python bench/gemm_trace.py dsv3.q_a@512 square1024:1 dsv3.q_a@512:4:1
+    python tools/gemm_trace.py dsv3.q_a@512 square1024:1 dsv3.q_a@512:4:1
 
-Specs: a shape as in bench/gemm_profile.py (NAME@M, squareN, MxNxK with B [N, K]), optionally
+Specs: a shape as in tools/gemm_profile.py (NAME@M, squareN, MxNxK with B [N, K]), optionally
 ``:CONFIG`` and ``:CONFIG:SPLITS`` to force the plan.  Per spec: the plan, the call's time (CUDA
 events, median of 50 eager calls, the trace compiled in), then the medians and maxima over blocks of
 each phase in microseconds (SM clock ticks converted with the clock rate measured over the call).
@@ -19,7 +19,11 @@ from pathlib import Path
 
 os.environ["MKERNEL_DEFINES"] = ",".join(filter(None, [os.environ.get("MKERNEL_DEFINES", ""), "MK_GEMM_TRACE=1"]))
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT / "bench"), str(ROOT)]  # gemm_profile; bench/gemm.py; the package
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    sys.exit(print(__doc__))  # before the imports that need a GPU machine (torch, the driver)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -30,7 +34,7 @@ from mkernel.ops.gemm import engine as G
 from mkernel.core import compiler as runtime  # noqa: E402
 from mkernel.core.interop import as_device_array  # noqa: E402
 
-EVENTS = 16  # cuda_src/mk_trace.cuh MK_TRACE_EVENTS
+EVENTS = 16  # cuda_src/core/mk_trace.cuh MK_TRACE_EVENTS
 COLD = os.environ.get("TRACE_COLD", "0") == "1"  # evict L2 (write 256 MiB) before every timed call
 FLUSH = None
 

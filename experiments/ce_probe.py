@@ -3,18 +3,21 @@ once (like a 2-rank all-gather).  Every trial starts behind a GPU-side delay, so
 submission is not timed; printed: the median over trials of the slower GPU's microseconds.  Needs
 torch and 2 GPUs.
 
-    python bench/ce_probe.py ops    what one copy-engine operation costs: the push as 1 / 4 / 8 / 16
-                                    copies on one stream per GPU, each followed by nothing, an 8-byte
-                                    flag copy (mkernel.ag_gemm's fused_ce path), a cuStreamWriteValue32
-                                    or ...64 of the flag, or flag copies after a cuStreamWaitValue32 on
-                                    an already-raised word
-    PYTHONPATH=. python bench/ce_probe.py gemm
-                                    a GEMM beside copy-engine traffic: the AllGather+GEMM sweep point
-                                    M = K = 16384 (A [16384, 16384] @ W [1024, 16384]^T, bf16) alone, then
-                                    with the push in 8 copies on another stream, for cuBLAS and
-                                    mkernel.gemm
+    python experiments/ce_probe.py ops    what one copy-engine operation costs: the push as 1 / 4 / 8 / 16
+                                          copies on one stream per GPU, each followed by nothing, an 8-byte
+                                          flag copy (mkernel.ag_gemm's fused_ce path), a cuStreamWriteValue32
+                                          or ...64 of the flag, or flag copies after a cuStreamWaitValue32 on
+                                          an already-raised word
+    PYTHONPATH=. python experiments/ce_probe.py gemm
+                                          a GEMM beside copy-engine traffic: the AllGather+GEMM sweep point
+                                          M = K = 16384 (A [16384, 16384] @ W [1024, 16384]^T, bf16) alone, then
+                                          with the push in 8 copies on another stream, for cuBLAS and
+                                          mkernel.gemm
 """
 import sys
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    sys.exit(print(__doc__))  # before the imports that need a GPU machine (torch, the driver)
 
 import torch
 from cuda.bindings import driver as cu

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""Probe: decode-kernel variants against cuBLAS.  A variant is a mkernel/gemv.py VARIANTS entry for the
+"""Probe: decode-kernel variants against cuBLAS.  A variant is a mkernel/ops/gemm/gemv.py VARIANTS entry for the
 shape's column-tile count written with dots (``4.3`` = 4 K chunks a run, registers for 3 blocks per
 SM; ``default`` = the shipped entry).  Each shape is routed to the decode kernel whatever the routing
 thresholds, each variant's plan built afresh, timed as CUDA graphs of bench/gemm.py's runners with ours
 and cuBLAS alternating; one line per shape: median us of each variant, ours / cuBLAS, and the error.
 
-    python bench/gemv_variants.py 1x8192x8192,16x8192x8192 8 default,4.3,8.2
+    python experiments/gemv_variants.py 1x8192x8192,16x8192x8192 8 default,4.3,8.2
 
-Shapes: MxNxK, or NAME@M of bench/gemm.py's tables (bench/gemm_profile.py's specs).
+Shapes: MxNxK, or NAME@M of bench/gemm.py's tables (tools/gemm_profile.py's specs).
 
-(docs/gemm.md entries 48-51 ran it with the extra fields of their experimental kernels.)
+(docs/journal/gemm.md entries 48-51 ran it with the extra fields of their experimental kernels.)
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tools"), str(ROOT)]  # _common, gemm; gemm_profile; the package
 
 from _common import setup_env, time_interleaved  # noqa: E402
 
@@ -71,4 +72,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     main(sys.argv[1:])

@@ -6,7 +6,7 @@ mkernel.gemm against a float64 numpy reference (fp32 outputs to 1e-4, bf16 / fp1
 NaN-poisoned, nothing may be written outside the views); then a 30-step dependent chain at M = 11 of
 decode and forced GEMM-tile calls, eager, no host sync between steps.
 
-    PYTHONPATH=. python bench/recheck_gemv.py [SEED]      (last line: RECHECK PASSED / FAILED)
+    PYTHONPATH=. python tools/recheck_gemv.py [SEED]      (last line: RECHECK PASSED / FAILED)
 """
 from __future__ import annotations
 
@@ -94,4 +94,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     sys.exit(main(sys.argv[1:]))

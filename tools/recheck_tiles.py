@@ -7,7 +7,7 @@ on shapes drawn near the ones it sends to these configs (one wave of 192 x 192 o
 each against a float64 numpy reference (fp32 outputs to 1e-4, bf16 / fp16 to 1e-2; sampled rows and
 columns on large outputs; outputs NaN-poisoned, nothing may be written outside the views).
 
-    PYTHONPATH=. python bench/recheck_tiles.py [SEED [CONFIGS]]   (last line: RECHECK PASSED / FAILED)
+    PYTHONPATH=. python tools/recheck_tiles.py [SEED [CONFIGS]]   (last line: RECHECK PASSED / FAILED)
 """
 from __future__ import annotations
 
@@ -84,4 +84,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     sys.exit(main(sys.argv[1:]))

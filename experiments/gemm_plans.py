@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Every plan mkernel.gemm has for a shape -- each tile config x each split-K factor it allows --
 against cuBLAS, all timed in the same alternating rounds (bench/gemm.py's CUDA-graph runners), to
-check whether the heuristic's pick is the best plan there is (docs/gemm.md entry 24).
+check whether the heuristic's pick is the best plan there is (docs/journal/gemm.md entry 24).
 
-    python bench/gemm_plans.py [NAME@M ...] [--configs 1,2,3,4,5,9] [--splits 1,2,3,4,6,8] [--reps 7]
+    python experiments/gemm_plans.py [NAME@M ...] [--configs 1,2,3,4,5,9] [--splits 1,2,3,4,6,8] [--reps 7]
 
 Shapes: NAME@M of bench/gemm.py's tables (weights [N, K], b_layout "nk"); default: the few-tile
 shapes that sat below ~0.92x cuBLAS.  One line per shape: cuBLAS, the automatic plan, the six best
@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # bench/_common.py, bench/gemm.py; the package
 from _common import setup_env  # noqa: E402
 
 DEFAULT = ["llama70b.o@128", "dsv3.q_a@512", "dsv3.moe_gate_up@512", "dsv3.moe_down@128", "dsv3.kv_a@512",

@@ -1,6 +1,6 @@
 """Probe: our collectives alone at a few sizes, timed with CUDA events (no torch).
 
-    mpirun -np 2 python bench/coll_probe.py
+    mpirun -np 2 python experiments/coll_probe.py
 Chunking knobs come from MKERNEL_COLL_MIN_CHUNK / MKERNEL_COLL_MAX_BLOCKS.
 """
 import os
@@ -58,4 +58,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     main()

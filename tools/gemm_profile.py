@@ -3,7 +3,7 @@
 times on random bf16 data, nothing else on the GPU.  For Nsight Compute, e.g.
 
     ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --launch-skip 0 \
-        python bench/gemm_profile.py dsv3.q_a@512 square1024
+        python tools/gemm_profile.py dsv3.q_a@512 square1024
 
 Shapes: NAME@M of bench/gemm.py's tables, squareN, or MxNxK (B given [N, K]).  PROFILE_REPS (default 3) calls
 per library per shape; mkernel's plan is printed (config, split-K), so a kernel in the profile can be
@@ -16,7 +16,11 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # bench/gemm.py's tables; the package
+
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    sys.exit(print(__doc__))  # before the imports that need a GPU machine (torch, the driver)
 
 import torch  # noqa: E402
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Replay mkernel.gemm's heuristic on measured plan tables (bench/gemm_plan_table.py --json): no GPU.
+"""Replay mkernel.gemm's heuristic on measured plan tables (experiments/gemm_plan_table.py --json): no GPU.
 
-    python bench/gemm_heuristic_replay.py TABLE.json [TABLE.json ...] [-v]
+    python experiments/gemm_heuristic_replay.py TABLE.json [TABLE.json ...] [-v]
 
-For every shape of the tables: the plan the heuristic picks today (gemm_engine._auto_plan, with the
+For every shape of the tables: the plan the heuristic picks today (mkernel.ops.gemm.engine._auto_plan, with the
 shape's operand-row alignment), its measured time where the table has that plan, the best measured plan,
 and the ratio of the two (the pick's regret).  Prints the geometric-mean regret, the worst one, the
 geometric mean of cuBLAS time / the pick's, and how many shapes the table could not judge (a pick it has
 no measurement of, e.g. a last-wave split).  A change to the heuristic's model can be checked here against
-every plan of every measured shape before any device time is spent (docs/gemm.md entry 62).
+every plan of every measured shape before any device time is spent (docs/journal/gemm.md entry 62).
 """
 from __future__ import annotations
 
@@ -60,4 +60,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     sys.exit(main(sys.argv[1:]))

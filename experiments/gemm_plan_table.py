@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Every plan mkernel.gemm has for a shape, timed against cuBLAS, as a table the heuristic can be replayed
-on without a GPU (bench/gemm_heuristic_replay.py).
+on without a GPU (experiments/gemm_heuristic_replay.py).
 
-    python bench/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--swap-configs 53,54]
-                                    [--json FILE] [--batch-ms 50]
+    python experiments/gemm_plan_table.py SHAPE [SHAPE ...] [--configs 1,2,3] [--splits 1,2,4,8] [--swap-configs 53,54]
+                                          [--json FILE] [--batch-ms 50]
 
 SHAPE: MxNxK[:kn|:nk][+PAD] -- B "nk" ([N, K]) unless ":kn"; PAD extra elements at the end of every
-operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/gemm.md
+operand row (in-place views of wider buffers; PAD = 8 mod 16 makes the rows misaligned, docs/journal/gemm.md
 entry 62).  Plans: the automatic one (with PDL as the heuristic decides, forced off, forced on; and
 "auto:plain", with MKERNEL_GEMM_SWAP=0) and every config (default: the heuristic's candidates) x forced
 split factor it allows (forced splits split every tile), and with --swap-configs every such config x
@@ -15,7 +15,7 @@ split plan the heuristic gives it).  All of a shape's plans and cuBLAS are CUDA-
 the same rounds, in an order shuffled each round (median of 5).  Prints cuBLAS, the automatic plans and
 the six best; --json writes, per shape, every plan's label (c<config>x<splits>[f<split_from>][p: PDL])
 and microseconds.  (First run as
-scratch/plans_probe.py in the twenty-first session: docs/gemm_plans_20261201.json.)
+scratch/plans_probe.py in the twenty-first session: docs/journal/results/gemm_plans_20261201.json.)
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # bench/_common.py, bench/gemm.py; the package
 from _common import setup_env, time_interleaved, write_json  # noqa: E402
 from gemm import GemmProblem, plan_label  # noqa: E402
 
@@ -90,7 +91,7 @@ def main():
             else:
                 os.environ[k] = v
         # (shuffled: rotated by one a round, dozens of plans keep their places, and on long plans the
-        # place moved a plan's median by up to 15 % -- docs/validation.md twenty-third session, call 1)
+        # place moved a plan's median by up to 15 % -- docs/journal/validation.md twenty-third session, call 1)
         st = time_interleaved(fns, warmup=1, rounds=5, order="shuffle")
         us = {k: statistics.median(v["samples"]) / prob.batch * 1e3 for k, v in st.items()}
         cb = us.pop("cublas")

@@ -1,8 +1,8 @@
 """Probe: mkernel.ag_gemm's fused and unfused paths against our GEMM alone and our all-gather alone,
 on the quick shapes of bench/ag_gemm.py, timed with CUDA events (no torch).  For experiments (e.g.
-kernel defines through MKERNEL_DEFINES, docs/ag_gemm.md); bench/ag_gemm.py is the benchmark.
+kernel defines through MKERNEL_DEFINES, docs/journal/ag_gemm.md); bench/ag_gemm.py is the benchmark.
 
-    mpirun -np 2 python bench/ag_probe.py
+    mpirun -np 2 python experiments/ag_probe.py
 PROBE_SM=1 adds the SM-communication path at the model's split; PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes
 (or "M:N_all:K" for any); PROBE_CE="3:0,3:1,4:auto" adds copy-engine variants, each CONFIG:TAIL_SPLIT
 (TAIL_SPLIT as MKERNEL_AG_GEMM_TAIL_SPLIT: 0, 1 or auto); "auto:0" is the automatic copy-engine plan
@@ -115,4 +115,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     main()
