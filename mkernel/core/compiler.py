@@ -34,8 +34,8 @@ __all__ = ["cuda_src_dir", "include_dirs", "nvrtc_version", "cache_dir", "compil
 
 def cuda_src_dir() -> Path:
     """The kernel sources: ``cuda_src/`` beside the package in a source tree, else the installed copy."""
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "cuda_src", here / "cuda_src"):
+    package = Path(__file__).resolve().parent.parent  # mkernel/
+    for cand in (package.parent / "cuda_src", package / "cuda_src"):
         if (cand / "core" / "mk_common.cuh").is_file():
             return cand
     try:
