@@ -30,6 +30,11 @@ N, ROUNDS = 2000, 7
 
 
 def per_call_us(fn, n=N, rounds=ROUNDS, sync=None) -> float:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 -- report the row as failed, measure the others
+        print(f"  failed: {type(exc).__name__}: {exc}")
+        return float("nan")
     for _ in range(50):
         fn()
     if sync:
@@ -97,7 +102,7 @@ def main():
 
     def via_dlpack():
         from mkernel.core.interop import from_dlpack_capsule
-        return from_dlpack_capsule(t.__dlpack__(stream=sh))
+        return from_dlpack_capsule(t.__dlpack__(stream=sh or 1))  # (DLPack: 1 = the legacy default stream)
     rows.append(("torch bf16 via __dlpack__ + capsule", per_call_us(via_dlpack, n=500)))
     t16 = t.half()
     rows.append(("torch fp16 __cuda_array_interface__ dict", per_call_us(lambda: t16.__cuda_array_interface__, n=500)))
