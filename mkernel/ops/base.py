@@ -8,6 +8,9 @@
   holds everything the plan depends on except the pointers: shapes, strides, dtypes, alignment,
   devices, the options, the stream (and, for ops with workspaces, the context's workspace generation).
 * **validate** (first call of a key): every check of the arguments; a clear exception before any launch.
+* **compile** (first call of a key): the kernels the call will launch are compiled (or loaded from the
+  disk cache) *before* the ranks agree, so a rank compiling for seconds delays the host exchange, which
+  waits for it, and never a peer's device-side wait, which would time out.
 * **agree** (first call of a key, ops across ranks): :class:`mkernel.dist.agreement.Agreement` -> the
   digest the kernels announce and compare on the device for every later call.
 * **plan**: the op's decisions (path, tile config, chunking), inspectable as ``last_plan``.
@@ -123,6 +126,9 @@ class Op:
     def validate(self, ctx, call) -> None:
         """Every check of the arguments (first call of a key)."""
 
+    def compile(self, ctx, call) -> None:
+        """Compile (or load) the kernels the call will launch (first call of a key, before agree)."""
+
     def agree(self, ctx, call) -> int:
         """The call's digest across ranks (0 for single-GPU ops)."""
         return 0
@@ -137,6 +143,7 @@ class Op:
         bound = state.get(call.key)
         if bound is None:
             self.validate(ctx, call)
+            self.compile(ctx, call)
             digest = self.agree(ctx, call)
             bound = self.bind(ctx, call, self.plan(ctx, call, digest))
             state.put(call.key, bound)

@@ -269,6 +269,17 @@ class _Collective(Op):
         if O.dtype != X.dtype or tuple(O.shape) != shape:
             raise ValueError(f"{self.what}: out must be {X.dtype.name} {shape}, got {O.dtype.name} {tuple(O.shape)}")
 
+    def compile(self, ctx, call):
+        if call.x.size and call.o.size and ctx.num_nodes > 1:
+            internode.compile_for(self.name, call.x.dtype)
+        elif call.x.size and call.o.size:
+            dt = self.sizes(ctx, call)[0]
+            if call.ce:
+                _residency_checked(ctx, "coll_ce_begin", dt, threads=32)
+                _residency_checked(ctx, self.name + "_ce", dt)
+            else:
+                _residency_checked(ctx, self.name, dt)
+
     def agree(self, ctx, call):
         X = call.x
         extra = () if call.direct is None else (f"symmetric out: buffer #{call.direct[0].seq} at byte {call.direct[1]}",)

@@ -101,6 +101,14 @@ def _kernel(op: str, dtype_code: int):
     return kernel(_SOURCE, {"MK_DTYPE": dtype_code}, op)
 
 
+def compile_for(op: str, dtype) -> None:
+    """Compile (or load) the kernels of inter-node ``op`` for ``dtype`` (before the ranks agree)."""
+    if op in ("all_gather", "all_reduce"):
+        _kernel("mk_inter_all_gather", 0)
+    if op in ("reduce_scatter", "all_reduce"):
+        _kernel("mk_inter_reduce_scatter", dtype.code)
+
+
 def _grid(ctx) -> int:
     return min(GRID, ctx.sm_count)
 
