@@ -74,7 +74,7 @@ def encode_tiled(ptr: int, dtype: str, dims, strides_bytes, box, *, swizzle: int
     l2_promotion: 0, 64, 128 or 256 bytes.  128 by default: with 256, a GEMM whose operand rows are an
     odd multiple of 16 bytes apart (box rows starting mid 32-byte sector) ran 1.3x slower than at 128
     (3072x1536x4096 at row stride 8208 B: 75.7 vs 62.2 us; 57.2 at 8192 B), and 128 is as fast on
-    aligned rows (docs/gemm.md entry 60).
+    aligned rows (docs/journal/gemm.md entry 60).
     """
     dims = tuple(int(d) for d in dims)
     strides_bytes = tuple(int(s) for s in strides_bytes)
