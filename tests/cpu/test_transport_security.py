@@ -3,6 +3,10 @@
 * the authenticated handshake (mkernel/proxy/transport/auth.py): wrong MAC, no secret, duplicate,
   out-of-range and own ranks are refused, a silent connection does not block the others, and a
   listener that does not know the secret is refused by the connector;
+* the TCP transport: strangers that reach a rank's listener before the real peer do not get in,
+  and the two ranks (threads) still move their data; a malformed message after a valid handshake
+  (oversized record counts, bad window, range beyond the window, unaligned flag, bad kind) is a
+  CommError naming the peer;
 * the SocketExchanger: no pickle (a crafted payload never runs), oversized length refused, wrong
   token refused, plain values round-trip exactly, no default port.
 """
@@ -22,9 +26,10 @@ import numpy as np
 import pytest
 
 from mkernel.errors import CommError
-from mkernel.proxy.transport import Exchanger, SocketExchanger
+from mkernel.proxy.transport import Exchanger, HostWindow, PeerBatch, SocketExchanger
 from mkernel.proxy.transport import auth
 from mkernel.proxy.transport.exchange import MAX_MESSAGE, decode, encode
+from mkernel.proxy.transport.tcp import _HDR, KIND_BATCH, MAX_RECORDS, TcpTransport
 
 LO = "127.0.0.1"
 TCP_LABEL = b"mkernel-tcp-1"
@@ -179,6 +184,233 @@ def test_connector_refuses_a_listener_without_the_secret():
         auth.connect_peer(addr, auth.new_secret(), TCP_LABEL, 1, 0, 10.0)
     t.join(5)
     srv.close()
+
+
+# ---- TCP transport ------------------------------------------------------------------------------------
+
+DATA, FLAGS = 1 << 16, 4096
+
+
+def _run_ranks(size, hook, body, timeout=60):
+    group = _Group(size, hook)
+    results, errors = [None] * size, [None] * size
+
+    def run(r):
+        try:
+            results[r] = body(_ThreadEx(group, r), r)
+        except BaseException as exc:  # noqa: BLE001
+            errors[r] = exc
+            group.b1.abort()
+            group.b2.abort()
+
+    ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in ts), "a rank hung"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def _exchange_data(ex, r):
+    """Both ranks write a pattern into each other's data window, raise a flag, check what arrived."""
+    data, flags = HostWindow(DATA), HostWindow(FLAGS)
+    tr = TcpTransport(ex, [data, flags], timeout=20.0)
+    tr.connect()
+    try:
+        peer = 1 - r
+        src = ((np.arange(DATA // 2) * 7 + r * 31) & 0xFF).astype(np.uint8)
+        data.array[:DATA // 2] = src
+        tr.post([PeerBatch(peer, [(0, 0, DATA // 2, DATA // 2)], [(1, 8 * r, 5)])])
+        t0 = time.monotonic()
+        while flags.read_u64(8 * peer) < 5:
+            tr.progress()
+            assert time.monotonic() - t0 < 20, "flag never arrived"
+            time.sleep(1e-3)
+        want = ((np.arange(DATA // 2) * 7 + peer * 31) & 0xFF).astype(np.uint8)
+        assert np.array_equal(data.array[DATA // 2:], want)
+        ex.barrier()
+    finally:
+        tr.close(timeout=10)
+    assert tr.error is None, tr.error
+    return True
+
+
+def test_tcp_strangers_first_are_refused_and_the_job_completes():
+    outcomes = {}
+    stranger_threads = []
+
+    def hook(rnd, table):
+        if rnd != 1:  # round 0: host names + secret; round 1: the listeners' addresses
+            return
+        for victim in (0, 1):
+            addr = tuple(table[victim])
+            other = 1 - victim
+            cases = {
+                "no secret": dict(claim_rank=other, secret=b"\0" * 32, garbage=True),
+                "wrong MAC": dict(claim_rank=other, secret=secrets.token_bytes(32)),
+                "the real peer's rank, another secret": dict(claim_rank=other, secret=b"k" * 32),
+                "out of range": dict(claim_rank=5, secret=b"k" * 32),
+                "claims the listener's rank": dict(claim_rank=victim, secret=b"k" * 32),
+            }
+            # connect now, synchronously: these connections queue ahead of the real peer's
+            for name, kw in cases.items():
+                s = socket.create_connection(addr, timeout=10)
+
+                def go(s=s, name=name, kw=kw, victim=victim):
+                    outcomes[(victim, name)] = _answer(s, kw["claim_rank"], kw["secret"], TCP_LABEL, victim,
+                                                       garbage=kw.get("garbage", False))
+
+                t = threading.Thread(target=go, daemon=True)
+                t.start()
+                stranger_threads.append(t)
+            silent = socket.create_connection(addr, timeout=10)
+            stranger_threads.append(silent)
+
+    assert _run_ranks(2, hook, _exchange_data) == [True, True]
+    for t in stranger_threads:
+        if isinstance(t, threading.Thread):
+            t.join(10)
+        else:
+            t.close()
+    assert len(outcomes) == 10
+    assert not any(outcomes.values()), f"a stranger got in: {outcomes}"
+
+
+def test_tcp_stranger_with_a_valid_secret_for_an_out_of_range_rank_is_refused():
+    """Even knowing the job secret, a connection for a rank outside the job is refused."""
+    outcomes = {}
+    box = {}
+
+    def hook(rnd, table):
+        if rnd == 0:
+            box["secret"] = table[0][1]
+        elif rnd == 1:
+            for claim in (2, 9, -3):
+                s = socket.create_connection(tuple(table[0]), timeout=10)
+                t = threading.Thread(target=lambda s=s, c=claim: outcomes.__setitem__(
+                    c, _answer(s, c, box["secret"], TCP_LABEL, 0)), daemon=True)
+                t.start()
+                box.setdefault("threads", []).append(t)
+
+    assert _run_ranks(2, hook, _exchange_data) == [True, True]
+    for t in box["threads"]:
+        t.join(10)
+    assert outcomes == {2: False, 9: False, -3: False}
+
+
+def _fake_rank1(ex, send_after_setup):
+    """Rank 1 of a 2-rank TCP job, by hand: valid handshakes, then ``send_after_setup(sock)``."""
+    hello = ex.allgather((socket.gethostname(), None))
+    secret = hello[0][1]
+    srv = socket.create_server((LO, 0))
+    table = ex.allgather((LO, srv.getsockname()[1]))
+    t, box = None, {}
+
+    def acc():
+        box["peers"] = auth.accept_peers(srv, secret, TCP_LABEL, 1, [0], time.monotonic() + 20, "fake")
+
+    t = threading.Thread(target=acc, daemon=True)
+    t.start()
+    out = auth.connect_peer(tuple(table[0]), secret, TCP_LABEL, 1, 0, 20.0)
+    t.join(20)
+    srv.close()
+    ex.barrier()
+    send_after_setup(out)
+    return out, box["peers"][0]
+
+
+_DESC = np.dtype([("win", "<u4"), ("pad", "<u4"), ("off", "<u8"), ("n", "<u8")])
+
+
+def _records(*recs):
+    return np.array(list(recs), _DESC).tobytes()
+
+
+MALFORMED = {
+    "oversized counts": _HDR.pack(KIND_BATCH, 0xFFFFFFFF, 0xFFFFFFFF, 0),
+    "just over the record limit": _HDR.pack(KIND_BATCH, MAX_RECORDS, 1, 0),
+    "bad kind": _HDR.pack(7, 0, 0, 0),
+    "reserved field": _HDR.pack(KIND_BATCH, 0, 0, 1),
+    "window index": _HDR.pack(KIND_BATCH, 1, 0, 0) + _records((9, 0, 0, 8)),
+    "range beyond the window": _HDR.pack(KIND_BATCH, 1, 0, 0) + _records((0, 0, DATA - 8, 16)),
+    "huge range (u64 wrap)": _HDR.pack(KIND_BATCH, 1, 0, 0) + _records((0, 0, 2**64 - 8, 16)),
+    "flag beyond the window": _HDR.pack(KIND_BATCH, 0, 1, 0) + _records((1, 0, FLAGS, 1)),
+    "unaligned flag": _HDR.pack(KIND_BATCH, 0, 1, 0) + _records((1, 0, 4, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_tcp_malformed_message_after_a_valid_handshake_is_a_comm_error(case):
+    windows = [HostWindow(DATA), HostWindow(FLAGS)]
+    socks = []
+
+    def body(ex, r):
+        if r == 1:
+            socks.extend(_fake_rank1(ex, lambda s: s.sendall(MALFORMED[case])))
+            return None
+        tr = TcpTransport(ex, windows, timeout=20.0)
+        tr.connect()
+        return tr
+
+    tr, _ = _run_ranks(2, None, body)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CommError) as ei:
+            while time.monotonic() - t0 < 20:
+                tr.progress()
+                time.sleep(1e-3)
+        assert ei.value.record.get("peer") == 1 and "rank 1" in str(ei.value), ei.value
+        assert "malformed" in str(ei.value), ei.value
+        assert not windows[0].array.any() and not windows[1].array.any()  # nothing was written
+    finally:
+        tr.close(timeout=1)
+        for s in socks:
+            s.close()
+
+
+def test_tcp_large_batches_are_split_and_still_ordered():
+    """A batch with more records than one message may hold arrives whole, flags after the data."""
+    n = MAX_RECORDS + 100
+
+    def body(ex, r):
+        data, flags = HostWindow(4 * n * 2), HostWindow(FLAGS)
+        tr = TcpTransport(ex, [data, flags], timeout=20.0)
+        tr.connect()
+        try:
+            if r == 0:
+                data.array[:4 * n] = (np.arange(4 * n) & 0xFF).astype(np.uint8)
+                # every range separate (stride 8), so nothing merges; many flags too
+                tr.post([PeerBatch(1, [(0, 4 * i, 8 * i, 4) for i in range(n)],
+                                   [(1, 8 * j, 3) for j in range(MAX_RECORDS // 8)])])
+            else:
+                t0 = time.monotonic()
+                while flags.read_u64(8 * (MAX_RECORDS // 8 - 1)) < 3:
+                    tr.progress()
+                    assert time.monotonic() - t0 < 20
+                    time.sleep(1e-3)
+                got = data.array.reshape(n, 8)[:, :4].reshape(-1)
+                assert np.array_equal(got, (np.arange(4 * n) & 0xFF).astype(np.uint8))
+            ex.barrier()
+        finally:
+            tr.close(timeout=10)
+        assert tr.error is None, tr.error
+        return True
+
+    assert _run_ranks(2, None, body) == [True, True]
+
+
+def test_tcp_refuses_a_wildcard_address():
+    def body(ex, r):
+        tr = TcpTransport(ex, [HostWindow(64)], addr="0.0.0.0", timeout=5.0)
+        with pytest.raises(CommError, match="wildcard"):
+            tr.connect()
+        return True
+
+    assert _run_ranks(1, None, body) == [True]
 
 
 # ---- SocketExchanger ----------------------------------------------------------------------------
