@@ -250,7 +250,12 @@ def test_internode_proxy_gets_the_context_timeout(monkeypatch):
     class FakeCtx:
         timeout = 12.5
         world = object()
-        _closers, _checks = [], []
+
+        def add_closer(self, fn):
+            pass
+
+        def add_check(self, fn):
+            pass
 
         def workspace(self, key, nbytes):
             return type("WS", (), {"ptr": 0x1000, "nbytes": nbytes})()
