@@ -179,7 +179,7 @@ CE_VALUE_OFF = 32  # collectives.cu MK_COLL_CE_VALUE_OFF: the call number the co
 CE_MIN_CHUNK = 2 << 20  # bytes per copy (and flag): fewer, larger copies keep the host's share small
 # per peer slot: the receivers' work is pipelined over this many chunks, each one a copy and a flag copy.
 # Fewer, larger chunks cost less per call; the last one's local copy is exposed.  Measured (2x H200,
-# 2026-11-30 fifth session, busbw GB/s at 512 MiB / 1 GiB; 16 chunks twice): all-gather 4: 329/339,
+# 2026-11-30, busbw GB/s at 512 MiB / 1 GiB; 16 chunks twice; docs/collectives.md): all-gather 4: 329/339,
 # 8: 326/336, 16: 305-310/327-332, 32: 281/314; all-reduce 4: 334/338, 8: 347/354, 16: 339-342/353-358,
 # 32: 330/351.  MKERNEL_COLL_CE_MAX_CHUNKS overrides (every rank alike).
 CE_MAX_CHUNKS = min(int(os.environ.get("MKERNEL_COLL_CE_MAX_CHUNKS", 8)), MAX_CHUNKS // 2)
