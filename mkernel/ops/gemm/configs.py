@@ -2,9 +2,9 @@
 is compiled from, the candidate sets the heuristic chooses among, the dtype codes, the specialization
 defines and the registered specializations of ``cuda_src/gemm/gemm.cu``.
 
-``cuda_src/gemm/mk_gemm_configs.cuh`` holds each config's ``MkGemmConfig`` (``MkCfgSel``); its
-static_asserts check the launch geometry against this table.  Reference: docs/gemm.md, section
-"Configurations".
+``defines`` emits a config's template parameters as ``MK_CFG_*`` defines;
+``cuda_src/gemm/mk_gemm_configs.cuh`` builds the kernel's ``MkGemmConfig`` from them, so a config is written
+here only.  Reference: docs/gemm.md, section "Configurations".
 
 ``setting`` reads the ``MKERNEL_GEMM_*`` overrides (docs/gemm.md, "Configurations", overrides paragraph):
 the only place the GEMM reads the environment.  Comments cite measurements as "entry N":
@@ -35,8 +35,8 @@ class TileConfig:
     """One tile configuration (``MK_GEMM_CONFIG``): the kernel's ``MkGemmConfig`` parameters and the
     heuristic's figures for it.
 
-    ``bm x bn`` is the tile with B "nk"; ``bn_kn`` (if set) the tile width with B "kn" (MN-major B tiles
-    are whole 64-column chunks, so config 5's 224 becomes 256 there).
+    ``bm x bn`` is the tile with B "nk"; ``bn_kn`` / ``stages_kn`` (if set) the tile width / ring depth with
+    B "kn" (MN-major B tiles are whole 64-column chunks, so config 5's 224 becomes 256 there).
     """
 
     id: int
@@ -64,6 +64,11 @@ class TileConfig:
     cluster_k: int = 1
     # 2: blocks in clusters of 2 along M sharing B by TMA multicast (MkClusterTileScheduler<..., 2, 1>)
     cluster_m: int = 1
+    stages_kn: int | None = None
+    # False: every wgmma batch waited on before the next (the debug config)
+    pipelined: bool = True
+    # 2: the two consumer warpgroups side by side along N on a 64-row tile, each on bn / 2 columns
+    wg_n: int = 1
 
     @property
     def cluster(self) -> int:
@@ -97,6 +102,9 @@ class TileConfig:
     def tile_n(self, layout: str = "nk") -> int:
         return self.bn_kn if (layout == "kn" and self.bn_kn is not None) else self.bn
 
+    def stages_for(self, layout: str = "nk") -> int:
+        return self.stages_kn if (layout == "kn" and self.stages_kn is not None) else self.stages
+
     @property
     def smem(self) -> int:
         """Dynamic shared memory per block: MkGemmConfig::SMEM_BYTES of the "nk" kernel, which the "kn" one
@@ -121,7 +129,7 @@ class TileConfig:
 # MKERNEL_GEMM_CONFIG).
 CONFIGS = {
     # debug: every wgmma batch waited on, no setmaxnreg; tells layout bugs from pipeline bugs.  Forced only
-    0: TileConfig(0, 64, 128, 2, 1, 0.5, debug=True),
+    0: TileConfig(0, 64, 128, 2, 1, 0.5, debug=True, pipelined=False),
     # few tiles (small M or N); at M <= SMALL_M, where one band of rows streams B, efficiency 0.85 (entry 14)
     1: TileConfig(1, 64, 128, 8, 1, 0.65, staging_boxes=2, efficiency_small_m=0.85),
     # medium problems
@@ -155,15 +163,15 @@ CONFIGS = {
     19: TileConfig(19, 64, 128, 8, 1, 0.60, staging_boxes=2, efficiency_small_m=0.87, cluster_m=2),
     # 64 x 128 tiles on two consumer warpgroups side by side along N (cuBLAS's 64-row kernels, entry 37):
     # ties config 1, forced only
-    29: TileConfig(29, 64, 128, 8, 2, 0.60, staging_boxes=1),
+    29: TileConfig(29, 64, 128, 8, 2, 0.60, staging_boxes=1, wg_n=2),
     # config 29 in clusters of 2 along M sharing B: replaces config 1 at M <= SMALL_M (efficiency just above
     # its 0.85; entries 34, 37) and up to M = 512 where its tiles make one whole wave (entry 44)
     30: TileConfig(30, 64, 128, 8, 2, 0.60, staging_boxes=1, efficiency_small_m=0.87, cluster_m=2,
-                   full_wave_max_m=512),
+                   full_wave_max_m=512, wg_n=2),
     # 64 x 96 "nk" tiles ("kn": 64 x 128) on warpgroups along N, with (31) / without (32) clusters along M:
     # slower than the split plan on dsv3.q_a M=512, forced only (entry 37)
-    31: TileConfig(31, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, cluster_m=2),
-    32: TileConfig(32, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1),
+    31: TileConfig(31, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, cluster_m=2, wg_n=2),
+    32: TileConfig(32, 64, 96, 8, 2, 0.60, bn_kn=128, staging_boxes=1, wg_n=2),
     # 128 x 96 tiles ("kn": 128 x 128), split-K inside clusters of 2: replaces split plans where its blocks fit
     # one wave (auto_plan; dsv3.q_a M=512 24.7 vs 25.7 us, entry 40)
     36: TileConfig(36, 128, 96, 6, 2, 0.95, bn_kn=128, cluster_k=2),
@@ -184,8 +192,8 @@ CONFIGS = {
     50: TileConfig(50, 128, 192, 4, 2, 0.94, staging_boxes=2, cluster_n=2),
     # 64 x 16 / 64 x 32 "nk" tiles, 16 stages ("kn": 64 x 64, 8 stages): the transposed decode plans (the
     # caller's M <= 16 / 32 rows as N; swap_candidates, entry 66), forced only otherwise
-    53: TileConfig(53, 64, 16, 16, 1, 0.60, bn_kn=64),
-    54: TileConfig(54, 64, 32, 16, 1, 0.60, bn_kn=64),
+    53: TileConfig(53, 64, 16, 16, 1, 0.60, bn_kn=64, stages_kn=8),
+    54: TileConfig(54, 64, 32, 16, 1, 0.60, bn_kn=64, stages_kn=8),
 }
 # choose_config's default set: the configs of the first fused kernels.
 LEGACY_CANDIDATES = (1, 2, 3)
@@ -202,10 +210,16 @@ SWAP_CANDIDATES = DECODE_SWAP_CONFIGS + (1,) + TALL_SWAP_CONFIGS
 
 
 def defines(in_dtype: str, out_dtype: str, cfg: TileConfig | int, swap: bool = False) -> dict:
-    """The preprocessor defines of a GEMM-based kernel's specialization: dtype codes and the config id
-    (``MK_GEMM_CONFIG``); ``swap``: the transposed problem, stored transposed (gemm.cu)."""
+    """The preprocessor defines of a GEMM-based kernel's specialization: dtype codes, the config id
+    (``MK_GEMM_CONFIG``, which names it) and the config's ``MkGemmConfig`` parameters (``MK_CFG_*``, read by
+    cuda_src/gemm/mk_gemm_configs.cuh); ``swap``: the transposed problem, stored transposed (gemm.cu)."""
     c = CONFIGS[cfg] if isinstance(cfg, int) else cfg
-    d = dict(MK_GEMM_IN=DTYPE_CODES[in_dtype], MK_GEMM_OUT=DTYPE_CODES[out_dtype], MK_GEMM_CONFIG=c.id)
+    d = dict(MK_GEMM_IN=DTYPE_CODES[in_dtype], MK_GEMM_OUT=DTYPE_CODES[out_dtype], MK_GEMM_CONFIG=c.id,
+             MK_CFG_NC=c.consumers, MK_CFG_BN_NK=c.tile_n("nk"), MK_CFG_BN_KN=c.tile_n("kn"),
+             MK_CFG_STAGES_NK=c.stages_for("nk"), MK_CFG_STAGES_KN=c.stages_for("kn"),
+             MK_CFG_PIPELINED=int(c.pipelined), MK_CFG_PINGPONG=int(c.pingpong), MK_CFG_STAGING=c.staging_boxes,
+             MK_CFG_CLUSTER_N=c.cluster_n, MK_CFG_CLUSTER_K=c.cluster_k, MK_CFG_CLUSTER_M=c.cluster_m,
+             MK_CFG_WG_N=c.wg_n)
     if swap:
         d["MK_GEMM_SWAP"] = 1
     return d
