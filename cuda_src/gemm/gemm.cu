@@ -62,7 +62,8 @@ MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
     __trap();  // grouped GEMMs do not run in clusters or transposed (mkernel/ops/gemm never launches this)
   } else if constexpr (GROUPED) {
     // a tile ending inside a group must not write the next group's rows: clip_rows = 0
-    MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);
+    MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.M, args.N,
+                                                 args.group_m);
     mk_gemm_run_store<Cfg>(tmA, tmB, tmC, args.K, sched, MkNoWait(), epi, args.c_tma, 0, mk_smem, blockIdx.x, gridDim.x);
   } else if constexpr (Cfg::PINGPONG) {  // (no split-K: the ping-pong loop's ring positions assume whole tiles)
     if constexpr (MK_GEMM_SWAP) {

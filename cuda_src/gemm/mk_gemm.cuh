@@ -345,11 +345,11 @@ template <int BM, int BN, int CK> struct MkClusterKScheduler {
 // rasterized like a plain GEMM; the cursor only moves forward (a worker's ids increase).
 template <int BM, int BN> struct MkGroupedScheduler {
   const void* offs;
-  int offs_i32, num_groups, N, num_n, group_m;
+  int offs_i32, num_groups, M, N, num_n, group_m;
   int next_i, step;
   int g, base, g_row0, g_row1, g_num_m;  // cursor: group g starts at linear tile `base`
-  MK_DEVICE MkGroupedScheduler(const void* offs_, int offs_i32_, int G, int N_, int group_m_)
-      : offs(offs_), offs_i32(offs_i32_), num_groups(G), N(N_), group_m(group_m_ > 0 ? group_m_ : 1) {
+  MK_DEVICE MkGroupedScheduler(const void* offs_, int offs_i32_, int G, int M_, int N_, int group_m_)
+      : offs(offs_), offs_i32(offs_i32_), num_groups(G), M(M_), N(N_), group_m(group_m_ > 0 ? group_m_ : 1) {
     num_n = (N + BN - 1) / BN;
     next_i = 0;
     step = 1;
@@ -361,13 +361,16 @@ template <int BM, int BN> struct MkGroupedScheduler {
   MK_DEVICE long long offset(int i) const {
     return offs_i32 ? (long long)((const int*)offs)[i] : ((const long long*)offs)[i];
   }
+  // Offsets come from the device unchecked: each group is clamped to rows [0, M) and to a non-negative
+  // count, so no offsets can make a tile read or write outside A and C (docs/gemm.md, grouped GEMM).
   MK_DEVICE void load_group(int gg) {
     g = gg;
     if (g < num_groups) {
-      g_row0 = (int)offset(g);
-      g_row1 = (int)offset(g + 1);
-      const int m = g_row1 > g_row0 ? g_row1 - g_row0 : 0;
-      g_num_m = (m + BM - 1) / BM;
+      const long long r0 = min(max(offset(g), 0LL), (long long)M);
+      const long long r1 = min(max(offset(g + 1), r0), (long long)M);
+      g_row0 = (int)r0;
+      g_row1 = (int)r1;
+      g_num_m = (g_row1 - g_row0 + BM - 1) / BM;
     }
   }
   MK_DEVICE void init(int worker_id, int num_workers) {

@@ -17,6 +17,8 @@ import pytest
 import _compile_cache
 from mkernel.core import compiler as CP
 from mkernel.core import launch as LCH
+from mkernel.core import tensormap as TM
+from mkernel.ops import base as BASE
 from mkernel.ops import gemm as G
 from mkernel.ops.gemm import api as GA, configs as GC, heuristic as GH, kernels as GK, operands as GO, plan as GP
 from mkernel.core.arrays import DeviceArray
@@ -77,13 +79,31 @@ def test_smem_budget():
 # ---------------------------------------------------------------------------------------------
 # planning, against fakes
 # ---------------------------------------------------------------------------------------------
+class FakeLaunch:
+    """A prepared launch: each submission is logged with its arguments' values at that moment (the bound
+    call re-points the same argument objects call after call, as the driver copies them at launch)."""
+
+    def __init__(self, log, key, grid, block, args, smem, cluster, dependent):
+        self.log, self.key, self.grid, self.block, self.args = log, key, grid, block, args
+        self.smem, self.cluster, self.dependent = smem, cluster, dependent
+
+    def submit(self):
+        args = [a.raw if hasattr(a, "raw") else type(a).from_buffer_copy(a)
+                if isinstance(a, (ctypes.Structure, ctypes._SimpleCData)) else a for a in self.args]
+        self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=self.grid, block=self.block, args=args,
+                             smem=self.smem, cluster=self.cluster, dependent=self.dependent,
+                             swap="swap" in self.key[4:]))
+
+
 class FakeKernel:
     def __init__(self, log, key):
         self.log, self.key = log, key
 
-    def launch(self, grid, block, args, *, stream=None, smem=0, cluster=None, dependent=False, **kw):
-        self.log.append(dict(kernel=self.key[3], config=self.key[2], grid=grid, block=block, args=args, smem=smem,
-                             cluster=cluster, dependent=dependent, swap="swap" in self.key[4:]))
+    def prepare(self, grid, block, args, *, stream=None, smem=0, cluster=None, dependent=False, **kw):
+        return FakeLaunch(self.log, self.key, grid, block, list(args), smem, cluster, dependent)
+
+    def launch(self, grid, block, args, **kw):
+        self.prepare(grid, block, args, **kw).submit()
 
     def max_active_clusters(self, grid, block, smem, cluster):
         return 60  # (a GPU on which not every SM pairs up)
@@ -93,7 +113,7 @@ CLEARS: list = []  # (ptr, count) of every split-K counter clear the fake plans 
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(monkeypatch, mkenv):
     launches, maps = [], []
     ptrs = iter(range(1 << 40, 1 << 41, 1 << 28))
 
@@ -105,33 +125,52 @@ def fake(monkeypatch):
 
     def encode(ptr, dtype, dims, strides, box, **kw):
         maps.append(dict(ptr=ptr, dtype=dtype, dims=tuple(dims), strides=tuple(strides), box=tuple(box)))
-        return bytes(128)
+        return int(ptr).to_bytes(8, "little") + bytes(120)  # (a launch's map names its address: map_ptr)
 
     monkeypatch.setattr(GK, "get", lambda i, o, c, name, swap=False: FakeKernel(
         launches, (i, o, c, name) + (("swap",) if swap else ())))
     monkeypatch.setattr(GK, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(GK, "context", lambda: (1, 0))
+    monkeypatch.setattr(GK, "context_handle", lambda: 1)
     monkeypatch.setattr(GO, "encode_tiled", encode)
+    monkeypatch.setattr(TM, "encode_tiled", encode)
+    monkeypatch.setattr(TM, "_codec", False)  # (no driver: re-pointed maps are encoded again)
     _no_device(monkeypatch)
     monkeypatch.setattr(DeviceArray, "empty", staticmethod(empty))
     monkeypatch.setattr(DeviceArray, "from_numpy", staticmethod(from_numpy))
-    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    mkenv("MKERNEL_GEMM_CONFIG", None)
     _capturing(monkeypatch, False)
     CLEARS.clear()
     monkeypatch.setattr(GO, "_clear_i32", lambda ptr, n, stream: CLEARS.append((ptr, n)))
-    GP._plans.clear()
+    BASE._device_states.clear()
     return launches, maps, empty
 
 
 def _no_device(monkeypatch):
     """The ops' device scopes (gemm / grouped_gemm, describe) as no-ops on device 0."""
-    for mod in (GA, GP):
-        monkeypatch.setattr(mod, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
+    monkeypatch.setattr(GA, "on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
+    monkeypatch.setattr(GP, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
 
 
 def _capturing(monkeypatch, value: bool):
-    """Whether the fake stream is being captured into a CUDA graph (plans, split-K clears)."""
-    for mod in (GP, GO):
+    """Whether the fake stream is being captured into a CUDA graph (bound calls, split-K clears)."""
+    for mod in (BASE, GO):
         monkeypatch.setattr(mod, "is_capturing", lambda stream: value)
+
+
+def last_bound():
+    """The most recently used bound GEMM call (its .plan: GemmPlan; .buffers, .clears, .pinned)."""
+    return next(reversed(BASE.device_state("gemm", 0).calls.values()))
+
+
+def nplans() -> int:
+    """Bound GEMM calls held by every device state (one per key)."""
+    return sum(len(s.calls) for s in BASE._device_states.values())
+
+
+def map_ptr(raw: bytes) -> int:
+    """The address a (fake-encoded) tensor map of a launch's arguments points at."""
+    return int.from_bytes(raw[:8], "little")
 
 
 def _args(launch) -> GP.GemmArgs:
@@ -154,12 +193,16 @@ def test_big_square_kn(fake):
     assert mc == dict(ptr=out.ptr, dtype="bfloat16", dims=(4096, 4096), strides=(8192,), box=(64, 64))
     x = _args(l)
     assert (x.M, x.N, x.K, x.ldc, x.num_groups, x.c_vec_ok, x.c, x.c_tma) == (4096, 4096, 4096, 4096, 1, 1, out.ptr, 1)
-    # the same call again (a fresh output): the plan is reused, only C's map re-encoded
+    # the same call again (a fresh output): the bound call is reused, C's map re-pointed
     out2 = G.gemm(a, b)
-    assert len(maps) == 4 and maps[-1]["ptr"] == out2.ptr and len(launches) == 2
-    # the first output again: the plan's own arguments, nothing re-encoded
-    G.gemm(a, b, out)
-    assert len(maps) == 4 and len(launches) == 3 and _args(launches[-1]).c == out.ptr
+    assert len(launches) == 2 and map_ptr(launches[-1]["args"][2]) == out2.ptr and _args(launches[-1]).c == out2.ptr
+    # the first output again, and new operands of the same layout: re-pointed, not planned again
+    a2 = empty((4096, 4096), "bfloat16")
+    G.gemm(a2, b, out)
+    l3 = launches[-1]
+    assert len(launches) == 3 and _args(l3).c == out.ptr and map_ptr(l3["args"][2]) == out.ptr
+    assert map_ptr(l3["args"][0]) == a2.ptr and map_ptr(l3["args"][1]) == b.ptr
+    assert len(BASE.device_state("gemm", 0).calls) == 1
 
 
 def test_nk_small_m_picks_small_tiles(fake):
@@ -268,20 +311,20 @@ def test_fresh_outputs_reuse_one_plan(fake):
     launches, maps, empty = fake
     a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
     outs = [G.gemm(a, b, b_layout="nk") for _ in range(3)]
-    assert len({o.ptr for o in outs}) == 3 and len(GP._plans) == 1
+    assert len({o.ptr for o in outs}) == 3 and nplans() == 1
     args = [_args(launch) for launch in launches]
     assert [x.c for x in args] == [o.ptr for o in outs]
     assert args[0].splits > 1 and len({x.partials for x in args}) == 1  # one split-K workspace
     c_maps = [m for m in maps if m["dims"] == (1536, 128)]
     assert [m["ptr"] for m in c_maps] == [o.ptr for o in outs]  # the plan's own, then one per new output
     G.gemm(a, b, b_layout="nk", stream=7)  # another stream: its own plan
-    assert len(GP._plans) == 2
+    assert nplans() == 2
     o = empty((128, 1536), "bfloat16")
     G.gemm(a, b, o, b_layout="nk")  # a given output of the same layout: the same plan, re-pointed
-    assert len(GP._plans) == 2 and _args(launches[-1]).c == o.ptr
+    assert nplans() == 2 and _args(launches[-1]).c == o.ptr
     o32 = empty((128, 1536), "float32")
     G.gemm(a, b, o32, b_layout="nk")  # another output dtype: another plan
-    assert len(GP._plans) == 3 and _args(launches[-1]).c == o32.ptr
+    assert nplans() == 3 and _args(launches[-1]).c == o32.ptr
 
 
 def test_k0_fills_each_output(fake):
@@ -335,15 +378,15 @@ def test_cluster_k_config_launch(fake):
         G.grouped_gemm(a, empty((2, 1536, 7168), "bfloat16"), [0, 256, 512], b_layout="nk", config=9)
 
 
-def test_programmatic_dependent_launch(fake, monkeypatch):
+def test_programmatic_dependent_launch(fake, monkeypatch, mkenv):
     """Plain GEMM kernels are programmatic dependent launches -- cluster split-K plans (and grouped
     GEMMs) only where the plan's arithmetic intensity reaches PDL_MIN_INTENSITY and, for the former,
     their blocks fill the SMs or their K ranges are short -- (MKERNEL_GEMM_PDL=1 / 0: always /
     never); the launch configuration, with the
     attribute, is built by LCH._launch_config."""
     launches, maps, empty = fake
-    monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)
-    monkeypatch.setenv("MKERNEL_GEMM_GEMV", "0")  # (the M = 1 calls below: the GEMM tiles, not mkernel/gemv.py)
+    mkenv("MKERNEL_GEMM_PDL", None)
+    mkenv("MKERNEL_GEMM_GEMV", "0")  # (the M = 1 calls below: the GEMM tiles, not mkernel/gemv.py)
     a, b = empty((512, 1024), "bfloat16"), empty((1024, 768), "bfloat16")
     G.gemm(a, b)  # intensity 2*512*1024*768 / (2*(512*1024 + 1024*768 + 512*768)) = 237
     assert launches[-1]["dependent"] is True
@@ -363,12 +406,12 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     a1 = empty((1, 8192), "bfloat16")
     G.gemm(a1, w, b_layout="nk")  # ~1: a GEMV on the tiles, still a plain GEMM (entry 62)
     assert launches[-1]["dependent"] is True
-    monkeypatch.setenv("MKERNEL_GEMM_PDL", "0")
+    mkenv("MKERNEL_GEMM_PDL", "0")
     G.gemm(a1, w, b_layout="nk")
     assert launches[-1]["dependent"] is False
     G.gemm(a, b)
     assert launches[-1]["dependent"] is False
-    monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")
+    mkenv("MKERNEL_GEMM_PDL", "1")
     G.gemm(empty((512, 8192), "bfloat16"), empty((1024, 8192), "bfloat16"), b_layout="nk", config=36)
     assert launches[-1]["dependent"] is True  # (off automatically: above)
     assert GH.pdl_auto(1024, 1024, 1024) and GH.pdl_auto(128, 4096, 7168) and GH.pdl_auto(64, 4096, 7168)
@@ -396,8 +439,8 @@ def test_split_k_plans(fake):
     G.gemm(a, b, b_layout="nk")
     l = launches[-1]
     x = _args(l)
-    plan = next(reversed(GP._plans.values()))
-    cfg = plan.cfg
+    plan = last_bound().plan
+    cfg = G.CONFIGS[plan.config]
     tiles = -(-128 // cfg.bm) * -(-1536 // cfg.tile_n("nk"))
     assert x.splits == plan.splits > 1 and x.partials and x.counters and x.split_from == 0
     assert l["grid"] == min(132, tiles * x.splits)
@@ -418,13 +461,13 @@ def test_split_k_plans(fake):
     G.gemm(a, b, o, b_layout="nk", config=3, splits=16)
     x = _args(launches[-1])
     assert CLEARS == [(x.partials, 6 * 128 * 256 + 6)] and x.counters == x.partials + 4 * 6 * 128 * 256
-    assert not next(reversed(GP._plans.values())).zero.pending
+    assert not last_bound().clears[0].pending
     # a partial last wave: 156 tiles of 128x192 on 132 SMs -> one wave of whole tiles, 24 tiles split
     G.gemm(empty((6656, 7168), "bfloat16"), empty((576, 7168), "bfloat16"), b_layout="nk")
     x = _args(launches[-1])
     assert (x.splits, x.split_from) == (5, 132) and launches[-1]["grid"] == 132
-    plan = next(reversed(GP._plans.values()))
-    assert plan.cfg.id == 4 and plan.keep[-1].shape == (24 * 128 * 192 + 24,)  # one sum per split tile
+    bound = last_bound()
+    assert bound.plan.config == 4 and bound.buffers[-1].shape == (24 * 128 * 192 + 24,)  # one sum per split tile
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,9 +516,9 @@ def test_split_k_plans(fake):
     (1024, 1024, 8192, "nk", 18),    # ... not at M = 1024 (33.3 vs 32.0)
     (256, 2048, 8192, "nk", 18),     # ... nor half a wave (27.3 vs 24.1)
 ])
-def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
-    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
+def test_heuristic_choices(monkeypatch, M, N, K, layout, want, mkenv):
+    mkenv("MKERNEL_GEMM_CONFIG", None)
+    mkenv("MKERNEL_GEMM_CANDIDATES", None)
     assert G.auto_plan(M, N, K, layout, 132)[0].id == want
 
 
@@ -488,12 +531,12 @@ def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
     (7950, 1744, 952, "kn", 4, 50),
     (696, 3712, 8360, "kn", 4, 50),     # 4: 99.2, 50: 84.7 (aligned 696x3712x8368: 4 67.2, 50 67.3)
 ])
-def test_misaligned_rows_move_off_load_heavy_configs(monkeypatch, M, N, K, layout, aligned, misaligned):
+def test_misaligned_rows_move_off_load_heavy_configs(monkeypatch, M, N, K, layout, aligned, misaligned, mkenv):
     """Operand rows an odd multiple of 16 bytes apart make the configs that load the most rows per
     multiply-add load-bound (load_bound), the cluster pairs that multicast one operand less so; with
     aligned rows the plan is unchanged."""
-    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
+    mkenv("MKERNEL_GEMM_CONFIG", None)
+    mkenv("MKERNEL_GEMM_CANDIDATES", None)
     assert G.auto_plan(M, N, K, layout, 132)[0].id == aligned
     assert G.auto_plan(M, N, K, layout, 132, None, (True, True))[0].id == misaligned
     for cid in GC.AUTO_CANDIDATES:  # aligned: untouched; misaligned: never raised
@@ -515,16 +558,17 @@ def test_misaligned_rows_reach_the_planner(fake):
     assert not GO.row_misaligned(empty((1, 5544), "bfloat16"), 1, 5544)
 
 
-def test_heuristic_env_overrides(monkeypatch):
-    monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", "1,2,3")  # the original heuristic
-    assert G.auto_plan(2048, 1536, 7168, "nk", 132)[0].id == 3  # measured: 3: 571, 2: 515, 1: 456 TFLOP/s
-    assert G.auto_plan(8192, 32768, 512, "nk", 132)[0].id == 3
-    monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES")
-    monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "3")
-    assert G.auto_plan(8192, 32768, 512, "nk", 132)[0].id == 3
-    # the legacy candidate set (1..3) never gets a forced config outside it
-    monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "6")
-    assert G.choose_config(lambda c: 100, 132).id in GC.LEGACY_CANDIDATES
+def test_heuristic_overrides(monkeypatch, mkenv):
+    """GemmOptions.candidates restricts the heuristic (the environment's MKERNEL_GEMM_CANDIDATES /
+    MKERNEL_GEMM_CONFIG reach the default options only)."""
+    allowed = (1, 2, 3)  # the original heuristic
+    assert G.auto_plan(2048, 1536, 7168, "nk", 132, allowed=allowed)[0].id == 3  # measured: 3: 571, 2: 515, 1: 456
+    assert G.auto_plan(8192, 32768, 512, "nk", 132, allowed=allowed)[0].id == 3
+    assert G.auto_plan(8192, 32768, 512, "nk", 132, config=3)[0].id == 3
+    assert G.choose_config(lambda c: 100, 132, allowed=(6,)).id in GC.LEGACY_CANDIDATES  # (none applies: ignored)
+    mkenv("MKERNEL_GEMM_CANDIDATES", "1,2,3")
+    mkenv("MKERNEL_GEMM_CONFIG", "3")
+    assert G.GemmOptions.default() == G.GemmOptions(config=3, candidates=(1, 2, 3))
     assert 6 not in GC.AUTO_CANDIDATES  # ping-pong: forced only until measured (docs/gemm.md)
     assert 9 in GC.AUTO_CANDIDATES and all(G.CONFIGS[c].cluster == 1 for c in GC.GROUPED_CANDIDATES)
     assert 18 in GC.AUTO_CANDIDATES and 18 in GC.GROUPED_CANDIDATES
@@ -534,22 +578,19 @@ def test_heuristic_env_overrides(monkeypatch):
     assert 42 in GC.AUTO_CANDIDATES and G.CONFIGS[42].b_box_rows == 160  # TMA boxes are at most 256 rows
 
 
-def test_cluster_split_k_only_replaces_split_plans(monkeypatch, bench_nk):
+def test_cluster_split_k_only_replaces_split_plans(monkeypatch, bench_nk, mkenv):
     """A cluster split-K plan (configs 9, 36) is picked only where the best plan without them splits K
     (running-sum split-K); where whole tiles fill the SMs the unsplit plan stays."""
-    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    others = ",".join(str(c) for c in GC.AUTO_CANDIDATES if G.CONFIGS[c].cluster_k == 1)
+    others = tuple(c for c in GC.AUTO_CANDIDATES if G.CONFIGS[c].cluster_k == 1)
     picked = 0
     for M in (64, 128, 256, 384, 512, 640, 1024, 2048):
         for N, K in bench_nk + [(512, 512), (1024, 2048), (1536, 2048), (2048, 2048), (3072, 7168)]:
             for layout in ("nk", "kn"):
-                monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
                 cfg, sp, sf = G.auto_plan(M, N, K, layout, 132)
                 if cfg.cluster_k == 1:
                     continue
                 picked += 1
-                monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", others)
-                assert G.auto_plan(M, N, K, layout, 132)[1] > 1, (M, N, K, layout, cfg.id)
+                assert G.auto_plan(M, N, K, layout, 132, allowed=others)[1] > 1, (M, N, K, layout, cfg.id)
     assert picked > 0
 
 
@@ -566,27 +607,25 @@ def bench_nk(monkeypatch):
     return list({**mod.LLAMA3_70B, **mod.DEEPSEEK_V3}.values())
 
 
-def test_config24_only_at_small_m(monkeypatch, bench_nk):
+def test_config24_only_at_small_m(monkeypatch, bench_nk, mkenv):
     """Config 24 (128 x 144) is a candidate at M <= SMALL_M only: over every bench shape from M = 256 up
     (and every M of the kv_a / dense_gate_up shapes it was measured on) the heuristic never picks it."""
-    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
+    mkenv("MKERNEL_GEMM_CONFIG", None)
+    mkenv("MKERNEL_GEMM_CANDIDATES", None)
     for M in (256, 512, 1000, 2048, 8192, 16384):
         for N, K in bench_nk:
             assert G.auto_plan(M, N, K, "nk", 132)[0].id != 24, (M, N, K)
 
 
-def test_config30_replaces_config1_at_small_m_only(monkeypatch, bench_nk):
+def test_config30_replaces_config1_at_small_m_only(monkeypatch, bench_nk, mkenv):
     """Config 30 (config 1's tile in clusters of 2 along M, two warpgroups side by side along N) is
     picked exactly where config 1 would be at M <= SMALL_M with the rows in whole pairs of 64-row
     tiles, and above that only up to M = 512 where its tiles make one whole wave."""
-    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+    no30 = tuple(c for c in GC.AUTO_CANDIDATES if c != 30)
     for M in (1, 7, 64, 65, 100, 128, 129, 256, 512, 2048, 8192):
         for N, K in bench_nk + [(1000, 4097), (7, 4000)]:
             for layout in ("nk", "kn"):
-                monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", ",".join(str(c) for c in GC.AUTO_CANDIDATES if c != 30))
-                without = G.auto_plan(M, N, K, layout, 132)
-                monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES")
+                without = G.auto_plan(M, N, K, layout, 132, allowed=no30)
                 cfg, sp, sf = G.auto_plan(M, N, K, layout, 132)
                 tiles = G.tile_count(G.CONFIGS[30], M, N, layout)
                 if 64 < M <= GH.SMALL_M and without[0].id == 1:
@@ -597,8 +636,8 @@ def test_config30_replaces_config1_at_small_m_only(monkeypatch, bench_nk):
                     assert (cfg.id, sp, sf) == (without[0].id, without[1], without[2]), (M, N, K, layout)
 
 
-def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch):
-    monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
+def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch, mkenv):
+    mkenv("MKERNEL_GEMM_CONFIG", None)
     c5 = G.CONFIGS[5]
     assert c5.tile_n("nk") == 224 and c5.tile_n("kn") == 256 and c5.smem == G.CONFIGS[3].smem
     for m, n, k in [(512, 7168, 2048), (128, 57344, 8192), (4096, 4096, 4096)]:
@@ -614,7 +653,7 @@ def test_224_plans(fake):
     assert maps[1]["box"] == (64, 64, 1) and launches[0]["grid"] == 4 * 28
 
 
-def test_tma_store_epilogue_plans(fake, monkeypatch):
+def test_tma_store_epilogue_plans(fake, monkeypatch, mkenv):
     """Every config with staging boxes gets a tensor map over C ({N, M}, box of 128 bytes x 64 rows)
     and c_tma = 1 when C's base and row stride are 16-byte multiples (any output dtype, grouped too);
     otherwise, for configs without staging, or with MKERNEL_GEMM_EPILOGUE=registers, c_tma = 0 and a
@@ -642,35 +681,34 @@ def test_tma_store_epilogue_plans(fake, monkeypatch):
     odd = DeviceArray(empty((1, 1), "bfloat16").ptr + 2, (1000, 520), "bfloat16", None, 0)  # misaligned base
     G.gemm(a, b, odd, config=3)
     assert launches[-1]["args"][3].c_tma == 0
-    monkeypatch.setenv("MKERNEL_GEMM_EPILOGUE", "registers")
+    mkenv("MKERNEL_GEMM_EPILOGUE", "registers")
     G.gemm(a, b, config=3)
     assert launches[-1]["args"][3].c_tma == 0
 
 
 def test_captured_plans_outlive_the_lru(fake, monkeypatch):
-    """A plan whose buffers (split-K partials here) were captured into a CUDA graph must survive LRU
-    eviction: the graph replays them.  Plans run outside a capture are evicted as usual."""
+    """A bound call whose buffers (split-K partials here) were captured into a CUDA graph must survive LRU
+    eviction: the graph replays them.  Bound calls run outside a capture are evicted as usual."""
     launches, maps, empty = fake
-    monkeypatch.setattr(GP, "_pinned", [])
-    a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
-    G.gemm(a, b, b_layout="nk")  # not captured
-    free = next(reversed(GP._plans.values()))
+    monkeypatch.setattr(BASE, "_pinned", [])
+    b = empty((1536, 7168), "bfloat16")
+    G.gemm(empty((128, 7168), "bfloat16"), b, b_layout="nk")  # not captured
+    free = last_bound()
     _capturing(monkeypatch, True)
-    a2 = empty((128, 7168), "bfloat16")
-    G.gemm(a2, b, b_layout="nk")  # captured
-    kept = next(reversed(GP._plans.values()))
-    assert kept.splits > 1 and kept.pinned and GP._pinned == [kept] and not free.pinned
+    G.gemm(empty((96, 7168), "bfloat16"), b, b_layout="nk")  # captured (another layout: its own bound call)
+    kept = last_bound()
+    assert kept is not free and kept.plan.splits > 1 and kept.pinned and BASE._pinned == [kept] and not free.pinned
     # its counter clear was captured (it happens when the graph runs): the next eager call clears again
-    assert kept.zero.pending and not free.zero.pending
+    assert kept.clears[0].pending and not free.clears[0].pending
     _capturing(monkeypatch, False)
-    for _ in range(GP._PLANS_MAX + 1):  # evict both from the LRU
-        G.gemm(empty((256, 256), "bfloat16"), empty((256, 256), "bfloat16"))
-    assert kept not in GP._plans.values() and free not in GP._plans.values()
-    assert GP._pinned == [kept] and kept.keep  # its partials and counters are still referenced
+    for i in range(BASE.STATE_CAPACITY + 1):  # evict both from the LRU
+        G.gemm(empty((256, 256 + 8 * i), "bfloat16"), empty((256 + 8 * i, 256), "bfloat16"))
+    calls = BASE.device_state("gemm", 0).calls.values()
+    assert kept not in calls and free not in calls
+    assert BASE._pinned == [kept] and kept.buffers  # its partials and counters are still referenced
     _capturing(monkeypatch, True)
     G.gemm(empty((8, 8), "bfloat16"), empty((8, 8), "bfloat16"))  # captured, but no buffers: not pinned
-    assert GP._pinned == [kept] and not next(reversed(GP._plans.values())).pinned
-
+    assert BASE._pinned == [kept] and not last_bound().pinned
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,14 +743,14 @@ def test_gemv_compiles_clean(source, defines, compile_cache, monkeypatch):
 
 
 @pytest.fixture
-def fake_gemv(fake, monkeypatch):
+def fake_gemv(fake, monkeypatch, mkenv):
     launches, maps, empty = fake
     monkeypatch.setattr(GV, "_kernel", lambda i, o, nt: FakeKernel(launches, (i, o, nt, "mk_gemv_nk")))
-    monkeypatch.delenv("MKERNEL_GEMM_GEMV", raising=False)
+    mkenv("MKERNEL_GEMM_GEMV", None)
     return launches, empty
 
 
-def test_gemv_routes_decode_shapes(fake_gemv, monkeypatch):
+def test_gemv_routes_decode_shapes(fake_gemv, monkeypatch, mkenv):
     """M <= 16 with B "nk", K % 8 == 0, 16-byte aligned operands, >= 66 blocks of 16 B rows (half of 132
     SMs) and < 99 tiles of 256 columns (0.75 of them) go to mk_gemv_nk: one block of 256 threads per 16
     rows of B, one MMA column tile up to 8 rows, two up to 16; arguments A, lda, B, ldb, C, ldc, M, N, K;
@@ -729,7 +767,7 @@ def test_gemv_routes_decode_shapes(fake_gemv, monkeypatch):
     # the smallest N that still fills half of the SMs: ceil(N / 16) >= 66; the largest below 99 tiles
     # (which swap_candidates would compute transposed: 392 tiles of 64 rows)
     G.gemm(empty((4, 1056), "float16"), empty((1041, 1056), "float16"), b_layout="nk")
-    monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")
+    mkenv("MKERNEL_GEMM_SWAP", "0")
     assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["grid"] == 66
     G.gemm(empty((2, 1024), "bfloat16"), empty((25088, 1024), "bfloat16"), b_layout="nk")
     assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["grid"] == 1568
@@ -737,13 +775,13 @@ def test_gemv_routes_decode_shapes(fake_gemv, monkeypatch):
     a, b = empty((3, 4096), "bfloat16"), empty((4096, 4096), "bfloat16")
     o1, o2 = empty((3, 4096), "bfloat16"), empty((3, 4096), "bfloat16")
     G.gemm(a, b, o1, b_layout="nk")
-    n_plans = len(GP._plans)
+    n_plans = nplans()
     G.gemm(a, b, o2, b_layout="nk")
-    assert len(GP._plans) == n_plans and launches[-1]["args"][4].value == o2.ptr
+    assert nplans() == n_plans and launches[-1]["args"][4].value == o2.ptr
     assert launches[-2]["args"][4].value == o1.ptr
 
 
-def test_swapped_routes(fake_gemv, monkeypatch):
+def test_swapped_routes(fake_gemv, monkeypatch, mkenv):
     """B "nk" calls computed transposed (swap_candidates): decode-shaped M <= 32 (config 53 up to 16 rows, 54
     up to 32) but the small ones the decode kernel takes (ceil(N / 64) < 0.75 of the SMs); tall-skinny
     calls with a long K where the model gains SWAP_GAIN.  The launch: the kernel's M x N = the caller's
@@ -759,8 +797,7 @@ def test_swapped_routes(fake_gemv, monkeypatch):
         assert l["kernel"] == "mk_gemm_nk" and l["swap"] and l["config"] == cfg, (M, N, K, l["config"])
         args = l["args"][3]
         assert (args.c, args.ldc, args.M, args.N, args.K, args.c_tma) == (out.ptr, N, N, M, K, 0)
-        plan = next(reversed(GP._plans.values()))
-        assert plan.swapped
+        assert last_bound().plan.swapped
     # one whole wave of decode tiles: unsplit; a swapped plan in clusters: no programmatic dependent launch
     G.gemm(empty((16, 16384), "bfloat16"), empty((7168, 16384), "bfloat16"), b_layout="nk")
     assert launches[-1]["swap"] and launches[-1]["args"][3].splits == 1 and launches[-1]["dependent"]
@@ -780,18 +817,18 @@ def test_swapped_routes(fake_gemv, monkeypatch):
     assert not launches[-1]["swap"] and launches[-1]["config"] == 1
     G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="nk", config=2, swap=True)
     assert launches[-1]["swap"] and launches[-1]["config"] == 2
-    monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "3")  # a config forced by the environment: plain
+    mkenv("MKERNEL_GEMM_CONFIG", "3")  # a config forced by the environment: plain
     G.gemm(empty((9008, 5752), "bfloat16"), empty((248, 5752), "bfloat16"), b_layout="nk")
     assert not launches[-1]["swap"] and launches[-1]["config"] == 3
-    monkeypatch.delenv("MKERNEL_GEMM_CONFIG")
-    monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")
+    mkenv("MKERNEL_GEMM_CONFIG", None)
+    mkenv("MKERNEL_GEMM_SWAP", "0")
     G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="nk")
     assert launches[-1]["kernel"] == "mk_gemv_nk"
     with pytest.raises(ValueError, match="swap"):
         G.gemm(empty((16, 8192), "bfloat16"), w, b_layout="kn", swap=True)
 
 
-def test_describe_transposed(monkeypatch):
+def test_describe_transposed(monkeypatch, mkenv):
     """describe() reports the plan gemm builds: transposed (the N x M problem's tile, tiles and grid) where
     swap_candidates says so, the decode kernel or a plain plan elsewhere."""
     compile_module = CP.compile_module
@@ -799,7 +836,7 @@ def test_describe_transposed(monkeypatch):
         monkeypatch.setattr(mod, "compile_module", lambda s, d, **kw: compile_module(s, d, **{"arch": ARCH, **kw}))
     monkeypatch.setattr(GK, "num_sms", lambda dev: 132)
     _no_device(monkeypatch)
-    monkeypatch.delenv("MKERNEL_GEMM_SWAP", raising=False)
+    mkenv("MKERNEL_GEMM_SWAP", None)
     d = G.describe(16, 8192, 8192, b_layout="nk")
     assert (d["swapped"], d["config"], d["bm"], d["bn"], d["splits"], d["tiles"]) == (True, 53, 64, 16, 1, 128)
     assert d["spills"] in (0, None)
@@ -810,10 +847,10 @@ def test_describe_transposed(monkeypatch):
     assert not G.describe(16, 8192, 8192, b_layout="nk", config=1)["swapped"]
 
 
-def test_gemv_not_routed(fake_gemv, monkeypatch):
+def test_gemv_not_routed(fake_gemv, monkeypatch, mkenv):
     """Everything else stays on the GEMM tiles."""
     launches, empty = fake_gemv
-    monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")  # (swapped plans: test_swapped_routes)
+    mkenv("MKERNEL_GEMM_SWAP", "0")  # (swapped plans: test_swapped_routes)
     w = empty((8192, 8192), "bfloat16")
     cases = [
         dict(a=empty((17, 8192), "bfloat16"), b=w),  # M > 16
@@ -836,7 +873,7 @@ def test_gemv_not_routed(fake_gemv, monkeypatch):
     big = empty((2, 8196), "bfloat16")  # an aligned base, rows 16392 bytes apart
     G.gemm(DeviceArray(big.ptr, (2, 8192), "bfloat16", (8196, 1), 0), w, b_layout="nk")
     assert launches[-1]["kernel"] != "mk_gemv_nk"
-    monkeypatch.setenv("MKERNEL_GEMM_GEMV", "0")
+    mkenv("MKERNEL_GEMM_GEMV", "0")
     G.gemm(empty((4, 8192), "bfloat16"), w, b_layout="nk")
     assert launches[-1]["kernel"].startswith("mk_gemm_")
 
@@ -853,15 +890,15 @@ def test_gemv_describe(monkeypatch):
     assert (d["bm"], d["grid"]) == (16, 63) and d["spills"] == 0
 
 
-def test_gemv_dependent_launch_env(fake_gemv, monkeypatch):
+def test_gemv_dependent_launch_env(fake_gemv, monkeypatch, mkenv):
     """MKERNEL_GEMM_PDL=0 makes the decode launch a plain one (=1 and unset: dependent); the variable
     is part of the plan key, so a changed setting builds a new plan."""
     launches, empty = fake_gemv
     a, b = empty((4, 4096), "bfloat16"), empty((4096, 4096), "bfloat16")
     for env, want in (("0", False), ("1", True), (None, True)):
         if env is None:
-            monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)
+            mkenv("MKERNEL_GEMM_PDL", None)
         else:
-            monkeypatch.setenv("MKERNEL_GEMM_PDL", env)
+            mkenv("MKERNEL_GEMM_PDL", env)
         G.gemm(a, b, b_layout="nk")
         assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["dependent"] is want, env

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from mkernel.ops import gemm as G
-from mkernel.ops.gemm import configs as GC, kernels as GK, plan as GP
+from mkernel.ops import base as BASE
+from mkernel.ops.gemm import configs as GC, kernels as GK
 from mkernel.core.arrays import DeviceArray
 
 from _util import corner, download, poisoned, rel_fro, upload, written_outside
@@ -164,20 +165,20 @@ SWAP_CASES = [  # (M, N, K, config, splits, in_dt, out_dt)
 def test_swapped(rng, M, N, K, config, splits, in_dt, out_dt):
     run_gemm(rng, M, N, K, "nk", in_dt, out_dt, config=config, splits=splits, swap=True,
              sample=256 if M * N * K > 1 << 32 else None)
-    plan = next(reversed(GP._plans.values()))
-    assert plan.swapped and plan.cfg.id == config
+    plan = G.last_plan()
+    assert plan.swapped and plan.config == config
 
 
 @pytest.mark.parametrize("M,N,K", [(16, 10240, 8192), (5, 9000, 3000), (11, 14343, 1032), (32, 10240, 8192),
                                    (23, 9001, 2056)])
-def test_swapped_decode_wave_and_a_fraction(rng, M, N, K, monkeypatch):
+def test_swapped_decode_wave_and_a_fraction(rng, M, N, K, monkeypatch, mkenv):
     """The automatic route of a decode call whose 64-row tiles make a wave and a fraction: transposed on
     config 53 / 54, only the partial last wave split (N = 10240: 160 tiles, the last 28 in 4 K ranges)."""
-    monkeypatch.delenv("MKERNEL_GEMM_SWAP", raising=False)
-    monkeypatch.delenv("MKERNEL_GEMM_GEMV", raising=False)
+    mkenv("MKERNEL_GEMM_SWAP", None)
+    mkenv("MKERNEL_GEMM_GEMV", None)
     run_gemm(rng, M, N, K, "nk")
-    plan = next(reversed(GP._plans.values()))
-    assert plan.swapped and plan.cfg.id == (53 if M <= 16 else 54), (plan.swapped, plan.cfg)
+    plan = G.last_plan()
+    assert plan.swapped and plan.config == (53 if M <= 16 else 54), (plan.swapped, plan.config)
     if N == 10240 and GK.num_sms(0) == 132:
         assert (plan.splits, plan.split_from) == (4, 132), (plan.splits, plan.split_from)
 
@@ -266,7 +267,7 @@ SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K spl
                          ids=[f"{m}x{n}x{k}-{l}-c{c}-s{s}" for m, n, k, l, c, s in SPLIT_CASES])
 def test_split_k(rng, M, N, K, layout, config, splits, out_dt):
     run_gemm(rng, M, N, K, layout, out_dt=out_dt, config=config, splits=splits)
-    plan = next(reversed(GP._plans.values()))
+    plan = G.last_plan()
     assert plan.splits == splits, f"planned {plan.splits} splits"
 
 
@@ -274,7 +275,7 @@ def test_split_k(rng, M, N, K, layout, config, splits, out_dt):
 def test_split_k_last_wave(rng, M, N, K, layout):
     """More tiles than SMs with a partial last wave: whole tiles first, the last wave's tiles split."""
     run_gemm(rng, M, N, K, layout)
-    plan = next(reversed(GP._plans.values()))
+    plan = G.last_plan()
     assert plan.splits > 1 and plan.split_from > 0, (plan.splits, plan.split_from)
 
 
@@ -291,7 +292,7 @@ def test_split_k_auto_and_repeated(rng):
         a.copy_from(a2), b.copy_from(b2), out.fill_nan()
         G.gemm(a, b, out, b_layout="nk")
         check(download(out), av @ bv.T, f"split-K auto, call {it}")
-    plan = next(reversed(GP._plans.values()))
+    plan = G.last_plan()
     assert plan.splits > 1, "the heuristic did not split K for a 24-tile problem"
 
 
@@ -312,13 +313,11 @@ def test_graph_replay_after_plan_eviction(rng):
     ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     G.gemm(a, b, out, b_layout="nk", stream=int(stream))
     graph = ok(cu.cuStreamEndCapture(stream))
-    plan = next(p for p in GP._plans.values() if p.pinned)
-    assert plan.splits > 1
-    y = rand(rng, (64, 64), "bfloat16")[0]
-    xs = [rand(rng, (64, 64), "bfloat16")[0] for _ in range(GP._PLANS_MAX + 2)]  # alive: distinct addresses
-    for x in xs:  # evict it: distinct operands make distinct plans
-        G.gemm(x, y, poisoned((64, 64), "bfloat16"))
-    assert all(p is not plan for p in GP._plans.values())
+    plan = next(p for p in BASE.pinned_calls() if p.plan.splits > 1)
+    xs = [rand(rng, (64, 64 + 8 * i), "bfloat16")[0] for i in range(BASE.STATE_CAPACITY + 2)]
+    for x in xs:  # evict it: distinct layouts make distinct bound calls
+        G.gemm(x, rand(rng, (x.shape[1], 64), "bfloat16")[0], poisoned((64, 64), "bfloat16"))
+    assert all(p is not plan for p in _bound_calls().values())
     del plan
     import gc
 
@@ -363,9 +362,9 @@ def test_plan_built_and_evicted_inside_global_capture(rng):
     from mkernel.core.driver import check as ok
 
     y = rand(rng, (128, 512), "bfloat16")[0]
-    fill = [rand(rng, (64, 512), "bfloat16")[0] for _ in range(GP._PLANS_MAX)]
-    for x in fill:  # a full cache of plans that own split-K workspaces
-        G.gemm(x, y, poisoned((64, 128), "bfloat16"), b_layout="nk", splits=2)
+    fill = [rand(rng, (64 + i, 512), "bfloat16")[0] for i in range(BASE.STATE_CAPACITY)]
+    for x in fill:  # a full cache of bound calls (distinct layouts) that own split-K workspaces
+        G.gemm(x, y, poisoned((x.shape[0], 128), "bfloat16"), b_layout="nk", splits=2)
     del fill
     gc.collect()
     M, N, K = 100, 264, 3000
@@ -469,12 +468,12 @@ def test_repeat_uses_plan(rng):
     b, bv = rand(rng, (512, 384), "bfloat16")
     out = poisoned((256, 384), "bfloat16")
     G.gemm(a, b, out)
-    n = len(GP._plans)
+    n = len(_bound_calls())
     b2, bv2 = rand(rng, (512, 384), "bfloat16")
     b.copy_from(b2)  # same pointers, new data: the cached plan must see it
     out.fill_nan()
     G.gemm(a, b, out)
-    assert len(GP._plans) == n
+    assert len(_bound_calls()) == n
     check(download(out), av @ bv2, "repeat")
 
 
@@ -488,17 +487,22 @@ GEMV_SHAPES = [  # (M, N, K); the route's block-count threshold is lifted, so sm
 
 
 @pytest.fixture
-def gemv_route(monkeypatch):
+def gemv_route(monkeypatch, mkenv):
     """Every supported call routed to the kernel (up to its 16 rows, any N), whatever the measured
     routing thresholds say."""
     monkeypatch.setattr(GV, "MIN_BLOCK_FILL", 0.0)
     monkeypatch.setattr(GV, "ROUTE_MAX_TILE_FILL", float("inf"))
-    monkeypatch.delenv("MKERNEL_GEMM_GEMV", raising=False)
-    monkeypatch.setenv("MKERNEL_GEMM_SWAP", "0")  # (not the transposed 64 x 16 tiles: test_swapped)
+    mkenv("MKERNEL_GEMM_GEMV", None)
+    mkenv("MKERNEL_GEMM_SWAP", "0")  # (not the transposed 64 x 16 tiles: test_swapped)
 
 
 def last_plan():
-    return next(reversed(GP._plans.values()))
+    return G.last_plan()
+
+
+def _bound_calls():
+    """The current device's bound GEMM calls (LRU order)."""
+    return BASE.device_state("gemm", GK.context()[1]).calls
 
 
 @pytest.mark.parametrize("in_dt,out_dt", [("bfloat16", "bfloat16"), ("float16", "float32"),
@@ -511,12 +515,12 @@ def test_gemv(rng, gemv_route, M, N, K, in_dt, out_dt):
     b, bv = rand(rng, (N, K), in_dt)
     out = poisoned((M, N), out_dt)
     G.gemm(a, b, out, b_layout="nk")
-    assert isinstance(last_plan(), GV.Plan), "not routed to the gemv kernel"
+    assert last_plan().kind == "gemv", "not routed to the gemv kernel"
     e = rel_fro(download(out), av @ bv.T)
     assert e < (1e-4 if out_dt == "float32" else TOL), f"gemv {M}x{N}x{K} {in_dt}->{out_dt}: {e:.3e}"
 
 
-def test_gemv_views_and_repeats(rng, gemv_route, monkeypatch):
+def test_gemv_views_and_repeats(rng, gemv_route, monkeypatch, mkenv):
     """Strided A and B rows (16-byte multiples), an output view with padded rows (nothing written
     outside it), a re-pointed output, new data behind the same pointers, and the same call with the
     route off (the GEMM tiles) agreeing to 1e-4 in fp32."""
@@ -528,7 +532,7 @@ def test_gemv_views_and_repeats(rng, gemv_route, monkeypatch):
     buf = poisoned((M + 1, N + 40), "float32")
     out = corner(buf, M, N)
     G.gemm(a, b, out, b_layout="nk")
-    assert isinstance(last_plan(), GV.Plan)
+    assert last_plan().kind == "gemv"
     h = download(buf)
     assert rel_fro(h[:M, :N], av @ bv.T) < 1e-4
     assert not written_outside(h, M, N), "gemv wrote outside the output view"
@@ -544,10 +548,10 @@ def test_gemv_views_and_repeats(rng, gemv_route, monkeypatch):
     G.gemm(a, b, out2, b_layout="nk")
     got = download(buf2)[:, :N]
     assert rel_fro(got, av2[:, :K] @ bv.T) < 1e-4
-    monkeypatch.setenv("MKERNEL_GEMM_GEMV", "0")
+    mkenv("MKERNEL_GEMM_GEMV", "0")
     ref = poisoned((M, N), "float32")
     G.gemm(a, b, ref, b_layout="nk")
-    assert not isinstance(last_plan(), GV.Plan)
+    assert not last_plan().kind == "gemv"
     assert rel_fro(got, download(ref)) < 1e-4
 
 
@@ -642,12 +646,12 @@ def rerun_poisoned(chain, outs, graph: bool):
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_chained_gemms_read_the_previous_output(rng, graph, monkeypatch):
+def test_chained_gemms_read_the_previous_output(rng, graph, monkeypatch, mkenv):
     """GEMMs are programmatic dependent launches: each of a chain x_{i+1} = x_i @ W_i (back to back on
     one stream, no host sync; then the same chain captured in a CUDA graph and replayed) must read
     x_i only after the previous GEMM finished writing it (every x_i is NaN-poisoned beforehand), on
     plans with and without split-K."""
-    monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")  # every step a dependent launch (auto: only some)
+    mkenv("MKERNEL_GEMM_PDL", "1")  # every step a dependent launch (auto: only some)
     dims = [(512, 1536, 7168), (512, 7168, 1536), (128, 1536, 7168), (128, 4096, 1536), (128, 640, 4096)]
     x0, x0v = rand(rng, (dims[0][0], dims[0][2]), "bfloat16")
     # weights [N, K] scaled by 1/sqrt(K): every x_i stays O(1)
@@ -674,13 +678,13 @@ def test_chained_gemms_read_the_previous_output(rng, graph, monkeypatch):
 
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("M", [8, 13])
-def test_gemv_chain_dependent_launches(rng, gemv_route, M, graph, monkeypatch):
+def test_gemv_chain_dependent_launches(rng, gemv_route, M, graph, monkeypatch, mkenv):
     """Decode steps are programmatic dependent launches too: a chain x_{i+1} = x_i @ W_i^T of decode
     calls (one and two MMA column tiles; K = 3000 and 1000 are not multiples of 32) with a GEMM-tile
     step forced in between (config 1; the gemv after it is a dependent of it), back to back on one stream and then
     captured in a CUDA graph: each step must read x_i only after the previous one wrote all of it
     (every x_i NaN-poisoned beforehand)."""
-    monkeypatch.delenv("MKERNEL_GEMM_PDL", raising=False)  # the default: decode launches are dependent
+    mkenv("MKERNEL_GEMM_PDL", None)  # the default: decode launches are dependent
     dims = [(4096, 2048, None), (3000, 4096, None), (2048, 3000, 1), (1000, 2048, None), (6000, 1000, None)]
     x0, x0v = rand(rng, (M, dims[0][1]), "bfloat16")
     ws = [upload(rng.standard_normal((n, k), dtype=np.float32) / np.float32(np.sqrt(k)), "bfloat16")
@@ -691,7 +695,7 @@ def test_gemv_chain_dependent_launches(rng, gemv_route, M, graph, monkeypatch):
         kinds = []
         for i, (_, _, cfg) in enumerate(dims):
             G.gemm(xs[i], ws[i][0], xs[i + 1], b_layout="nk", config=cfg, stream=stream)
-            kinds.append(isinstance(last_plan(), GV.Plan))
+            kinds.append(last_plan().kind == "gemv")
         return kinds
 
     kinds = rerun_poisoned(chain, xs[1:], graph)

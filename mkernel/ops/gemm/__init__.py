@@ -1,7 +1,7 @@
 """Hopper GEMM and grouped GEMM (TMA + wgmma), and the decode-shaped kernel.  docs/gemm.md.
 
-Public API: :func:`gemm`, :func:`grouped_gemm`, :func:`describe` (what a call would launch),
-:func:`precompile`.
+Public API: :func:`gemm`, :func:`grouped_gemm`, :class:`GemmOptions`, :func:`describe` (what a call would
+launch), :func:`last_plan` (what the latest call launched), :func:`precompile`.
 
 Planning API for ops built on the GEMM's kernels (AllGather+GEMM; a fused kernel includes
 ``cuda_src/gemm/mk_gemm_configs.cuh`` and is compiled with :func:`defines`):
@@ -18,8 +18,9 @@ Planning API for ops built on the GEMM's kernels (AllGather+GEMM; a fused kernel
   / :func:`out_layout_key` (plan-cache keys), :func:`split_workspace` and :class:`ClearBeforeFirstUse`
   (split-K sums and counters).
 """
-from .api import gemm, grouped_gemm, precompile
-from .plan import describe
+from .api import gemm, grouped_gemm, last_plan, precompile
+from .options import GemmOptions
+from .plan import GemmPlan, describe
 from . import gemv  # noqa: F401 (registers the decode-shaped kernel's specializations)
 from .configs import CONFIGS, DTYPE_CODES, GROUP_M, IN_DTYPES, OUT_DTYPES, TileConfig, defines
 from .heuristic import (TAIL_SPLIT_MIN_GAIN, auto_plan, choose_config, config_cost, load_bound, max_splits_for,
@@ -28,7 +29,7 @@ from .operands import (ClearBeforeFirstUse, a_operand, array_key, b_operand, c_m
                        out_layout_key, point_out, split_workspace)
 
 __all__ = [
-    "gemm", "grouped_gemm", "describe", "precompile",
+    "gemm", "grouped_gemm", "GemmOptions", "GemmPlan", "describe", "last_plan", "precompile",
     # planning API
     "TileConfig", "CONFIGS", "DTYPE_CODES", "IN_DTYPES", "OUT_DTYPES", "GROUP_M", "defines",
     "choose_config", "config_cost", "auto_plan", "split_plan", "split_cost", "max_splits_for", "tile_count",

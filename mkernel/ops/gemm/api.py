@@ -6,9 +6,9 @@
 ``[G, K, N]`` ("kn") or ``[G, N, K]`` ("nk") (MoE experts; groups may be empty and uneven).
 
 Inputs are bf16 or fp16 (A and B alike), accumulation is fp32, the output is bf16, fp16 or fp32 (default:
-the input dtype; pass ``out=`` or ``out_dtype=``).  Arrays are anything with ``__cuda_array_interface__`` or
-DLPack on the current device.  Any M, N, K works: tiles at the edges are masked (TMA zero-fills
-out-of-bounds loads, the epilogue masks stores); K == 0 writes zeros.
+the input dtype; pass ``out=`` or ``out_dtype=``).  Arrays are any CUDA arrays (``__cuda_array_interface__``,
+DLPack, torch tensors, mkernel DeviceArrays) on one device.  Any M, N, K works: tiles at the edges are masked
+(TMA zero-fills out-of-bounds loads, the epilogue masks stores); K == 0 writes zeros.
 
 TMA needs 16-byte-aligned base addresses and row strides.  An operand that violates this (e.g. K = 7 for
 row-major A, N odd for a "kn" B, a misaligned view, a non-unit inner stride) is first staged on the device
@@ -18,116 +18,222 @@ stride it is written through shared memory and TMA stores, otherwise with masked
 
 Few output tiles (small M or N): K is split; every split adds its fp32 partial into one running sum per
 tile and the tile's last split to finish stores it, in the same kernel; with a partial last wave only its
-tiles may be split.  Each call's launch is a cached plan (plan.py).
+tiles may be split.
+
+Every call goes through the op pipeline (mkernel/ops/base.py): the first call of a layout -- shapes,
+strides, dtypes, devices, the addresses modulo 16, the options, the stream -- plans and binds its launches;
+later calls with new arrays of that layout re-point them.  What ran: :func:`last_plan`.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ...core.arrays import DeviceArray
 from ...core.compiler import precompile_source
-from ...core.device import on_device as _on_device
+from ...core.device import on_device
 from ...core.interop import as_device_array
-from ...core.streams import stream_handle
-from .configs import CONFIGS, SOURCE, settings_key
-from .operands import array_key, check_device, check_operands, out_layout_key, prepare_out
-from .plan import cached_plan, plan_gemm, plan_grouped
+from ..base import Op, as_stream, device_state
+from .configs import CONFIGS, SOURCE
+from .operands import check_arrays, check_device, layout_key, prepare_out
+from .options import GemmOptions
+from .plan import bind_gemm, bind_grouped
 
-__all__ = ["gemm", "grouped_gemm", "precompile"]
+__all__ = ["gemm", "grouped_gemm", "precompile", "last_plan"]
+
+
+def _span(x: DeviceArray) -> tuple[int, int]:
+    """[first, last) bytes the array's elements cover."""
+    if x.size == 0:
+        return x.ptr, x.ptr
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
+    isz = x.dtype.itemsize
+    return x.ptr + lo * isz, x.ptr + (hi + 1) * isz
+
+
+def _check_no_overlap(what: str, O: DeviceArray, *inputs) -> None:
+    """``out`` must not share memory with an input (the kernel reads inputs while it writes out)."""
+    o0, o1 = _span(O)
+    for x, name in inputs:
+        x0, x1 = _span(x)
+        if o0 < x1 and x0 < o1:
+            raise ValueError(f"{what}: out overlaps {name} (bytes 0x{o0:x}-0x{o1:x} and 0x{x0:x}-0x{x1:x}); the "
+                             "kernel reads its inputs while it writes out")
+
+
+class _Call:
+    __slots__ = ("key", "stream", "A", "B", "O", "M", "N", "K", "G", "b_layout", "options", "out_dtype",
+                 "offsets", "host_offs")
+
+
+def _options(options, config, splits, swap, what: str) -> GemmOptions:
+    o = GemmOptions.default() if options is None else options
+    if not isinstance(o, GemmOptions):
+        raise TypeError(f"{what}: options must be a GemmOptions, got {type(o).__name__}")
+    return o.with_forced(config, splits, swap)
+
+
+class _Gemm(Op):
+    name = "gemm"
+    what = "mkernel.gemm"
+
+    def __call__(self, a, b, out, b_layout, out_dtype, stream, options):
+        s = as_stream(stream)
+        A = as_device_array(a, name="gemm: a", stream=s)
+        B = as_device_array(b, name="gemm: b", stream=s)
+        A, B, M, K, N, _ = check_arrays(A, B, b_layout, what=self.what)
+        if out is None:
+            od = out_dtype or A.dtype.name
+            if od not in ("bfloat16", "float16", "float32"):
+                raise TypeError(f"{self.what}: out_dtype {od} not in ('bfloat16', 'float16', 'float32')")
+            O = DeviceArray.empty((M, N), od, device=A.device)
+            result = O
+        else:
+            O = as_device_array(out, name="gemm: out", stream=s)
+            result = out
+            _check_no_overlap(self.what, O, (A, "a"), (B, "b"))
+        if M == 0 or N == 0:
+            return result
+        call = _Call()
+        call.stream, call.A, call.B, call.O, call.M, call.N, call.K = s, A, B, O, M, N, K
+        call.b_layout, call.options, call.out_dtype = b_layout, options, out_dtype
+        call.key = (b_layout, out_dtype, options, s, layout_key(A), layout_key(B), layout_key(O), O.readonly)
+        self.invoke(device_state(self.name, A.device), call)
+        return result
+
+    def validate(self, ctx, call):
+        o = call.options.checked()
+        if o.swap and call.b_layout != "nk":
+            raise ValueError('mkernel.gemm: swap=True needs b_layout="nk" (B [N, K] as the transposed '
+                             "problem's K-major A operand)")
+        if o.swap and o.config is not None and CONFIGS[o.config].pingpong:
+            raise ValueError(f"mkernel.gemm: config {o.config} (ping-pong) has no swapped kernel")
+        check_device([call.A, call.B, call.O], ["a", "b", "out"])
+        prepare_out(call.O, call.out_dtype, call.A.dtype.name, (call.M, call.N), call.A.device)
+        if call.O.readonly:
+            raise ValueError(f"{self.what}: out is read-only memory but the op writes it")
+
+    def plan(self, ctx, call, digest):
+        return None  # (planned and bound together: plan.bind_gemm)
+
+    def bind(self, ctx, call, plan):
+        with on_device(call.A.device):
+            return bind_gemm(call.A, call.B, call.O, call.M, call.N, call.K, call.b_layout, call.options,
+                             call.stream)
+
+
+class _Grouped(Op):
+    name = "grouped_gemm"
+    what = "mkernel.grouped_gemm"
+
+    def __call__(self, a, b, group_offsets, out, b_layout, out_dtype, stream, options):
+        s = as_stream(stream)
+        A = as_device_array(a, name="grouped_gemm: a", stream=s)
+        B = as_device_array(b, name="grouped_gemm: b", stream=s)
+        A, B, T, K, N, G = check_arrays(A, B, b_layout, what=self.what, grouped=True)
+        call = _Call()
+        call.offsets = call.host_offs = None
+        if isinstance(group_offsets, (list, tuple, np.ndarray)):
+            h = np.asarray(group_offsets, dtype=np.int64).reshape(-1)
+            if h.shape[0] != G + 1:
+                raise ValueError(f"{self.what}: group_offsets has {h.shape[0]} entries; b has G={G} groups, so "
+                                 f"G+1={G + 1} are needed")
+            if G and (h[0] < 0 or h[-1] > T or np.any(np.diff(h) < 0)):
+                raise ValueError(f"{self.what}: group_offsets must be nondecreasing within [0, {T}]")
+            call.host_offs = h
+            offs_key = ("host", h.tobytes())
+        else:
+            D = call.offsets = as_device_array(group_offsets, name="grouped_gemm: group_offsets", stream=s)
+            offs_key = ("dev",) + layout_key(D)
+        if out is None:
+            od = out_dtype or A.dtype.name
+            if od not in ("bfloat16", "float16", "float32"):
+                raise TypeError(f"{self.what}: out_dtype {od} not in ('bfloat16', 'float16', 'float32')")
+            O = DeviceArray.empty((T, N), od, device=A.device)
+            result = O
+        else:
+            O = as_device_array(out, name="grouped_gemm: out", stream=s)
+            result = out
+            _check_no_overlap(self.what, O, (A, "a"), (B, "b"))
+        if T == 0 or N == 0 or G == 0:
+            return result
+        call.stream, call.A, call.B, call.O, call.M, call.N, call.K, call.G = s, A, B, O, T, N, K, G
+        call.b_layout, call.options, call.out_dtype = b_layout, options, out_dtype
+        call.key = (b_layout, out_dtype, options, s, layout_key(A), layout_key(B), layout_key(O), O.readonly,
+                    offs_key)
+        self.invoke(device_state(self.name, A.device), call)
+        return result
+
+    def validate(self, ctx, call):
+        o = call.options.checked()
+        if o.config is not None and CONFIGS[o.config].cluster > 1:
+            raise ValueError(f"{self.what}: config {o.config} runs in clusters of blocks; grouped problems "
+                             "do not (choose another config)")
+        if o.splits is not None or o.swap is not None:
+            raise ValueError(f"{self.what}: splits and swap apply to plain GEMMs only")
+        D = call.offsets
+        if D is not None:
+            if D.dtype.name not in ("int64", "int32"):
+                raise TypeError(f"{self.what}: device group_offsets must be int64 or int32, got {D.dtype.name}")
+            if tuple(D.shape) != (call.G + 1,) or (call.G + 1 > 1 and D.strides[0] != 1):
+                raise ValueError(f"{self.what}: device group_offsets must be a contiguous [{call.G + 1}] array")
+            check_device([call.A, D], ["a", "group_offsets"])
+        check_device([call.A, call.B, call.O], ["a", "b", "out"])
+        prepare_out(call.O, call.out_dtype, call.A.dtype.name, (call.M, call.N), call.A.device)
+        if call.O.readonly:
+            raise ValueError(f"{self.what}: out is read-only memory but the op writes it")
+
+    def plan(self, ctx, call, digest):
+        return None
+
+    def bind(self, ctx, call, plan):
+        with on_device(call.A.device):
+            return bind_grouped(call.A, call.B, call.O, call.M, call.N, call.K, call.G, call.host_offs,
+                                call.offsets, call.b_layout, call.options, call.stream)
+
+
+_GEMM = _Gemm()
+_GROUPED = _Grouped()
 
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, stream=None,
-         config: int | None = None, splits: int | None = None, swap: bool | None = None):
+         config: int | None = None, splits: int | None = None, swap: bool | None = None,
+         options: GemmOptions | None = None):
     """``out[M, N] = a[M, K] @ b`` (``b`` is ``[K, N]`` for ``b_layout="kn"``, ``[N, K]`` for "nk").
 
-    a, b: bf16 or fp16 (same dtype), 2-D, on the current device, any strides (staged if TMA cannot
-    read them in place, see module doc).  out: ``[M, N]`` bf16/fp16/fp32 with unit column stride, or
-    None to allocate one of ``out_dtype`` (default a's dtype).  stream: any stream-like object (None:
-    the legacy default stream).  config: force a tile config id (``CONFIGS``; debugging and
-    benchmarks).  splits: force the split-K factor (1 = none; clamped to what the config allows,
-    ``max_splits``); by default the heuristic splits K when the output tiles cannot fill the SMs (the
-    splits of a tile add into one fp32 sum, the last to finish stores it, in the same kernel).  swap:
-    force (True) or forbid (False) computing B "nk" calls transposed, ``C^T = B A^T`` (the kernel's tiles
-    run along B's rows, A's few rows as their columns; stored transposed); None: the heuristic.  Returns
-    ``out``.  Asynchronous with respect to the host.
+    a, b: bf16 or fp16 (same dtype), 2-D, on one device, any strides (staged if TMA cannot read them in
+    place, see module doc).  out: ``[M, N]`` bf16/fp16/fp32 with unit column stride, not overlapping a or b;
+    or None to allocate a :class:`~mkernel.DeviceArray` of ``out_dtype`` (default a's dtype).  stream: any
+    stream-like object or raw handle (None: the legacy default stream, not the framework's current one).
+    options: a :class:`GemmOptions` (None: the defaults); ``config`` (a tile config id), ``splits`` (the
+    split-K factor on every tile) and ``swap`` (compute a B "nk" call transposed, ``C^T = B A^T``: True,
+    or never: False) override its fields.  Returns ``out``.  Asynchronous with respect to the host.
     """
-    A, B, M, K, N, _ = check_operands(a, b, b_layout, what="mkernel.gemm", stream=stream)
-    in_dtype = A.dtype.name
-    O_in = None if out is None else as_device_array(out, name="gemm: out", stream=stream)
-    if config is not None and config not in CONFIGS:
-        raise ValueError(f"mkernel.gemm: unknown config {config}; known: {sorted(CONFIGS)}")
-    if swap and b_layout != "nk":
-        raise ValueError('mkernel.gemm: swap=True needs b_layout="nk" (B [N, K] as the transposed '
-                         "problem's K-major A operand)")
-    if swap and config is not None and CONFIGS[config].pingpong:
-        raise ValueError(f"mkernel.gemm: config {config} (ping-pong) has no swapped kernel")
-    dev = check_device([A, B] + ([O_in] if O_in is not None else []), ["a", "b", "out"])
-    with _on_device(dev):
-        O = prepare_out(O_in, out_dtype, in_dtype, (M, N), dev)
-        if M == 0 or N == 0:
-            return out if out is not None else O
-        # One plan per (operands, output layout, stream), its launch re-pointed at each call's output:
-        # a fresh output every call (out=None) or a rotating set of buffers must not cost a new plan
-        # (tensor maps, split-K workspace, LRU eviction freeing memory) per call.  Per stream: a plan's
-        # workspace is never used by two calls that may run concurrently.
-        okey = out_layout_key(O) if K > 0 else array_key(O)  # K = 0: the plan is a fill of O itself
-        key = ("gemm", dev, b_layout, config, splits, swap, settings_key(), array_key(A), array_key(B), okey,
-               stream_handle(stream))
-        plan = cached_plan(key, lambda: plan_gemm(A, B, O, M, N, K, in_dtype, b_layout, dev, config, splits, swap))
-        plan.run(stream, out=O)
-    return out if out is not None else O
-
-
-def _is_host_sequence(x) -> bool:
-    return isinstance(x, (list, tuple, np.ndarray))
+    return _GEMM(a, b, out, b_layout, out_dtype, stream, _options(options, config, splits, swap, "mkernel.gemm"))
 
 
 def grouped_gemm(a, b, group_offsets, out=None, *, b_layout: str = "kn", out_dtype: str | None = None,
-                 stream=None, config: int | None = None):
+                 stream=None, config: int | None = None, options: GemmOptions | None = None):
     """Grouped GEMM: ``out[o[g]:o[g+1]] = a[o[g]:o[g+1]] @ b[g]`` for g in range(G).
 
     a: ``[T, K]`` (T = total rows, e.g. tokens sorted by expert).  b: ``[G, K, N]`` ("kn") or
     ``[G, N, K]`` ("nk").  group_offsets o: G+1 nondecreasing row offsets with 0 <= o[0] and
     o[G] <= T; a host sequence (validated, uploaded once per distinct value) or a device array of
-    int64/int32 (trusted, never read on the host: no synchronization).  Groups may be empty; rows of
-    out outside [o[0], o[G]) are not written.  out: ``[T, N]`` or None (allocated, dtype ``out_dtype``
-    or a's).  Returns out.
+    int64/int32 (never read on the host: no synchronization; the kernel clamps every group to [0, T)).
+    Groups may be empty; rows of out outside [o[0], o[G]) are not written.  out: ``[T, N]`` or None
+    (allocated, dtype ``out_dtype`` or a's).  Returns out.
     """
-    A, B, T, K, N, G = check_operands(a, b, b_layout, what="mkernel.grouped_gemm", grouped=True, stream=stream)
-    in_dtype = A.dtype.name
-    O_in = None if out is None else as_device_array(out, name="grouped_gemm: out", stream=stream)
-    dev = check_device([A, B] + ([O_in] if O_in is not None else []), ["a", "b", "out"])
-    host_offs = None
-    dev_offs = None
-    if _is_host_sequence(group_offsets):
-        host_offs = np.asarray(group_offsets, dtype=np.int64).reshape(-1)
-        if host_offs.shape[0] != G + 1:
-            raise ValueError(f"mkernel.grouped_gemm: group_offsets has {host_offs.shape[0]} entries; b has G={G} "
-                             f"groups, so G+1={G + 1} are needed")
-        if G and (host_offs[0] < 0 or host_offs[-1] > T or np.any(np.diff(host_offs) < 0)):
-            raise ValueError(f"mkernel.grouped_gemm: group_offsets must be nondecreasing within [0, {T}]")
-        offs_key = ("host", host_offs.tobytes())
-    else:
-        D = dev_offs = as_device_array(group_offsets, name="grouped_gemm: group_offsets", stream=stream)
-        if D.dtype.name not in ("int64", "int32"):
-            raise TypeError(f"mkernel.grouped_gemm: device group_offsets must be int64 or int32, got {D.dtype.name}")
-        if tuple(D.shape) != (G + 1,) or (G + 1 > 1 and D.strides[0] != 1):
-            raise ValueError(f"mkernel.grouped_gemm: device group_offsets must be a contiguous [{G + 1}] array")
-        check_device([A, D], ["a", "group_offsets"])
-        offs_key = ("dev", D.ptr, D.dtype.name)
-    if config is not None and config not in CONFIGS:
-        raise ValueError(f"mkernel.grouped_gemm: unknown config {config}; known: {sorted(CONFIGS)}")
-    if config is not None and CONFIGS[config].cluster > 1:
-        raise ValueError(f"mkernel.grouped_gemm: config {config} runs in clusters of blocks; grouped problems "
-                         "do not (choose another config)")
-    with _on_device(dev):
-        O = prepare_out(O_in, out_dtype, in_dtype, (T, N), dev)
-        if T == 0 or N == 0 or G == 0:
-            return out if out is not None else O
-        key = ("grouped", dev, b_layout, config, settings_key(), array_key(A), array_key(B), array_key(O), offs_key)
-        plan = cached_plan(key, lambda: plan_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, in_dtype,
-                                                     b_layout, dev, config))
-        plan.run(stream)
-    return out if out is not None else O
+    return _GROUPED(a, b, group_offsets, out, b_layout, out_dtype, stream,
+                    _options(options, config, None, None, "mkernel.grouped_gemm"))
+
+
+def last_plan(op: str = "gemm", device: int | None = None):
+    """The plan (:class:`~mkernel.ops.gemm.plan.GemmPlan`) of the latest ``op`` ("gemm" or "grouped_gemm")
+    call on ``device`` (None: the current one)."""
+    if device is None:
+        with on_device(None) as (_, device):
+            pass
+    return device_state(op, device).last_plan
 
 
 def precompile(specs=None, *, arch: str | None = None, workers: int | None = None) -> float:

@@ -6,13 +6,10 @@ defines and the registered specializations of ``cuda_src/gemm/gemm.cu``.
 ``cuda_src/gemm/mk_gemm_configs.cuh`` builds the kernel's ``MkGemmConfig`` from them, so a config is written
 here only.  Reference: docs/gemm.md, section "Configurations".
 
-``setting`` reads the ``MKERNEL_GEMM_*`` overrides (docs/gemm.md, "Configurations", overrides paragraph):
-the only place the GEMM reads the environment.  Comments cite measurements as "entry N":
-docs/journal/gemm.md entry N.
+Comments cite measurements as "entry N": docs/journal/gemm.md entry N.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ...core.compiler import register_specialization
@@ -20,7 +17,7 @@ from ...core.util import round_up
 
 __all__ = ["TileConfig", "CONFIGS", "DTYPE_CODES", "IN_DTYPES", "OUT_DTYPES", "LAYOUTS", "SOURCE", "GROUP_M",
            "LEGACY_CANDIDATES", "AUTO_CANDIDATES", "GROUPED_CANDIDATES", "DECODE_SWAP_CONFIGS",
-           "TALL_SWAP_CONFIGS", "SWAP_CANDIDATES", "defines", "setting", "settings_key"]
+           "TALL_SWAP_CONFIGS", "SWAP_CANDIDATES", "defines"]
 
 SOURCE = "gemm/gemm.cu"
 DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # MK_GEMM_IN / MK_GEMM_OUT (mk_gemm_dtypes.cuh)
@@ -231,19 +228,3 @@ for _i in IN_DTYPES:
             register_specialization(SOURCE, defines(_i, _o, _c))
         for _c in SWAP_CANDIDATES:
             register_specialization(SOURCE, defines(_i, _o, _c, swap=True))
-
-
-# The MKERNEL_GEMM_* overrides, all part of a plan's cache key (settings_key): CONFIG (force a config),
-# CANDIDATES (restrict the heuristic's), EPILOGUE (``registers``: no TMA store), PDL (0 / 1 / auto),
-# GEMV (0: no decode kernel), SWAP (0: no transposed plans).
-SETTINGS = ("CONFIG", "CANDIDATES", "EPILOGUE", "PDL", "GEMV", "SWAP")
-
-
-def setting(name: str, default: str | None = None) -> str | None:
-    """The value of ``MKERNEL_GEMM_<name>`` (``name`` in SETTINGS), read at each call."""
-    return os.environ.get("MKERNEL_GEMM_" + name, default)
-
-
-def settings_key() -> tuple:
-    """Every override's current value: plans depend on them."""
-    return tuple(setting(n) for n in SETTINGS)

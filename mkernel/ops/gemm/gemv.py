@@ -25,8 +25,7 @@ import math
 
 from ...core.arrays import DeviceArray
 from ...core.compiler import compile_module, kernel, register_specialization
-from .configs import DTYPE_CODES, IN_DTYPES, OUT_DTYPES, setting
-from .heuristic import use_pdl
+from .configs import DTYPE_CODES, IN_DTYPES, OUT_DTYPES
 from .kernels import usage
 
 SOURCE = "gemm/gemv.cu"
@@ -97,45 +96,31 @@ def supported(A: DeviceArray, B: DeviceArray, M: int, N: int, K: int, b_layout: 
 
 def worthwhile(N: int, sms: int) -> bool:
     """Whether to route a supported call here (see MIN_BLOCK_FILL, ROUTE_MAX_TILE_FILL; its row count
-    is bounded by :func:`shape_ok`): ``MKERNEL_GEMM_GEMV`` is not ``0``, the call's ceil(N / ROWS) blocks occupy at
-    least MIN_BLOCK_FILL of the ``sms`` SMs and ceil(N / 256) GEMM tiles less than ROUTE_MAX_TILE_FILL."""
-    if setting("GEMV", "1") == "0":
-        return False
+    is bounded by :func:`shape_ok`; GemmOptions.gemv turns the route off): the call's ceil(N / ROWS) blocks
+    occupy at least MIN_BLOCK_FILL of the ``sms`` SMs and ceil(N / 256) GEMM tiles less than
+    ROUTE_MAX_TILE_FILL."""
     return blocks(N) >= MIN_BLOCK_FILL * sms and math.ceil(N / 256) < ROUTE_MAX_TILE_FILL * sms
 
 
-class Plan:
-    """One decode-shaped GEMM launch (the plan :func:`mkernel.gemm` caches), re-pointable at any output
-    of the same layout.  ``cfg`` is None (no tile config), ``splits`` 1; ``dependent``: a programmatic
-    dependent launch."""
+def bind(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int, stream: int, dependent: bool):
+    """The bound call of ``O[M, N] = A @ B^T`` (``supported`` operands; O with unit column stride): one block
+    per 16 rows of B, the two-tile variant (MK_GEMV_NT = 2) above 8 rows; ``dependent``: a programmatic
+    dependent launch.  Re-pointed at each call's A, B and O."""
+    from .plan import GemmBound, GemmPlan
 
-    cfg = None
-    splits = 1
-    name = "gemv"
-
-    def __init__(self, kernel, grid: int, args: list, out_ptr: int, dependent: bool = True):
-        self.kernel, self.grid, self.args, self._out_ptr = kernel, grid, args, out_ptr
-        self.dependent = dependent
-
-    def run(self, stream, out: DeviceArray | None = None) -> None:
-        args = self.args
-        if out is not None and out.ptr != self._out_ptr:
-            args = list(args)
-            args[4] = ctypes.c_void_p(out.ptr)
-        self.kernel.launch(self.grid, THREADS, args, stream=stream, dependent=self.dependent)
-
-
-def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int) -> Plan:
-    """The launch of ``O[M, N] = A @ B^T`` (``supported`` operands; O with unit column stride): one
-    block per 16 rows of B, the two-tile variant (MK_GEMV_NT = 2) above 8 rows; a programmatic dependent
-    launch unless ``MKERNEL_GEMM_PDL=0``."""
     nt = column_tiles(M)
     lda = A.strides[0] if M > 1 else K
     ldb = B.strides[0] if N > 1 else K
     ldc = O.strides[0] if M > 1 else N
-    args = [ctypes.c_void_p(A.ptr), ctypes.c_int64(lda), ctypes.c_void_p(B.ptr), ctypes.c_int64(ldb),
-            ctypes.c_void_p(O.ptr), ctypes.c_int64(ldc), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr, dependent=use_pdl(True))
+    a, b, o = ctypes.c_void_p(A.ptr), ctypes.c_void_p(B.ptr), ctypes.c_void_p(O.ptr)
+    args = [a, ctypes.c_int64(lda), b, ctypes.c_int64(ldb), o, ctypes.c_int64(ldc), ctypes.c_int32(M),
+            ctypes.c_int32(N), ctypes.c_int32(K)]
+    launch = _kernel(A.dtype.name, O.dtype.name, nt).prepare(blocks(N), THREADS, args, stream=stream,
+                                                              dependent=dependent)
+
+    def set_ptrs(call):
+        a.value, b.value, o.value = call.A.ptr, call.B.ptr, call.O.ptr
+    return GemmBound(GemmPlan("gemv", grid=blocks(N), dependent=dependent), [], launch, None, None, set_ptrs, [])
 
 
 def describe(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:

@@ -14,7 +14,7 @@ import math
 from dataclasses import replace
 
 from .configs import (AUTO_CANDIDATES, CONFIGS, DECODE_SWAP_CONFIGS, LEGACY_CANDIDATES, SWAP_CANDIDATES,
-                      TALL_SWAP_CONFIGS, TileConfig, setting)
+                      TALL_SWAP_CONFIGS, TileConfig)
 
 __all__ = ["choose_config", "config_cost", "workers", "tile_count", "scheduler_units", "grid_size",
            "max_splits", "max_splits_for", "choose_splits", "split_plan", "split_cost", "auto_plan",
@@ -110,38 +110,24 @@ def workers(cfg: TileConfig, sms: int) -> int:
     return max(c, int(sms * CLUSTER4_FIT) // c * c)
 
 
-def _candidates(candidates) -> tuple:
-    """``candidates`` restricted by MKERNEL_GEMM_CANDIDATES (ignored where it leaves none)."""
-    env = setting("CANDIDATES")
-    if not env:
+def _candidates(candidates, allowed=None) -> tuple:
+    """``candidates`` restricted to ``allowed`` (GemmOptions.candidates; ignored where it leaves none)."""
+    if not allowed:
         return tuple(candidates)
-    allowed = {int(x) for x in env.replace(",", " ").split()}
     return tuple(c for c in candidates if c in allowed) or tuple(candidates)
 
 
-def _forced(candidates) -> TileConfig | None:
-    """The config MKERNEL_GEMM_CONFIG forces on a caller of these candidates: 0 or one of them."""
-    env = setting("CONFIG")
-    if env and (int(env) == 0 or int(env) in candidates):
-        return CONFIGS[int(env)]
-    return None
-
-
 def choose_config(num_tiles, num_sms: int, *, k: int | None = None, layout: str | None = None,
-                  candidates=LEGACY_CANDIDATES) -> TileConfig:
+                  candidates=LEGACY_CANDIDATES, allowed=None) -> TileConfig:
     """Pick the tile config of least predicted time (config_cost).
 
     ``num_tiles(cfg)`` gives the tile count of the problem under ``cfg``.  Without ``k`` (callers that only
     compare tile shapes) the cost is ``waves * bm * bn / efficiency``.  ``layout`` ("kn" / "nk") drops
     configs whose tile differs by layout when the layout does not suit them (config 5 with "kn").
 
-    ``candidates``: config ids to consider.  ``MKERNEL_GEMM_CONFIG=<id>`` forces ``id`` if it is 0 or among
-    the candidates; ``MKERNEL_GEMM_CANDIDATES=1,2,3`` restricts the candidates.
+    ``candidates``: config ids to consider, restricted to ``allowed`` (GemmOptions.candidates).
     """
-    candidates = _candidates(candidates)
-    forced = _forced(candidates)
-    if forced is not None:
-        return forced
+    candidates = _candidates(candidates, allowed)
     best, best_cost = None, None
     for cid in candidates:
         cfg = CONFIGS[cid]
@@ -281,7 +267,8 @@ def load_bound(cfg: TileConfig, misaligned: tuple[bool, bool], b_layout: str = "
 
 
 def auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | None = None,
-              misaligned: tuple[bool, bool] = (False, False), candidates=AUTO_CANDIDATES, with_cost: bool = False):
+              misaligned: tuple[bool, bool] = (False, False), candidates=AUTO_CANDIDATES, with_cost: bool = False,
+              allowed=None):
     """(config, splits, split_from) for a plain GEMM: the heuristic's config and split-K plan (a
     forced config still gets its best split plan).  ``misaligned``: whether A's / B's rows are an odd
     multiple of 16 bytes apart (load_bound).  ``with_cost``: the pick's predicted cost as a fourth value
@@ -289,10 +276,7 @@ def auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | Non
     if config is not None:
         cfg = CONFIGS[config]
         return (cfg, *choose_splits(cfg, M, N, K, b_layout, workers(cfg, sms)))
-    cands = _candidates(candidates)
-    cfg = _forced(cands)
-    if cfg is not None:
-        return (cfg, *choose_splits(cfg, M, N, K, b_layout, workers(cfg, sms)))
+    cands = _candidates(candidates, allowed)
     plans = []  # (cost, config, splits, split_from)
     for cid in cands:
         cfg = load_bound(CONFIGS[cid], misaligned, b_layout)
@@ -326,22 +310,23 @@ def auto_plan(M: int, N: int, K: int, b_layout: str, sms: int, config: int | Non
     return CONFIGS[best[1]], best[2], best[3]
 
 
-def orient_and_plan(M: int, N: int, K: int, b_layout: str, sms: int, config, splits, swap, misaligned,
-                    gemv_ok: bool):
+def orient_and_plan(M: int, N: int, K: int, b_layout: str, sms: int, options, misaligned, gemv_ok: bool):
     """``(swap, config, splits, split_from)`` of a plain GEMM's plan, or None where the decode kernel
-    (gemv.py) takes the call (``gemv_ok``).  Unless a config, a split factor or ``swap`` is forced,
-    swap_candidates decides the orientation; a transposed plan is the N x M x K problem's (``misaligned``
-    exchanged too).  ``splits``: forced on every tile."""
+    (gemv.py) takes the call (``gemv_ok``).  ``options``: a GemmOptions.  Unless a config, a split factor or
+    ``swap`` is forced, swap_candidates decides the orientation; a transposed plan is the N x M x K
+    problem's (``misaligned`` exchanged too).  ``splits``: forced on every tile."""
+    config, splits, swap, allowed = options.config, options.splits, options.swap, options.candidates
     cands = SWAP_CANDIDATES  # (swap forced)
     if config is None and splits is None and swap is None:
-        cands = swap_candidates(M, N, K, b_layout, sms, misaligned, gemv_ok)
+        cands = swap_candidates(M, N, K, b_layout, sms, misaligned, gemv_ok, options.transposed, allowed)
         if cands is None and gemv_ok:
             return None
         swap = cands is not None
     swap = bool(swap)
     if swap:
         M, N, misaligned = N, M, misaligned[::-1]
-    cfg, sp, sf = auto_plan(M, N, K, b_layout, sms, config, misaligned, cands if swap else AUTO_CANDIDATES)
+    cfg, sp, sf = auto_plan(M, N, K, b_layout, sms, config, misaligned, cands if swap else AUTO_CANDIDATES,
+                            allowed=allowed)
     if swap:
         sp, sf = _decode_swap_splits(cfg, M, N, b_layout, sms, sp, sf)
     if splits is not None:  # forced: every tile split
@@ -359,27 +344,27 @@ def _decode_swap_splits(cfg: TileConfig, M: int, N: int, b_layout: str, sms: int
 
 
 def swap_candidates(M: int, N: int, K: int, b_layout: str, sms: int, misaligned=(False, False),
-                    gemv_ok: bool = False):
+                    gemv_ok: bool = False, transposed: bool = True, allowed=None):
     """The configs a transposed plan (C^T = B A^T, computed as the N x M x K problem) of an M x N x K call
-    chooses among, or None for a plain plan (``MKERNEL_GEMM_SWAP=0`` or a config forced by
-    ``MKERNEL_GEMM_CONFIG``: never).  ``misaligned``: A's / B's rows (load_bound); ``gemv_ok``: the decode
-    kernel (gemv.py) would take the call.
+    chooses among, or None for a plain plan (never with ``transposed`` False: GemmOptions.transposed).
+    ``misaligned``: A's / B's rows (load_bound); ``gemv_ok``: the decode kernel (gemv.py) would take the
+    call; ``allowed``: GemmOptions.candidates.
 
     Decode-shaped calls (B "nk", M <= SWAP_MAX_M): config 53 (M <= 16) / 54, but for the calls the decode
     kernel takes (``gemv_ok``) whose ceil(N / 64) tiles would not fill SWAP_FILL of the SMs.  Tall-skinny
     calls (B "nk", N <= SWAP_MAX_N, K >= SWAP_MIN_K, M >= 8 N, N filling SWAP_MIN_FILL of its 128-row
     tiles): TALL_SWAP_CONFIGS where the cost model puts the transposed plan at most SWAP_GAIN of the plain
     one."""
-    if b_layout != "nk" or setting("SWAP") == "0" or setting("CONFIG"):
+    if b_layout != "nk" or not transposed:
         return None
     if M <= SWAP_MAX_M:
         if gemv_ok and -(-N // 64) < SWAP_FILL * sms:
             return None
         return (53,) if M <= 16 else (54,)
     if N <= SWAP_MAX_N and K >= SWAP_MIN_K and M >= 8 * N and N >= SWAP_MIN_FILL * 128 * -(-N // 128):
-        plain = auto_plan(M, N, K, b_layout, sms, None, misaligned, with_cost=True)[3]
+        plain = auto_plan(M, N, K, b_layout, sms, None, misaligned, with_cost=True, allowed=allowed)[3]
         cands = TALL_SWAP_CONFIGS
-        swapped = auto_plan(N, M, K, b_layout, sms, None, misaligned[::-1], cands, with_cost=True)[3]
+        swapped = auto_plan(N, M, K, b_layout, sms, None, misaligned[::-1], cands, with_cost=True, allowed=allowed)[3]
         if swapped <= SWAP_GAIN * plain:
             return cands
     return None
@@ -405,12 +390,9 @@ def pdl_auto(M: int, N: int, K: int, groups: int = 1, cfg: TileConfig | None = N
     return True
 
 
-def use_pdl(auto: bool) -> bool:
-    """Whether a plan launches its kernel as a programmatic dependent: ``MKERNEL_GEMM_PDL`` ``1`` always,
-    ``0`` never, unset / ``auto``: ``auto`` (its pdl_auto).  Decided when the plan is built (the setting is
-    in the plan key).  Such a kernel may start while the previous kernel in its stream finishes; its blocks
-    initialise their barriers, then wait for that kernel to complete (griddepcontrol.wait)."""
-    env = setting("PDL", "auto")
-    if env in ("0", "1"):
-        return env == "1"
-    return auto
+def use_pdl(auto: bool, pdl: bool | None = None) -> bool:
+    """Whether a plan launches its kernel as a programmatic dependent: ``pdl`` (GemmOptions.pdl) True
+    always, False never, None: ``auto`` (its pdl_auto).  Such a kernel may start while the previous kernel
+    in its stream finishes; its blocks initialise their barriers, then wait for that kernel to complete
+    (griddepcontrol.wait)."""
+    return auto if pdl is None else bool(pdl)

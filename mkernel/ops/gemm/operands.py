@@ -13,14 +13,14 @@ from ...core.arrays import DeviceArray
 from ...core.driver import check
 from ...core.interop import as_device_array
 from ...core.streams import is_capturing, stream_handle
-from ...core.tensormap import encode_tiled
+from ...core.tensormap import TensorMapArg, encode_tiled
 from ...core.util import round_up
 from . import kernels
-from .configs import IN_DTYPES, LAYOUTS, OUT_DTYPES, TileConfig, setting
+from .configs import IN_DTYPES, LAYOUTS, OUT_DTYPES, TileConfig
 
-__all__ = ["check_operands", "check_device", "prepare_out", "a_operand", "b_operand", "c_map", "point_out",
-           "vec_ok", "row_misaligned", "array_key", "out_layout_key", "zero_fill_launch", "split_workspace",
-           "ClearBeforeFirstUse"]
+__all__ = ["check_operands", "check_arrays", "check_device", "prepare_out", "a_operand", "b_operand", "c_map",
+           "point_out", "OperandArg", "a_arg", "b_arg", "c_arg", "vec_ok", "row_misaligned", "array_key",
+           "out_layout_key", "layout_key", "zero_fill_launch", "split_workspace", "ClearBeforeFirstUse"]
 
 
 def check_operands(a, b, b_layout: str, *, what: str, a_name: str = "a", grouped: bool = False, stream=None):
@@ -34,6 +34,14 @@ def check_operands(a, b, b_layout: str, *, what: str, a_name: str = "a", grouped
     short = what.rsplit(".", 1)[-1]
     A = as_device_array(a, name=f"{short}: {a_name}", stream=stream)
     B = as_device_array(b, name=f"{short}: b", stream=stream)
+    return check_arrays(A, B, b_layout, what=what, a_name=a_name, grouped=grouped)
+
+
+def check_arrays(A: DeviceArray, B: DeviceArray, b_layout: str, *, what: str, a_name: str = "a",
+                 grouped: bool = False):
+    """:func:`check_operands` of already imported arrays.  Returns ``(A, B, M, K, N, G)``."""
+    if b_layout not in LAYOUTS:
+        raise ValueError(f"{what}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
     b_nd = 3 if grouped else 2
     if A.ndim != 2 or B.ndim != b_nd:
         raise ValueError(f"{what}: {a_name} must be 2-D and b {b_nd}-D, got shapes {tuple(A.shape)} and "
@@ -88,6 +96,13 @@ def prepare_out(out, out_dtype, in_dtype: str, shape, device: int):
 def array_key(x: DeviceArray) -> tuple:
     """What a plan depends on of an operand: pointer, shape, strides, dtype."""
     return (x.ptr, tuple(x.shape), tuple(x.strides), x.dtype.name)
+
+
+def layout_key(x: DeviceArray) -> tuple:
+    """What a bound GEMM call depends on of an array but its address: shape, strides, dtype, device, and the
+    address modulo 16 (TMA reads in place or stages; vector stores): a call with another array of the same
+    key re-points the bound call."""
+    return (x.shape, x.strides, x.dtype, x.device, x.ptr % 16)
 
 
 def out_layout_key(O: DeviceArray) -> tuple:
@@ -199,6 +214,49 @@ def b_operand(B: DeviceArray, K: int, N: int, b_layout: str, cfg: TileConfig, in
     return tmb, *_staging(op, in_dtype, out_dtype, device)
 
 
+class OperandArg:
+    """An operand as a bound launch reads it: ``map`` (a :class:`TensorMapArg`, the launch argument) over
+    the operand itself, or over a padded staging copy that ``stage`` -- a launch ``(kernel, grid, block,
+    args)`` whose source pointer is ``args[1]`` -- fills first; ``keep``: buffers the launches use.
+    :meth:`point` re-points it at another array of the same layout."""
+
+    __slots__ = ("map", "stage", "keep")
+
+    def __init__(self, map_: TensorMapArg, stage, keep: list):
+        self.map, self.stage, self.keep = map_, stage, keep
+
+    def point(self, ptr: int) -> None:
+        if self.stage is not None:
+            self.stage[3][1].value = ptr
+        else:
+            self.map.point(ptr)
+
+
+def _operand_arg(op: _Operand, in_dtype: str, box, out_dtype: str, device: int) -> OperandArg:
+    m = TensorMapArg(op.ptr, in_dtype, op.dims[:len(box)], op.strides[:len(box) - 1], box)
+    stage, keep = _staging(op, in_dtype, out_dtype, device)
+    return OperandArg(m, stage[0] if stage else None, keep)
+
+
+def a_arg(A: DeviceArray, rows: int, K: int, cfg: TileConfig, in_dtype: str, out_dtype: str, device: int) -> OperandArg:
+    """:func:`a_operand` as a re-pointable :class:`OperandArg`."""
+    sa = A.strides
+    op = _tma_operand(A, 1, rows, K, 0, sa[0], sa[1])
+    return _operand_arg(op, in_dtype, (64, cfg.bm // cfg.cluster_n), out_dtype, device)
+
+
+def b_arg(B: DeviceArray, K: int, N: int, b_layout: str, cfg: TileConfig, in_dtype: str, out_dtype: str,
+          device: int) -> OperandArg:
+    """:func:`b_operand` as a re-pointable :class:`OperandArg`."""
+    sb = tuple(B.strides) if B.ndim == 3 else (0,) + tuple(B.strides)
+    G = B.shape[0] if B.ndim == 3 else 1
+    if b_layout == "kn":
+        op, box = _tma_operand(B, G, K, N, *sb), (64, 64, 1)
+    else:
+        op, box = _tma_operand(B, G, N, K, *sb), (64, cfg.b_box_rows, 1)
+    return _operand_arg(op, in_dtype, box, out_dtype, device)
+
+
 # --------------------------------------------------------------------------------------------
 # the output
 # --------------------------------------------------------------------------------------------
@@ -207,20 +265,34 @@ def vec_ok(O: DeviceArray, ldc: int, M: int) -> int:
     return int(O.ptr % (2 * O.dtype.itemsize) == 0 and (ldc % 2 == 0 or M == 1))
 
 
-def c_map(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, fallback: bytes):
+def _c_tma_ok(O: DeviceArray, N: int, ldc: int, cfg: TileConfig, epilogue: str) -> int:
+    isz = O.dtype.itemsize
+    n16 = N - N % (16 // isz)
+    return int(cfg.tma_store and O.ptr % 16 == 0 and (ldc * isz) % 16 == 0 and n16 > 0 and epilogue != "registers")
+
+
+def c_arg(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, epilogue: str = "tma"):
+    """``(TensorMapArg or None, c_tma)``: :func:`c_map` for a bound launch (None: the kernel stores from
+    registers; any valid map goes in its place)."""
+    if not _c_tma_ok(O, N, ldc, cfg, epilogue):
+        return None, 0
+    isz = O.dtype.itemsize
+    n16 = N - N % (16 // isz)
+    return TensorMapArg(O.ptr, O.dtype.name, (n16, M), (ldc * isz,), (128 // isz, 64)), 1
+
+
+def c_map(O: DeviceArray, M: int, N: int, ldc: int, cfg: TileConfig, fallback: bytes, epilogue: str = "tma"):
     """The C tensor map every GEMM kernel takes, and c_tma (1: the epilogue stores through it).
 
     A config with TMA-store staging uses it when C's base and row stride are 16-byte multiples
-    (``MKERNEL_GEMM_EPILOGUE=registers`` turns it off: benchmarks compare both epilogues); otherwise
-    the kernel gets ``fallback`` (any valid map) and stores from registers."""
+    (``epilogue="registers"`` turns it off: benchmarks compare both epilogues); otherwise the kernel gets
+    ``fallback`` (any valid map) and stores from registers."""
     isz = O.dtype.itemsize
     # A TMA store writes whole 16-byte pieces of a row: the map ends at N rounded down to 16 bytes
     # (n16) and the epilogue stores the columns past it from registers (MkEpilogueTmaStore), so a
     # padded output row is never written past N.
     n16 = N - N % (16 // isz)
-    ok = (cfg.tma_store and O.ptr % 16 == 0 and (ldc * isz) % 16 == 0 and n16 > 0
-          and setting("EPILOGUE", "tma") != "registers")
-    if not ok:
+    if not _c_tma_ok(O, N, ldc, cfg, epilogue):
         return fallback, 0
     return encode_tiled(O.ptr, O.dtype.name, (n16, M), (ldc * isz,), (128 // isz, 64)), 1
 
