@@ -1,2 +1,6 @@
 """GEMM + ReduceScatter (row-parallel tensor parallelism), fused into one persistent kernel."""
-from . import layout  # noqa: F401 (registers the fused kernel's specializations)
+from .layout import FUSED_CONFIGS
+from .options import CostModel, GemmRsOptions
+from .planner import RsPlan
+
+__all__ = ["GemmRsOptions", "CostModel", "RsPlan", "FUSED_CONFIGS"]
