@@ -1,8 +1,11 @@
 """Proxy benchmark: commands/s sustained, latency added per command, and the GIL cost to the app.
 
-Two ranks (mpirun -np 2, or plain processes: --socket RANK 2 PORT):
+Two ranks (mpirun -np 2, or plain processes: --socket RANK 2 PORT, with the same
+MKERNEL_EXCHANGE_TOKEN in both environments):
 
     mpirun -np 2 python bench/proxy.py [--transport tcp|verbs] [--bytes 512] [--n 200000]
+    export MKERNEL_EXCHANGE_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')
+    python bench/proxy.py --socket 0 2 PORT & python bench/proxy.py --socket 1 2 PORT
 
 * throughput: rank 0 pushes N WRITE commands (B bytes each, distinct non-contiguous ranges so
   nothing coalesces; a flag per command, value = index+1) in bursts (HostProducer.push_many models

@@ -104,8 +104,8 @@ MK_DEVICE void mk_report(const MkComm& c, int code, int peer, int flag_index, mk
 //    MK_POLL_ERR_CHECK_NS of waiting, then every 128 polls: a failing rank still drains within about
 //    a millisecond, and a healthy wait never touches the PCIe bus;
 //  * the clock is read every 8 polls for the timeout.
-// The state is two 32-bit registers (time in units of 1.024 us: globaltimer >> 10, differences wrap
-// safely for 73 minutes), small enough for the 40-register producer warp of a GEMM.
+// The start time is the 64-bit globaltimer (ns) and every comparison is in 64 bits, so any timeout the
+// host accepts (mkernel/dist/timeouts.py: up to a day) is exact: a 32-bit clock would wrap.
 #ifndef MK_POLL_SLEEP_MIN_NS
 #define MK_POLL_SLEEP_MIN_NS 32
 #endif
@@ -118,10 +118,10 @@ MK_DEVICE void mk_report(const MkComm& c, int code, int peer, int flag_index, mk
 
 // Back-off state of one waiting thread (or warp: every lane holds the same state).
 struct MkPoll {
-  unsigned t0, spins;
-  MK_DEVICE static unsigned now_us() { return (unsigned)(mk_globaltimer() >> 10); }
+  mk_u64 t0;  // globaltimer at start (ns)
+  unsigned spins;
   MK_DEVICE void start() {
-    t0 = now_us();
+    t0 = mk_globaltimer();
     spins = 0;
   }
   MK_DEVICE void pause() const {
@@ -134,10 +134,10 @@ struct MkPoll {
   // to look at the error record, 0 = keep polling.
   MK_DEVICE int tick(const MkComm& c, mk_u64* dt) {
     if ((++spins & 7u) != 0) return 0;
-    const unsigned waited = now_us() - t0;
-    *dt = (mk_u64)waited << 10;
-    if (waited > (unsigned)(c.timeout_ns >> 10)) return 1;
-    if (waited >= (unsigned)(MK_POLL_ERR_CHECK_NS >> 10) && (spins & 127u) == 0) return 2;
+    const mk_u64 waited = mk_globaltimer() - t0;
+    *dt = waited;
+    if (waited > c.timeout_ns) return 1;
+    if (waited >= (mk_u64)MK_POLL_ERR_CHECK_NS && (spins & 127u) == 0) return 2;
     return 0;
   }
 };

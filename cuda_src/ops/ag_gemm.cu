@@ -325,9 +325,10 @@ template <int BM> struct AgWaitRows {
     const int idx = src * a->nch_stride + (peek ? (rows - 1) / CR : first + (lane < n ? lane : 0));
     const mk_u64* flag = (const mk_u64*)(a->ws + a->flags_off) + idx;
     bool whole = false;
-    // Polls like mk_wait_geq (mk_signal.cuh: back-off, the error record read about every millisecond),
-    // written out with lane 0's clock so it fits the 40-register producer (MkPoll's state spills).
-    unsigned t0 = 0, spins = 0;  // time in units of 1.024 us
+    // Polls like mk_wait_geq (mk_signal.cuh: back-off, the error record read about every millisecond,
+    // 64-bit time), written out with lane 0's clock so it fits the producer's register budget.
+    mk_u64 t0 = 0;  // globaltimer (ns) at the first clock read
+    unsigned spins = 0;
     while (true) {
       const mk_u64 v = mk_ld_acquire(flag);
       const bool ready = (mk_i64)(v - epoch) >= 0;
@@ -337,13 +338,13 @@ template <int BM> struct AgWaitRows {
       __nanosleep(MK_POLL_SLEEP_MAX_NS);
 #endif
       if ((++spins & 7u) == 0) {
-        const unsigned now = __shfl_sync(0xffffffffu, MkPoll::now_us(), 0);  // warp-uniform
+        const mk_u64 now = __shfl_sync(0xffffffffu, mk_globaltimer(), 0);  // warp-uniform
         if (spins == 8) {
           t0 = now;
-        } else if (now - t0 > (unsigned)(c->timeout_ns >> 10)) {
+        } else if (now - t0 > c->timeout_ns) {
           const unsigned late = __ballot_sync(0xffffffffu, !ready && !peek);
           if (lane == __ffs(late) - 1)
-            mk_report(*c, MK_ERR_TIMEOUT, MK_LOCAL_PEER(src), idx, epoch, v, (mk_u64)(now - t0) << 10);
+            mk_report(*c, MK_ERR_TIMEOUT, MK_LOCAL_PEER(src), idx, epoch, v, now - t0);
           return false;
         }
         // the error record (PCIe): every MK_AG_ERR_CHECK_SPINS polls, about a millisecond apart

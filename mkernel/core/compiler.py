@@ -3,18 +3,26 @@
 Kernels are compiled on first use for the architecture of the current device (``sm_90a`` on
 Hopper), with C++17, the CUDA headers taken from the installed ``nvidia-cuda-runtime`` wheel (or a
 CUDA toolkit), and specializations passed as preprocessor defines.  A cubin is cached on disk under
-``$MKERNEL_CACHE_DIR`` (default ``~/.cache/mkernel``), keyed by the source text of the kernel and
-every header it includes, the options, the architecture and the NVRTC version: a second process
-start compiles nothing.  Every op registers the specializations it can launch
+``$MKERNEL_CACHE_DIR`` (default ``~/.cache/mkernel``, mode 0700), keyed by the source text of the
+kernel and every header it includes, the content of the CUDA headers the compile reads, the
+options, the architecture and the NVRTC version: a second process start compiles nothing.  A cubin
+is loaded only if it matches the SHA-256 recorded with it (else it is recompiled and overwritten);
+a cache directory that cannot be created or written, or that others can write, turns the disk
+cache off with one warning per process.  Every op registers the specializations it can launch
 (:func:`register_specialization`), so CI and :func:`precompile` can compile all of them.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
+import logging
 import os
 import re
+import secrets
+import stat
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -83,10 +91,122 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def cache_dir() -> Path:
-    d = Path(os.environ.get("MKERNEL_CACHE_DIR", Path.home() / ".cache" / "mkernel"))
-    d.mkdir(parents=True, exist_ok=True)
+_cache_warned = False
+
+
+def _warn_cache(msg: str) -> None:
+    """One warning per process: the disk cache is off, modules compile in memory."""
+    global _cache_warned
+    if not _cache_warned:
+        _cache_warned = True
+        warnings.warn(f"mkernel: {msg}; kernels compile in memory, without the disk cache", RuntimeWarning,
+                      stacklevel=4)
+
+
+def cache_dir() -> Path | None:
+    """The cubin cache: ``$MKERNEL_CACHE_DIR`` (default ``~/.cache/mkernel``), created with mode
+    0700 (an existing directory's mode is left alone).  None, after one warning per process, when
+    it cannot be created or is not private: owned by another user, or writable by group or others
+    (whoever can write there can make this process load their code)."""
+    try:
+        d = Path(os.environ.get("MKERNEL_CACHE_DIR") or Path.home() / ".cache" / "mkernel")
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = d.stat()
+    except (OSError, RuntimeError) as exc:
+        _warn_cache(f"cannot create the kernel cache directory ({exc})")
+        return None
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        _warn_cache(f"the kernel cache directory {d} belongs to uid {st.st_uid}, not to this user")
+        return None
+    if st.st_mode & 0o022:
+        _warn_cache(f"the kernel cache directory {d} is writable by group or others "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}; chmod 700 it)")
+        return None
     return d
+
+
+_CUBIN_DIGEST = "mkernel-cubin-sha256 "  # first line of a cache entry's .log: the cubin's SHA-256
+
+
+def _load_cached(cubin_path: Path, log_path: Path) -> tuple[bytes, str] | None:
+    """(cubin, log) of a cache entry whose cubin matches the SHA-256 its log file records; None for
+    a missing, unreadable, truncated or altered entry (the caller recompiles and overwrites it)."""
+    try:
+        cubin = cubin_path.read_bytes()
+        head, _, log = log_path.read_text().partition("\n")
+    except (OSError, UnicodeDecodeError):
+        return None
+    want = head[len(_CUBIN_DIGEST):] if head.startswith(_CUBIN_DIGEST) else ""
+    if not hmac.compare_digest(want, hashlib.sha256(cubin).hexdigest()):
+        logging.getLogger("mkernel").warning("mkernel: cache entry %s failed its integrity check; recompiling",
+                                             cubin_path)
+        return None
+    return cubin, log
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (mode 0600) through a fresh temporary file and a rename, so that a
+    reader sees the old file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _store_cached(d: Path, cubin_path: Path, log_path: Path, cubin: bytes, log: str) -> None:
+    """Cubin first, then the log that carries its digest (a reader between the two sees a mismatch
+    and recompiles).  A write failure turns the disk cache off for this process (one warning)."""
+    try:
+        _write_atomic(cubin_path, cubin)
+        _write_atomic(log_path, (_CUBIN_DIGEST + hashlib.sha256(cubin).hexdigest() + "\n" + log).encode())
+    except OSError as exc:
+        _warn_cache(f"cannot write to the kernel cache directory {d} ({exc})")
+
+
+_HEADER_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+_SYSTEM_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*<([^>]+)>', re.M)
+_header_digests: dict[tuple, str] = {}
+
+
+def _cuda_headers_digest(roots) -> str:
+    """SHA-256 over the CUDA headers a compile reads from :func:`include_dirs`: the ``<...>``
+    headers ``roots`` names and every header they include, transitively (conditional includes
+    too), each resolved like the preprocessor (the including file's directory for a quoted name,
+    then the include directories in order).  So an upgrade of the CUDA headers (the
+    nvidia-cuda-runtime wheel or a toolkit) is a new cache key.  Headers found in none of the
+    directories (NVRTC's built-in standard headers) are keyed by the NVRTC version instead."""
+    dirs = [Path(d) for d in include_dirs()]
+    key = (tuple(sorted(roots)), tuple(dirs))
+    digest = _header_digests.get(key)
+    if digest is not None:
+        return digest
+    h = hashlib.sha256()
+    seen: set[str] = set()
+    todo = [(name, None) for name in sorted(roots)]
+    while todo:
+        name, parent = todo.pop()
+        cands = ([parent / name] if parent is not None else []) + [d / name for d in dirs]
+        path = next((p for p in cands if p.is_file()), None)
+        ident = str(path) if path is not None else name
+        if ident in seen:
+            continue
+        seen.add(ident)
+        if path is None:
+            h.update(b"missing\0" + name.encode() + b"\0")
+            continue
+        data = path.read_bytes()
+        h.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+        todo += [(inc, path.parent) for inc in _HEADER_RE.findall(data.decode("latin-1"))]
+    digest = _header_digests[key] = h.hexdigest()
+    return digest
 
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
@@ -223,6 +343,8 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     # include paths are machine-specific; hash only the options that change the code
     h.update(repr([o for o in options if not o.startswith("-I")]).encode())
     h.update(repr(ver).encode())
+    roots = {inc for text in sources.values() for inc in _SYSTEM_INCLUDE_RE.findall(text)}
+    h.update(_cuda_headers_digest(roots).encode())
     key = h.hexdigest()[:32]
     mem_key = (source, key)
     with _module_cache_lock:
@@ -230,10 +352,12 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     if mod is not None:
         return mod
     stem = f"{Path(source).stem}-{arch}-{key}"
-    cubin_path = cache_dir() / f"{stem}.cubin"
-    log_path = cache_dir() / f"{stem}.log"
-    if use_disk_cache and cubin_path.is_file() and log_path.is_file():
-        mod = Module(source, defines, arch, cubin_path.read_bytes(), log_path.read_text(), 0.0, True)
+    d = cache_dir() if use_disk_cache else None
+    cubin_path = d / f"{stem}.cubin" if d is not None else None
+    log_path = d / f"{stem}.log" if d is not None else None
+    hit = _load_cached(cubin_path, log_path) if d is not None else None
+    if hit is not None:
+        mod = Module(source, defines, arch, hit[0], hit[1], 0.0, True)
     else:
         t0 = time.perf_counter()
         prog = check(nvrtc.nvrtcCreateProgram(sources[source].encode(), source.encode(), 0, [], []))
@@ -253,13 +377,8 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
             nvrtc.nvrtcDestroyProgram(prog)
         dt = time.perf_counter() - t0
         mod = Module(source, defines, arch, cubin, log, dt, False)
-        if use_disk_cache:
-            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(cubin)
-            os.replace(tmp, cubin_path)
-            tmp = log_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(log)
-            os.replace(tmp, log_path)
+        if d is not None:
+            _store_cached(d, cubin_path, log_path, cubin, log)
     with _module_cache_lock:
         _module_cache[mem_key] = mod
     return mod

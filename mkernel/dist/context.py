@@ -29,11 +29,10 @@ from ..core.streams import is_capturing, stream_handle
 from ..errors import CommError
 from .agreement import Agreement
 from .signals import OPS, ErrorRecordView, MkComm
+from .timeouts import resolve_timeout, validate_timeout
 from .topology import Topology
 
 __all__ = ["init", "Context"]
-
-DEFAULT_TIMEOUT_S = 5.0
 
 
 def _env_int(name: str):
@@ -46,6 +45,7 @@ class Context:
 
     def __init__(self, comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
                  timeout: float | None = None):
+        self._timeout = resolve_timeout(timeout)  # first: a bad value fails before any collective set-up
         topo = Topology.from_comm(comm, ranks_per_node)
         self.topology = topo
         self.world, self.node_comm, self.host_comm = topo.world, topo.node_comm, topo.host_comm
@@ -71,9 +71,6 @@ class Context:
         self.cu_context = check(cu.cuCtxGetCurrent())
         A = cu.CUdevice_attribute
         self.sm_count = device_attribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device)
-        # timeout
-        t = timeout if timeout is not None else os.environ.get("MKERNEL_TIMEOUT")
-        self._timeout = float(t) if t not in (None, "") else DEFAULT_TIMEOUT_S
         # host-mapped error record
         flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
         self._err_host = int(check(cu.cuMemHostAlloc(4096, flags)))
@@ -100,9 +97,7 @@ class Context:
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        seconds = float(seconds)
-        if not seconds > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {seconds}")
+        seconds = validate_timeout(seconds, "Context.timeout")
         self._timeout = seconds
         for c in self._comm_cache.values():  # ops keep these structs (launches copy them by value)
             c.timeout_ns = int(seconds * 1e9)

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from ..dist.timeouts import validate_timeout
 from ..errors import CommError, CommTimeout
 from .transport import PeerBatch, Transport, as_exchanger, as_window, select_transport
 
@@ -40,6 +41,7 @@ OP_NOP, OP_WRITE, OP_FLAG, OP_BARRIER = 0, 1, 2, 3
 NO_FLAG = (1 << 64) - 1
 CMD_BYTES = 64
 STOP_GRACE = 2.0  # s Proxy.close gives its own thread to stop, beyond the timeout for the peers
+DEFAULT_TIMEOUT_S = 30.0  # a Proxy's timeout when none is given (a context passes its own)
 
 # name -> (byte offset, numpy type); the single source of truth on the Python side
 LAYOUT = {
@@ -204,12 +206,16 @@ class Proxy:
       must be the same logical buffer on every rank.  Flags live in these windows too.
     * ``transport``: a name (``"tcp"``, ``"verbs"``), a Transport class or instance, or None (auto).
     * ``ring="mapped"`` (GPU, default when a CUDA context is current) or ``"host"`` (tests).
+    * ``timeout``: seconds (validated); bounds the transport's set-up and its waits (passed as the
+      transport's ``timeout`` option unless ``transport_options`` names one) and is the default of
+      :meth:`producer`, :meth:`flush` and :meth:`close`.  A context passes its own; None: 30 s.
     Construction is collective (connects every pair of ranks); so is :meth:`close`.
     """
 
     def __init__(self, comm, windows, transport=None, ring_capacity: int = 1024, ring: str | None = None,
                  max_batch: int = 1024, spin_s: float = 200e-6, idle_sleep: float = 200e-6,
-                 on_error=None, transport_options: dict | None = None):
+                 on_error=None, transport_options: dict | None = None, timeout: float | None = None):
+        self.timeout = DEFAULT_TIMEOUT_S if timeout is None else validate_timeout(timeout, "Proxy timeout")
         self.ex = as_exchanger(comm)
         self.rank, self.size = self.ex.rank, self.ex.size
         self.windows = [as_window(w) for w in windows]
@@ -220,7 +226,10 @@ class Proxy:
             self.transport = transport
         else:
             cls = transport if isinstance(transport, type) else select_transport(transport)
-            self.transport = cls(self.ex, self.windows, **(transport_options or {}))
+            opts = dict(transport_options or {})
+            if timeout is not None:
+                opts.setdefault("timeout", self.timeout)
+            self.transport = cls(self.ex, self.windows, **opts)
         self.transport.connect()
         self.max_batch = min(max_batch, ring_capacity)
         self.spin_s, self.idle_sleep = spin_s, idle_sleep
@@ -240,8 +249,8 @@ class Proxy:
         """``MkProxy`` by value for kernels (ring, head, tail, done device pointers)."""
         return self.ring.device_struct(self.rank)
 
-    def producer(self, timeout: float = 30.0) -> HostProducer:
-        return HostProducer(self.ring, self, timeout)
+    def producer(self, timeout: float | None = None) -> HostProducer:
+        return HostProducer(self.ring, self, self.timeout if timeout is None else timeout)
 
     # ---- life cycle ---------------------------------------------------------------------------
     def start(self) -> "Proxy":
@@ -255,8 +264,10 @@ class Proxy:
         if self.error is not None:
             raise self.error
 
-    def flush(self, timeout: float = 30.0) -> None:
-        """Wait until every command pushed so far (per the ring's seq words) completed locally."""
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every command pushed so far (per the ring's seq words) completed locally
+        (at most ``timeout`` s, default the proxy's)."""
+        timeout = self.timeout if timeout is None else timeout
         t0 = time.monotonic()
         while True:
             self.check()
@@ -267,9 +278,9 @@ class Proxy:
                 raise CommTimeout(f"proxy rank {self.rank}: flush timed out")
             time.sleep(50e-6)
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Drain the ring, stop the thread, shut the transport down (collective).  Idempotent.
-        ``timeout`` bounds the waits for peers as a whole (the drain and the transport's goodbyes share
+        ``timeout`` (default the proxy's) bounds the waits for peers as a whole (the drain and the transport's goodbyes share
         it), so a dead peer costs at most that long here; stopping this rank's own proxy thread may
         take up to STOP_GRACE more.  A thread that does not stop keeps the transport and the ring (it
         may be inside a transport call: freeing them under it would crash the process) and is
@@ -277,7 +288,7 @@ class Proxy:
         if self._closed:
             return
         self._closed = True
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
 
         def left() -> float:
             return max(0.0, deadline - time.monotonic())

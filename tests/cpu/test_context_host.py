@@ -160,3 +160,107 @@ def test_symmetric_views_and_region_lookup():
     assert ctx.symmetric_region((1 << 30) + (1 << 20) - 10, 11) is None  # runs past the end
     assert ctx.symmetric_region((1 << 32) + 5, 10) is None and ctx.symmetric_region((1 << 33), 10) is None
     assert ctx.symmetric_region(5, 10) is None
+
+
+# ---- timeouts ------------------------------------------------------------------------------------
+
+BAD_TIMEOUTS = [0, 0.0, -1, -1e-9, float("nan"), float("inf"), float("-inf"), "abc", "", None, True, [1],
+                86400.001, 1e300, 10**400, "nan", "inf"]
+
+
+@pytest.mark.parametrize("value", BAD_TIMEOUTS, ids=repr)
+def test_validate_timeout_rejects(value):
+    from mkernel.dist.timeouts import validate_timeout
+
+    with pytest.raises(ValueError, match="my timeout"):
+        validate_timeout(value, "my timeout")
+
+
+def test_validate_timeout_accepts():
+    import numpy as np
+
+    from mkernel.dist.timeouts import MAX_TIMEOUT_S, validate_timeout
+
+    for v, want in [(5, 5.0), (0.001, 0.001), (" 2.5 ", 2.5), (np.float32(0.5), 0.5), (MAX_TIMEOUT_S, 86400.0),
+                    (4398.05, 4398.05), (5000, 5000.0)]:
+        got = validate_timeout(v, "t")
+        assert type(got) is float and got == want
+
+
+def test_context_init_validates_the_timeout_first(monkeypatch):
+    """Context(timeout=) and MKERNEL_TIMEOUT are checked before any collective set-up (a bad value on
+    one rank must not leave the others waiting in the topology exchange)."""
+    from mkernel.dist import context as X
+
+    def reached(*a, **k):
+        raise AssertionError("set-up reached")
+
+    monkeypatch.setattr(X.Topology, "from_comm", staticmethod(reached))
+    monkeypatch.delenv("MKERNEL_TIMEOUT", raising=False)
+    for bad in (0, -3, float("nan"), float("inf"), 1e7, "soon"):
+        with pytest.raises(ValueError, match="timeout"):
+            X.Context(timeout=bad)
+    monkeypatch.setenv("MKERNEL_TIMEOUT", "nan")
+    with pytest.raises(ValueError, match="MKERNEL_TIMEOUT"):
+        X.Context()
+    with pytest.raises(AssertionError, match="set-up reached"):  # an explicit valid value wins over the env
+        X.Context(timeout=2)
+    for ok in ("", "7.5"):
+        monkeypatch.setenv("MKERNEL_TIMEOUT", ok)
+        with pytest.raises(AssertionError, match="set-up reached"):
+            X.Context()
+
+
+def test_context_timeout_setter_validates():
+    from mkernel.dist.context import Context
+
+    ctx = object.__new__(Context)
+    ctx._timeout, ctx._comm_cache, ctx._err_dev = 5.0, {}, 0x1000
+    ctx.rank = ctx.local_rank = ctx.node = 0
+    ctx.size = ctx.local_size = 2
+    ctx.num_nodes = 1
+    c = ctx.comm_args("all_reduce")
+    for bad in (float("nan"), float("inf"), -1, 0, "x", 86401):
+        with pytest.raises(ValueError, match="Context.timeout"):
+            ctx.timeout = bad
+        assert ctx.timeout == 5.0 and c.timeout_ns == 5_000_000_000
+    ctx.timeout = 86400  # a day: exact in the device's 64-bit nanoseconds (beyond 32-bit microseconds)
+    assert c.timeout_ns == 86_400_000_000_000 and c.timeout_ns >> 10 > 0xFFFFFFFF
+
+
+def test_internode_proxy_gets_the_context_timeout(monkeypatch):
+    """The inter-node collectives' proxy (and through it the transport) runs under the context's
+    timeout, not a fixed default."""
+    import mkernel.proxy as P
+    import mkernel.proxy.transport.window as W
+    from mkernel.ops.collectives import internode as I
+
+    made = {}
+
+    class FakeProxy:
+        def __init__(self, comm, windows, **kw):
+            made.update(kw)
+
+        def start(self):
+            return self
+
+        def check(self):
+            pass
+
+    class FakeCtx:
+        timeout = 12.5
+        world = object()
+
+        def add_closer(self, fn):
+            pass
+
+        def add_check(self, fn):
+            pass
+
+        def workspace(self, key, nbytes):
+            return type("WS", (), {"ptr": 0x1000, "nbytes": nbytes})()
+
+    monkeypatch.setattr(P, "Proxy", FakeProxy)
+    monkeypatch.setattr(W, "GpuWindow", lambda ptr, nbytes: object())
+    I._State(FakeCtx(), "all_gather", 4096)
+    assert made.get("timeout") == 12.5

@@ -5,6 +5,8 @@ a SocketExchanger) and by tests/rdma/test_verbs.py inside the soft-RoCE VM:
 
     python tests/cpu/test_proxy_scenarios.py --transport tcp [--socket RANK SIZE PORT] SCENARIO...
 
+(``--socket``: every rank needs the same ``MKERNEL_EXCHANGE_TOKEN`` in its environment.)
+
 Each scenario builds a Proxy over host windows (window 0: data, window 1: flags), drives it with a
 HostProducer standing in for GPU blocks, checks what arrived, prints ``OK <scenario>`` and closes.
 Exit status 0 only if every scenario passed.

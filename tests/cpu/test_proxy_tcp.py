@@ -7,6 +7,7 @@ dies must not take mpirun's job-abort path).  Every run has a hard timeout.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -32,6 +33,7 @@ def _env():
     env = dict(os.environ)
     env["MKERNEL_TRANSPORT"] = "tcp"
     env.pop("MKERNEL_TCP_ADDR", None)
+    env["MKERNEL_EXCHANGE_TOKEN"] = secrets.token_hex(16)  # the socket rendezvous's shared secret
     return env
 
 
@@ -65,10 +67,10 @@ def _free_port():
 
 
 def run_socket_ranks(n, scenarios, transport="tcp", timeout=120, extra=()):
-    port = _free_port()
+    port, env = _free_port(), _env()
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--transport", transport, "--socket", str(r), str(n),
                                str(port), *extra, *scenarios], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=_env()) for r in range(n)]
+                              text=True, env=env) for r in range(n)]
     outs, rcs = [], []
     for p in procs:
         try:

@@ -133,3 +133,28 @@ def test_bad_destination_and_transport_error_surface_as_commerror():
 def test_coalesce():
     assert _coalesce([(0, 0, 0, 4), (0, 4, 4, 4), (0, 8, 12, 4), (1, 12, 16, 4), (0, 0, 0, 0)]) == \
         [(0, 0, 0, 8), (0, 8, 12, 4), (1, 12, 16, 4)]
+
+
+def test_proxy_timeout_reaches_the_transport_and_is_validated():
+    seen = {}
+
+    class Recording(FakeTransport):
+        def __init__(self, ex, windows, **kw):
+            seen.update(kw)
+            super().__init__(ex, windows, **kw)
+
+    wins = [np.zeros(4096, np.uint8)]
+    p = Proxy(FakeEx(), wins, transport=Recording, ring_capacity=16, timeout=2.5)
+    assert seen["timeout"] == 2.5 and p.timeout == 2.5 and p.producer().timeout == 2.5
+    p.close()
+    seen.clear()  # an explicit transport option wins
+    Proxy(FakeEx(), wins, transport=Recording, ring_capacity=16, timeout=2.5,
+          transport_options={"timeout": 9.0}).close()
+    assert seen["timeout"] == 9.0
+    seen.clear()  # no timeout: the transport keeps its own default
+    p = Proxy(FakeEx(), wins, transport=Recording, ring_capacity=16)
+    assert "timeout" not in seen and p.timeout == 30.0
+    p.close()
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="Proxy timeout"):
+            Proxy(FakeEx(), wins, transport=Recording, ring_capacity=16, timeout=bad)

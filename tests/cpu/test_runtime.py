@@ -87,6 +87,135 @@ def test_disk_cache_hits_in_a_new_process(tmp_path, monkeypatch):
     assert not m.cached
 
 
+_SPEC = ("ops/collectives.cu", {"MK_DTYPE": 2})
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty private cache directory, an empty in-process module cache, the warning re-armed."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(d))
+    monkeypatch.setattr(CP, "_module_cache", {})
+    monkeypatch.setattr(CP, "_cache_warned", False)
+    return d
+
+
+def test_cache_dir_is_created_private_and_never_loosened(fresh_cache, tmp_path, monkeypatch):
+    import os
+    import stat
+
+    assert CP.cache_dir() == fresh_cache
+    assert stat.S_IMODE(fresh_cache.stat().st_mode) == 0o700
+    m = CP.compile_module(*_SPEC, arch=ARCH)
+    for f in fresh_cache.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    # an existing directory keeps its mode (0755: not writable by others, so it is used)
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(d))
+    assert CP.cache_dir() == d and stat.S_IMODE(d.stat().st_mode) == 0o755
+    # one that others can write is not used: compiles in memory, one warning
+    os.chmod(d, 0o777)
+    CP._module_cache.clear()
+    with pytest.warns(RuntimeWarning, match="writable by group or others"):
+        m2 = CP.compile_module(*_SPEC, arch=ARCH)
+    assert not m2.cached and m2.cubin and not list(d.iterdir())
+    assert m.cubin
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no digest"])
+def test_tampered_cubin_is_recompiled_not_loaded(fresh_cache, damage):
+    import hashlib
+
+    first = CP.compile_module(*_SPEC, arch=ARCH)
+    (cubin_path,) = fresh_cache.glob("*.cubin")
+    (log_path,) = fresh_cache.glob("*.log")
+    good = cubin_path.read_bytes()
+    assert log_path.read_text().splitlines()[0] == "mkernel-cubin-sha256 " + hashlib.sha256(good).hexdigest()
+    CP._module_cache.clear()
+    assert CP.compile_module(*_SPEC, arch=ARCH).cached  # intact: loaded
+    if damage == "flip":
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0xFF
+        cubin_path.write_bytes(bytes(bad))
+    elif damage == "truncate":
+        cubin_path.write_bytes(good[:len(good) // 3])
+    else:  # a log without the digest line (as an older mkernel wrote it)
+        log_path.write_text(first.log)
+    CP._module_cache.clear()
+    m = CP.compile_module(*_SPEC, arch=ARCH)
+    assert not m.cached
+    assert cubin_path.read_bytes() == m.cubin  # rewritten
+    assert log_path.read_text().splitlines()[0] == "mkernel-cubin-sha256 " + hashlib.sha256(m.cubin).hexdigest()
+    CP._module_cache.clear()
+    assert CP.compile_module(*_SPEC, arch=ARCH).cached
+
+
+def test_uncreatable_cache_dir_compiles_in_memory_and_warns_once(tmp_path, monkeypatch):
+    import warnings
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(CP, "_module_cache", {})
+    monkeypatch.setattr(CP, "_cache_warned", False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a = CP.compile_module(*_SPEC, arch=ARCH)
+        b = CP.compile_module("ops/collectives.cu", {"MK_DTYPE": 1}, arch=ARCH)
+    assert not a.cached and not b.cached and a.cubin and b.cubin
+    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning) and "mkernel" in str(x.message)]
+    assert len(msgs) == 1 and "cannot create the kernel cache directory" in msgs[0], msgs
+
+
+def test_read_only_cache_dir_compiles_and_warns(fresh_cache, monkeypatch):
+    import os
+
+    fresh_cache.mkdir(mode=0o700)
+    os.chmod(fresh_cache, 0o500)
+    try:
+        if os.geteuid() == 0:  # root writes through file modes: make the writes fail as they would
+            def denied(path, data):
+                raise PermissionError(13, "Permission denied", str(path))
+
+            monkeypatch.setattr(CP, "_write_atomic", denied)
+        with pytest.warns(RuntimeWarning, match="cannot write to the kernel cache directory"):
+            m = CP.compile_module(*_SPEC, arch=ARCH)
+        assert not m.cached and m.cubin and not list(fresh_cache.iterdir())
+    finally:
+        os.chmod(fresh_cache, 0o700)
+
+
+def test_cache_key_covers_the_cuda_headers(tmp_path, monkeypatch):
+    """The key hashes the CUDA headers a compile reads, transitively: a change in any of them is a
+    new key (a headers upgrade never loads cubins built against the old ones)."""
+    inc = tmp_path / "inc"
+    (inc / "sub").mkdir(parents=True)
+    (inc / "top.h").write_text('#pragma once\n#include "sub/mid.h"\n#include <cstring>\n')
+    (inc / "sub" / "mid.h").write_text('#include "leaf.hpp"\n')  # relative to sub/
+    (inc / "sub" / "leaf.hpp").write_text("int leaf;\n")
+    monkeypatch.setattr(CP, "include_dirs", lambda: [str(inc)])
+    monkeypatch.setattr(CP, "_header_digests", {})
+    d0 = CP._cuda_headers_digest({"top.h"})
+    assert CP._cuda_headers_digest({"top.h"}) == d0
+    (inc / "sub" / "leaf.hpp").write_text("int leaf2;\n")
+    CP._header_digests.clear()
+    assert CP._cuda_headers_digest({"top.h"}) != d0
+    # and the digest is part of compile_module's key
+    monkeypatch.undo()
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(CP, "_module_cache", {})
+    assert not CP.compile_module(*_SPEC, arch=ARCH).cached
+    CP._module_cache.clear()
+    assert CP.compile_module(*_SPEC, arch=ARCH).cached
+    CP._module_cache.clear()
+    real = CP._cuda_headers_digest
+    monkeypatch.setattr(CP, "_cuda_headers_digest", lambda roots: "upgraded" + real(roots))
+    assert not CP.compile_module(*_SPEC, arch=ARCH).cached
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
+
+
 def test_compile_error_has_log(tmp_path, monkeypatch):
     src = CP.cuda_src_dir()
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(tmp_path))

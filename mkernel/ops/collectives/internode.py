@@ -69,7 +69,7 @@ class _State:
         self.ws = ctx.workspace(("internode", op), nbytes)
         self.window = GpuWindow(self.ws.ptr, self.ws.nbytes)
 
-        self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024,
+        self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024, timeout=ctx.timeout,
                            on_error=lambda exc: ctx.report_host_failure(MK_ERR_PROXY))
         self.proxy.start()
         self.ctx = ctx

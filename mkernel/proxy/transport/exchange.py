@@ -1,20 +1,40 @@
-"""Connection set-up exchange: ``allgather`` of small picklable objects between ranks.
+"""Connection set-up exchange: ``allgather`` of small plain values between ranks.
 
 Transports only need ``rank``, ``size``, ``allgather(obj) -> list`` (index = rank) and
 ``barrier()``.  :class:`MpiExchanger` wraps an mpi4py communicator; :class:`SocketExchanger` is a
 tiny TCP rendezvous (rank 0 listens at ``host:port``) for processes started without MPI (the
-soft-RoCE VM tests).  :func:`as_exchanger` accepts either, or an mpi4py comm.
+soft-RoCE VM tests, ``bench/proxy.py --socket``).  :func:`as_exchanger` accepts either, or an mpi4py
+comm.
+
+What the transports exchange: host names, ``(address, port)`` tuples, the TCP job secret
+(bytes), verbs QP descriptions (dicts keyed by rank with ints, strings and lists of tuples),
+``("error", message)`` tuples and None.  :class:`SocketExchanger` carries exactly these through
+:func:`encode` / :func:`decode`: JSON in which every object is a one-key tag (``{"b": base64}``
+bytes, ``{"t": [...]}`` tuple, ``{"d": [[key, value], ...]}`` dict with keys of any of these
+types), so whatever a peer sends decodes to plain data and nothing else (never pickle: unpickling
+socket data runs code).  The rendezvous is authenticated with a shared token (argument or
+``$MKERNEL_EXCHANGE_TOKEN``; mutual HMAC challenge-response, :mod:`.auth`) and every message is
+bounded (:data:`MAX_MESSAGE`).
 """
 from __future__ import annotations
 
-import pickle
+import base64
+import json
+import math
+import operator
+import os
 import socket
 import struct
 import time
 
-__all__ = ["Exchanger", "MpiExchanger", "SocketExchanger", "as_exchanger"]
+from ...errors import CommError
+from .auth import accept_peers, connect_peer
 
+__all__ = ["Exchanger", "MpiExchanger", "SocketExchanger", "as_exchanger", "encode", "decode", "MAX_MESSAGE"]
 
+MAX_MESSAGE = 16 << 20  # bytes of one encoded message (an allgather result included)
+_LABEL = b"mkernel-exchange-1"
+_LEN = struct.Struct("<Q")
 class Exchanger:
     rank = 0
     size = 1
@@ -41,9 +61,67 @@ class MpiExchanger(Exchanger):
         self.comm.Barrier()
 
 
-def _send_obj(s: socket.socket, obj) -> None:
-    b = pickle.dumps(obj)
-    s.sendall(struct.pack("<Q", len(b)) + b)
+def _tag(obj):
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        if not math.isfinite(obj):
+            raise ValueError(f"exchange: cannot send the non-finite float {obj!r}")
+        return float(obj)
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return {"b": base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, tuple):
+        return {"t": [_tag(x) for x in obj]}
+    if isinstance(obj, list):
+        return [_tag(x) for x in obj]
+    if isinstance(obj, dict):
+        return {"d": [[_tag(k), _tag(v)] for k, v in obj.items()]}
+    if hasattr(obj, "__index__"):  # numpy integers
+        return operator.index(obj)
+    raise TypeError(f"exchange: cannot send a {type(obj).__name__} (plain values only: None, bool, int, float, "
+                    "str, bytes, tuple, list, dict)")
+
+
+def _untag(x):
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, list):
+        return [_untag(v) for v in x]
+    if isinstance(x, dict) and len(x) == 1:
+        (k, v), = x.items()
+        if k == "b" and isinstance(v, str):
+            return base64.b64decode(v.encode("ascii"), validate=True)
+        if k == "t" and isinstance(v, list):
+            return tuple(_untag(e) for e in v)
+        if k == "d" and isinstance(v, list) and all(isinstance(e, list) and len(e) == 2 for e in v):
+            out = {}
+            for ek, ev in v:
+                key = _untag(ek)
+                try:
+                    out[key] = _untag(ev)
+                except TypeError:
+                    raise ValueError(f"unhashable dict key {key!r}") from None
+            return out
+    raise ValueError(f"not a tagged value: {str(x)[:80]}")
+
+
+def encode(obj) -> bytes:
+    """``obj`` (plain values: None, bool, int, float, str, bytes, tuple, list, dict) as bytes."""
+    return json.dumps(_tag(obj), separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode(data: bytes):
+    """The value :func:`encode` made; ValueError for anything else (malformed or foreign input)."""
+    try:
+        return _untag(json.loads(data.decode("utf-8"), parse_constant=_no_constant))
+    except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as exc:
+        raise ValueError(f"exchange: undecodable message: {exc}") from None
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not allowed")
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:
@@ -57,53 +135,104 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_obj(s: socket.socket):
-    (n,) = struct.unpack("<Q", _recv_exact(s, 8))
-    return pickle.loads(_recv_exact(s, n))
+def _send_obj(s: socket.socket, obj) -> None:
+    b = encode(obj)
+    if len(b) > MAX_MESSAGE:
+        raise ValueError(f"exchange: message of {len(b)} bytes exceeds the {MAX_MESSAGE}-byte limit")
+    s.sendall(_LEN.pack(len(b)) + b)
+
+
+def _recv_obj(s: socket.socket, who: str):
+    (n,) = _LEN.unpack(_recv_exact(s, _LEN.size))
+    if n > MAX_MESSAGE:
+        raise CommError(f"exchange: {who} announced a {n}-byte message (limit {MAX_MESSAGE})")
+    try:
+        return decode(_recv_exact(s, n))
+    except ValueError as exc:
+        raise CommError(f"exchange: {who} sent a malformed message: {exc}") from None
+
+
+def _token(token) -> bytes:
+    token = token if token is not None else os.environ.get("MKERNEL_EXCHANGE_TOKEN")
+    if not token:
+        raise ValueError("SocketExchanger needs a shared token: pass token= or set MKERNEL_EXCHANGE_TOKEN (the same "
+                         "secret string on every rank, e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)")
+    return token.encode() if isinstance(token, str) else bytes(token)
+
+
+def _port(port) -> int:
+    if port is None:
+        env = os.environ.get("MKERNEL_EXCHANGE_PORT", "").strip()
+        if not env:
+            raise ValueError("SocketExchanger needs a port: pass port= or set MKERNEL_EXCHANGE_PORT")
+        port = env
+    try:
+        port = int(port)
+    except (TypeError, ValueError):
+        raise ValueError(f"SocketExchanger: bad port {port!r}") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"SocketExchanger: port {port} out of range")
+    return port
 
 
 class SocketExchanger(Exchanger):
     """Star rendezvous over TCP: rank 0 listens on ``(host, port)``, the others connect (retrying
-    for ``timeout`` s).  ``allgather`` sends to rank 0, which answers everyone with the full list."""
+    for ``timeout`` s).  ``allgather`` sends to rank 0, which answers everyone with the full list.
 
-    def __init__(self, rank: int, size: int, host: str = "127.0.0.1", port: int = 29511, timeout: float = 60.0):
+    ``port`` (or ``$MKERNEL_EXCHANGE_PORT``) has no default; ``host`` defaults to
+    ``$MKERNEL_EXCHANGE_ADDR``, else loopback; ``token`` (str or bytes, or
+    ``$MKERNEL_EXCHANGE_TOKEN``) is the secret every rank must share: a connection that does not
+    prove it knows it is refused, and rank 0 keeps accepting until every rank arrived or ``timeout``
+    passed."""
+
+    def __init__(self, rank: int, size: int, host: str | None = None, port: int | None = None,
+                 timeout: float = 60.0, token: str | bytes | None = None):
+        if not 0 <= rank < size:
+            raise ValueError(f"SocketExchanger: rank {rank} out of range for size {size}")
         self.rank, self.size, self.timeout = rank, size, timeout
+        host = host or os.environ.get("MKERNEL_EXCHANGE_ADDR") or "127.0.0.1"
+        port, secret = _port(port), _token(token)
         self._peers: list[socket.socket] = []
+        if size == 1:
+            return
+        deadline = time.monotonic() + timeout
         if rank == 0:
-            srv = socket.create_server((host, port), reuse_port=False)
-            srv.settimeout(timeout)
-            got = {}
-            while len(got) < size - 1:
-                c, _ = srv.accept()
+            srv = socket.create_server((host, port), reuse_port=False, backlog=max(128, size))
+            try:
+                got = accept_peers(srv, secret, _LABEL, 0, range(1, size), deadline,
+                                   f"exchange rank 0 at {host}:{port}")
+            finally:
+                srv.close()
+            for c in got.values():
                 c.settimeout(timeout)
-                r = _recv_obj(c)
-                got[r] = c
-            srv.close()
             self._peers = [got[r] for r in range(1, size)]
         else:
-            t0 = time.monotonic()
             while True:
                 try:
-                    s = socket.create_connection((host, port), timeout=timeout)
+                    s = connect_peer((host, port), secret, _LABEL, rank, 0, max(0.05, deadline - time.monotonic()))
                     break
-                except OSError:
-                    if time.monotonic() - t0 > timeout:
-                        raise ConnectionError(f"exchange: rank {rank} could not reach rank 0 at {host}:{port}")
+                except OSError as exc:
+                    if time.monotonic() > deadline:
+                        raise ConnectionError(f"exchange: rank {rank} could not reach rank 0 at {host}:{port} "
+                                              f"within {timeout} s: {exc!r}") from exc
                     time.sleep(0.05)
             s.settimeout(timeout)
-            _send_obj(s, rank)
             self._peers = [s]
 
     def allgather(self, obj):
         if self.size == 1:
-            return [obj]
+            return [decode(encode(obj))]
         if self.rank == 0:
-            out = [obj] + [_recv_obj(c) for c in self._peers]
+            out = [decode(encode(obj))] + [_recv_obj(c, f"rank {r}") for r, c in enumerate(self._peers, 1)]
             for c in self._peers:
                 _send_obj(c, out)
             return out
         _send_obj(self._peers[0], obj)
-        return _recv_obj(self._peers[0])
+        out = _recv_obj(self._peers[0], "rank 0")
+        if not isinstance(out, list) or len(out) != self.size:
+            raise CommError(f"exchange: rank 0 answered the allgather with {type(out).__name__}, not a list of "
+                            f"{self.size} values")
+        return out
 
     def close(self):
         for s in self._peers:

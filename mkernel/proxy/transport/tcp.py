@@ -1,14 +1,22 @@
 """TCP transport: one socket per ordered pair of ranks (sender -> receiver), a receiver thread.
 
-Set-up (collective): every rank listens on an ephemeral port of its address, addresses are
-exchanged with ``allgather``, every rank connects to every other one and says who it is.  Address:
-``$MKERNEL_TCP_ADDR`` if set, loopback when all ranks share a host name, else the address the
-host name resolves to.
+Set-up (collective): rank 0 draws a 32-byte job secret, shared with the host names through the
+exchanger's ``allgather``; every rank listens on an ephemeral port of its advertised address (never
+a wildcard), addresses are exchanged, every rank connects to every other one, and each connection
+is authenticated with a mutual HMAC challenge-response on the secret (:mod:`.auth`): a process
+that does not know it, claims a rank that is out of range or already connected, or answers with a
+wrong MAC is refused, and accepting goes on until every peer arrived or ``timeout`` passed.
+Address: ``addr`` or ``$MKERNEL_TCP_ADDR`` if set, loopback when all ranks share a host name, else
+the address the host name resolves to.
 
 Wire format (little-endian), one message per :class:`~mkernel.transport.PeerBatch`:
 ``u32 kind (1 = batch, 2 = bye), u32 n_data, u32 n_flags, u32 0``, then ``n_data`` records
 ``(u32 win, u32 0, u64 dst_offset, u64 nbytes)``, then ``n_flags`` records
-``(u32 win, u32 0, u64 offset, u64 value)``, then the payloads back to back.  The receiver copies
+``(u32 win, u32 0, u64 offset, u64 value)``, then the payloads back to back.  A message holds at
+most MAX_RECORDS records (a larger batch goes as several messages, its flags in the last ones).
+The receiver checks everything it reads before it allocates or copies (kind, record count, window
+index, every range inside its window, flag alignment): a malformed message is a CommError naming
+the peer.  The receiver copies
 every payload into its window (host: straight from the socket; GPU: through pinned staging and a
 synchronized HtoD copy) and only then stores the flags, so "flag visible => data complete".
 
@@ -22,16 +30,20 @@ import selectors
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 
 from ...errors import CommError
 from . import PeerBatch, Transport
+from .auth import SECRET_BYTES, accept_peers, connect_peer, new_secret
 
 __all__ = ["TcpTransport"]
 
 KIND_BATCH, KIND_BYE = 1, 2
+_LABEL = b"mkernel-tcp-1"
 _HDR = struct.Struct("<IIII")
+MAX_RECORDS = 4096  # n_data + n_flags of one message; the sender splits larger batches
 _DESC = np.dtype([("win", "<u4"), ("pad", "<u4"), ("off", "<u8"), ("n", "<u8")])
 _IOV_MAX = 512
 _SMALL = 256 << 10  # payloads up to this size are received in one call and scattered
@@ -63,6 +75,20 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def _messages(data: list, flags: list):
+    """Split one batch into messages of at most MAX_RECORDS records: all data first, the flags in
+    the last messages (so "flag visible => data complete" holds across them)."""
+    i = j = 0
+    while True:
+        d = data[i:i + MAX_RECORDS]
+        i += len(d)
+        f = flags[j:j + MAX_RECORDS - len(d)] if i >= len(data) else []
+        j += len(f)
+        yield d, f
+        if i >= len(data) and j >= len(flags):
+            return
+
+
 class TcpTransport(Transport):
     """``TcpTransport(exchanger, windows, addr=None, timeout=30.0)``."""
 
@@ -84,41 +110,83 @@ class TcpTransport(Transport):
 
     # ---- set-up -----------------------------------------------------------------------------------
     def _my_addr(self, same_host: bool) -> str:
-        if self.addr or os.environ.get("MKERNEL_TCP_ADDR"):
-            return self.addr or os.environ["MKERNEL_TCP_ADDR"]
+        addr = self.addr or os.environ.get("MKERNEL_TCP_ADDR")
+        if addr:
+            if addr.strip() in ("0.0.0.0", "", "*"):
+                raise CommError(f"tcp transport rank {self.rank}: the address ({addr!r}, addr= or MKERNEL_TCP_ADDR) "
+                                "must be this host's address that peers reach, not a wildcard")
+            return addr.strip()
         if same_host:
             return "127.0.0.1"
         return socket.gethostbyname(socket.gethostname())
 
     def connect(self) -> None:
-        hosts = self.ex.allgather(socket.gethostname())
-        same = len(set(hosts)) == 1
+        """Collective: listen on the advertised address, exchange addresses and the job secret, then
+        connect to every peer and accept every peer, each connection authenticated (:mod:`.auth`)."""
+        hello = self.ex.allgather((socket.gethostname(), new_secret() if self.rank == 0 else None))
+        secret = hello[0][1]
+        if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
+            raise CommError(f"tcp transport rank {self.rank}: no valid job secret from rank 0")
+        same = len({h for h, _ in hello}) == 1
         my = self._my_addr(same)
         srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.bind(("0.0.0.0" if not same else my, 0))
-        srv.listen(max(16, self.size))
-        srv.settimeout(self.timeout)
-        table = self.ex.allgather((my, srv.getsockname()[1]))
         try:
-            for r in range(self.size):
-                if r == self.rank:
-                    continue
-                s = socket.create_connection(table[r], timeout=self.timeout)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-                s.sendall(struct.pack("<i", self.rank))
-                self.out[r] = s
-            while len(self.inc) < self.size - 1:
-                c, _ = srv.accept()
-                c.settimeout(self.timeout)
-                c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-                buf = bytearray(4)
-                _recv_into(c, memoryview(buf))
-                (r,) = struct.unpack("<i", buf)
-                c.settimeout(None)
-                self.inc[r] = c
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # inherited by accepted sockets
+            srv.bind((my, 0))  # the advertised address only: never a wildcard
+            srv.listen(max(128, self.size))
         except OSError as exc:
-            raise CommError(f"tcp transport rank {self.rank}: connection set-up failed: {exc}") from exc
+            srv.close()
+            raise CommError(f"tcp transport rank {self.rank}: cannot listen on {my}: {exc}") from exc
+        try:
+            table = self.ex.allgather((my, srv.getsockname()[1]))
+            accepted: dict = {}
+            deadline = time.monotonic() + self.timeout
+            cancel = threading.Event()
+
+            def accept():
+                try:
+                    accepted["peers"] = accept_peers(srv, secret, _LABEL, self.rank,
+                                                     [r for r in range(self.size) if r != self.rank], deadline,
+                                                     f"tcp transport rank {self.rank}", cancel)
+                except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                    accepted["error"] = exc
+
+            acceptor = threading.Thread(target=accept, name=f"mkernel-tcp-accept-{self.rank}", daemon=True)
+            acceptor.start()
+            ok = False
+            try:
+                for r in range(self.size):
+                    if r == self.rank:
+                        continue
+                    host, port = table[r]
+                    try:
+                        s = connect_peer((host, port), secret, _LABEL, self.rank, r,
+                                         max(0.05, deadline - time.monotonic()))
+                    except OSError as exc:
+                        raise CommError(f"tcp transport rank {self.rank}: connecting to rank {r} at {host}:{port} "
+                                        f"failed: {exc!r}", {"peer": r}) from exc
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+                    s.settimeout(self.timeout)
+                    self.out[r] = s
+                ok = True
+            finally:
+                if not ok:
+                    cancel.set()
+                acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
+                if not ok:
+                    for c in accepted.get("peers", {}).values():
+                        c.close()
+            if "error" in accepted:
+                raise accepted["error"]
+            if "peers" not in accepted:
+                raise CommError(f"tcp transport rank {self.rank}: accepting peers did not finish in {self.timeout} s")
+            self.inc = accepted["peers"]
+        except BaseException:
+            for s in self.out.values():
+                s.close()
+            self.out = {}
+            raise
         finally:
             srv.close()
         self.ex.barrier()
@@ -133,26 +201,27 @@ class TcpTransport(Transport):
     def post(self, batches: list[PeerBatch]) -> int:
         self._check()
         for b in batches:
-            desc = np.zeros(len(b.data), _DESC)
-            fl = np.zeros(len(b.flags), _DESC)
-            payload = []
-            for i, (w, src, dst, n) in enumerate(b.data):
-                desc[i] = (w, 0, dst, n)
-                win = self.windows[w]
-                if win.kind == "host":
-                    payload.append(win.read(src, n))
-                else:
-                    payload.append(win.read(src, n).copy())  # GPU: staged DtoH copy
-            for i, (w, off, v) in enumerate(b.flags):
-                fl[i] = (w, 0, off, v)
-            hdr = _HDR.pack(KIND_BATCH, len(b.data), len(b.flags), 0)
-            try:
-                _sendall_iov(self.out[b.dst], [hdr, desc, fl, *payload])
-            except OSError as exc:
-                self.error = CommError(f"tcp transport rank {self.rank}: sending to rank {b.dst} failed "
-                                       f"(peer dead?): {exc!r}", {"peer": b.dst})
-                raise self.error from exc
-            self.bytes_sent += sum(p.nbytes for p in payload)
+            for data, flags in _messages(b.data, b.flags):
+                desc = np.zeros(len(data), _DESC)
+                fl = np.zeros(len(flags), _DESC)
+                payload = []
+                for i, (w, src, dst, n) in enumerate(data):
+                    desc[i] = (w, 0, dst, n)
+                    win = self.windows[w]
+                    if win.kind == "host":
+                        payload.append(win.read(src, n))
+                    else:
+                        payload.append(win.read(src, n).copy())  # GPU: staged DtoH copy
+                for i, (w, off, v) in enumerate(flags):
+                    fl[i] = (w, 0, off, v)
+                hdr = _HDR.pack(KIND_BATCH, len(data), len(flags), 0)
+                try:
+                    _sendall_iov(self.out[b.dst], [hdr, desc, fl, *payload])
+                except OSError as exc:
+                    self.error = CommError(f"tcp transport rank {self.rank}: sending to rank {b.dst} failed "
+                                           f"(peer dead?): {exc!r}", {"peer": b.dst})
+                    raise self.error from exc
+                self.bytes_sent += sum(p.nbytes for p in payload)
         tok = self.next_token()
         self._done_tokens.append(tok)
         return tok
@@ -180,29 +249,58 @@ class TcpTransport(Transport):
         finally:
             sel.close()
 
+    def _malformed(self, peer: int, what: str) -> CommError:
+        return CommError(f"tcp transport rank {self.rank}: malformed message from rank {peer}: {what}", {"peer": peer})
+
+    def _check_records(self, peer: int, data: np.ndarray, flags: np.ndarray) -> None:
+        """Every record names an existing window, every range lies inside it, every flag is an
+        aligned u64 inside it (u64 arithmetic that cannot wrap: n <= size, then off <= size - n)."""
+        sizes = np.array([w.nbytes for w in self.windows], np.uint64)
+        for name, recs in (("data", data), ("flag", flags)):
+            if not len(recs):
+                continue
+            bad = recs["win"] >= len(sizes)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise self._malformed(peer, f"{name} record {i} names window {int(recs['win'][i])} of {len(sizes)}")
+            size = sizes[recs["win"]]
+            n = recs["n"] if name == "data" else np.full(len(recs), 8, np.uint64)
+            bad = (n > size) | (recs["off"] > size - np.minimum(n, size))
+            if name == "flag":
+                bad |= (recs["off"] % 8) != 0
+            if bad.any():
+                i = int(np.argmax(bad))
+                w, off = int(recs["win"][i]), int(recs["off"][i])
+                raise self._malformed(peer, f"{name} record {i}: [{off}, {off + int(n[i])}) of window {w} "
+                                            f"({int(size[i])} bytes){' (unaligned flag)' if name == 'flag' else ''}")
+
     def _rx_one(self, s: socket.socket, peer: int) -> bool:
         hdr = bytearray(_HDR.size)
         try:
             _recv_into(s, memoryview(hdr))
-            kind, nd, nf, _ = _HDR.unpack(hdr)
-            if kind == KIND_BYE:
+            kind, nd, nf, reserved = _HDR.unpack(hdr)
+            if kind == KIND_BYE and nd == nf == reserved == 0:
                 self._byes.add(peer)
                 return False
-            if kind != KIND_BATCH:
-                raise CommError(f"tcp transport rank {self.rank}: garbage from rank {peer} (kind {kind})")
+            if kind != KIND_BATCH or reserved:
+                raise self._malformed(peer, f"header kind {kind}, reserved {reserved}")
+            if nd + nf > MAX_RECORDS:
+                raise self._malformed(peer, f"{nd} data + {nf} flag records (at most {MAX_RECORDS})")
             desc = np.empty(nd + nf, _DESC)
             _recv_into(s, memoryview(desc).cast("B"))
             data, flags = desc[:nd], desc[nd:]
-            total = int(data["n"].sum()) if nd else 0
+            self._check_records(peer, data, flags)
+            data_l = list(zip(data["win"].tolist(), data["off"].tolist(), data["n"].tolist()))
+            total = sum(n for _, _, n in data_l)
             if total and total <= _SMALL:  # one recv, then scatter
                 buf = self._scratch[:total]
                 _recv_into(s, memoryview(buf))
                 pos = 0
-                for w, off, n in zip(data["win"].tolist(), data["off"].tolist(), data["n"].tolist()):
+                for w, off, n in data_l:
                     self.windows[w].write(off, buf[pos:pos + n])
                     pos += n
             elif total:
-                for w, off, n in zip(data["win"].tolist(), data["off"].tolist(), data["n"].tolist()):
+                for w, off, n in data_l:
                     self._rx_large(s, self.windows[w], off, n)
             self.bytes_received += total
             for w, off, v in zip(flags["win"].tolist(), flags["off"].tolist(), flags["n"].tolist()):

@@ -28,6 +28,15 @@ Notification (``notify=``, default ``"auto"``; env ``MKERNEL_VERBS_NOTIFY``):
   (ranges + flags); the receiver's proxy sees the receive completion (all earlier WRITEs of the QP
   are then placed), copies bounce ranges HtoD, and raises the flags itself.  Chosen automatically
   when a window uses a bounce buffer or the GPU's RDMA write ordering is NONE.
+
+Notices (and the *bye* at close, in both modes) are SENDs that consume the receiver's posted
+receives, so they are credit-controlled: each rank posts ``_N_RECV`` receives per peer and, every
+``_CREDIT_EVERY`` re-posts, RDMA-WRITEs its cumulative re-post count into the sender's credit word;
+a sender never has more notices unconsumed than the receiver has receives.  A receiver therefore
+never runs dry in normal operation, the RNR retry count is bounded (``_RNR_RETRY``) and an RNR
+failure is a CommError.  Only memory peers write is registered remote-writable: the windows (or
+their bounce buffers) and the credit words; the staging of flag values and notices (the NIC reads
+it) and the receive buffers are local-only.
 """
 from __future__ import annotations
 
@@ -165,10 +174,32 @@ def choose_gid_index(name: str, port: int) -> int:
 
 
 _NOTICE_BYTES = 4096
-_N_RECV = 128
+_N_RECV = 128  # receives posted per peer: a sender has at most this many notices unconsumed (credits)
+_MAX_NOTES_PER_CHAIN = _N_RECV // 2  # notices in one posted chain (a sender waits for credits per chain)
+_CREDIT_EVERY = _N_RECV // 4  # a receiver returns credits once this many receives were re-posted
+_RNR_RETRY = 6  # bounded (7 would retry forever); with credits a healthy receiver never runs dry
 _NOTE_HDR = struct.Struct("<IIII")  # kind (1 notice, 2 bye), n_ranges, n_flags, 0
 _NOTE_REC = np.dtype([("win", "<u4"), ("pad", "<u4"), ("off", "<u8"), ("n", "<u8")])
 _MAX_REC = (_NOTICE_BYTES - _NOTE_HDR.size) // _NOTE_REC.itemsize
+_WC_RNR_RETRY_EXC_ERR, _WC_RETRY_EXC_ERR = 13, 12  # ibv_wc_status values (stable ABI)
+
+
+class _SlotPool:
+    """Fixed staging slots (flag values, notices) that the NIC reads some time after the post: a
+    slot is taken when its work request is posted and given back only once that request completed
+    (its chain's signaled completion was polled), never round-robin."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.free = collections.deque(range(n))
+
+    def take(self) -> int:
+        if not self.free:  # the pool covers every request the send queues can hold
+            raise CommError("verbs: internal error: no free staging slot")
+        return self.free.popleft()
+
+    def give(self, slots) -> None:
+        self.free.extend(slots)
 
 
 class _Reg:
@@ -294,7 +325,7 @@ class VerbsTransport(Transport):
         try:
             from cuda.bindings import driver as cu
 
-            from ..runtime import device_attribute
+            from ...core.driver import device_attribute
 
             return device_attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING) >= 100
         except Exception:
@@ -330,17 +361,20 @@ class VerbsTransport(Transport):
         ncq = self.sq_depth * max(1, len(peers)) + 16
         self.scq = CQ(self.ctx, ncq)
         self.rcq = CQ(self.ctx, _N_RECV * max(1, len(peers)) + 16)
-        acc = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        # staging: flag values (8 B slots) and notices (4 KiB slots), receive slots
-        self.nflag = 2 * ncq
-        self.flag_buf = np.zeros(self.nflag, np.uint64)
-        self.flag_mr = MR(self.pd, self.flag_buf.nbytes, acc, address=self.flag_buf.ctypes.data)
-        self.nnote = 2 * ncq // 8 + 64
-        self.note_buf = np.zeros((self.nnote, _NOTICE_BYTES), np.uint8)
-        self.note_mr = MR(self.pd, self.note_buf.nbytes, acc, address=self.note_buf.ctypes.data)
+        acc = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE  # the QPs: peers write the windows
+        local = e.IBV_ACCESS_LOCAL_WRITE  # memory only this rank's NIC reads or fills
+        # staging the NIC reads (flag values: 8 B slots, notices: 4 KiB slots), one slot per request the
+        # send queues can hold, recycled on completion; receive slots; the credit words peers write
+        nslots = self.sq_depth * max(1, len(peers))
+        self.flag_buf = np.zeros(nslots, np.uint64)
+        self.flag_mr = MR(self.pd, self.flag_buf.nbytes, local, address=self.flag_buf.ctypes.data)
+        self.note_buf = np.zeros((nslots, _NOTICE_BYTES), np.uint8)
+        self.note_mr = MR(self.pd, self.note_buf.nbytes, local, address=self.note_buf.ctypes.data)
         self.recv_buf = np.zeros((max(1, len(peers)) * _N_RECV, _NOTICE_BYTES), np.uint8)
-        self.recv_mr = MR(self.pd, self.recv_buf.nbytes, acc, address=self.recv_buf.ctypes.data)
-        self._flag_i = self._note_i = 0
+        self.recv_mr = MR(self.pd, self.recv_buf.nbytes, local, address=self.recv_buf.ctypes.data)
+        self.credit_buf = np.zeros(max(1, self.size), np.uint64)  # [p]: my notices p consumed and re-posted
+        self.credit_mr = MR(self.pd, self.credit_buf.nbytes, acc, address=self.credit_buf.ctypes.data)
+        self._flag_slots, self._note_slots = _SlotPool(nslots), _SlotPool(nslots)
         self.qps, self.qp_peer, self.psn = {}, {}, {}
         inline = 64
         for r in peers:
@@ -361,7 +395,8 @@ class VerbsTransport(Transport):
         self.inline = inline >= 8
         info = {"qpn": {r: q.qp_num for r, q in self.qps.items()}, "psn": self.psn, "lid": self.lid,
                 "gid": self.gid, "mtu": int(self.mtu), "notify": self.notify,
-                "win": [(reg.base, reg.rkey, w.nbytes) for reg, w in zip(self.regs, self.windows)]}
+                "win": [(reg.base, reg.rkey, w.nbytes) for reg, w in zip(self.regs, self.windows)],
+                "credit": (self.credit_buf.ctypes.data, self.credit_mr.rkey)}
         table = self.ex.allgather(info)
         bad = [(r, t[1]) for r, t in enumerate(table) if isinstance(t, tuple) and t and t[0] == "error"]
         if bad:
@@ -386,8 +421,8 @@ class VerbsTransport(Transport):
             a.max_rd_atomic = 1
             a.min_rnr_timer = 12
             a.timeout = self.qp_timeout
-            a.retry_cnt = 7
-            a.rnr_retry = 7
+            a.retry_cnt = 7  # transport retries: 7 is the maximum (not infinite, unlike rnr_retry)
+            a.rnr_retry = _RNR_RETRY
             gr = GlobalRoute(dgid=GID(t["gid"]), sgid_index=self.gid_index)
             a.ah_attr = AHAttr(port_num=self.port, is_global=1, gr=gr, dlid=t["lid"])
             try:
@@ -396,8 +431,14 @@ class VerbsTransport(Transport):
                 raise CommError(f"verbs: connecting the QP to rank {r} failed (GID index {self.gid_index}, "
                                 f"remote GID {t['gid']}): {exc}") from exc
         # completion bookkeeping
-        self._outstanding = {r: collections.deque() for r in peers}  # (token or None, n_wr) per QP
+        # (token or None, n_wr, flag slots, notice slots, credit?) per posted chain, per QP
+        self._outstanding = {r: collections.deque() for r in peers}
         self._in_sq = {r: 0 for r in peers}
+        self._credit_in_sq = {r: 0 for r in peers}  # of _in_sq: credit WRITEs (close does not wait for them)
+        self._gone: set[int] = set()  # peers that said bye and whose QP failed after: ignored
+        self._notes_sent = {r: 0 for r in peers}    # notices (SENDs) posted to r
+        self._reposted = {r: 0 for r in peers}      # receives re-posted for r's notices
+        self._credit_told = {r: 0 for r in peers}   # the last re-post count written into r's credit word
         self._token_left: dict[int, int] = {}
         self._done: list[int] = []
         self._byes: set[int] = set()
@@ -424,58 +465,98 @@ class VerbsTransport(Transport):
                     raise self.error
                 time.sleep(0)
 
-    def _post_chain(self, dst, wrs, token):
-        """Post a list of SendWR to dst's QP as chains of at most sq_depth/2, last one signaled."""
+    def _credits(self, dst) -> int:
+        """Receives rank ``dst`` has posted for notices from this rank and not yet consumed."""
+        return _N_RECV - (self._notes_sent[dst] - int(self.credit_buf[dst]))
+
+    def _wait_credits(self, dst, n):
+        """Wait until ``dst`` has ``n`` receives free for our notices, receiving meanwhile (the peer
+        may be waiting for our credits just as well)."""
+        t0 = time.monotonic()
+        while self._credits(dst) < n:
+            busy = self._poll_send() + self._poll_recv()
+            if not busy:
+                if time.monotonic() - t0 > self.timeout:
+                    self.error = CommError(f"verbs rank {self.rank}: rank {dst} re-posted no receives for "
+                                           f"{self.timeout} s (its proxy stopped?)", {"peer": dst})
+                    raise self.error
+                time.sleep(0)
+
+    def _post_chain(self, dst, items, token, credit=False):
+        """Post work to dst's QP as chains of at most sq_depth/2 requests (and _MAX_NOTES_PER_CHAIN
+        notices), the last one signaled.  ``items``: ``("wr", SendWR)`` (a data WRITE), ``("flag",
+        rkey, remote_addr, value)`` (an 8-byte WRITE of ``value``), ``("note", payload)`` (a SEND).
+        Flag values and notices are copied into staging slots only here, after the send queue has
+        room, and the slots are given back when the chain completed."""
         import pyverbs.enums as e
+        from pyverbs.wr import SGE, SendWR
 
         qp = self.qps[dst]
         step = max(1, self.sq_depth // 2)
-        for i in range(0, len(wrs), step):
-            part = wrs[i:i + step]
+        i = 0
+        while i < len(items):
+            j, notes = i, 0
+            while j < len(items) and j - i < step and (items[j][0] != "note" or notes < _MAX_NOTES_PER_CHAIN):
+                notes += items[j][0] == "note"
+                j += 1
+            part, i = items[i:j], j
+            if notes:
+                self._wait_credits(dst, notes)
             self._wait_room(dst, len(part))
-            part[-1].send_flags = part[-1].send_flags | e.IBV_SEND_SIGNALED
-            for a, b in zip(part, part[1:]):
+            wrs, fslots, nslots = [], [], []
+            for it in part:
+                if it[0] == "wr":
+                    wrs.append(it[1])
+                elif it[0] == "flag":
+                    _, rkey, raddr, value = it
+                    k = self._flag_slots.take()
+                    fslots.append(k)
+                    self.flag_buf[k] = value
+                    wr = SendWR(opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
+                                sg=[SGE(self.flag_buf.ctypes.data + 8 * k, 8, self.flag_mr.lkey)],
+                                send_flags=e.IBV_SEND_INLINE if self.inline else 0)
+                    wr.set_wr_rdma(rkey, raddr)
+                    wrs.append(wr)
+                else:
+                    payload = it[1]
+                    k = self._note_slots.take()
+                    nslots.append(k)
+                    self.note_buf[k, :len(payload)] = np.frombuffer(payload, np.uint8)
+                    wrs.append(SendWR(opcode=e.IBV_WR_SEND, num_sge=1,
+                                      sg=[SGE(self.note_buf[k].ctypes.data, len(payload), self.note_mr.lkey)],
+                                      send_flags=0))
+            wrs[-1].send_flags = wrs[-1].send_flags | e.IBV_SEND_SIGNALED
+            for a, b in zip(wrs, wrs[1:]):
                 a.next_wr = b
-            self._outstanding[dst].append((token, len(part)))
-            self._in_sq[dst] += len(part)
+            self._outstanding[dst].append((token, len(wrs), fslots, nslots, credit))
+            self._in_sq[dst] += len(wrs)
+            self._credit_in_sq[dst] += len(wrs) if credit else 0
+            self._notes_sent[dst] += notes
             if token is not None:
                 self._token_left[token] = self._token_left.get(token, 0) + 1
             try:
-                qp.post_send(part[0])
+                qp.post_send(wrs[0])
             except Exception as exc:  # noqa: BLE001
                 self.error = CommError(f"verbs rank {self.rank}: post_send to rank {dst} failed: {exc}", {"peer": dst})
                 raise self.error from exc
 
-    def _flag_slot(self, value):
-        i = self._flag_i
-        self._flag_i = (i + 1) % self.nflag
-        self.flag_buf[i] = value
-        return self.flag_buf.ctypes.data + 8 * i
-
-    def _notice_wrs(self, kind, ranges, flags):
-        import pyverbs.enums as e
-        from pyverbs.wr import SGE, SendWR
-
-        wrs = []
+    @staticmethod
+    def _notices(kind, ranges, flags) -> list:
+        """``("note", payload)`` items carrying ``ranges`` then ``flags`` (several when they do not fit)."""
+        out = []
         ranges, flags = list(ranges), list(flags)
         while True:
             nr = min(len(ranges), _MAX_REC)
             nf = min(len(flags), _MAX_REC - nr)
-            i = self._note_i
-            self._note_i = (i + 1) % self.nnote
-            buf = self.note_buf[i]
-            buf[:_NOTE_HDR.size] = np.frombuffer(_NOTE_HDR.pack(kind, nr, nf, 0), np.uint8)
-            rec = buf[_NOTE_HDR.size:_NOTE_HDR.size + (nr + nf) * _NOTE_REC.itemsize].view(_NOTE_REC)
+            rec = np.zeros(nr + nf, _NOTE_REC)
             for j, (w, off, n) in enumerate(ranges[:nr]):
                 rec[j] = (w, 0, off, n)
             for j, (w, off, v) in enumerate(flags[:nf]):
                 rec[nr + j] = (w, 0, off, v)
-            size = _NOTE_HDR.size + (nr + nf) * _NOTE_REC.itemsize
-            wrs.append(SendWR(opcode=e.IBV_WR_SEND, num_sge=1,
-                              sg=[SGE(buf.ctypes.data, size, self.note_mr.lkey)], send_flags=0))
+            out.append(("note", _NOTE_HDR.pack(kind, nr, nf, 0) + rec.tobytes()))
             ranges, flags = ranges[nr:], flags[nf:]
             if not ranges and not flags:
-                return wrs
+                return out
 
     def post(self, batches: list[PeerBatch]) -> int:
         import pyverbs.enums as e
@@ -501,19 +582,15 @@ class VerbsTransport(Transport):
                 laddr = (reg.bounce.ctypes.data if reg.mode == "bounce" else reg.base) + src
                 wr = SendWR(opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(laddr, n, reg.lkey)], send_flags=0)
                 wr.set_wr_rdma(rkey, rbase + dst_off)
-                wrs.append(wr)
+                wrs.append(("wr", wr))
             if self.notify == "write":
                 for w, off, v in b.flags:
                     rbase, rkey, rsize = t["win"][w]
                     if off % 8 or off + 8 > rsize:
                         raise CommError(f"verbs rank {self.rank}: bad flag offset {off} in window {w} of rank {b.dst}")
-                    addr = self._flag_slot(v)
-                    wr = SendWR(opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[SGE(addr, 8, self.flag_mr.lkey)],
-                                send_flags=e.IBV_SEND_INLINE if self.inline else 0)
-                    wr.set_wr_rdma(rkey, rbase + off)
-                    wrs.append(wr)
+                    wrs.append(("flag", rkey, rbase + off, v))
             elif b.flags or bounce_ranges:
-                wrs += self._notice_wrs(1, bounce_ranges, b.flags)
+                wrs += self._notices(1, bounce_ranges, b.flags)
             if wrs:
                 self._post_chain(b.dst, wrs, token)
         if token not in self._token_left:
@@ -525,13 +602,34 @@ class VerbsTransport(Transport):
         n, wcs = self.scq.poll(64)
         for wc in wcs[:n]:
             peer = self.qp_peer.get(wc.qp_num, -1)
+            if peer in self._gone:
+                continue
+            if (wc.status != 0 and self._bye_sent and peer in self._byes and self._outstanding[peer]
+                    and self._outstanding[peer][0][4]):
+                # the peer finished and closed its QP while a credit WRITE to it was in flight: harmless
+                self._gone.add(peer)
+                for ent in self._outstanding[peer]:
+                    self._flag_slots.give(ent[2])
+                    self._note_slots.give(ent[3])
+                self._outstanding[peer].clear()
+                self._in_sq[peer] = self._credit_in_sq[peer] = 0
+                continue
             if wc.status != 0:
+                if wc.status == _WC_RNR_RETRY_EXC_ERR:
+                    why = (f"receiver not ready: rank {peer} had no receive posted through {_RNR_RETRY} retries "
+                           "(its proxy stopped receiving?)")
+                elif wc.status == _WC_RETRY_EXC_ERR:
+                    why = f"rank {peer} stopped acknowledging (peer dead or unreachable)"
+                else:
+                    why = "peer dead or remote access error"
                 self.error = CommError(f"verbs rank {self.rank}: work completion error to rank {peer}: "
-                                       f"{_wc_status(wc.status)} (vendor err {wc.vendor_err}); peer dead or "
-                                       "remote access error", {"peer": peer})
+                                       f"{_wc_status(wc.status)} (vendor err {wc.vendor_err}); {why}", {"peer": peer})
                 raise self.error
-            token, nwr = self._outstanding[peer].popleft()
+            token, nwr, fslots, nslots, credit = self._outstanding[peer].popleft()
             self._in_sq[peer] -= nwr
+            self._credit_in_sq[peer] -= nwr if credit else 0
+            self._flag_slots.give(fslots)
+            self._note_slots.give(nslots)
             if token is not None:
                 self._token_left[token] -= 1
                 if self._token_left[token] == 0:
@@ -552,16 +650,37 @@ class VerbsTransport(Transport):
             slot = wc.wr_id
             buf = self.recv_buf[slot]
             kind, nr, nf, _ = _NOTE_HDR.unpack(buf[:_NOTE_HDR.size].tobytes())
+            if kind not in (1, 2) or nr + nf > _MAX_REC or wc.byte_len < _NOTE_HDR.size + (nr + nf) * _NOTE_REC.itemsize:
+                self.error = CommError(f"verbs rank {self.rank}: malformed notice from rank {peer} (kind {kind}, "
+                                       f"{nr} ranges, {nf} flags, {wc.byte_len} bytes)", {"peer": peer})
+                raise self.error
             rec = buf[_NOTE_HDR.size:_NOTE_HDR.size + (nr + nf) * _NOTE_REC.itemsize].view(_NOTE_REC)
-            for w, off, nb in rec[:nr][["win", "off", "n"]].tolist():  # bounce ranges: HtoD
+            ranges = rec[:nr][["win", "off", "n"]].tolist()
+            flags = rec[nr:][["win", "off", "n"]].tolist()
+            for w, off, nb in ranges + [(w, off, 8) for w, off, _ in flags]:
+                if w >= len(self.windows) or off + nb > self.windows[w].nbytes:
+                    self.error = CommError(f"verbs rank {self.rank}: notice from rank {peer} names [{off}, {off + nb}) "
+                                           f"of window {w}, outside this rank's windows", {"peer": peer})
+                    raise self.error
+            for w, off, nb in ranges:  # bounce ranges: HtoD
                 reg = self.regs[w]
+                if reg.bounce is None:
+                    self.error = CommError(f"verbs rank {self.rank}: notice from rank {peer} names a bounce range "
+                                           f"of window {w}, which has no bounce buffer", {"peer": peer})
+                    raise self.error
                 self.windows[w].write(off, reg.bounce[off:off + nb])
-            for w, off, v in rec[nr:][["win", "off", "n"]].tolist():
+            for w, off, v in flags:
                 self.windows[w].write_u64(off, v)
             if kind == 2:
                 self._byes.add(peer)
             if not self._closing:
                 self._post_recv(peer, slot)
+                self._reposted[peer] += 1
+        for peer, k in self._reposted.items():  # credits back (not to a peer that said bye: it is done)
+            if k - self._credit_told[peer] >= _CREDIT_EVERY and not self._closing and peer not in self._byes:
+                self._credit_told[peer] = k
+                caddr, crkey = self.remote[peer]["credit"]
+                self._post_chain(peer, [("flag", crkey, caddr + 8 * self.rank, k)], None, credit=True)
         return n
 
     def progress(self) -> list[int]:
@@ -572,6 +691,7 @@ class VerbsTransport(Transport):
         return out
 
     _closing = False
+    _bye_sent = False
 
     def close(self, timeout: float = 10.0) -> None:
         """Wait for our sends, say bye to every peer, wait for theirs (bounded), free everything."""
@@ -581,9 +701,10 @@ class VerbsTransport(Transport):
         try:
             if self.error is None:
                 for r in self.qps:
-                    self._post_chain(r, self._notice_wrs(2, [], []), None)
-                while time.monotonic() - t0 < timeout and (
-                        len(self._byes) < len(self.qps) or any(self._in_sq.values())):
+                    self._post_chain(r, self._notices(2, [], []), None)
+                self._bye_sent = True
+                while time.monotonic() - t0 < timeout and (len(self._byes) < len(self.qps) or any(
+                        self._in_sq[r] - self._credit_in_sq[r] for r in self.qps)):
                     self._poll_send()
                     self._poll_recv()
                     time.sleep(0)
@@ -596,7 +717,8 @@ class VerbsTransport(Transport):
             self._closing = True
             for q in self.qps.values():
                 q.close()
-            for obj in (self.scq, self.rcq, self.flag_mr, self.note_mr, self.recv_mr, *[r.mr for r in self.regs]):
+            for obj in (self.scq, self.rcq, self.flag_mr, self.note_mr, self.recv_mr, self.credit_mr,
+                        *[r.mr for r in self.regs]):
                 obj.close()
             self.pd.close()
             self.ctx.close()
