@@ -23,6 +23,9 @@
 // every peer's header.  A failed wait (timeout, mismatch, another block's failure) marks the block failed
 // in shared memory: it stores and raises nothing more, and leaves the epoch open.
 //
+// Named barriers (consumer threads only, beside the GEMM component's 1-4): 5 (an own tile's verdict),
+// 7 (end of call).
+//
 // Deadlock freedom: pushes wait only for the peers' announcement of this call and their consumption of
 // the previous one (both raised at the start / end of the peers' calls, never behind this call's work);
 // every block's own tiles come after all its peer tiles, and every block is resident (cooperative
@@ -128,6 +131,18 @@ MK_DEVICE bool mk_warp_wait_flags(const MkComm& c, bool active, const mk_u64* fl
   return true;
 }
 
+// Named barrier `id` over `nthreads` threads that also ANDs `pred` over them (bar.red.and): a verdict every
+// participating thread gets alike.
+MK_DEVICE bool mk_named_barrier_and(int id, int nthreads, bool pred) {
+  unsigned r;
+  asm volatile(
+      "{\n.reg .pred q, p;\nsetp.ne.u32 q, %1, 0;\nbar.red.and.pred p, %2, %3, q;\nselp.u32 %0, 1, 0, p;\n}"
+      : "=r"(r)
+      : "r"((unsigned)pred), "r"(id), "r"(nthreads)
+      : "memory");
+  return r != 0;
+}
+
 // The reduce-scatter epilogue (cooperative configs with one slab per consumer warpgroup: Cfg::WG_N == 1).
 // Partial tiles are stored in fragment order: 16-byte vector v of consumer thread ct at byte
 // (v * NT + ct) * 16 of the tile -- every warp stores (and the owner loads) 512 contiguous bytes per
@@ -137,6 +152,9 @@ MK_DEVICE bool mk_warp_wait_flags(const MkComm& c, bool active, const mk_u64* fl
 // order -- fixed whatever order they arrive in, so every run gives the same bits; starting from the
 // accumulators frees the registers a separate running sum would need, so all of one peer's loads of the
 // tile are in flight at once.
+// A failed wait marks the block failed (`failed`, shared): its warps store and raise nothing more.  An own
+// tile's verdict is voted over every consumer thread (named barrier 5) before the inner epilogue, whose
+// TMA path synchronizes each warpgroup: no warp may skip it alone.
 template <class Inner, int NC, int BN, typename PT> struct MkRsEpilogue {
   Inner inner;
   const MkComm* c;
@@ -179,10 +197,10 @@ template <class Inner, int NC, int BN, typename PT> struct MkRsEpilogue {
 
   template <int BN_> MK_DEVICE void store(const MkTile& t, int slab, float (&acc)[BN_ / 2]) {
     static_assert(BN_ == BN, "one slab per consumer warpgroup (Cfg::WG_N == 1)");
-    if (*failed) return;
     const int P = rows->P, me = rows->me, owner = t.tile_m & 15, idx = index(t);
     const int ct = (int)threadIdx.x - 128;
     if (owner != me) {
+      if (*failed) return;
       if (!open(owner)) {
         *failed = 1;
         return;
@@ -196,7 +214,9 @@ template <class Inner, int NC, int BN, typename PT> struct MkRsEpilogue {
     const int lane = (int)threadIdx.x & 31;
     const bool active = lane < P && lane != me;
     const mk_u64* flag = (const mk_u64*)(ws + L->flags_off) + (active ? lane * L->flag_stride + idx : 0);
-    if (!mk_warp_wait_flags(*c, active, flag, epoch, MK_LOCAL_PEER(lane), lane * L->flag_stride + idx)) {
+    bool ok = *failed == 0;
+    if (ok) ok = mk_warp_wait_flags(*c, active, flag, epoch, MK_LOCAL_PEER(lane), lane * L->flag_stride + idx);
+    if (!mk_named_barrier_and(5, NT, ok)) {
       *failed = 1;
       return;
     }
