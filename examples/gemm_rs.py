@@ -67,9 +67,9 @@ def main():
     if ctx.rank == 0:
         print(f"gemm_reduce_scatter over {P} GPUs: A_r [{M}, {Kr}] @ W_r [{N}, {Kr}].T summed over ranks, "
               f"{plan.m_sizes[me]} rows kept per rank: {'correct' if all(oks) else 'WRONG'} (rel. Frobenius error "
-              f"{err:.2e} on {len(rows)} x {len(cols)} sampled elements vs float64 numpy); {dt * 1e3:.3f} ms per call, {tflops:.0f} "
-              f"TFLOP/s per GPU; path {plan.path}{f' (config {plan.config})' if plan.path == 'fused' else ''} "
-              f"({plan.reason})")
+              f"{err:.2e} on {len(rows)} x {len(cols)} sampled elements vs float64 numpy); {dt * 1e3:.3f} ms per call, "
+              f"{tflops:.0f} TFLOP/s per GPU; path {plan.path}"
+              f"{f' (config {plan.config})' if plan.path == 'fused' else ''} ({plan.reason})")
     ctx.close()
     return 0 if all(oks if oks else [ok]) else 1
 

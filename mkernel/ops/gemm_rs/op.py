@@ -131,7 +131,9 @@ class _FusedBound(BoundCall):
         self._ldc = O.strides[0] if m_me > 1 else N
         n16 = N - N % (16 // isz)  # a TMA store writes whole 16-byte pieces: the map ends there (gemm's c_map)
         c_tma = (cfg.tma_store and m_me > 0 and n16 > 0 and O.ptr % 16 == 0 and (self._ldc * isz) % 16 == 0)
-        self._c = TensorMapArg(O.ptr, O.dtype.name, (n16, m_me), (self._ldc * isz,), (128 // isz, 64)) if c_tma else None
+        self._c = None
+        if c_tma:
+            self._c = TensorMapArg(O.ptr, O.dtype.name, (n16, m_me), (self._ldc * isz,), (128 // isz, 64))
         c_arg = self._c.buf if c_tma else ctypes.create_string_buffer(self._a.map.raw, 128)  # (any valid map)
         a = self._args = RsArgs()
         a.c, a.ldc = O.ptr, self._ldc

@@ -22,7 +22,6 @@ The automatic choice is fused where ``T_fused < fuse_margin x T_unfused``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from . import _gemm as G
@@ -186,7 +185,8 @@ def plan(m_sizes, N: int, Ks, me: int, *, b_layout: str, in_dtype: str, out_dtyp
     if opts.path is not None:
         path, reason = opts.path, "forced (options.path)"
     elif t_fused < model.fuse_margin * t_unfused:
-        path, reason = "fused", f"predicted {t_fused * 1e6:.1f} us < {model.fuse_margin} x {t_unfused * 1e6:.1f} us unfused"
+        path, reason = "fused", (f"predicted {t_fused * 1e6:.1f} us < {model.fuse_margin} x {t_unfused * 1e6:.1f} us "
+                                 "unfused")
     else:
         path, reason = "unfused", (f"predicted fused {t_fused * 1e6:.1f} us >= {model.fuse_margin} x "
                                    f"{t_unfused * 1e6:.1f} us unfused")
