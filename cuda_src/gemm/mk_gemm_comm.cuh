@@ -8,15 +8,19 @@
 //                        tile straddles two owners); t.tile_m = (tile row within the owner << 4) | owner
 //   MkRsLayout           where partial tiles and their ready flags live in an op's symmetric workspace
 //   MkRsEpilogue         a peer's tile: its fp32 accumulators, converted to the partial dtype, stored
-//                        into the owner's workspace (16-byte vectors, fragment order, over NVLink), then
-//                        the owner's ready flag raised; an own tile: wait for every peer's partial, add
-//                        them to the accumulators in a fixed order, store through the inner epilogue
-//   MkAnnounceHook       MkNoWait + the call's announcement (mk_signal.cuh) from an idle producer warp
+//                        into the owner's workspace (16-byte vectors, fragment order, over NVLink); an own
+//                        tile: wait for every peer's partial, add them to the accumulators in a fixed
+//                        order, store through the inner epilogue
+//   mk_rs_raise_flags    an idle producer warp raises the owners' ready flags of the block's peer tiles as
+//                        the consumers finish them (the consumers never wait for the NVLink stores to drain)
+//   MkRsHook             MkNoWait + the call's announcement (mk_signal.cuh) and mk_rs_raise_flags, on the
+//                        producer warpgroup's idle warps (Hook::side_work)
 //   mk_warp_wait_flags   one warp waits for up to 32 flags at once (MkPoll policy, error record)
 //   mk_rs_finish         end of call: the last block tells every peer it consumed their partials, commits
 //
 // Protocol (docs/gemm_rs.md): call e of rank `src` stores its partial of owner j's tile t into j's
-// workspace, slot (src - j + P) % P - 1, at t * TILE_BYTES, then raises j's ready[src][t] = e.  Before its
+// workspace, slot (src - j + P) % P - 1, at t * TILE_BYTES, then (mk_rs_raise_flags) raises j's
+// ready[src][t] = e.  Before its
 // first store into j's slot in call e, a warp checks (in this rank's own workspace header) that j
 // announced call e with this call's signature and consumed call e-1.  Owner j waits for ready[src][t] >= e
 // of every src != j before it reads the slots.  The last block of j's call raises consumed[j] = e in
@@ -24,7 +28,8 @@
 // in shared memory: it stores and raises nothing more, and leaves the epoch open.
 //
 // Named barriers (consumer threads only, beside the GEMM component's 1-4): 5 (an own tile's verdict),
-// 7 (end of call).
+// 7 (end of call).  Shared memory: `failed` (int) and `done` (u32, tiles the consumers finished), both
+// zeroed by the kernel before the GEMM component's block barrier.
 //
 // Deadlock freedom: pushes wait only for the peers' announcement of this call and their consumption of
 // the previous one (both raised at the start / end of the peers' calls, never behind this call's work);
@@ -164,7 +169,9 @@ template <class Inner, int NC, int BN, typename PT> struct MkRsEpilogue {
   const mk_u64* peers;     // local rank -> its workspace base, as mapped here
   mk_u64 epoch;
   volatile int* failed;    // shared: 1 once any warp of the block failed a wait
+  unsigned* done;          // shared: tiles of this block whose epilogue every consumer thread finished
   unsigned opened = 0;     // owners whose slot this warp may write in this call (checked once each)
+  unsigned tiles = 0;      // (the tile_done thread's count)
 
   static constexpr int NT = 128 * NC;                          // consumer threads
   static constexpr int VE = 16 / (int)sizeof(PT);              // partial elements per 16-byte vector
@@ -239,20 +246,50 @@ template <class Inner, int NC, int BN, typename PT> struct MkRsEpilogue {
     inner.template store<BN>(o, slab, acc);
   }
 
-  // One consumer thread, after every consumer thread stored the tile: raise the owner's ready flag
-  // (mk_signal_set: the block's stores, ordered by the named barrier, are visible before it).
-  MK_DEVICE void tile_done(const MkTile& t) {
-    const int owner = t.tile_m & 15;
-    if (owner == rows->me || *failed) return;
-    mk_u64* flag = (mk_u64*)((char*)peers[owner] + L->flags_off) + rows->me * L->flag_stride + index(t);
-    mk_signal_set(flag, epoch);
+  // One consumer thread, after every consumer thread stored the tile (the GEMM component's named barrier
+  // 1): publish the block's count of finished tiles (release, CTA scope) for mk_rs_raise_flags.
+  MK_DEVICE void tile_done(const MkTile&) {
+    ++tiles;
+    asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(mk_smem_addr(done)), "r"(tiles) : "memory");
   }
 };
+
+// Lane 0 of one warp (a producer warp, idle in the tile loop): walks the block's tile sequence and, for
+// each peer tile, waits until the consumers finished it (`done`: acquire of tile_done's release, which
+// follows the consumers' named barrier), then raises the owner's ready flag (mk_signal_set: its fence
+// orders the consumers' stores, synchronized through that chain, before the flag).  The fence waits for
+// the tile's NVLink stores to drain; here it holds no consumer warp, so the next tile's MMAs run
+// meanwhile.  Terminates: tile_done runs for every tile of the block (the hook never aborts the loop).
+template <int BM, int BN>
+MK_DEVICE void mk_rs_raise_flags(const MkOwnerRows* rows, const MkRsLayout* L, const mk_u64* peers, mk_u64 epoch,
+                                 const unsigned* done, volatile int* failed, int worker, int workers) {
+  if ((threadIdx.x & 31) != 0) return;
+  MkOwnerScheduler<BM, BN> sched(rows);
+  sched.init(worker, workers);
+  const mk_u32 done_addr = mk_smem_addr(done);
+  const int me = rows->me, num_n = (rows->N + BN - 1) / BN;
+  unsigned j = 0;
+  MkTile t;
+  while (sched.next(t)) {
+    ++j;
+    const int owner = t.tile_m & 15;
+    if (owner == me) continue;
+    while (true) {
+      unsigned seen;
+      asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(seen) : "r"(done_addr) : "memory");
+      if (seen >= j) break;
+      __nanosleep(128);
+    }
+    if (*failed) continue;
+    const int idx = (t.tile_m >> 4) * num_n + t.tile_n;
+    mk_signal_set((mk_u64*)((char*)peers[owner] + L->flags_off) + me * L->flag_stride + idx, epoch);
+  }
+}
 
 template <int NC, int BN, typename PT, class Inner>
 MK_DEVICE MkRsEpilogue<Inner, NC, BN, PT> mk_rs_epilogue(const Inner& inner, const MkComm* c, const MkOwnerRows* rows,
                                                          const MkRsLayout* L, char* ws, const mk_u64* peers,
-                                                         mk_u64 epoch, volatile int* failed) {
+                                                         mk_u64 epoch, volatile int* failed, unsigned* done) {
   MkRsEpilogue<Inner, NC, BN, PT> e;
   e.inner = inner;
   e.c = c;
@@ -262,24 +299,32 @@ MK_DEVICE MkRsEpilogue<Inner, NC, BN, PT> mk_rs_epilogue(const Inner& inner, con
   e.peers = peers;
   e.epoch = epoch;
   e.failed = failed;
+  e.done = done;
   return e;
 }
 
-// MkNoWait (loads never wait) plus the call's announcement: worker 0's producer warp 1 -- idle in the tile
-// loop -- writes this rank's entered / sig entries into every peer's header (mk_announce_call) at once.
-struct MkAnnounceHook : MkNoWait {
+// MkNoWait (loads never wait) plus work for the producer warpgroup's idle warps: worker 0's warp 1 writes
+// this rank's entered / sig entries into every peer's header at once (mk_announce_call); warp 2 of every
+// block raises its peer tiles' ready flags (mk_rs_raise_flags; workers = the grid).
+template <int BM, int BN> struct MkRsHook : MkNoWait {
   const MkComm* c;
+  const MkOwnerRows* rows;
+  const MkRsLayout* L;
   const mk_u64* peers;
-  mk_u64 consumed_off;
   mk_u64 epoch;
+  const unsigned* done;
+  volatile int* failed;
   static constexpr bool kSideWork = true;
   MK_DEVICE void side_work(int warp, int worker) const {
-    if (warp != 1 || worker != 0) return;
-    const int P = c->local_size;
-    const mk_u64* pt = peers;
-    const mk_u64 off = consumed_off;
-    mk_announce_call(*c, [&](int j) { return MkCallHeader{(mk_u64*)((char*)pt[j] + off), P}; }, epoch,
-                     (int)threadIdx.x & 31, 32);
+    if (warp == 2) {
+      mk_rs_raise_flags<BM, BN>(rows, L, peers, epoch, done, failed, worker, (int)gridDim.x);
+    } else if (warp == 1 && worker == 0) {
+      const int P = rows->P;
+      const mk_u64* pt = peers;
+      const mk_u64 off = L->consumed_off;
+      mk_announce_call(*c, [&](int j) { return MkCallHeader{(mk_u64*)((char*)pt[j] + off), P}; }, epoch,
+                       (int)threadIdx.x & 31, 32);
+    }
   }
 };
 

@@ -7,10 +7,11 @@
 // Cfg::SMEM_BYTES dynamic shared memory): every block is a GEMM worker (mk_gemm.cuh) over the tiles of
 // A_r @ B_r, owner by owner in rank-rotated order (MkOwnerScheduler: me+1, me+2, ..., own rows last).
 // A peer's tile goes, as a partial in the partial dtype, into that peer's workspace (MkRsEpilogue,
-// mk_gemm_comm.cuh), followed by its ready flag; an own tile waits for every peer's partial, adds them
-// in a fixed order and is stored into `out` ([M_me, N], row stride ldc).  Worker 0's idle producer warp 1
-// announces the call to the peers (MkAnnounceHook); the last block tells every peer it consumed their
-// partials and commits the epoch (mk_rs_finish).
+// mk_gemm_comm.cuh), and the block's idle producer warp 2 raises its ready flag once the stores are done
+// (mk_rs_raise_flags); an own tile waits for every peer's partial, adds them in a fixed order and is
+// stored into `out` ([M_me, N], row stride ldc).  Worker 0's idle producer warp 1 announces the call to
+// the peers (MkRsHook); the last block tells every peer it consumed their partials and commits the epoch
+// (mk_rs_finish).
 //
 // Workspace (same layout on every local rank; mkernel/ops/gemm_rs/layout.py):
 //   [0]              MkEpochState       this rank's call counter
@@ -59,25 +60,34 @@ MK_DEVICE void gemm_rs_body(const MkTensorMap* tmA, const MkTensorMap* tmB, cons
                 "cooperative configs, one slab per consumer warpgroup, no clusters");
   extern __shared__ unsigned char mk_smem[];
   __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;  // (ordered before any use by mk_gemm_run's block barrier)
+  __shared__ unsigned done;
+  if (threadIdx.x == 0) {  // (ordered before any use by mk_gemm_run's block barrier)
+    failed = 0;
+    done = 0;
+  }
   MkEpochState* es = (MkEpochState*)a.ws;
   const mk_u64 epoch = mk_epoch_begin(es);
   MkOwnerScheduler<Cfg::BM, Cfg::BN> sched(&a.rows);
-  MkAnnounceHook hook;
+  MkRsHook<Cfg::BM, Cfg::BN> hook;
   hook.c = &c;
+  hook.rows = &a.rows;
+  hook.L = &a.L;
   hook.peers = a.peers;
-  hook.consumed_off = a.L.consumed_off;
   hook.epoch = epoch;
+  hook.done = &done;
+  hook.failed = &failed;
   MkEpilogueStore<MkOut> direct;
   direct.c = reinterpret_cast<MkOut*>(a.c);
   direct.ldc = a.ldc;
   direct.vec_ok = a.c_vec_ok;
   // own tiles end at out's last row (out holds this rank's rows only): clip_rows = 1
   mk_with_store_epilogue<Cfg>(direct, tmC, a.c_tma, 1, mk_smem, [&](auto& inner) {
-    auto epi = mk_rs_epilogue<Cfg::NC, Cfg::BN, MkPartial>(inner, &c, &a.rows, &a.L, a.ws, a.peers, epoch, &failed);
+    auto epi = mk_rs_epilogue<Cfg::NC, Cfg::BN, MkPartial>(inner, &c, &a.rows, &a.L, a.ws, a.peers, epoch, &failed,
+                                                           &done);
     return mk_gemm_run<Cfg>(tmA, tmB, a.K, sched, hook, epi, mk_smem, (int)blockIdx.x, (int)gridDim.x);
   });
-  // The producer warpgroup is done; the consumers finish the call (MkAnnounceHook never aborts the loop).
+  // The producer warpgroup is done (its warp 2 may still raise flags); the consumers finish the call (the
+  // hook never aborts the loop).
   if (threadIdx.x < 128) return;
   mk_rs_finish(es, a.peers, a.L.consumed_off, a.rows.P, a.rows.me, epoch, &failed, 128, 128 * Cfg::NC);
 }
