@@ -365,7 +365,7 @@ def main() -> int:
         say("WARNING: run on one node: mkernel's ops span the ranks of a node, NCCL spans the world")
     if ctx.local_rank == 0:  # every specialization into the disk cache, in parallel
         agm.precompile()
-        agm.G.precompile([agm.G._defines("bfloat16", "bfloat16", c) for c in (1, 2, 3)])
+        agm.G.precompile([agm.G.defines("bfloat16", "bfloat16", c) for c in (1, 2, 3)])
     comm.Barrier()
     symm = TorchSymmMem(torch, dist)
     todo = [s for s in C.select_shapes(shapes(P, args.quick), args.only) if args.min_m <= s[1] <= args.max_m]

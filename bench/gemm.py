@@ -119,7 +119,8 @@ def main():
     import torch
 
     import mkernel
-    from mkernel.ops.gemm import engine as G
+    from mkernel.ops import gemm as G
+    from mkernel.ops.gemm import configs as GC, heuristic as GH
     from mkernel.core import compiler as CP
     from mkernel.core import driver as DRV
     from mkernel.core.interop import as_device_array
@@ -138,7 +139,7 @@ def main():
     compile_s = {}
     for cid in sorted(G.CONFIGS):
         t0 = time.perf_counter()
-        CP.compile_module(G.SOURCE, G._defines("bfloat16", "bfloat16", cid), arch=arch, use_disk_cache=False)
+        CP.compile_module(GC.SOURCE, G.defines("bfloat16", "bfloat16", cid), arch=arch, use_disk_cache=False)
         compile_s[cid] = time.perf_counter() - t0
     print("# NVRTC compile seconds per module (bf16->bf16):",
           ", ".join(f"config {c}: {s:.1f}" for c, s in compile_s.items()), flush=True)
@@ -193,10 +194,10 @@ def main():
                                             for c, v in sweep.items()), flush=True)
             # split-K factors of the chosen config, where its tiles leave SMs idle
             cfg0 = G.CONFIGS[info["config"]]
-            if info["tiles"] < props.multi_processor_count and G.max_splits(cfg0, M, N, K, layout) > 1:
+            if info["tiles"] < props.multi_processor_count and GH.max_splits(cfg0, M, N, K, layout) > 1:
                 ssweep = {}
                 for sp in (1, 2, 3, 4, 6, 8, 12, 16):
-                    if sp > G.max_splits(cfg0, M, N, K, layout):
+                    if sp > GH.max_splits(cfg0, M, N, K, layout):
                         break
 
                     def split(i, sp=sp):
@@ -231,7 +232,7 @@ def main():
 
 
 def tile_label(info: dict) -> str:
-    """The table's tile column from ``mkernel.ops.gemm.engine.describe``: ``BMxBNx64/Sst`` (``pp``: ping-pong,
+    """The table's tile column from ``mkernel.ops.gemm.describe``: ``BMxBNx64/Sst`` (``pp``: ping-pong,
     ``split S``: split-K, ``T``: computed transposed, the tile over the N x M problem), or for the decode
     kernel its MMA rows and rows of B per block."""
     if info["config"] == "gemv":
@@ -361,7 +362,7 @@ class GemmProblem:
 
     def ours(self, i: int, stream, **kw):
         """mkernel.gemm on input set i (kw: config, splits, swap)."""
-        from mkernel.ops.gemm import engine as G
+        from mkernel.ops import gemm as G
 
         G.gemm(self.dA[i], self.dB[i], self.dC[i], b_layout=self.layout, stream=stream, **kw)
 

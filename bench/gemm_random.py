@@ -54,11 +54,11 @@ def run_shape(M, N, K, layout, pad, l2):
     import torch
 
     from gemm import GemmProblem, plan_label
-    from mkernel.ops.gemm import engine as G
+    from mkernel.ops.gemm import plan as GP
 
     prob = GemmProblem(M, N, K, l2, layout, pad)
     fns = {"cublas": prob.cublas, "ours": prob.runner(lambda i: prob.ours(i, torch.cuda.current_stream()))}
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     torch.cuda.synchronize()
     err = prob.error()
     st = time_interleaved(fns, warmup=1, rounds=ROUNDS)
@@ -69,7 +69,7 @@ def run_shape(M, N, K, layout, pad, l2):
 
 def misaligned(r) -> bool:
     """Whether A's or B's rows are an odd multiple of 16 bytes apart (bf16)."""
-    from mkernel.ops.gemm.engine import misaligned_rows
+    from mkernel.ops.gemm import misaligned_rows
 
     return any(misaligned_rows(r["M"], r["N"], r["K"], r["layout"], pad=r["pad"]))
 

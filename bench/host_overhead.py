@@ -94,7 +94,7 @@ def main():
     import torch
 
     import mkernel
-    from mkernel.ops.gemm import engine as G
+    from mkernel.ops import gemm as G
 
     from mkernel.core.interop import as_device_array
 

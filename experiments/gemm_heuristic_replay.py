@@ -3,7 +3,7 @@
 
     python experiments/gemm_heuristic_replay.py TABLE.json [TABLE.json ...] [-v]
 
-For every shape of the tables: the plan the heuristic picks today (mkernel.ops.gemm.engine._auto_plan, with the
+For every shape of the tables: the plan the heuristic picks today (mkernel.ops.gemm.auto_plan, with the
 shape's operand-row alignment), its measured time where the table has that plan, the best measured plan,
 and the ratio of the two (the pick's regret).  Prints the geometric-mean regret, the worst one, the
 geometric mean of cuBLAS time / the pick's, and how many shapes the table could not judge (a pick it has
@@ -26,12 +26,12 @@ def _clean(label: str) -> str:
 
 def replay(rows, sms: int = 132):
     """Per shape: (row, pick label, pick us or None, best label, best us)."""
-    from mkernel.ops.gemm import engine as G
+    from mkernel.ops import gemm as G
 
     out = []
     for r in rows:
         mis = G.misaligned_rows(r["M"], r["N"], r["K"], r["layout"], pad=r["pad"])
-        cfg, sp, sf = G._auto_plan(r["M"], r["N"], r["K"], r["layout"], sms, None, mis)
+        cfg, sp, sf = G.auto_plan(r["M"], r["N"], r["K"], r["layout"], sms, None, mis)
         pick = f"c{cfg.id}x{sp}" + (f"f{sf}" if sp != 1 and sf else "")
         measured = {}
         for _, (label, us) in r["plans"].items():

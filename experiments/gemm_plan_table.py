@@ -52,11 +52,12 @@ def main():
     setup_env()
     import torch
 
-    from mkernel.ops.gemm import engine as G
+    from mkernel.ops import gemm as G
+    from mkernel.ops.gemm import configs as GC, heuristic as GH, plan as GP
 
     torch.empty(1, device="cuda")
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    cfgs = [int(c) for c in args.configs.split(",")] if args.configs else list(G.AUTO_CANDIDATES)
+    cfgs = [int(c) for c in args.configs.split(",")] if args.configs else list(GC.AUTO_CANDIDATES)
     splits = [int(s) for s in args.splits.split(",")]
     rows = []
     for spec in args.shapes:
@@ -67,12 +68,12 @@ def main():
                  ("auto:pdl1", None, None, "1", None), ("auto:plain", None, None, "auto", None)]
         for c in cfgs:
             cfg = G.CONFIGS[c]
-            if G.phantom_row_half(cfg, M):  # (plans the heuristic never offers)
+            if GH.phantom_row_half(cfg, M):  # (plans the heuristic never offers)
                 continue
-            ms = G.max_splits(cfg, M, N, K, layout)
+            ms = GH.max_splits(cfg, M, N, K, layout)
             plans += [(f"c{c}x{sp}", c, sp, "auto", None) for sp in splits if sp <= ms]
         for c in ([int(x) for x in args.swap_configs.split(",") if x] if layout == "nk" else []):
-            ms = G.max_splits(G.CONFIGS[c], N, M, K, layout)  # (the transposed problem)
+            ms = GH.max_splits(G.CONFIGS[c], N, M, K, layout)  # (the transposed problem)
             plans += [(f"s{c}x{sp}", c, sp, "auto", True) for sp in splits if sp <= ms]
             plans.append((f"s{c}xa", c, None, "auto", True))  # (its own split plan, as the heuristic's)
         labels = {}
@@ -84,7 +85,7 @@ def main():
             fns[name] = prob.runner(lambda i, c=c, sp=sp, sw=swap, p=prob: p.ours(
                 i, torch.cuda.current_stream(), config=c, splits=sp, swap=sw))
             torch.cuda.synchronize()
-            labels[name] = plan_label(next(reversed(G._plans.values()))) + ("" if prob.error() < 1e-2 else " ERR")
+            labels[name] = plan_label(next(reversed(GP._plans.values()))) + ("" if prob.error() < 1e-2 else " ERR")
         for k, v in saved.items():  # (the caller's settings back)
             if v is None:
                 os.environ.pop(k, None)

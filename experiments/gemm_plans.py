@@ -35,7 +35,8 @@ def main():
     import torch
 
     from gemm import DEEPSEEK_V3, LLAMA3_70B, _runner, _time_alternating, batch_for, make_inputs
-    from mkernel.ops.gemm import engine as G
+    from mkernel.ops import gemm as G
+    from mkernel.ops.gemm import heuristic as GH
     from mkernel.core.interop import as_device_array
 
     torch.cuda.init()
@@ -51,7 +52,7 @@ def main():
         nsets = len(A)
         dA, dB, dC = ([as_device_array(x) for x in xs] for xs in (A, B, C))
         plans = [(None, None)] + [(c, s) for c in cfgs for s in splits
-                                  if s <= G.max_splits(G.CONFIGS[c], M, N, K, "nk")]
+                                  if s <= GH.max_splits(G.CONFIGS[c], M, N, K, "nk")]
         flop = 2.0 * M * N * K
         batch = batch_for(flop, nsets)
         runs, labels = [], []

@@ -23,7 +23,7 @@ setup_env()
 import torch
 from gemm import GemmProblem
 from gemm_profile import parse
-from mkernel.ops.gemm import engine as G
+from mkernel.ops.gemm import plan as GP
 
 
 def main(argv):
@@ -41,7 +41,7 @@ def main(argv):
             sp = int(phase.split("x")[1]) if "x" in phase else None
 
             ro = prob.runner(lambda i: prob.ours(i, torch.cuda.current_stream(), config=cfg, splits=sp))
-            plan = next(reversed(G._plans.values()))  # (the plan ours just built or used)
+            plan = next(reversed(GP._plans.values()))  # (the plan ours just built or used)
             torch.cuda.synchronize()
             err = prob.error()
             time.sleep(sleep)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cuda.bindings import driver as cu  # noqa: E402
 
-from mkernel.ops.gemm import engine as G  # noqa: E402
+from mkernel.ops import gemm as G  # noqa: E402
 from mkernel.core.arrays import DeviceArray  # noqa: E402
 from mkernel.core.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
 from mkernel.core.driver import check  # noqa: E402
@@ -112,7 +112,7 @@ def main():
 
     with _on_device(None):
         stream = check(cu.cuStreamCreate(0))
-        G.precompile([G._defines("bfloat16", "float32", c) for c in sorted(G.CONFIGS)])
+        G.precompile([G.defines("bfloat16", "float32", c) for c in sorted(G.CONFIGS)])
         print(f"# compiled in {time.time() - t0:.1f} s; rel = relative Frobenius error, max = max abs error", flush=True)
         rng = np.random.default_rng(1)
         for cfg in sorted(G.CONFIGS):

@@ -25,7 +25,7 @@ if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
 import torch  # noqa: E402
 
 from gemm import WEIGHTS  # noqa: E402
-from mkernel.ops.gemm import engine as G  # noqa: E402
+from mkernel.ops import gemm as G  # noqa: E402
 from mkernel.core.interop import as_device_array  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main(argv):
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
         b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen)
         c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        cfg, splits, split_from = G._auto_plan(M, N, K, "nk", torch.cuda.get_device_properties(0).multi_processor_count,
+        cfg, splits, split_from = G.auto_plan(M, N, K, "nk", torch.cuda.get_device_properties(0).multi_processor_count,
                                                None, G.misaligned_rows(M, N, K, "nk"))
         print(f"{name}: M={M} N={N} K={K}: mkernel config {cfg.id} ({cfg.bm}x{cfg.bn}) splits {splits} "
               f"from tile {split_from}", flush=True)

@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from cuda.bindings import driver as cu  # noqa: E402
 
 from gemm_profile import parse  # noqa: E402
-from mkernel.ops.gemm import engine as G
+from mkernel.ops import gemm as G
+from mkernel.ops.gemm import plan as GP
 from mkernel.core import compiler as runtime  # noqa: E402
 from mkernel.core.interop import as_device_array  # noqa: E402
 
@@ -63,7 +64,7 @@ def run(spec: str):
     for _ in range(5):
         call()
     torch.cuda.synchronize()
-    plan = list(G._plans.values())[-1]
+    plan = list(GP._plans.values())[-1]
     plan = f"config {plan.cfg.id} ({plan.cfg.bm}x{plan.cfg.tile_n('nk')}) splits {plan.splits} from {plan.split_from} grid {plan.grid}"
     ts = []
     for _ in range(50):

@@ -23,6 +23,7 @@ DTYPES = [("bfloat16", "bfloat16"), ("float16", "float32"), ("bfloat16", "float3
 
 def one_call(rng, G, M, N, K, layout, config=None, splits=None) -> tuple[bool, str]:
     from _util import corner, download, poisoned, rel_fro, upload, written_outside
+    from mkernel.ops.gemm import plan as GP
 
     ind, outd = DTYPES[int(rng.integers(0, 4))]
     pa, pb, pc = 8 * int(rng.integers(0, 3)), 8 * int(rng.integers(0, 3)), int(rng.integers(0, 24))
@@ -32,7 +33,7 @@ def one_call(rng, G, M, N, K, layout, config=None, splits=None) -> tuple[bool, s
     cbuf = poisoned((M + 1, N + pc), outd)
     G.gemm(corner(abuf, M, K), corner(bbuf, rows_b, cols_b), corner(cbuf, M, N), b_layout=layout, config=config,
            splits=splits)
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     ran = f"c{plan.cfg.id}x{plan.splits}" if plan.cfg is not None else "gemv"
     h = download(cbuf)
     bmat = bv[:, :cols_b] if layout == "kn" else bv[:, :cols_b].T
@@ -54,7 +55,7 @@ def one_call(rng, G, M, N, K, layout, config=None, splits=None) -> tuple[bool, s
 
 
 def main(argv):
-    from mkernel.ops.gemm import engine as G
+    from mkernel.ops import gemm as G
 
     rng = np.random.default_rng(int(argv[0]) if argv else 20261202)
     configs = [int(c) for c in argv[1].split(",")] if len(argv) > 1 else [40, 42]

@@ -1,8 +1,9 @@
 // gemm.cu - plain and grouped GEMM kernels built from the mk_gemm.cuh component, and the staging
 // copy used when an operand's row stride is not TMA-compatible.
 //
-// Specialization: MK_GEMM_IN, MK_GEMM_OUT, MK_GEMM_CONFIG (see mk_gemm_configs.cuh); MK_GEMM_SWAP = 1: the
-// plain kernels compute the transposed problem and store it transposed (MkEpilogueStoreT, below).
+// Specialization: MK_GEMM_IN, MK_GEMM_OUT, MK_GEMM_CONFIG and its MK_CFG_* parameters (mk_gemm_configs.cuh);
+// MK_GEMM_SWAP = 1: the plain kernels compute the transposed problem and store it transposed
+// (MkEpilogueStoreT, below).
 //
 // Kernels (each block: MkCfg::THREADS threads, MkCfg::SMEM_BYTES of dynamic shared memory; grid:
 // any number of persistent blocks, normally the SM count):
@@ -15,7 +16,7 @@
 #define MK_GEMM_SWAP 0
 #endif
 
-// Passed by value; mirrored by mkernel/ops/gemm/engine.py:_GemmArgs (same order, natural alignment, 80 bytes).
+// Passed by value; mirrored by mkernel/ops/gemm/plan.py:GemmArgs (same order, natural alignment, 80 bytes).
 struct MkGemmArgs {
   void* c;                    // output, row-major, row stride ldc elements
   const void* group_offsets;  // grouped: G+1 row offsets (int64, or int32 if offsets_i32)
@@ -51,14 +52,14 @@ template <> struct MkRegisterStore<true> {
 template <bool KN, bool GROUPED>
 MK_DEVICE void mk_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmC,
                             const MkGemmArgs& args) {
-  typedef typename MkCfgSel<MK_GEMM_CONFIG, KN>::T Cfg;
+  typedef MkCfg<KN> Cfg;
   extern __shared__ unsigned char mk_smem[];
   MkEpilogueStore<MkOut> epi;
   epi.c = reinterpret_cast<MkOut*>(args.c);
   epi.ldc = args.ldc;
   epi.vec_ok = args.c_vec_ok;
   if constexpr (GROUPED && (Cfg::SHARING > 1 || Cfg::CLUSTER_K > 1 || MK_GEMM_SWAP)) {
-    __trap();  // grouped GEMMs do not run in clusters or transposed (mkernel/ops/gemm/engine.py never launches this)
+    __trap();  // grouped GEMMs do not run in clusters or transposed (mkernel/ops/gemm never launches this)
   } else if constexpr (GROUPED) {
     // a tile ending inside a group must not write the next group's rows: clip_rows = 0
     MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(args.group_offsets, args.offsets_i32, args.num_groups, args.N, args.group_m);

@@ -464,7 +464,7 @@ template <typename OutT> struct MkEpilogueStore {
 };
 
 // The transposed store: the kernel computed C^T = B A^T (a plain GEMM with the operands' roles exchanged,
-// mkernel/ops/gemm/engine.py's swapped plans), so the tile's rows are C's columns and its columns C's rows:
+// mkernel/ops/gemm's swapped plans), so the tile's rows are C's columns and its columns C's rows:
 // element (r, col) goes to C[(col0 + col) * ldc + row0 + r], masked to the tile's valid rows / cols, from
 // registers (a warp's stores cover 8 consecutive columns of C in 4 rows: 16-byte pieces for 16-bit C).
 template <typename OutT> struct MkEpilogueStoreT {

@@ -1,5 +1,5 @@
 // mk_gemm_dtypes.cuh - the dtype specialization every GEMM-family kernel (gemm.cu, ag_gemm.cu, gemv.cu)
-// is compiled for (defines set by mkernel/ops/gemm/engine.py, mkernel/ops/gemm/gemv.py):
+// is compiled for (defines set by mkernel/ops/gemm/configs.py, mkernel/ops/gemm/gemv.py):
 //   MK_GEMM_IN   input dtype code (MK_DTYPE_BF16 | MK_DTYPE_F16) of A and B
 //   MK_GEMM_OUT  output dtype code (MK_DTYPE_BF16 | MK_DTYPE_F16 | MK_DTYPE_F32); MkOut is its type
 #pragma once

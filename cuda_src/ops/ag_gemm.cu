@@ -62,8 +62,8 @@
 // (gather_only = 1) because the gathered buffer is read afterwards by a separate GEMM launch.  mk_ag_release (1 block) then tells
 // the peers and commits the epoch.
 //
-// Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (output dtype), MK_GEMM_CONFIG (1..4, 0 =
-// debug), exactly as gemm.cu.
+// Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (output dtype), MK_GEMM_CONFIG (1..5, 0 = debug)
+// and its MK_CFG_* parameters, exactly as gemm.cu (mkernel/ops/gemm/configs.py: defines()).
 #include "core/mk_copy.cuh"
 #include "gemm/mk_gemm_configs.cuh"
 #include "core/mk_signal.cuh"
@@ -364,7 +364,7 @@ template <bool KN>
 MK_DEVICE void ag_gemm_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmAl,
                             const MkTensorMap* tmC, const MkComm& c, const AgArgs& a) {
   // the producer runs AgScheduler (split-K units) and the row waits: 48 registers, not 40
-  typedef MkWithRegs<typename MkCfgSel<MK_GEMM_CONFIG, KN>::T, 48, 224> Cfg;
+  typedef MkWithRegs<MkCfg<KN>, 48, 224> Cfg;
   extern __shared__ unsigned char mk_smem[];
   const AgWs w(c, a);
   const mk_u64 epoch = mk_epoch_begin(w.epoch_state());

@@ -7,7 +7,8 @@ import importlib
 import numpy as np
 import pytest
 
-from mkernel.ops.gemm import engine as G
+from mkernel.ops import gemm as G
+from mkernel.ops.gemm import operands as GO
 from mkernel.core import compiler as CP
 from mkernel.core.arrays import DeviceArray
 
@@ -194,7 +195,7 @@ def test_binding_repointed_at_each_output(monkeypatch, path):
     log, gemms = [], []
     monkeypatch.setattr(agm, "_kernel", lambda i, o, c, name: _FakeKernel(log, name))
     monkeypatch.setattr(agm, "encode_tiled", lambda ptr, *a, **k: ("map", ptr))
-    monkeypatch.setattr(agm.G, "encode_tiled", lambda ptr, *a, **k: ("map", ptr))
+    monkeypatch.setattr(GO, "encode_tiled", lambda ptr, *a, **k: ("map", ptr))  # (B's and C's maps)
     monkeypatch.setattr(agm.G, "gemm", lambda a, b, out, **kw: gemms.append(out.ptr))
     P, K, N = 2, 256, 512
     m_sizes = (300, 300)

@@ -183,7 +183,7 @@ def test_heuristic_replay_on_the_measured_plan_table(bench_path, name, shapes, m
     assert len(res) == shapes and len(judged) >= min_judged
     regret = statistics.geometric_mean([t / tb for t, tb in judged])
     assert regret <= 1.035, f"geometric-mean regret {regret:.3f}"
-    from mkernel.ops.gemm.engine import misaligned_rows
+    from mkernel.ops.gemm import misaligned_rows
     assert misaligned_rows(8, 64, 4120, "nk") == (True, True) and misaligned_rows(8, 4120, 64, "kn") == (False, True)
     assert misaligned_rows(8, 72, 64, "kn", pad=8) == (True, False) and misaligned_rows(8, 64, 64, "nk") == (False, False)
     # an operand of one row has no row stride (as row_misaligned: rows > 1)

@@ -17,17 +17,18 @@ import pytest
 import _compile_cache
 from mkernel.core import compiler as CP
 from mkernel.core import launch as LCH
-from mkernel.ops.gemm import engine as G
+from mkernel.ops import gemm as G
+from mkernel.ops.gemm import api as GA, configs as GC, heuristic as GH, kernels as GK, operands as GO, plan as GP
 from mkernel.core.arrays import DeviceArray
 
 ARCH = "sm_90a"
-SPECS = [(s, d) for s, d in CP.registered_specializations() if s == G.SOURCE]
+SPECS = [(s, d) for s, d in CP.registered_specializations() if s == GC.SOURCE]
 GEMM_KERNELS = ("mk_gemm_kn", "mk_gemm_nk", "mk_grouped_gemm_kn", "mk_grouped_gemm_nk")
 
 
 def test_all_combinations_registered():
     got = {(d["MK_GEMM_IN"], d["MK_GEMM_OUT"], d["MK_GEMM_CONFIG"]) for _, d in SPECS}
-    want = {(G._CODE[i], G._CODE[o], c) for i in G.IN_DTYPES for o in G.OUT_DTYPES for c in G.CONFIGS}
+    want = {(G.DTYPE_CODES[i], G.DTYPE_CODES[o], c) for i in G.IN_DTYPES for o in G.OUT_DTYPES for c in G.CONFIGS}
     assert got == want
 
 
@@ -106,24 +107,36 @@ def fake(monkeypatch):
         maps.append(dict(ptr=ptr, dtype=dtype, dims=tuple(dims), strides=tuple(strides), box=tuple(box)))
         return bytes(128)
 
-    monkeypatch.setattr(G, "_kernel", lambda i, o, c, name, swap=False: FakeKernel(
+    monkeypatch.setattr(GK, "get", lambda i, o, c, name, swap=False: FakeKernel(
         launches, (i, o, c, name) + (("swap",) if swap else ())))
-    monkeypatch.setattr(G, "_num_sms", lambda dev: 132)
-    monkeypatch.setattr(G, "encode_tiled", encode)
-    monkeypatch.setattr(G, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
-    monkeypatch.setattr(G.DeviceArray, "empty", staticmethod(empty))
-    monkeypatch.setattr(G.DeviceArray, "from_numpy", staticmethod(from_numpy))
+    monkeypatch.setattr(GK, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(GO, "encode_tiled", encode)
+    _no_device(monkeypatch)
+    monkeypatch.setattr(DeviceArray, "empty", staticmethod(empty))
+    monkeypatch.setattr(DeviceArray, "from_numpy", staticmethod(from_numpy))
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    monkeypatch.setattr(G, "is_capturing", lambda stream: False)
+    _capturing(monkeypatch, False)
     CLEARS.clear()
-    monkeypatch.setattr(G, "_clear_i32", lambda ptr, n, stream: CLEARS.append((ptr, n)))
-    G._plans.clear()
+    monkeypatch.setattr(GO, "_clear_i32", lambda ptr, n, stream: CLEARS.append((ptr, n)))
+    GP._plans.clear()
     return launches, maps, empty
 
 
-def _args(launch) -> G._GemmArgs:
+def _no_device(monkeypatch):
+    """The ops' device scopes (gemm / grouped_gemm, describe) as no-ops on device 0."""
+    for mod in (GA, GP):
+        monkeypatch.setattr(mod, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
+
+
+def _capturing(monkeypatch, value: bool):
+    """Whether the fake stream is being captured into a CUDA graph (plans, split-K clears)."""
+    for mod in (GP, GO):
+        monkeypatch.setattr(mod, "is_capturing", lambda stream: value)
+
+
+def _args(launch) -> GP.GemmArgs:
     a = launch["args"][3]
-    assert isinstance(a, G._GemmArgs) and all(len(m) == 128 for m in launch["args"][:3])
+    assert isinstance(a, GP.GemmArgs) and all(len(m) == 128 for m in launch["args"][:3])
     return a
 
 
@@ -243,10 +256,10 @@ def test_bad_input_raises_before_launch(fake, bad):
 
 
 def test_args_struct_layout():
-    offs = {f[0]: getattr(G._GemmArgs, f[0]).offset for f in G._GemmArgs._fields_}
+    offs = {f[0]: getattr(GP.GemmArgs, f[0]).offset for f in GP.GemmArgs._fields_}
     assert offs == dict(c=0, group_offsets=8, ldc=16, M=24, N=28, K=32, num_groups=36, group_m=40, c_vec_ok=44,
                         offsets_i32=48, c_tma=52, partials=56, counters=64, splits=72, split_from=76)
-    assert ctypes.sizeof(G._GemmArgs) == 80
+    assert ctypes.sizeof(GP.GemmArgs) == 80
 
 
 def test_fresh_outputs_reuse_one_plan(fake):
@@ -255,20 +268,20 @@ def test_fresh_outputs_reuse_one_plan(fake):
     launches, maps, empty = fake
     a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
     outs = [G.gemm(a, b, b_layout="nk") for _ in range(3)]
-    assert len({o.ptr for o in outs}) == 3 and len(G._plans) == 1
+    assert len({o.ptr for o in outs}) == 3 and len(GP._plans) == 1
     args = [_args(launch) for launch in launches]
     assert [x.c for x in args] == [o.ptr for o in outs]
     assert args[0].splits > 1 and len({x.partials for x in args}) == 1  # one split-K workspace
     c_maps = [m for m in maps if m["dims"] == (1536, 128)]
     assert [m["ptr"] for m in c_maps] == [o.ptr for o in outs]  # the plan's own, then one per new output
     G.gemm(a, b, b_layout="nk", stream=7)  # another stream: its own plan
-    assert len(G._plans) == 2
+    assert len(GP._plans) == 2
     o = empty((128, 1536), "bfloat16")
     G.gemm(a, b, o, b_layout="nk")  # a given output of the same layout: the same plan, re-pointed
-    assert len(G._plans) == 2 and _args(launches[-1]).c == o.ptr
+    assert len(GP._plans) == 2 and _args(launches[-1]).c == o.ptr
     o32 = empty((128, 1536), "float32")
     G.gemm(a, b, o32, b_layout="nk")  # another output dtype: another plan
-    assert len(G._plans) == 3 and _args(launches[-1]).c == o32.ptr
+    assert len(GP._plans) == 3 and _args(launches[-1]).c == o32.ptr
 
 
 def test_k0_fills_each_output(fake):
@@ -358,16 +371,16 @@ def test_programmatic_dependent_launch(fake, monkeypatch):
     monkeypatch.setenv("MKERNEL_GEMM_PDL", "1")
     G.gemm(empty((512, 8192), "bfloat16"), empty((1024, 8192), "bfloat16"), b_layout="nk", config=36)
     assert launches[-1]["dependent"] is True  # (off automatically: above)
-    assert G.pdl_auto(1024, 1024, 1024) and G.pdl_auto(128, 4096, 7168) and G.pdl_auto(64, 4096, 7168)
-    assert G.pdl_auto(16, 16, 16) and not G.pdl_auto(16, 16, 16, groups=2)
-    assert G.pdl_auto(4096, 1024, 1024, groups=1) and not G.pdl_auto(4096, 1024, 1024, groups=64)
-    assert G.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[3]) and not G.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[9])
+    assert GH.pdl_auto(1024, 1024, 1024) and GH.pdl_auto(128, 4096, 7168) and GH.pdl_auto(64, 4096, 7168)
+    assert GH.pdl_auto(16, 16, 16) and not GH.pdl_auto(16, 16, 16, groups=2)
+    assert GH.pdl_auto(4096, 1024, 1024, groups=1) and not GH.pdl_auto(4096, 1024, 1024, groups=64)
+    assert GH.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[3]) and not GH.pdl_auto(128, 10240, 8192, cfg=G.CONFIGS[9])
     c36 = G.CONFIGS[36]
-    assert G.pdl_auto(512, 1536, 7168, cfg=c36, blocks=119, sms=132)  # 0.9 of the SMs
-    assert not G.pdl_auto(512, 1536, 7168, cfg=c36, blocks=118, sms=132)
-    assert G.pdl_auto(512, 1024, 4096, cfg=c36, blocks=88, sms=132)  # K ranges of 2048
-    assert not G.pdl_auto(512, 1024, 4097, cfg=c36, blocks=88, sms=132)  # of 2112
-    assert not G.pdl_auto(64, 64, 64, cfg=c36, blocks=132, sms=132)  # intensity first
+    assert GH.pdl_auto(512, 1536, 7168, cfg=c36, blocks=119, sms=132)  # 0.9 of the SMs
+    assert not GH.pdl_auto(512, 1536, 7168, cfg=c36, blocks=118, sms=132)
+    assert GH.pdl_auto(512, 1024, 4096, cfg=c36, blocks=88, sms=132)  # K ranges of 2048
+    assert not GH.pdl_auto(512, 1024, 4097, cfg=c36, blocks=88, sms=132)  # of 2112
+    assert not GH.pdl_auto(64, 64, 64, cfg=c36, blocks=132, sms=132)  # intensity first
     from cuda.bindings import driver as cu
 
     cfg = LCH._launch_config(132, 384, 1024, 0, False, None, True)
@@ -383,16 +396,16 @@ def test_split_k_plans(fake):
     G.gemm(a, b, b_layout="nk")
     l = launches[-1]
     x = _args(l)
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     cfg = plan.cfg
     tiles = -(-128 // cfg.bm) * -(-1536 // cfg.tile_n("nk"))
     assert x.splits == plan.splits > 1 and x.partials and x.counters and x.split_from == 0
     assert l["grid"] == min(132, tiles * x.splits)
-    assert x.splits * tiles <= 132 * 2 and 7168 // 64 // x.splits >= G.MIN_SPLIT_KBLOCKS
+    assert x.splits * tiles <= 132 * 2 and 7168 // 64 // x.splits >= GH.MIN_SPLIT_KBLOCKS
     big = G.gemm(empty((4096, 4096), "bfloat16"), empty((4096, 4096), "bfloat16"))
     assert _args(launches[-1]).splits == 1 and big.shape == (4096, 4096)
     G.gemm(a, b, b_layout="nk", config=3, splits=1000)
-    assert _args(launches[-1]).splits == G.max_splits(G.CONFIGS[3], 128, 1536, 7168, "nk") == 16
+    assert _args(launches[-1]).splits == GH.max_splits(G.CONFIGS[3], 128, 1536, 7168, "nk") == 16
     G.gemm(empty((128, 256), "bfloat16"), empty((256, 512), "bfloat16"), splits=8)  # 4 K blocks: cannot split
     assert _args(launches[-1]).splits == 1
     G.gemm(a, b, b_layout="nk", config=6, splits=4)  # ping-pong never splits
@@ -405,12 +418,12 @@ def test_split_k_plans(fake):
     G.gemm(a, b, o, b_layout="nk", config=3, splits=16)
     x = _args(launches[-1])
     assert CLEARS == [(x.partials, 6 * 128 * 256 + 6)] and x.counters == x.partials + 4 * 6 * 128 * 256
-    assert not next(reversed(G._plans.values())).zero.pending
+    assert not next(reversed(GP._plans.values())).zero.pending
     # a partial last wave: 156 tiles of 128x192 on 132 SMs -> one wave of whole tiles, 24 tiles split
     G.gemm(empty((6656, 7168), "bfloat16"), empty((576, 7168), "bfloat16"), b_layout="nk")
     x = _args(launches[-1])
     assert (x.splits, x.split_from) == (5, 132) and launches[-1]["grid"] == 132
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     assert plan.cfg.id == 4 and plan.keep[-1].shape == (24 * 128 * 192 + 24,)  # one sum per split tile
 
 
@@ -463,7 +476,7 @@ def test_split_k_plans(fake):
 def test_heuristic_choices(monkeypatch, M, N, K, layout, want):
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
     monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
-    assert G._auto_config(M, N, K, layout, 132).id == want
+    assert G.auto_plan(M, N, K, layout, 132)[0].id == want
 
 
 @pytest.mark.parametrize("M,N,K,layout,aligned,misaligned", [
@@ -481,9 +494,9 @@ def test_misaligned_rows_move_off_load_heavy_configs(monkeypatch, M, N, K, layou
     aligned rows the plan is unchanged."""
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
     monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
-    assert G._auto_plan(M, N, K, layout, 132)[0].id == aligned
-    assert G._auto_plan(M, N, K, layout, 132, None, (True, True))[0].id == misaligned
-    for cid in G.AUTO_CANDIDATES:  # aligned: untouched; misaligned: never raised
+    assert G.auto_plan(M, N, K, layout, 132)[0].id == aligned
+    assert G.auto_plan(M, N, K, layout, 132, None, (True, True))[0].id == misaligned
+    for cid in GC.AUTO_CANDIDATES:  # aligned: untouched; misaligned: never raised
         cfg = G.CONFIGS[cid]
         assert G.load_bound(cfg, (False, False), layout) is cfg
         assert G.load_bound(cfg, (True, True), layout).efficiency <= cfg.efficiency
@@ -499,44 +512,44 @@ def test_misaligned_rows_reach_the_planner(fake):
     assert launches[-1]["config"] == 8  # (a pair sharing A: docs/journal/gemm.md entry 64)
     G.gemm(empty((1778, 5536), "bfloat16"), empty((408, 5536), "bfloat16"), b_layout="nk")
     assert launches[-1]["config"] == 5
-    assert not G.row_misaligned(empty((1, 5544), "bfloat16"), 1, 5544)
+    assert not GO.row_misaligned(empty((1, 5544), "bfloat16"), 1, 5544)
 
 
 def test_heuristic_env_overrides(monkeypatch):
     monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", "1,2,3")  # the original heuristic
-    assert G._auto_config(2048, 1536, 7168, "nk", 132).id == 3  # measured: 3: 571, 2: 515, 1: 456 TFLOP/s
-    assert G._auto_config(8192, 32768, 512, "nk", 132).id == 3
+    assert G.auto_plan(2048, 1536, 7168, "nk", 132)[0].id == 3  # measured: 3: 571, 2: 515, 1: 456 TFLOP/s
+    assert G.auto_plan(8192, 32768, 512, "nk", 132)[0].id == 3
     monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES")
     monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "3")
-    assert G._auto_config(8192, 32768, 512, "nk", 132).id == 3
+    assert G.auto_plan(8192, 32768, 512, "nk", 132)[0].id == 3
     # the legacy candidate set (1..3) never gets a forced config outside it
     monkeypatch.setenv("MKERNEL_GEMM_CONFIG", "6")
-    assert G.choose_config(lambda c: 100, 132).id in G.LEGACY_CANDIDATES
-    assert 6 not in G.AUTO_CANDIDATES  # ping-pong: forced only until measured (docs/gemm.md)
-    assert 9 in G.AUTO_CANDIDATES and all(G.CONFIGS[c].cluster == 1 for c in G.GROUPED_CANDIDATES)
-    assert 18 in G.AUTO_CANDIDATES and 18 in G.GROUPED_CANDIDATES
-    assert 24 in G.AUTO_CANDIDATES and 24 in G.GROUPED_CANDIDATES
-    assert 36 in G.AUTO_CANDIDATES and 36 not in G.GROUPED_CANDIDATES
-    assert 40 in G.AUTO_CANDIDATES and 40 in G.GROUPED_CANDIDATES
-    assert 42 in G.AUTO_CANDIDATES and G.CONFIGS[42].b_box_rows == 160  # TMA boxes are at most 256 rows
+    assert G.choose_config(lambda c: 100, 132).id in GC.LEGACY_CANDIDATES
+    assert 6 not in GC.AUTO_CANDIDATES  # ping-pong: forced only until measured (docs/gemm.md)
+    assert 9 in GC.AUTO_CANDIDATES and all(G.CONFIGS[c].cluster == 1 for c in GC.GROUPED_CANDIDATES)
+    assert 18 in GC.AUTO_CANDIDATES and 18 in GC.GROUPED_CANDIDATES
+    assert 24 in GC.AUTO_CANDIDATES and 24 in GC.GROUPED_CANDIDATES
+    assert 36 in GC.AUTO_CANDIDATES and 36 not in GC.GROUPED_CANDIDATES
+    assert 40 in GC.AUTO_CANDIDATES and 40 in GC.GROUPED_CANDIDATES
+    assert 42 in GC.AUTO_CANDIDATES and G.CONFIGS[42].b_box_rows == 160  # TMA boxes are at most 256 rows
 
 
 def test_cluster_split_k_only_replaces_split_plans(monkeypatch, bench_nk):
     """A cluster split-K plan (configs 9, 36) is picked only where the best plan without them splits K
     (running-sum split-K); where whole tiles fill the SMs the unsplit plan stays."""
     monkeypatch.delenv("MKERNEL_GEMM_CONFIG", raising=False)
-    others = ",".join(str(c) for c in G.AUTO_CANDIDATES if G.CONFIGS[c].cluster_k == 1)
+    others = ",".join(str(c) for c in GC.AUTO_CANDIDATES if G.CONFIGS[c].cluster_k == 1)
     picked = 0
     for M in (64, 128, 256, 384, 512, 640, 1024, 2048):
         for N, K in bench_nk + [(512, 512), (1024, 2048), (1536, 2048), (2048, 2048), (3072, 7168)]:
             for layout in ("nk", "kn"):
                 monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
-                cfg, sp, sf = G._auto_plan(M, N, K, layout, 132)
+                cfg, sp, sf = G.auto_plan(M, N, K, layout, 132)
                 if cfg.cluster_k == 1:
                     continue
                 picked += 1
                 monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", others)
-                assert G._auto_plan(M, N, K, layout, 132)[1] > 1, (M, N, K, layout, cfg.id)
+                assert G.auto_plan(M, N, K, layout, 132)[1] > 1, (M, N, K, layout, cfg.id)
     assert picked > 0
 
 
@@ -560,7 +573,7 @@ def test_config24_only_at_small_m(monkeypatch, bench_nk):
     monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES", raising=False)
     for M in (256, 512, 1000, 2048, 8192, 16384):
         for N, K in bench_nk:
-            assert G._auto_config(M, N, K, "nk", 132).id != 24, (M, N, K)
+            assert G.auto_plan(M, N, K, "nk", 132)[0].id != 24, (M, N, K)
 
 
 def test_config30_replaces_config1_at_small_m_only(monkeypatch, bench_nk):
@@ -571,15 +584,15 @@ def test_config30_replaces_config1_at_small_m_only(monkeypatch, bench_nk):
     for M in (1, 7, 64, 65, 100, 128, 129, 256, 512, 2048, 8192):
         for N, K in bench_nk + [(1000, 4097), (7, 4000)]:
             for layout in ("nk", "kn"):
-                monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", ",".join(str(c) for c in G.AUTO_CANDIDATES if c != 30))
-                without = G._auto_plan(M, N, K, layout, 132)
+                monkeypatch.setenv("MKERNEL_GEMM_CANDIDATES", ",".join(str(c) for c in GC.AUTO_CANDIDATES if c != 30))
+                without = G.auto_plan(M, N, K, layout, 132)
                 monkeypatch.delenv("MKERNEL_GEMM_CANDIDATES")
-                cfg, sp, sf = G._auto_plan(M, N, K, layout, 132)
-                tiles = G._tiles(G.CONFIGS[30], M, N, layout)
-                if 64 < M <= G.SMALL_M and without[0].id == 1:
+                cfg, sp, sf = G.auto_plan(M, N, K, layout, 132)
+                tiles = G.tile_count(G.CONFIGS[30], M, N, layout)
+                if 64 < M <= GH.SMALL_M and without[0].id == 1:
                     assert (cfg.id, sp) == (30, without[1]), (M, N, K, layout)
                 elif cfg.id == 30:
-                    assert G.SMALL_M < M <= 512 and G.FULL_WAVE_FILL * 132 <= tiles <= 132 and sp == 1, (M, N, K, layout)
+                    assert GH.SMALL_M < M <= 512 and GH.FULL_WAVE_FILL * 132 <= tiles <= 132 and sp == 1, (M, N, K, layout)
                 else:
                     assert (cfg.id, sp, sf) == (without[0].id, without[1], without[2]), (M, N, K, layout)
 
@@ -589,7 +602,7 @@ def test_config5_kn_is_config3_tile_and_never_auto(monkeypatch):
     c5 = G.CONFIGS[5]
     assert c5.tile_n("nk") == 224 and c5.tile_n("kn") == 256 and c5.smem == G.CONFIGS[3].smem
     for m, n, k in [(512, 7168, 2048), (128, 57344, 8192), (4096, 4096, 4096)]:
-        assert G._auto_config(m, n, k, "kn", 132).id != 5
+        assert G.auto_plan(m, n, k, "kn", 132)[0].id != 5
 
 
 def test_224_plans(fake):
@@ -638,25 +651,25 @@ def test_captured_plans_outlive_the_lru(fake, monkeypatch):
     """A plan whose buffers (split-K partials here) were captured into a CUDA graph must survive LRU
     eviction: the graph replays them.  Plans run outside a capture are evicted as usual."""
     launches, maps, empty = fake
-    monkeypatch.setattr(G, "_pinned", [])
+    monkeypatch.setattr(GP, "_pinned", [])
     a, b = empty((128, 7168), "bfloat16"), empty((1536, 7168), "bfloat16")
     G.gemm(a, b, b_layout="nk")  # not captured
-    free = next(reversed(G._plans.values()))
-    monkeypatch.setattr(G, "is_capturing", lambda stream: True)
+    free = next(reversed(GP._plans.values()))
+    _capturing(monkeypatch, True)
     a2 = empty((128, 7168), "bfloat16")
     G.gemm(a2, b, b_layout="nk")  # captured
-    kept = next(reversed(G._plans.values()))
-    assert kept.splits > 1 and kept.pinned and G._pinned == [kept] and not free.pinned
+    kept = next(reversed(GP._plans.values()))
+    assert kept.splits > 1 and kept.pinned and GP._pinned == [kept] and not free.pinned
     # its counter clear was captured (it happens when the graph runs): the next eager call clears again
     assert kept.zero.pending and not free.zero.pending
-    monkeypatch.setattr(G, "is_capturing", lambda stream: False)
-    for _ in range(G._PLANS_MAX + 1):  # evict both from the LRU
+    _capturing(monkeypatch, False)
+    for _ in range(GP._PLANS_MAX + 1):  # evict both from the LRU
         G.gemm(empty((256, 256), "bfloat16"), empty((256, 256), "bfloat16"))
-    assert kept not in G._plans.values() and free not in G._plans.values()
-    assert G._pinned == [kept] and kept.keep  # its partials and counters are still referenced
-    monkeypatch.setattr(G, "is_capturing", lambda stream: True)
+    assert kept not in GP._plans.values() and free not in GP._plans.values()
+    assert GP._pinned == [kept] and kept.keep  # its partials and counters are still referenced
+    _capturing(monkeypatch, True)
     G.gemm(empty((8, 8), "bfloat16"), empty((8, 8), "bfloat16"))  # captured, but no buffers: not pinned
-    assert G._pinned == [kept] and not next(reversed(G._plans.values())).pinned
+    assert GP._pinned == [kept] and not next(reversed(GP._plans.values())).pinned
 
 
 
@@ -673,7 +686,7 @@ def test_gemv_all_combinations_registered():
     blocks per SM)."""
     got = {(d["MK_GEMM_IN"], d["MK_GEMM_OUT"], d["MK_GEMV_NT"], d["MK_GEMV_UNROLL"], d["MK_GEMV_MINB"])
            for _, d in GEMV_SPECS}
-    assert got == {(GV._CODE[i], GV._CODE[o], nt, *GV.VARIANTS[nt])
+    assert got == {(GV.DTYPE_CODES[i], GV.DTYPE_CODES[o], nt, *GV.VARIANTS[nt])
                    for i in GV.IN_DTYPES for o in GV.OUT_DTYPES for nt in (1, 2)}
     assert GV.VARIANTS == {1: (8, 2), 2: (4, 2)}
 
@@ -724,9 +737,9 @@ def test_gemv_routes_decode_shapes(fake_gemv, monkeypatch):
     a, b = empty((3, 4096), "bfloat16"), empty((4096, 4096), "bfloat16")
     o1, o2 = empty((3, 4096), "bfloat16"), empty((3, 4096), "bfloat16")
     G.gemm(a, b, o1, b_layout="nk")
-    n_plans = len(G._plans)
+    n_plans = len(GP._plans)
     G.gemm(a, b, o2, b_layout="nk")
-    assert len(G._plans) == n_plans and launches[-1]["args"][4].value == o2.ptr
+    assert len(GP._plans) == n_plans and launches[-1]["args"][4].value == o2.ptr
     assert launches[-2]["args"][4].value == o1.ptr
 
 
@@ -746,7 +759,7 @@ def test_swapped_routes(fake_gemv, monkeypatch):
         assert l["kernel"] == "mk_gemm_nk" and l["swap"] and l["config"] == cfg, (M, N, K, l["config"])
         args = l["args"][3]
         assert (args.c, args.ldc, args.M, args.N, args.K, args.c_tma) == (out.ptr, N, N, M, K, 0)
-        plan = next(reversed(G._plans.values()))
+        plan = next(reversed(GP._plans.values()))
         assert plan.swapped
     # one whole wave of decode tiles: unsplit; a swapped plan in clusters: no programmatic dependent launch
     G.gemm(empty((16, 16384), "bfloat16"), empty((7168, 16384), "bfloat16"), b_layout="nk")
@@ -782,10 +795,10 @@ def test_describe_transposed(monkeypatch):
     """describe() reports the plan gemm builds: transposed (the N x M problem's tile, tiles and grid) where
     swap_candidates says so, the decode kernel or a plain plan elsewhere."""
     compile_module = CP.compile_module
-    for mod in (G, GV):
+    for mod in (GP, GV):
         monkeypatch.setattr(mod, "compile_module", lambda s, d, **kw: compile_module(s, d, **{"arch": ARCH, **kw}))
-    monkeypatch.setattr(G, "_num_sms", lambda dev: 132)
-    monkeypatch.setattr(G, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
+    monkeypatch.setattr(GK, "num_sms", lambda dev: 132)
+    _no_device(monkeypatch)
     monkeypatch.delenv("MKERNEL_GEMM_SWAP", raising=False)
     d = G.describe(16, 8192, 8192, b_layout="nk")
     assert (d["swapped"], d["config"], d["bm"], d["bn"], d["splits"], d["tiles"]) == (True, 53, 64, 16, 1, 128)
@@ -829,7 +842,7 @@ def test_gemv_not_routed(fake_gemv, monkeypatch):
 
 
 def test_gemv_describe(monkeypatch):
-    """describe() of a routed call (mkernel.ops.gemm.engine.describe hands it to gemv.describe): config "gemv",
+    """describe() of a routed call (mkernel.ops.gemm.describe hands it to gemv.describe): config "gemv",
     8 or 16 MMA rows, one block of 256 threads per 16 rows of B, registers from ptxas, no spills."""
     compile_module = CP.compile_module
     monkeypatch.setattr(GV, "compile_module", lambda s, d, **kw: compile_module(s, d, **{"arch": ARCH, **kw}))

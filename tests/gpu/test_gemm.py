@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mkernel.ops.gemm import engine as G
+from mkernel.ops import gemm as G
+from mkernel.ops.gemm import configs as GC, kernels as GK, plan as GP
 from mkernel.core.arrays import DeviceArray
 
 from _util import corner, download, poisoned, rel_fro, upload, written_outside
@@ -163,7 +164,7 @@ SWAP_CASES = [  # (M, N, K, config, splits, in_dt, out_dt)
 def test_swapped(rng, M, N, K, config, splits, in_dt, out_dt):
     run_gemm(rng, M, N, K, "nk", in_dt, out_dt, config=config, splits=splits, swap=True,
              sample=256 if M * N * K > 1 << 32 else None)
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     assert plan.swapped and plan.cfg.id == config
 
 
@@ -175,13 +176,13 @@ def test_swapped_decode_wave_and_a_fraction(rng, M, N, K, monkeypatch):
     monkeypatch.delenv("MKERNEL_GEMM_SWAP", raising=False)
     monkeypatch.delenv("MKERNEL_GEMM_GEMV", raising=False)
     run_gemm(rng, M, N, K, "nk")
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     assert plan.swapped and plan.cfg.id == (53 if M <= 16 else 54), (plan.swapped, plan.cfg)
-    if N == 10240 and G._num_sms(0) == 132:
+    if N == 10240 and GK.num_sms(0) == 132:
         assert (plan.splits, plan.split_from) == (4, 132), (plan.splits, plan.split_from)
 
 
-@pytest.mark.parametrize("config", G.SWAP_CANDIDATES)
+@pytest.mark.parametrize("config", GC.SWAP_CANDIDATES)
 def test_swapped_every_candidate_ragged(rng, config):
     for M, N, K in [(77, 1000, 1000), (1000, 77, 200)]:
         run_gemm(rng, M, N, K, "nk", config=config, swap=True)
@@ -265,7 +266,7 @@ SPLIT_CASES = [  # (M, N, K, layout, config, splits): ragged tiles, uneven K spl
                          ids=[f"{m}x{n}x{k}-{l}-c{c}-s{s}" for m, n, k, l, c, s in SPLIT_CASES])
 def test_split_k(rng, M, N, K, layout, config, splits, out_dt):
     run_gemm(rng, M, N, K, layout, out_dt=out_dt, config=config, splits=splits)
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     assert plan.splits == splits, f"planned {plan.splits} splits"
 
 
@@ -273,7 +274,7 @@ def test_split_k(rng, M, N, K, layout, config, splits, out_dt):
 def test_split_k_last_wave(rng, M, N, K, layout):
     """More tiles than SMs with a partial last wave: whole tiles first, the last wave's tiles split."""
     run_gemm(rng, M, N, K, layout)
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     assert plan.splits > 1 and plan.split_from > 0, (plan.splits, plan.split_from)
 
 
@@ -290,7 +291,7 @@ def test_split_k_auto_and_repeated(rng):
         a.copy_from(a2), b.copy_from(b2), out.fill_nan()
         G.gemm(a, b, out, b_layout="nk")
         check(download(out), av @ bv.T, f"split-K auto, call {it}")
-    plan = next(reversed(G._plans.values()))
+    plan = next(reversed(GP._plans.values()))
     assert plan.splits > 1, "the heuristic did not split K for a 24-tile problem"
 
 
@@ -311,13 +312,13 @@ def test_graph_replay_after_plan_eviction(rng):
     ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
     G.gemm(a, b, out, b_layout="nk", stream=int(stream))
     graph = ok(cu.cuStreamEndCapture(stream))
-    plan = next(p for p in G._plans.values() if p.pinned)
+    plan = next(p for p in GP._plans.values() if p.pinned)
     assert plan.splits > 1
     y = rand(rng, (64, 64), "bfloat16")[0]
-    xs = [rand(rng, (64, 64), "bfloat16")[0] for _ in range(G._PLANS_MAX + 2)]  # alive: distinct addresses
+    xs = [rand(rng, (64, 64), "bfloat16")[0] for _ in range(GP._PLANS_MAX + 2)]  # alive: distinct addresses
     for x in xs:  # evict it: distinct operands make distinct plans
         G.gemm(x, y, poisoned((64, 64), "bfloat16"))
-    assert all(p is not plan for p in G._plans.values())
+    assert all(p is not plan for p in GP._plans.values())
     del plan
     import gc
 
@@ -362,7 +363,7 @@ def test_plan_built_and_evicted_inside_global_capture(rng):
     from mkernel.core.driver import check as ok
 
     y = rand(rng, (128, 512), "bfloat16")[0]
-    fill = [rand(rng, (64, 512), "bfloat16")[0] for _ in range(G._PLANS_MAX)]
+    fill = [rand(rng, (64, 512), "bfloat16")[0] for _ in range(GP._PLANS_MAX)]
     for x in fill:  # a full cache of plans that own split-K workspaces
         G.gemm(x, y, poisoned((64, 128), "bfloat16"), b_layout="nk", splits=2)
     del fill
@@ -468,12 +469,12 @@ def test_repeat_uses_plan(rng):
     b, bv = rand(rng, (512, 384), "bfloat16")
     out = poisoned((256, 384), "bfloat16")
     G.gemm(a, b, out)
-    n = len(G._plans)
+    n = len(GP._plans)
     b2, bv2 = rand(rng, (512, 384), "bfloat16")
     b.copy_from(b2)  # same pointers, new data: the cached plan must see it
     out.fill_nan()
     G.gemm(a, b, out)
-    assert len(G._plans) == n
+    assert len(GP._plans) == n
     check(download(out), av @ bv2, "repeat")
 
 
@@ -497,7 +498,7 @@ def gemv_route(monkeypatch):
 
 
 def last_plan():
-    return next(reversed(G._plans.values()))
+    return next(reversed(GP._plans.values()))
 
 
 @pytest.mark.parametrize("in_dt,out_dt", [("bfloat16", "bfloat16"), ("float16", "float32"),

@@ -78,7 +78,7 @@ from ...dist.sidestream import ForkedCopies
 from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..base import fast_get, fast_put
 from ..collectives.layout import grid_for
-from ..gemm import engine as G
+from .. import gemm as G  # the GEMM's public planning API
 
 
 __all__ = ["ag_gemm", "plan", "precompile", "AgPlan", "CostModel", "MODEL", "AgArgs", "last_plan", "chunk_rows_for"]
@@ -93,7 +93,7 @@ _FUSED_CONFIGS = (1, 2, 3, 4, 5)  # 0 is the debug config (config=0 forces it); 
 for _i in IN_DTYPES:
     for _o in (_i, "float32"):
         for _c in (0,) + _FUSED_CONFIGS:
-            register_specialization(SOURCE, G._defines(_i, _o, _c))
+            register_specialization(SOURCE, G.defines(_i, _o, _c))
 
 
 class AgArgs(ctypes.Structure):
@@ -150,11 +150,11 @@ class CostModel:
     ce_local_bw: float = 1.2e12     # B/s a copy-engine HBM -> HBM copy
     ce_op_latency: float = 3e-6     # s per copy-engine operation (data or flag copy; 256 MiB both ways on
                                     # 2 x H200 in 1 / 8 / 16 copies: 696 / 724 / 754 us, each with a flag
-                                    # copy 697 / 744 / 794: docs/ag_gemm.md, eleventh session)
+                                    # copy 697 / 744 / 794: docs/ag_gemm.md)
     ce_start_latency: float = 20e-6  # s from the call to the first copy moving (fork, the GEMM's worker 0
                                      # opening the call, the side stream's wait, first op)
-    ce_free_sms: int = 0            # SMs the fused_ce GEMM leaves idle (until the tenth session 1: the
-                                    # side stream's begin kernel ran there; now the GEMM opens the call)
+    ce_free_sms: int = 0            # SMs the fused_ce GEMM leaves idle (0: the GEMM itself opens the
+                                    # call, no side-stream kernel takes an SM)
     ce_chunks: int = 4              # chunks (ready flags) per shard: the planner tries ce_chunks,
     ce_chunks_max: int = 64         # 2 * ce_chunks, ... up to ce_chunks_max (docs/ag_gemm.md), each with
                                     # every copy grouping of CE_GROUP_OPTIONS
@@ -457,10 +457,10 @@ def _ce_plan(m_sizes, N: int, K: int, cfg, workers: int, row_bytes: int, sms: in
     if base[0] <= math.ceil(tiles / workers) * tt * (1 + margin / 2):
         return base
     best = base
-    max_sp = G._max_splits(cfg, tiles, K, "nk")
+    max_sp = G.max_splits_for(cfg, tiles, K, "nk")
     for cr in chunk_opts:
         cands = [(1, tiles)] + [(sp, sf) for sf in _suffix_starts(m_last, tiles, N, cfg) + [0]
-                                for sp in _SPLIT_OPTIONS if sp <= min(max_sp, G._max_splits(cfg, tiles - sf, K, "nk"))]
+                                for sp in _SPLIT_OPTIONS if sp <= min(max_sp, G.max_splits_for(cfg, tiles - sf, K, "nk"))]
         for sp, sf in cands:
             t = finish(cr, sp, sf, group[cr])
             if t < best[0] and t < (1 - margin) * base[0]:
@@ -542,11 +542,11 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
     t_ag = (_comm_time(m_sizes, row_bytes, g_blocks, cr, gathered, model) + 2 * model.launch_latency
             if P > 1 else (M * row_bytes / model.hbm_copy_bw if gathered else 0.0))
     # mkernel.gemm's own plan for the gathered problem (any config, split-K; dense operands)
-    cfg_u, sp_u, sf_u = G._auto_plan(max(M, 1), max(N, 1), max(K, 1), b_layout, sms, None,
-                                     G.misaligned_rows(M, N, K, b_layout))
-    n_split = G._tiles(cfg_u, M, N, b_layout) - sf_u if sp_u > 1 else 0
+    cfg_u, sp_u, sf_u = G.auto_plan(max(M, 1), max(N, 1), max(K, 1), b_layout, sms, None,
+                                    G.misaligned_rows(M, N, K, b_layout))
+    n_split = G.tile_count(cfg_u, M, N, b_layout) - sf_u if sp_u > 1 else 0
     cfg_u_tile = tile_config(cfg_u.id, b_layout)
-    t_gu = (_gemm_time(G._tiles(cfg_u, M, N, b_layout) - n_split, sms, cfg_u_tile, K, sms, model)
+    t_gu = (_gemm_time(G.tile_count(cfg_u, M, N, b_layout) - n_split, sms, cfg_u_tile, K, sms, model)
             + _gemm_time(n_split * sp_u, sms, cfg_u_tile, -(-K // sp_u), sms, model) + model.launch_latency)
     t_unfused = t_ag + t_gu
 
@@ -587,7 +587,7 @@ def plan(m_sizes, N: int, K: int, itemsize: int, sms: int, *, comm_sms: int | No
         if gathered:  # the gathered A is copied out of the workspace after the GEMM
             t += M * row_bytes / model.hbm_copy_bw + model.launch_latency
         # (the grid: one worker per scheduler unit at most)
-        return t, t_comm, t_gemm, cfg, min(w, max(G._units(tiles, sp, sf), 1)), cr_ce, (sp, sf, gm)
+        return t, t_comm, t_gemm, cfg, min(w, max(G.scheduler_units(tiles, sp, sf), 1)), cr_ce, (sp, sf, gm)
 
     base = dict(m_sizes=m_sizes, n_max=N, K=K, P=P, predicted_unfused=t_unfused,
                 predicted_allgather=t_ag, predicted_gemm_alone=t_gu, gather_blocks=g_blocks)
@@ -660,7 +660,7 @@ def _agree(ctx, dtype: str, M: int, K: int, N: int, comm_sms, gathered: bool, fo
     gathered A, P, "nk" if every rank's B is [N, K] else "kn"); raises ValueError on every rank when
     they disagree."""
     msz_hash = 0 if m_sizes is None else (hash(tuple(m_sizes)) & ((1 << 62) - 1)) + 1
-    mine = np.array([G._CODE[dtype], M, K, N, -1 if comm_sms is None else comm_sms, int(gathered),
+    mine = np.array([G.DTYPE_CODES[dtype], M, K, N, -1 if comm_sms is None else comm_sms, int(gathered),
                      _FORCE.get(force, 3), -1 if config is None else config, msz_hash, int(b_layout == "nk")],
                     dtype=np.int64)
     allv = ctx.bounded_allgather(mine, "mkernel.ag_gemm's signature exchange", ctx.node_comm)
@@ -687,7 +687,7 @@ def _agree(ctx, dtype: str, M: int, K: int, N: int, comm_sms, gathered: bool, fo
 # kernels, workspace layout
 # --------------------------------------------------------------------------------------------
 def _kernel(in_dtype: str, out_dtype: str, config: int, name: str):
-    return kernel(SOURCE, G._defines(in_dtype, out_dtype, config), name)
+    return kernel(SOURCE, G.defines(in_dtype, out_dtype, config), name)
 
 
 @dataclass(frozen=True)
@@ -834,7 +834,7 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
         raise ValueError(f"{what}: comm_sms must be None or an int >= 0, got {comm_sms!r}")
     if config is not None and config not in (0,) + _FUSED_CONFIGS:
         raise ValueError(f"{what}: config {config} is not one of the fused kernel's tile configs "
-                         f"{[0, *_FUSED_CONFIGS]} (mkernel.gemm_engine.CONFIGS)")
+                         f"{[0, *_FUSED_CONFIGS]} (mkernel.ops.gemm.CONFIGS)")
     if m_sizes is not None:
         m_sizes = tuple(int(m) for m in m_sizes)
         if len(m_sizes) != P or m_sizes[me] != M_r or min(m_sizes) < 0:
@@ -913,7 +913,7 @@ def ag_gemm(ctx, a_shard, b, out=None, *, gathered_a=None, b_layout: str = "kn",
     # keyed by the output's layout, not its address: a fresh output per call (out=None) re-points the
     # bound launch instead of binding anew (tensor maps, B staging, split-K workspace, events)
     # (gathered_a likewise: its layout is fixed -- dense [M_total, K] -- so only whether there is one)
-    bkey = (skey, b_layout, out_dtype, ws, A.ptr, G._akey(B), G.out_layout_key(O), GA is not None)
+    bkey = (skey, b_layout, out_dtype, ws, A.ptr, G.array_key(B), G.out_layout_key(O), GA is not None)
     bound = _lru_get(_bindings, bkey)
     if bound is None:
         bound = _bind(ctx, sig, ws, A, B, O, GA, b_layout, dt, out_dtype, M_total, N, K)

@@ -1,5 +1,38 @@
-"""Hopper GEMM and grouped GEMM (TMA + wgmma), and the decode-shaped kernel."""
-from .engine import gemm, grouped_gemm
-from . import gemv  # noqa: F401 (registers the decode-shaped kernel's specializations)
+"""Hopper GEMM and grouped GEMM (TMA + wgmma), and the decode-shaped kernel.  docs/gemm.md.
 
-__all__ = ["gemm", "grouped_gemm"]
+Public API: :func:`gemm`, :func:`grouped_gemm`, :func:`describe` (what a call would launch),
+:func:`precompile`.
+
+Planning API for ops built on the GEMM's kernels (AllGather+GEMM; a fused kernel includes
+``cuda_src/gemm/mk_gemm_configs.cuh`` and is compiled with :func:`defines`):
+
+* configs -- :class:`TileConfig`, ``CONFIGS`` (id -> TileConfig), ``DTYPE_CODES``, ``IN_DTYPES``,
+  ``OUT_DTYPES``, ``GROUP_M`` (the raster's super-row height), :func:`defines` (a specialization's
+  preprocessor defines);
+* cost model and plan choice (pure functions of shapes) -- :func:`choose_config`, :func:`config_cost`,
+  :func:`auto_plan` (a plain GEMM's config and split-K plan), :func:`split_plan`, :func:`split_cost`,
+  :func:`max_splits_for`, :func:`tile_count`, :func:`scheduler_units`, :func:`workers`,
+  :func:`misaligned_rows`, :func:`load_bound`, ``TAIL_SPLIT_MIN_GAIN``;
+* operands -- :func:`check_operands`, :func:`a_operand` / :func:`b_operand` (tensor map, staging
+  launches, buffers to keep), :func:`c_map`, :func:`point_out` (a launch's output fields), :func:`array_key`
+  / :func:`out_layout_key` (plan-cache keys), :func:`split_workspace` and :class:`ClearBeforeFirstUse`
+  (split-K sums and counters).
+"""
+from .api import gemm, grouped_gemm, precompile
+from .plan import describe
+from . import gemv  # noqa: F401 (registers the decode-shaped kernel's specializations)
+from .configs import CONFIGS, DTYPE_CODES, GROUP_M, IN_DTYPES, OUT_DTYPES, TileConfig, defines
+from .heuristic import (TAIL_SPLIT_MIN_GAIN, auto_plan, choose_config, config_cost, load_bound, max_splits_for,
+                        misaligned_rows, scheduler_units, split_cost, split_plan, tile_count, workers)
+from .operands import (ClearBeforeFirstUse, a_operand, array_key, b_operand, c_map, check_operands,
+                       out_layout_key, point_out, split_workspace)
+
+__all__ = [
+    "gemm", "grouped_gemm", "describe", "precompile",
+    # planning API
+    "TileConfig", "CONFIGS", "DTYPE_CODES", "IN_DTYPES", "OUT_DTYPES", "GROUP_M", "defines",
+    "choose_config", "config_cost", "auto_plan", "split_plan", "split_cost", "max_splits_for", "tile_count",
+    "scheduler_units", "workers", "misaligned_rows", "load_bound", "TAIL_SPLIT_MIN_GAIN",
+    "check_operands", "a_operand", "b_operand", "c_map", "point_out", "array_key", "out_layout_key",
+    "split_workspace", "ClearBeforeFirstUse",
+]

@@ -1,4 +1,4 @@
-"""Decode-shaped GEMMs: ``C[M, N] = A[M, K] @ B[N, K]^T`` for M <= 16 rows (cuda_src/gemv.cu).
+"""Decode-shaped GEMMs: ``C[M, N] = A[M, K] @ B[N, K]^T`` for M <= 16 rows (cuda_src/gemm/gemv.cu).
 
 Such a call is a stream of B (the weights, read once from memory) with almost no arithmetic per byte;
 a GEMM tile of 64+ rows wastes most of its tensor-core work and, worse, streams B through one tile per
@@ -10,49 +10,46 @@ other starts up or reduces.
 
 :func:`mkernel.gemm` routes a call here (:func:`plan`) when :func:`supported` (B "nk", M <= 16, K a
 multiple of 8, 16-byte aligned operands and row strides) and :func:`worthwhile` (enough 16-row blocks
-to occupy half of the SMs, too few GEMM tiles to stream B on most of them: measured, see MIN_BLOCK_FILL);
+to occupy half of the SMs, too few GEMM tiles to stream B on most of them: see MIN_BLOCK_FILL);
 ``MKERNEL_GEMM_GEMV=0`` turns the route off (benchmarks), as does forcing a tile config, a split
 factor or ``swap``; calls whose 64-row tiles fill 3/4 of the SMs go to the transposed GEMM plans
-first (``gemm_engine.swap_candidates``: 64 x 16 tiles, 16 stages, faster there -- docs/gemm.md entries
-66, 67).  The launch is a programmatic dependent one (``MKERNEL_GEMM_PDL=0``: plain), as the GEMM
+first (``heuristic.swap_candidates``: 64 x 16 tiles, 16 stages, faster there -- docs/journal/gemm.md
+entries 66, 67).  The launch is a programmatic dependent one (``MKERNEL_GEMM_PDL=0``: plain), as the GEMM
 plans' are: it starts while the previous kernel in the stream finishes and waits for it before its
-first load.
+first load.  docs/gemm.md, section "Decode-shaped calls".
 """
 from __future__ import annotations
 
 import ctypes
 import math
-import os
 
 from ...core.arrays import DeviceArray
 from ...core.compiler import compile_module, kernel, register_specialization
-from .engine import _CODE, IN_DTYPES, OUT_DTYPES, _pdl, _usage  # the GEMM family's dtype specializations
+from .configs import DTYPE_CODES, IN_DTYPES, OUT_DTYPES, setting
+from .heuristic import use_pdl
+from .kernels import usage
 
 SOURCE = "gemm/gemv.cu"
 MAX_M = 16
 THREADS = 256  # MK_GEMV_THREADS
 ROWS = 16  # rows of B (columns of C) per block
 # (MK_GEMV_UNROLL, MK_GEMV_MINB) per MK_GEMV_NT: the 32-element K chunks a warp has in flight and the
-# blocks per SM the registers are budgeted for (docs/gemm.md entries 48-49): one A tile, 8 chunks; two
-# A tiles (9-16 rows), 4 chunks -- both two blocks per SM (<= 128 registers).
+# blocks per SM the registers are budgeted for: one A tile, 8 chunks; two A tiles (9-16 rows), 4 chunks --
+# both two blocks per SM, <= 128 registers (docs/journal/gemm.md entries 48-49).
 VARIANTS = {1: (8, 2), 2: (4, 2)}
-# Routing (measured, docs/gemm.md entries 47-49; cool us, this kernel / the GEMM tiles / cuBLAS):
-# - every supported call (up to MAX_M rows): 1x8192x8192 35.4 / 44.0 / 33.5, 16x8192x8192 39.3 / 39.6 / 33.2,
-#   16x7168x2048 11.4 / 13.7 / 10.1, 4x2048x2048 4.6 / 8.4 / 6.0 (3.9 as a dependent launch);
-# - only when its ceil(N / ROWS) blocks give at least MIN_BLOCK_FILL of the SMs one (below that a few
-#   SMs would stream all of B; the GEMM path splits K over every SM instead);
-# - only while the GEMM path's 64 x 256 tiles (config 18, unsplit) cover less than ROUTE_MAX_TILE_FILL of
-#   the SMs: where they do, they stream B about as fast, within ~5 % either way (1x28672x8192 114.4 /
-#   ~114 / 105.6, 16x28672x8192 123.7 / 114.1).  With transposed plans on (the default), swap_candidates
-#   takes every call from ceil(N / 64) >= 0.75 SMs on, far below this bound: it decides only under
-#   ``MKERNEL_GEMM_SWAP=0``.
+# Routing: every supported call beats the GEMM tiles (1x8192x8192 35.4 vs 44.0 us; docs/journal/gemm.md
+# entries 47-49), but only where its ceil(N / ROWS) blocks give at least MIN_BLOCK_FILL of the SMs one
+# (below, a few SMs would stream all of B, where the GEMM path splits K over every SM), and only while
+# the GEMM path's unsplit 64 x 256 tiles cover less than ROUTE_MAX_TILE_FILL of the SMs (beyond, they
+# stream B as fast, within ~5 %).  With transposed plans on (the default) swap_candidates takes every
+# call from ceil(N / 64) >= 0.75 SMs on, so ROUTE_MAX_TILE_FILL decides only under MKERNEL_GEMM_SWAP=0.
 MIN_BLOCK_FILL = 0.5
 ROUTE_MAX_TILE_FILL = 0.75
 
 
 def _defines(in_dtype: str, out_dtype: str, nt: int) -> dict:
     unroll, minb = VARIANTS[nt]
-    return dict(MK_GEMM_IN=_CODE[in_dtype], MK_GEMM_OUT=_CODE[out_dtype], MK_GEMV_NT=nt,
+    return dict(MK_GEMM_IN=DTYPE_CODES[in_dtype], MK_GEMM_OUT=DTYPE_CODES[out_dtype], MK_GEMV_NT=nt,
                 MK_GEMV_UNROLL=unroll, MK_GEMV_MINB=minb)
 
 
@@ -102,7 +99,7 @@ def worthwhile(N: int, sms: int) -> bool:
     """Whether to route a supported call here (see MIN_BLOCK_FILL, ROUTE_MAX_TILE_FILL; its row count
     is bounded by :func:`shape_ok`): ``MKERNEL_GEMM_GEMV`` is not ``0``, the call's ceil(N / ROWS) blocks occupy at
     least MIN_BLOCK_FILL of the ``sms`` SMs and ceil(N / 256) GEMM tiles less than ROUTE_MAX_TILE_FILL."""
-    if os.environ.get("MKERNEL_GEMM_GEMV", "1") == "0":
+    if setting("GEMV", "1") == "0":
         return False
     return blocks(N) >= MIN_BLOCK_FILL * sms and math.ceil(N / 256) < ROUTE_MAX_TILE_FILL * sms
 
@@ -138,17 +135,17 @@ def plan(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int)
     ldc = O.strides[0] if M > 1 else N
     args = [ctypes.c_void_p(A.ptr), ctypes.c_int64(lda), ctypes.c_void_p(B.ptr), ctypes.c_int64(ldb),
             ctypes.c_void_p(O.ptr), ctypes.c_int64(ldc), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr, dependent=_pdl(True))
+    return Plan(_kernel(A.dtype.name, O.dtype.name, nt), blocks(N), args, O.ptr, dependent=use_pdl(True))
 
 
 def describe(M: int, N: int, K: int, in_dtype: str, out_dtype: str) -> dict:
-    """mkernel.gemm_engine.describe() of a call routed here: config "gemv", bm the MMA column tiles' rows
+    """plan.describe() of a call routed here: config "gemv", bm the MMA column tiles' rows
     (8 or 16), bn the rows of B per block, registers from ptxas, one block per ROWS rows of B."""
     nt = column_tiles(M)
     mod = compile_module(SOURCE, _defines(in_dtype, out_dtype, nt))
-    usage = _usage(mod, "mk_gemv_nk")
+    u = usage(mod, "mk_gemv_nk")
     grid = blocks(N)
     return dict(config="gemv", bm=8 * nt, bn=ROWS, stages=0, threads=THREADS, smem=0, pingpong=False,
-                tma_store=False, splits=1, split_tiles=0, registers=usage.get("registers"),
-                spills=usage["spill_stores"] + usage["spill_loads"] if "spill_stores" in usage else None,
+                tma_store=False, splits=1, split_tiles=0, registers=u.get("registers"),
+                spills=u["spill_stores"] + u["spill_loads"] if "spill_stores" in u else None,
                 compile_seconds=mod.compile_seconds, cached=mod.cached, tiles=grid, grid=grid)
