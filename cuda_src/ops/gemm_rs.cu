@@ -20,9 +20,9 @@
 //   [data_off]       P-1 slots          slot (src - me + P) % P - 1: src's partials of our tiles, tile t
 //                                       at t * TILE_BYTES, fragment-ordered (MkRsEpilogue)
 //
-// Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (out dtype), MK_GEMM_CONFIG and its parameters
-// (mk_gemm_configs.cuh), MK_RS_PARTIAL (partial dtype code; default: MK_GEMM_OUT).  Cooperative configs
-// with one slab per consumer warpgroup and no clusters only.
+// Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT (out dtype), MK_GEMM_CONFIG and its MK_CFG_*
+// parameters (mkernel/ops/gemm/configs.py: defines(); mk_gemm_configs.cuh), MK_RS_PARTIAL (partial dtype
+// code; default: MK_GEMM_OUT).  Cooperative configs with one slab per consumer warpgroup, no clusters.
 #include "gemm/mk_gemm_configs.cuh"
 #include "gemm/mk_gemm_comm.cuh"
 
@@ -30,12 +30,6 @@
 #define MK_RS_PARTIAL MK_GEMM_OUT
 #endif
 typedef typename mk_type<MK_RS_PARTIAL>::T MkPartial;
-
-#if defined(MK_CFG_NC)  // the tile table of mkernel/ops/gemm/configs.py (MK_CFG_* defines)
-template <bool KN> struct RsCfgSel { typedef MkCfg<KN> T; };
-#else
-template <bool KN> struct RsCfgSel { typedef typename MkCfgSel<MK_GEMM_CONFIG, KN>::T T; };
-#endif
 
 // Passed by value; mirrored by mkernel/ops/gemm_rs/layout.py:RsArgs (same order, natural alignment).
 struct RsArgs {
@@ -55,7 +49,7 @@ static_assert(sizeof(RsArgs) == 176, "RsArgs layout changed: update mkernel/ops/
 template <bool KN>
 MK_DEVICE void gemm_rs_body(const MkTensorMap* tmA, const MkTensorMap* tmB, const MkTensorMap* tmC, const MkComm& c,
                             const RsArgs& a) {
-  typedef typename RsCfgSel<KN>::T Cfg;
+  typedef MkCfg<KN> Cfg;
   static_assert(!Cfg::PINGPONG && Cfg::WG_N == 1 && Cfg::SHARING == 1 && Cfg::CLUSTER_K == 1,
                 "cooperative configs, one slab per consumer warpgroup, no clusters");
   extern __shared__ unsigned char mk_smem[];

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ...core.compiler import register_specialization
 from ...core.util import round_up
 from ...dist.signals import MAX_CHUNKS, workspace_control
-from . import _gemm as G
+from .. import gemm as G  # the GEMM package's public planning API
 
 __all__ = ["SOURCE", "MAXP", "FUSED_CONFIGS", "FLAG_ROWS_PER_SOURCE", "FLAGS_PER_SOURCE", "RsLayout", "OwnerRows",
            "RsArgs", "split_rows", "row_offsets", "owner_tiles", "tile_order", "raster", "control_offsets",

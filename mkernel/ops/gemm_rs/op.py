@@ -31,7 +31,7 @@ from ...core.util import round_up
 from ..base import BoundCall, Op, as_stream
 from ..collectives import reduce_scatter
 from ..gemm import gemm
-from . import _gemm as G
+from .. import gemm as G  # the GEMM package's public planning API
 from .layout import SOURCE, OwnerRows, RsArgs, kernel_defines, row_offsets, split_rows
 from .options import GemmRsOptions
 from .planner import RsPlan, m_sizes_for, plan as make_plan

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from . import _gemm as G
+from .. import gemm as G  # the GEMM package's public planning API
 from .layout import (FLAGS_PER_SOURCE, FUSED_CONFIGS, MAXP, WsLayout, owner_tiles, row_offsets, split_rows,
                      tile_bytes, workspace_layout)
 from .options import CostModel, GemmRsOptions
