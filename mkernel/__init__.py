@@ -21,6 +21,7 @@ from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaErro
 from .ops.ag_gemm import ag_gemm
 from .ops.collectives import all_gather, all_reduce, reduce_scatter
 from .ops.gemm import gemm, grouped_gemm
+from .ops.gemm_rs import GemmRsOptions, gemm_reduce_scatter
 
 __version__ = "0.1.0"
 
