@@ -13,10 +13,11 @@ Planning API for ops built on the GEMM's kernels (AllGather+GEMM; a fused kernel
   :func:`auto_plan` (a plain GEMM's config and split-K plan), :func:`split_plan`, :func:`split_cost`,
   :func:`max_splits_for`, :func:`tile_count`, :func:`scheduler_units`, :func:`workers`,
   :func:`misaligned_rows`, :func:`load_bound`, ``TAIL_SPLIT_MIN_GAIN``;
-* operands -- :func:`check_operands`, :func:`a_operand` / :func:`b_operand` (tensor map, staging
-  launches, buffers to keep), :func:`c_map`, :func:`point_out` (a launch's output fields), :func:`array_key`
-  / :func:`out_layout_key` (plan-cache keys), :func:`split_workspace` and :class:`ClearBeforeFirstUse`
-  (split-K sums and counters).
+* operands -- :func:`check_operands` / :func:`check_arrays`, :func:`a_arg` / :func:`b_arg` (a re-pointable
+  :class:`OperandArg`: tensor map, staging launch, buffers to keep), :func:`c_arg` (the output's
+  re-pointable map), :func:`layout_key` (what a bound call depends on of an array but its address),
+  :func:`split_workspace` and :class:`ClearBeforeFirstUse` (split-K sums and counters); the older
+  :func:`a_operand` / :func:`b_operand` / :func:`c_map` / :func:`point_out` return encoded bytes.
 """
 from .api import gemm, grouped_gemm, last_plan, precompile
 from .options import GemmOptions
@@ -25,8 +26,8 @@ from . import gemv  # noqa: F401 (registers the decode-shaped kernel's specializ
 from .configs import CONFIGS, DTYPE_CODES, GROUP_M, IN_DTYPES, OUT_DTYPES, TileConfig, defines
 from .heuristic import (TAIL_SPLIT_MIN_GAIN, auto_plan, choose_config, config_cost, load_bound, max_splits_for,
                         misaligned_rows, scheduler_units, split_cost, split_plan, tile_count, workers)
-from .operands import (ClearBeforeFirstUse, a_operand, array_key, b_operand, c_map, check_operands,
-                       out_layout_key, point_out, split_workspace)
+from .operands import (ClearBeforeFirstUse, OperandArg, a_arg, a_operand, array_key, b_arg, b_operand, c_arg, c_map,
+                       check_arrays, check_operands, layout_key, out_layout_key, point_out, split_workspace)
 
 __all__ = [
     "gemm", "grouped_gemm", "GemmOptions", "GemmPlan", "describe", "last_plan", "precompile",
@@ -34,6 +35,7 @@ __all__ = [
     "TileConfig", "CONFIGS", "DTYPE_CODES", "IN_DTYPES", "OUT_DTYPES", "GROUP_M", "defines",
     "choose_config", "config_cost", "auto_plan", "split_plan", "split_cost", "max_splits_for", "tile_count",
     "scheduler_units", "workers", "misaligned_rows", "load_bound", "TAIL_SPLIT_MIN_GAIN",
-    "check_operands", "a_operand", "b_operand", "c_map", "point_out", "array_key", "out_layout_key",
+    "check_operands", "check_arrays", "a_operand", "b_operand", "c_map", "point_out", "array_key", "out_layout_key",
+    "OperandArg", "a_arg", "b_arg", "c_arg", "layout_key",
     "split_workspace", "ClearBeforeFirstUse",
 ]
