@@ -34,7 +34,7 @@ NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set before torch i
 from __future__ import annotations
 
 import argparse
-import importlib
+import dataclasses
 import math
 import sys
 import time
@@ -160,7 +160,7 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick, paths=(
         torch.matmul(a_full, w.t(), out=c_ref)
 
     def ours_auto():
-        agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh)
+        mk.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh)
 
     def ours_gemm():
         mk.gemm(AF, W, CG, b_layout="nk", stream=sh)
@@ -189,7 +189,7 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick, paths=(
 
     prepare("nccl", nccl_mm)  # also produces the reference c_ref
     prepare("ours", ours_auto, lambda: rel_err(torch, c_ours, c_ref))
-    plan = agm.last_plan
+    plan = ctx.last_plan("ag_gemm")
     rec["plan"] = {"path": plan.path, "comm_sms": plan.comm_sms, "workers": plan.workers, "config": plan.config,
                    "chunk_rows": plan.chunk_rows, "pred_fused_ms": plan.predicted_fused * 1e3,
                    "pred_unfused_ms": plan.predicted_unfused * 1e3, "pred_comm_ms": plan.predicted_comm * 1e3,
@@ -207,12 +207,12 @@ def measure_shape(ctx, torch, dist, mk, agm, symm, name, M, N, K, quick, paths=(
         rec["symm_note"] = symm.reason
     if P > 1:  # the other side of the planner's decision: copy-engine fusion vs unfused
         alt = "unfused" if plan.path != "unfused" else "fused_ce"
-        prepare("forced", lambda: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, path=alt),
+        prepare("forced", lambda: mk.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, path=alt),
                 lambda: rel_err(torch, c_ours, c_ref))
         rec["forced_path"] = alt
     for pth in paths:  # --paths: more forced paths, in the same rounds (JSON and stdout only)
         kw = path_kwargs(pth, agm.PATHS)
-        prepare("path_" + pth, lambda kw=kw: agm.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, **kw),
+        prepare("path_" + pth, lambda kw=kw: mk.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh, **kw),
                 lambda: rel_err(torch, c_ours, c_ref))
     # every rank times the same methods (their calls are collective)
     common = set.intersection(*[set(m) for m in comm.allgather(list(methods))])
@@ -358,14 +358,15 @@ def main() -> int:
 
     import mkernel as mk
 
-    agm = importlib.import_module("mkernel.ops.ag_gemm.op")
+    from mkernel.ops import ag_gemm as agm
+    from mkernel.ops import gemm as G
     comm, P = ctx.world, ctx.local_size
     say = lambda *a: C.rank0_print(comm, *a)  # noqa: E731
     if ctx.size != P:
         say("WARNING: run on one node: mkernel's ops span the ranks of a node, NCCL spans the world")
     if ctx.local_rank == 0:  # every specialization into the disk cache, in parallel
         agm.precompile()
-        agm.G.precompile([agm.G.defines("bfloat16", "bfloat16", c) for c in (1, 2, 3)])
+        G.precompile([G.defines("bfloat16", "bfloat16", c) for c in (1, 2, 3)])
     comm.Barrier()
     symm = TorchSymmMem(torch, dist)
     todo = [s for s in C.select_shapes(shapes(P, args.quick), args.only) if args.min_m <= s[1] <= args.max_m]
@@ -394,7 +395,7 @@ def main() -> int:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "P": P, "gpu": torch.cuda.get_device_name(),
                 "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                 "quick": args.quick, "elapsed_s": time.monotonic() - t_start,
-                "model": {k: getattr(agm.MODEL, k) for k in agm.CostModel.__dataclass_fields__}}
+                "model": dataclasses.asdict(agm.AgGemmOptions.default().model)}
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)
         try:

@@ -9,15 +9,13 @@ and prints TFLOP/s per GPU and which path the planner chose ("fused_ce": the GEM
 while the copy engines move the shards; "fused": SM communication blocks; "unfused").
 """
 import argparse
-import importlib
 import time
 
 import numpy as np
 
 import mkernel
 from mkernel import DeviceArray, bf16_to_f32, f32_to_bf16
-
-agm = importlib.import_module("mkernel.ops.ag_gemm.op")
+from mkernel.ops.ag_gemm import PATHS
 
 
 def main():
@@ -25,7 +23,7 @@ def main():
     ap.add_argument("--m", type=int, default=4096, help="total rows (tokens) over all ranks")
     ap.add_argument("--k", type=int, default=8192, help="hidden size")
     ap.add_argument("--n", type=int, default=14336, help="output width over all ranks")
-    ap.add_argument("--path", default=None, choices=agm.PATHS, help="force a path (default: the planner's choice)")
+    ap.add_argument("--path", default=None, choices=PATHS, help="force a path (default: the planner's choice)")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
 
@@ -43,9 +41,9 @@ def main():
     out = DeviceArray.empty((M, Nr), "bfloat16").fill_nan()
     gathered = DeviceArray.empty((M, K), "bfloat16").fill_nan()
 
-    agm.ag_gemm(ctx, a, w, out, gathered_a=gathered, b_layout="nk", path=args.path)
+    mkernel.ag_gemm(ctx, a, w, out, gathered_a=gathered, b_layout="nk", path=args.path)
     ctx.synchronize()
-    plan = agm.last_plan
+    plan = ctx.last_plan("ag_gemm")
     A = np.concatenate(shards)
     gathered_ok = bool(np.array_equal(gathered.to_numpy(), A))
     rows = np.random.default_rng(7).choice(M, size=min(M, 256), replace=False)  # a row sample: cheap check
@@ -57,7 +55,7 @@ def main():
     ctx.world.Barrier()
     t0 = time.perf_counter()
     for _ in range(args.iters):
-        agm.ag_gemm(ctx, a, w, out, b_layout="nk", path=args.path)
+        mkernel.ag_gemm(ctx, a, w, out, b_layout="nk", path=args.path)
     ctx.synchronize()
     dt = (time.perf_counter() - t0) / args.iters
     tflops = 2.0 * M * Nr * K / dt / 1e12

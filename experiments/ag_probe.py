@@ -5,7 +5,7 @@ kernel defines through MKERNEL_DEFINES, docs/journal/ag_gemm.md); bench/ag_gemm.
     mpirun -np 2 python experiments/ag_probe.py
 PROBE_SM=1 adds the SM-communication path at the model's split; PROBE_COMM_SMS="0,4,16" adds forced fused splits (0 = unfused); PROBE_SHAPES="qkv70,mlp405" picks shapes
 (or "M:N_all:K" for any); PROBE_CE="3:0,3:1,4:auto" adds copy-engine variants, each CONFIG:TAIL_SPLIT
-(TAIL_SPLIT as MKERNEL_AG_GEMM_TAIL_SPLIT: 0, 1 or auto); "auto:0" is the automatic copy-engine plan
+(TAIL_SPLIT: AgGemmOptions.tail_split as 0, 1 or auto); "auto:0" is the automatic copy-engine plan
 without any split-K.  PROBE_NO_COPIES=1 drops the copy-engine path's copies (timing only: with MKERNEL_DEFINES=
 MK_AG_TIMING_NO_WAIT=1 the fused kernel is then the bare GEMM inside the fused kernel).
 Everything of a shape (our GEMM alone, forced to config 3 too, our all-gather alone, each ag_gemm variant)
@@ -13,6 +13,7 @@ is timed in alternating rounds (PROBE_ROUNDS, default 9; one batch of calls each
 drifting under the power cap hit all alike.  One line per shape: median us per call (max over ranks) and
 overlap efficiency max(gemm alone, all-gather alone) / time.
 """
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -23,10 +24,11 @@ from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mkernel  # noqa: E402
-import importlib  # noqa: E402
 from mkernel.core.arrays import DeviceArray  # noqa: E402
 from mkernel.core.dtypes import f32_to_bf16  # noqa: E402
 from mkernel.core.driver import check  # noqa: E402
+from mkernel.ops.ag_gemm import AgGemmOptions  # noqa: E402
+from mkernel.ops.ag_gemm import op as ag_op  # noqa: E402
 
 SHAPES = {  # name: (M_total, N over all ranks, K)
     "qkv70": (4096, 10240, 8192),
@@ -43,12 +45,9 @@ SHAPES = {  # name: (M_total, N over all ranks, K)
 }
 
 
-agm = importlib.import_module("mkernel.ops.ag_gemm.op")  # the module (mkernel.ag_gemm is the function)
-
-
 def main():
     if os.environ.get("PROBE_NO_COPIES") == "1":
-        agm._ce_copies = lambda *a, **k: []
+        ag_op.ce_copies = lambda *a, **k: []
     ctx = mkernel.init()
     P = ctx.local_size
     stream = check(cu.cuStreamCreate(1))
@@ -82,13 +81,14 @@ def main():
                 kw = dict(path="fused_ce", config=int(cs[0])) if cs[0] not in ("", "auto") else dict(path="fused_ce")
                 env = cs[1]
             elif cs == -1:
-                kw = dict(comm_sms=agm.last_plan.fused_comm_sms)
+                kw = dict(comm_sms=ctx.last_plan("ag_gemm").fused_comm_sms)
+            tail = {"": None, "auto": None, "0": False, "1": True}[env]
+            opts = dataclasses.replace(AgGemmOptions.default(), tail_split=tail)
 
-            def call(kw=kw, env=env):
-                os.environ["MKERNEL_AG_GEMM_TAIL_SPLIT"] = env
-                agm.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, **kw)
+            def call(kw=kw, opts=opts):
+                mkernel.ag_gemm(ctx, a, w, out, b_layout="nk", stream=s, options=opts, **kw)
             call()  # first call of the plan (signature exchange, workspace) outside the timing
-            p = agm.last_plan
+            p = ctx.last_plan("ag_gemm")
             split = f"/c{p.config}/cr{p.chunk_rows}" + (f"/split{p.splits}@{p.split_from}" if p.splits > 1 else "")
             calls.append((f"{p.path}/{p.comm_sms}{split}", call))
         batch = int(min(20, max(2, 4000 // max(est, 1))))
@@ -106,7 +106,6 @@ def main():
         rows = [(label, ctx.world.allreduce(float(np.median(t)), op=MPI.MAX)) for (label, _), t in zip(calls, per)]
         (_, t_gemm), (_, t_g3), (_, t_ag), rows = rows[0], rows[1], rows[2], rows[3:]
         floor = max(t_gemm, t_ag)
-        os.environ["MKERNEL_AG_GEMM_TAIL_SPLIT"] = "auto"
         if ctx.rank == 0:
             print(f"[{tag}] {name:8s} M={M} N/P={N} K={K}: gemm {t_gemm:8.1f} us (config 3: {t_g3:8.1f})  "
                   f"all_gather {t_ag:7.1f} us  "

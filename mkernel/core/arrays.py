@@ -165,7 +165,7 @@ class DeviceArray:
 
     def call_key(self) -> tuple:
         """What makes this view the same argument of an op call as another: pointer, shape, strides,
-        dtype, device and the read-only flag (the ops' eager fast paths key on it: runtime.fast_get)."""
+        dtype, device and the read-only flag."""
         return (self.ptr, self.shape, self.strides, self.dtype.name, self.device, self.readonly)
 
     # ---- basic properties ------------------------------------------------------------------

@@ -156,21 +156,3 @@ def as_stream(stream) -> int:
     """The raw handle of ``stream`` (converted once per call, at the entry)."""
     return stream if type(stream) is int else stream_handle(stream)
 
-
-# The eager-call cache AllGather+GEMM still uses until it runs on the pipeline.
-FAST_MAX = 256
-
-
-def fast_get(ctx, key):
-    """What an op stored for ``key`` on context ``ctx`` (None: nothing, or ``key`` is None)."""
-    return None if key is None else ctx.__dict__.get("_fast_calls", {}).get(key)
-
-
-def fast_put(ctx, key, value) -> None:
-    """Store ``value`` for ``key`` on ``ctx`` (nothing when ``key`` is None; all entries dropped at FAST_MAX)."""
-    if key is None:
-        return
-    cache = ctx.__dict__.setdefault("_fast_calls", {})
-    if len(cache) >= FAST_MAX:
-        cache.clear()
-    cache[key] = value

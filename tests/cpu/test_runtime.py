@@ -297,21 +297,3 @@ def test_precompile_falls_back_when_the_workers_die(monkeypatch):
     with pytest.warns(RuntimeWarning, match="__main__"):
         total = CP.precompile([("a.cu", {"X": 1}), ("b.cu", {"X": 2})], arch="sm_90a", workers=2)
     assert total == 3.0 and done == [1, 2]
-
-
-def test_fast_calls_cache():
-    """BASE.fast_get / fast_put: per context, nothing for a None key, every entry dropped at FAST_MAX."""
-    from mkernel.ops import base as BASE
-    class Ctx:
-        pass
-
-    a, b = Ctx(), Ctx()
-    BASE.fast_put(a, None, 1)
-    assert BASE.fast_get(a, None) is None and not a.__dict__.get("_fast_calls")
-    BASE.fast_put(a, ("op", 1), "x")
-    assert BASE.fast_get(a, ("op", 1)) == "x" and BASE.fast_get(b, ("op", 1)) is None
-    for i in range(2, BASE.FAST_MAX + 1):
-        BASE.fast_put(a, ("op", i), i)
-    assert BASE.fast_get(a, ("op", 1)) == "x" and len(a._fast_calls) == BASE.FAST_MAX
-    BASE.fast_put(a, ("op", 0), 0)  # one more: the cache starts over
-    assert a._fast_calls == {("op", 0): 0}
