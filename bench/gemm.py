@@ -326,10 +326,10 @@ def make_inputs(M: int, N: int, K: int, layout: str, l2: int, seed: int = 1234, 
 def plan_label(plan) -> str:
     """c<config>x<splits>[f<split_from>][p] of a plain GEMM plan (p: a programmatic dependent launch; s
     instead of c: computed transposed); a decode plan's name."""
-    if getattr(plan, "cfg", None) is None:
-        return getattr(plan, "name", "other")
+    if plan.kind != "tiles":
+        return plan.kind
     sf = f"f{plan.split_from}" if plan.splits != 1 and plan.split_from else ""
-    return f"{'s' if plan.swapped else 'c'}{plan.cfg.id}x{plan.splits}{sf}" + ("p" if plan.dependent else "")
+    return f"{'s' if plan.swapped else 'c'}{plan.config}x{plan.splits}{sf}" + ("p" if plan.dependent else "")
 
 
 class GemmProblem:

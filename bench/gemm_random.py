@@ -54,11 +54,11 @@ def run_shape(M, N, K, layout, pad, l2):
     import torch
 
     from gemm import GemmProblem, plan_label
-    from mkernel.ops.gemm import plan as GP
+    from mkernel.ops import gemm as G
 
     prob = GemmProblem(M, N, K, l2, layout, pad)
     fns = {"cublas": prob.cublas, "ours": prob.runner(lambda i: prob.ours(i, torch.cuda.current_stream()))}
-    plan = next(reversed(GP._plans.values()))
+    plan = G.last_plan()
     torch.cuda.synchronize()
     err = prob.error()
     st = time_interleaved(fns, warmup=1, rounds=ROUNDS)

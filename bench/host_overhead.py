@@ -1,17 +1,26 @@
 #!/usr/bin/env python
-"""Where an eager mkernel call's host time goes: Python in the library vs the driver's launch calls.
+"""Host time per eager call, what frameworks that call eagerly see: ours against torch's, same run.
 
-    mpirun --allow-run-as-root -np 2 python bench/host_overhead.py      (or 1 rank: gemm only)
+    mpirun --allow-run-as-root -np N python bench/host_overhead.py [--out DIR] [--json-only]
 
-Small collectives (64 KiB - 4 MiB) are bound by host submission in eager mode (bench/collectives.py
-marks them †): a call takes as long to submit as the GPU takes to run it.  This splits the submit
-time of each op into the driver calls (cuLaunchKernelEx, cuMemcpyAsync, event record/wait: timed by
-wrapping them) and the rest (argument checks, plan lookup, argument packing: Python).  Per op: the
-median over rounds of (host seconds to submit N back-to-back calls) / N, and the driver share of
-it; the GPU is synchronized between rounds only.  No GPU time is measured.  Prints a table.
+Every call gets other arrays than the last (a rotating pool of 16 distinct torch tensors per operand:
+the pointers change every call, as with fresh tensors), so no cache keyed by pointers can help; the
+weights stay.  Per op: the median over rounds of (host seconds to submit N back-to-back calls) / N,
+synchronized between rounds only.  Rows:
+
+* gemm (torch tensors and mkernel DeviceArrays) vs ``torch.matmul(a, w.t(), out=o)`` -- target: torch
+  tensors <= 1.5x torch's, DeviceArrays <= 10 us;
+* each collective (torch tensors) vs torch.distributed (NCCL) on the same tensors -- target: <= NCCL's
+  (with one rank NCCL still runs its launch path);
+* ag_gemm with torch tensors (several ranks) -- target: <= 40 us;
+* eager wall time per call of the decode shapes (M = 1, 3, 8, 24, weights [N, K]): N back-to-back calls
+  then one synchronize, ours and cuBLAS's (host and GPU both count).
+
+Writes host_overhead.json and host_overhead.md under --out (default: docs/ when run from the repo).
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -22,132 +31,142 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import _common as C  # noqa: E402
 
-N_CALLS = 200
-ROUNDS = 7
+N_CALLS, ROUNDS, POOL = 300, 7, 16
 
 
-class DriverClock:
-    """Wraps driver entry points of the ``cu`` namespace (cuda.bindings.driver) of the modules given to sum the
-    time spent in them."""
-
-    NAMES = ("cuLaunchKernelEx", "cuMemcpyDtoDAsync", "cuEventRecord", "cuStreamWaitEvent", "cuCtxGetCurrent")
-
-    def __init__(self, modules):
-        self.total = 0.0
-        self.count = 0
-        self._saved = []
-        seen = set()
-        for mod in modules:
-            cu = mod.cu  # (the same cuda.bindings.driver module in every mkernel module: wrap it once)
-            if id(cu) in seen:
-                continue
-            seen.add(id(cu))
-            for name in self.NAMES:
-                fn = getattr(cu, name, None)
-                if fn is None:
-                    continue
-                self._saved.append((cu, name, fn))
-
-        for cu, name, fn in self._saved:
-            setattr(cu, name, self._wrap(fn))
-
-    def _wrap(self, fn):
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.total += time.perf_counter() - t0
-                self.count += 1
-        return timed
-
-    def restore(self):
-        for cu, name, fn in reversed(self._saved):
-            setattr(cu, name, fn)
-
-
-def measure(name, fn, ctx, clock, comm):
+def per_call_us(fn, comm, n=N_CALLS, rounds=ROUNDS) -> float:
+    """Median over rounds of host microseconds per call of ``fn(i)`` (i = the call's index)."""
     import torch
 
-    for _ in range(5):
-        fn()
+    for i in range(10):
+        fn(i)
     torch.cuda.synchronize()
-    ctx.check()
-    per_call, driver, calls = [], [], []
-    for _ in range(ROUNDS):
+    out = []
+    for _ in range(rounds):
         comm.Barrier()
-        clock.total, clock.count = 0.0, 0
         t0 = time.perf_counter()
-        for _ in range(N_CALLS):
-            fn()
-        dt = time.perf_counter() - t0
-        per_call.append(dt / N_CALLS * 1e6)
-        driver.append(clock.total / N_CALLS * 1e6)
-        calls.append(clock.count / N_CALLS)
+        for i in range(n):
+            fn(i)
+        out.append((time.perf_counter() - t0) / n * 1e6)
         torch.cuda.synchronize()
-    ctx.check()
-    return dict(op=name, host_us=statistics.median(per_call), driver_us=statistics.median(driver),
-                driver_calls=statistics.median(calls))
+    return statistics.median(out)
+
+
+def wall_us(fn, comm, n=200, rounds=5) -> float:
+    """Median over rounds of (N back-to-back calls + one synchronize) / N, microseconds."""
+    import torch
+
+    for i in range(10):
+        fn(i)
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(out)
 
 
 def main():
-    ctx = C.bootstrap(nccl=False)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(HERE.parent / "docs"))
+    args = ap.parse_args()
+    ctx = C.bootstrap(nccl=True)
     import torch
+    import torch.distributed as dist
 
     import mkernel
-    from mkernel.ops import gemm as G
-
-    from mkernel.core.interop import as_device_array
 
     comm = ctx.world
     s = torch.cuda.current_stream()
-    sh = int(s.cuda_stream)
     dev = torch.device("cuda", ctx.device)
-    P = ctx.local_size
-    cases = []
+    P = ctx.size
+    rows, decode = [], []
 
-    def t(shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device=dev, dtype=dtype)
+    def pool(shape, dtype=torch.bfloat16):
+        return [torch.randn(*shape, device=dev, dtype=dtype) for _ in range(POOL)]
 
-    if P > 1:
-        for nbytes in (64 << 10, 1 << 20, 4 << 20):
-            n = nbytes // 2
-            x, o = t((n,)), t((n,))
-            X, O = as_device_array(x, stream=sh), as_device_array(o, stream=sh)
-            cases.append((f"all_reduce {C.fmt_bytes(nbytes)} (DeviceArray args)",
-                          lambda X=X, O=O: mkernel.all_reduce(ctx, X, O, stream=sh)))
-            cases.append((f"all_reduce {C.fmt_bytes(nbytes)} (torch args)",
-                          lambda x=x, o=o: mkernel.all_reduce(ctx, x, o, stream=sh)))
-        x, o = t((1 << 18,)), t((P << 18,))
-        X, O = as_device_array(x, stream=sh), as_device_array(o, stream=sh)
-        cases.append(("all_gather 1 MiB out", lambda X=X, O=O: mkernel.all_gather(ctx, X, O, stream=sh)))
-        a, w, c = t((128, 8192)), t((5120, 8192)), t((128 * P, 5120))
-        A, W, CO = (as_device_array(v, stream=sh) for v in (a, w, c))
-        cases.append(("ag_gemm M=128/rank N=5120 K=8192",
-                      lambda A=A, W=W, CO=CO: mkernel.ag_gemm(ctx, A, W, CO, b_layout="nk", stream=sh)))
-    a, w, c = t((128, 8192)), t((8192, 8192)), t((128, 8192))
-    A, W, CO = (as_device_array(v, stream=sh) for v in (a, w, c))
-    cases.append(("gemm 128x8192x8192 nk", lambda A=A, W=W, CO=CO: G.gemm(A, W, CO, b_layout="nk", stream=sh)))
+    def record(op, ours, theirs, target, note=""):
+        us = C.max_over_ranks(ours, comm)[0]
+        them = C.max_over_ranks(theirs, comm)[0] if theirs is not None else None
+        rows.append(dict(op=op, ours_us=us, torch_us=them, ratio=(us / them) if them else None, target=target,
+                         note=note))
 
-    clock = DriverClock([sys.modules[m] for m in ("mkernel.core.launch", "mkernel.ops.collectives.api",
-                                                  "mkernel.ops.ag_gemm.op")])
-    rows = []
-    try:
-        for name, fn in cases:
-            r = measure(name, fn, ctx, clock, comm)
-            r["host_us"], _ = C.max_over_ranks(r["host_us"], comm)
-            r["driver_us"], _ = C.max_over_ranks(r["driver_us"], comm)
-            rows.append(r)
-    finally:
-        clock.restore()
+    # ---- gemm
+    for M, N, K in [(1, 8192, 8192), (3, 8192, 8192), (8, 8192, 8192), (24, 8192, 8192), (128, 8192, 8192),
+                    (4096, 4096, 4096)]:
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+        a, o = pool((M, K)), pool((M, N))
+        mk = per_call_us(lambda i: mkernel.gemm(a[i % POOL], w, o[i % POOL], b_layout="nk", stream=s), comm)
+        th = per_call_us(lambda i: torch.matmul(a[i % POOL], w.t(), out=o[i % POOL]), comm)
+        record(f"gemm {M}x{N}x{K} nk (torch tensors)", mk, th, "<= 1.5x torch")
+        A = [mkernel.as_device_array(x) for x in a]
+        O = [mkernel.as_device_array(x) for x in o]
+        W = mkernel.as_device_array(w)
+        mkd = per_call_us(lambda i: mkernel.gemm(A[i % POOL], W, O[i % POOL], b_layout="nk", stream=s), comm)
+        record(f"gemm {M}x{N}x{K} nk (DeviceArrays)", mkd, th, "<= 10 us")
+        if M in (1, 3, 8, 24):
+            ew = wall_us(lambda i: mkernel.gemm(a[i % POOL], w, o[i % POOL], b_layout="nk", stream=s), comm)
+            tw = wall_us(lambda i: torch.matmul(a[i % POOL], w.t(), out=o[i % POOL]), comm)
+            decode.append(dict(shape=f"{M}x{N}x{K}", ours_us=C.max_over_ranks(ew, comm)[0],
+                               cublas_us=C.max_over_ranks(tw, comm)[0]))
+        del w, a, o, A, O, W
+
+    # ---- collectives
+    for nbytes in (64 << 10, 1 << 20, 4 << 20):
+        n = nbytes // 2
+        x, out = pool((n,)), pool((n,))
+        mk = per_call_us(lambda i: mkernel.all_reduce(ctx, x[i % POOL], out[i % POOL], stream=s), comm)
+        th = per_call_us(lambda i: dist.all_reduce(x[i % POOL]), comm)
+        record(f"all_reduce {C.fmt_bytes(nbytes)}", mk, th, "<= NCCL")
+        g = pool((P * n,))
+        mk = per_call_us(lambda i: mkernel.all_gather(ctx, x[i % POOL], g[i % POOL], stream=s), comm)
+        th = per_call_us(lambda i: dist.all_gather_into_tensor(g[i % POOL], x[i % POOL]), comm)
+        record(f"all_gather {C.fmt_bytes(nbytes)}", mk, th, "<= NCCL")
+        r = pool((n // P,))
+        xs = pool((n - n % P,))
+        mk = per_call_us(lambda i: mkernel.reduce_scatter(ctx, xs[i % POOL], r[i % POOL], stream=s), comm)
+        th = per_call_us(lambda i: dist.reduce_scatter_tensor(r[i % POOL], xs[i % POOL]), comm)
+        record(f"reduce_scatter {C.fmt_bytes(nbytes)}", mk, th, "<= NCCL")
+        del x, out, g, r, xs
+
+    # ---- ag_gemm (several local ranks)
+    if ctx.local_size > 1:
+        for m_r, N, K in [(128, 5120, 8192), (1024, 5120, 8192)]:
+            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+            a, o = pool((m_r, K)), pool((m_r * ctx.local_size, N))
+            mk = per_call_us(lambda i: mkernel.ag_gemm(ctx, a[i % POOL], w, o[i % POOL], b_layout="nk", stream=s),
+                             comm)
+            record(f"ag_gemm M_r={m_r} N={N} K={K} nk", mk, None, "<= 40 us")
+
+    ctx.check()
     if ctx.rank == 0:
-        print(C.markdown_table(["op", "host us/call", "driver us/call", "driver calls/call", "rest (Python) us"],
-                               [[r["op"], f"{r['host_us']:.1f}", f"{r['driver_us']:.1f}", f"{r['driver_calls']:.1f}",
-                                 f"{r['host_us'] - r['driver_us']:.1f}"] for r in rows]))
+        table = C.markdown_table(["op", "ours us/call", "torch us/call", "ours / torch", "target"],
+                                 [[r["op"], f"{r['ours_us']:.1f}", C.fmt_or_na(r["torch_us"], ".1f"),
+                                   C.fmt_or_na(r["ratio"], ".2f"), r["target"]] for r in rows])
+        dtable = C.markdown_table(["decode shape (M x N x K, B [N, K])", "ours us/call", "cuBLAS us/call",
+                                   "cuBLAS / ours"],
+                                  [[d["shape"], f"{d['ours_us']:.1f}", f"{d['cublas_us']:.1f}",
+                                    f"{d['cublas_us'] / d['ours_us']:.2f}"] for d in decode])
+        print(table)
+        print()
+        print(dtable)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        C.write_json(out / "host_overhead.json", dict(ranks=P, rows=rows, decode_eager=decode,
+                                                      device=torch.cuda.get_device_name(dev)))
+        (out / "host_overhead.md").write_text(
+            f"# Host time per eager call ({P} rank(s), {torch.cuda.get_device_name(dev)})\n\n"
+            "Made by `bench/host_overhead.py`: host microseconds to submit one call, every call with other "
+            "arrays than the last (16 distinct torch tensors per operand in rotation), median of 7 rounds of "
+            f"{N_CALLS} calls; the max over ranks.\n\n" + table +
+            "\n\nEager wall time per call of the decode shapes (200 back-to-back calls + one synchronize):\n\n"
+            + dtable + "\n")
     C.shutdown(ctx)
 
 
 if __name__ == "__main__":
-    if {"-h", "--help"} & set(sys.argv[1:]):
-        sys.exit(print(__doc__))
     main()

@@ -23,7 +23,7 @@ setup_env()
 import torch
 from gemm import GemmProblem
 from gemm_profile import parse
-from mkernel.ops.gemm import plan as GP
+from mkernel.ops import gemm as G
 
 
 def main(argv):
@@ -41,14 +41,14 @@ def main(argv):
             sp = int(phase.split("x")[1]) if "x" in phase else None
 
             ro = prob.runner(lambda i: prob.ours(i, torch.cuda.current_stream(), config=cfg, splits=sp))
-            plan = next(reversed(GP._plans.values()))  # (the plan ours just built or used)
+            plan = G.last_plan()  # (the plan ours just built or used)
             torch.cuda.synchronize()
             err = prob.error()
             time.sleep(sleep)
             st = time_interleaved({"ours": ro, "cublas": rt}, warmup=0, rounds=rounds)
             so = [x / batch * 1e3 for x in st["ours"]["samples"]]
             sc = [x / batch * 1e3 for x in st["cublas"]["samples"]]
-            pname = plan.name if plan.cfg is None else f"c{plan.cfg.id}x{plan.splits}"  # (gemv: no tile config)
+            pname = plan.kind if plan.kind != "tiles" else f"c{plan.config}x{plan.splits}"  # (gemv: no tile config)
             tag = f"{spec} {phase} {pname} err={err:.1e}"
             if not summary_only:
                 print(f"{tag} nsets={nsets} batch={batch}: ours " + " ".join(f"{x:.1f}" for x in so), flush=True)

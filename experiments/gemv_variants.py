@@ -31,7 +31,8 @@ def main(argv):
     from gemm import GemmProblem
     from gemm_profile import parse
 
-    from mkernel.ops.gemm import plan as GP
+    from mkernel.ops import base as BASE
+    from mkernel.ops import gemm as G
     from mkernel.ops.gemm import gemv as GV
 
     GV.MIN_BLOCK_FILL = 0.0
@@ -49,14 +50,14 @@ def main(argv):
             GV.VARIANTS.update(shipped)
             if v != "default":
                 GV.VARIANTS[nt] = tuple(int(x) for x in v.split("."))
-            GP._plans.clear()
+            BASE._device_states.clear()
 
             try:
                 ro = prob.runner(lambda i: prob.ours(i, torch.cuda.current_stream()))
             except Exception as exc:  # a variant that does not compile or launch: say so, go on
                 res.append(f"{v} ERR {exc!s:.80}")
                 continue
-            plan = next(reversed(GP._plans.values()))
+            plan = G.last_plan()
             torch.cuda.synchronize()
             err = prob.error()
             time.sleep(0.2)

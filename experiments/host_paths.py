@@ -68,7 +68,9 @@ def main():
     rows = []
 
     # ---- launch routes: a one-block kernel (pad copy of 0 elements does nothing but launch)
-    k = kernel("gemm/gemm.cu", {"MK_GEMM_IN": 0, "MK_GEMM_OUT": 0, "MK_GEMM_CONFIG": 1}, "mk_pad_copy_u16")
+    from mkernel.ops.gemm import defines
+
+    k = kernel("gemm/gemm.cu", defines("bfloat16", "bfloat16", 1), "mk_pad_copy_u16")
     args = [ctypes.c_void_p(0), ctypes.c_void_p(0)] + [ctypes.c_int64(v) for v in (1, 0, 0, 0, 0, 0, 0, 0)]
     prep = k.prepare(1, 32, args, stream=sh)
     rows.append(("cuLaunchKernelEx, prepacked (PreparedLaunch.submit)", per_call_us(prep.submit, sync=sync)))

@@ -31,7 +31,7 @@ from cuda.bindings import driver as cu  # noqa: E402
 
 from gemm_profile import parse  # noqa: E402
 from mkernel.ops import gemm as G
-from mkernel.ops.gemm import plan as GP
+from mkernel.ops import gemm as G
 from mkernel.core import compiler as runtime  # noqa: E402
 from mkernel.core.interop import as_device_array  # noqa: E402
 
@@ -64,8 +64,9 @@ def run(spec: str):
     for _ in range(5):
         call()
     torch.cuda.synchronize()
-    plan = list(GP._plans.values())[-1]
-    plan = f"config {plan.cfg.id} ({plan.cfg.bm}x{plan.cfg.tile_n('nk')}) splits {plan.splits} from {plan.split_from} grid {plan.grid}"
+    plan = G.last_plan()
+    cfg = G.CONFIGS[plan.config]
+    plan = f"config {plan.config} ({cfg.bm}x{cfg.tile_n('nk')}) splits {plan.splits} from {plan.split_from} grid {plan.grid}"
     ts = []
     for _ in range(50):
         if COLD:

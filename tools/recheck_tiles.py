@@ -23,7 +23,7 @@ DTYPES = [("bfloat16", "bfloat16"), ("float16", "float32"), ("bfloat16", "float3
 
 def one_call(rng, G, M, N, K, layout, config=None, splits=None) -> tuple[bool, str]:
     from _util import corner, download, poisoned, rel_fro, upload, written_outside
-    from mkernel.ops.gemm import plan as GP
+    from mkernel.ops import gemm as G
 
     ind, outd = DTYPES[int(rng.integers(0, 4))]
     pa, pb, pc = 8 * int(rng.integers(0, 3)), 8 * int(rng.integers(0, 3)), int(rng.integers(0, 24))
@@ -33,8 +33,8 @@ def one_call(rng, G, M, N, K, layout, config=None, splits=None) -> tuple[bool, s
     cbuf = poisoned((M + 1, N + pc), outd)
     G.gemm(corner(abuf, M, K), corner(bbuf, rows_b, cols_b), corner(cbuf, M, N), b_layout=layout, config=config,
            splits=splits)
-    plan = next(reversed(GP._plans.values()))
-    ran = f"c{plan.cfg.id}x{plan.splits}" if plan.cfg is not None else "gemv"
+    plan = G.last_plan()
+    ran = f"c{plan.config}x{plan.splits}" if plan.kind == "tiles" else plan.kind
     h = download(cbuf)
     bmat = bv[:, :cols_b] if layout == "kn" else bv[:, :cols_b].T
     rows = np.arange(M) if M <= 512 else np.unique(np.r_[rng.choice(M, 256, replace=False), 0, M - 1])

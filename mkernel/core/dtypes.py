@@ -26,12 +26,13 @@ class DType:
     ``(type code, bits)``; ``numpy_dtype`` the host storage type (uint16 bit patterns for bf16).
     """
 
-    __slots__ = ("name", "code", "itemsize", "typestr", "dl_code", "dl_bits", "numpy_dtype")
+    __slots__ = ("name", "code", "itemsize", "typestr", "dl_code", "dl_bits", "numpy_dtype", "_hash")
 
     def __init__(self, name: str, code: int, itemsize: int, typestr: str, dl_code: int, numpy_dtype):
         self.name, self.code, self.itemsize, self.typestr = name, code, itemsize, typestr
         self.dl_code, self.dl_bits = dl_code, 8 * itemsize
         self.numpy_dtype = np.dtype(numpy_dtype)
+        self._hash = hash(name)  # (bound-call keys hash dtypes on every call)
 
     @property
     def dlpack(self) -> tuple[int, int]:
@@ -55,7 +56,7 @@ class DType:
             return False
 
     def __hash__(self) -> int:
-        return hash(self.name)
+        return self._hash
 
     def __reduce__(self):
         return (dtype_of, (self.name,))

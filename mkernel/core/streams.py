@@ -9,23 +9,45 @@ __all__ = ["stream_handle", "is_capturing", "Events", "copy_async"]
 
 
 def stream_handle(stream) -> int:
-    """A raw ``CUstream`` handle (int) from any stream-like object; ``None`` is the legacy default stream."""
+    """A raw ``CUstream`` handle (int) from any stream-like object; ``None`` is the legacy default stream.
+
+    Accepted: an int, an object with ``__cuda_stream__`` (a ``(version, handle)`` tuple or a handle), with a
+    ``cuda_stream`` / ``ptr`` / ``handle`` attribute or method (torch, CuPy, Numba streams), a ``CUstream``.
+    The way to read a type is found once and remembered (a call costs a dict lookup and one read)."""
     if stream is None:
         return 0
-    if isinstance(stream, int):
+    tp = type(stream)
+    if tp is int:
         return stream
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        val = proto() if callable(proto) else proto
-        if isinstance(val, tuple):
-            return int(val[1])
-        return int(val)
+    read = _readers.get(tp)
+    if read is None:
+        read = _reader_for(stream)
+        if len(_readers) < 64:
+            _readers[tp] = read
+    return read(stream)
+
+
+_readers: dict = {}
+
+
+def _from_protocol(s) -> int:
+    val = s.__cuda_stream__
+    val = val() if callable(val) else val
+    return int(val[1]) if isinstance(val, tuple) else int(val)
+
+
+def _reader_for(stream):
+    if isinstance(stream, int):
+        return int
+    if getattr(stream, "__cuda_stream__", None) is not None:
+        return _from_protocol
     for attr in ("cuda_stream", "ptr", "handle"):
         if hasattr(stream, attr):
-            v = getattr(stream, attr)
-            return int(v() if callable(v) else v)
+            if callable(getattr(stream, attr)):
+                return lambda s, a=attr: int(getattr(s, a)())
+            return lambda s, a=attr: int(getattr(s, a))
     if isinstance(stream, cu.CUstream):
-        return int(stream)
+        return int
     raise TypeError(f"mkernel: cannot get a CUDA stream handle from {type(stream).__name__}; pass an "
                     "object with __cuda_stream__ or a raw CUstream handle (int)")
 

@@ -26,7 +26,7 @@ from cuda.bindings import driver as cu
 
 from ..core.driver import check, device_attribute
 from ..core.streams import is_capturing, stream_handle
-from ..errors import CommError
+from ..errors import CommError, MkernelError
 from .agreement import Agreement
 from .signals import OPS, ErrorRecordView, MkComm
 from .timeouts import resolve_timeout, validate_timeout
@@ -123,7 +123,10 @@ class Context:
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
-        """Raise :class:`~mkernel.CommTimeout` if any kernel of this rank reported a failure (non-blocking)."""
+        """Raise :class:`~mkernel.CommTimeout` if any kernel of this rank reported a failure (non-blocking),
+        :class:`~mkernel.MkernelError` if the context was closed (every op calls this first)."""
+        if self._closed:
+            raise MkernelError(f"mkernel: rank {self.rank}: this context was closed; make a new one with mkernel.init()")
         for fn in self._checks:  # host-side failures first: they carry the cause (e.g. the transport's)
             fn()
         self.error_record.raise_if_set()

@@ -264,3 +264,14 @@ def test_internode_proxy_gets_the_context_timeout(monkeypatch):
     monkeypatch.setattr(W, "GpuWindow", lambda ptr, nbytes: object())
     I._State(FakeCtx(), "all_gather", 4096)
     assert made.get("timeout") == 12.5
+
+
+def test_a_closed_context_refuses_every_op():
+    """Every op calls ctx.check() first: on a closed context it raises a clear MkernelError."""
+    from mkernel import MkernelError
+    from mkernel.dist.context import Context
+
+    ctx = object.__new__(Context)
+    ctx._closed, ctx.rank, ctx._checks = True, 3, []
+    with pytest.raises(MkernelError, match="rank 3: this context was closed"):
+        ctx.check()

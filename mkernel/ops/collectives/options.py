@@ -48,6 +48,13 @@ class CollectiveOptions:
             return self.one_shot_max_bytes
         return 32 * MiB if local_size == 2 else 256 * 1024
 
+    def __hash__(self) -> int:  # (part of every bound-call key: hashed once)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @classmethod
     def default(cls) -> "CollectiveOptions":
         """The defaults with the environment's overrides (cached until :func:`mkernel.core.env.reload`)."""

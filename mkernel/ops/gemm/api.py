@@ -41,14 +41,23 @@ from .plan import bind_gemm, bind_grouped
 __all__ = ["gemm", "grouped_gemm", "precompile", "last_plan"]
 
 
+_extents: dict = {}
+
+
 def _span(x: DeviceArray) -> tuple[int, int]:
-    """[first, last) bytes the array's elements cover."""
-    if x.size == 0:
-        return x.ptr, x.ptr
-    lo = sum(min(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
-    hi = sum(max(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
-    isz = x.dtype.itemsize
-    return x.ptr + lo * isz, x.ptr + (hi + 1) * isz
+    """[first, last) bytes the array's elements cover (the offsets of a layout are computed once)."""
+    key = (x.shape, x.strides, x.dtype.itemsize)
+    ext = _extents.get(key)
+    if ext is None:
+        if 0 in x.shape:
+            ext = (0, 0)
+        else:
+            lo = sum(min(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
+            hi = sum(max(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
+            ext = (lo * x.dtype.itemsize, (hi + 1) * x.dtype.itemsize)
+        if len(_extents) < 4096:
+            _extents[key] = ext
+    return x.ptr + ext[0], x.ptr + ext[1]
 
 
 def _check_no_overlap(what: str, O: DeviceArray, *inputs) -> None:

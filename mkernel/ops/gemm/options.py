@@ -35,6 +35,13 @@ class GemmOptions:
     gemv: bool = True
     transposed: bool = True
 
+    def __hash__(self) -> int:  # (part of every bound-call key: hashed once)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @classmethod
     def default(cls) -> "GemmOptions":
         """The defaults with the environment's overrides (cached until :func:`mkernel.core.env.reload`)."""
