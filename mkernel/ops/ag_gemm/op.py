@@ -397,18 +397,23 @@ class _Call:
                  "local_sig", "guess", "agreed")
 
 
+_extents: dict = {}
+
+
 def _span(x: DeviceArray) -> tuple:
-    """[first byte, last byte + 1) that ``x`` touches."""
-    lo = hi = 0
-    for n, s in zip(x.shape, x.strides):
-        if n == 0:
-            return x.ptr, x.ptr
-        if s >= 0:
-            hi += (n - 1) * s
+    """[first byte, last byte + 1) that ``x`` touches (the offsets of a layout are computed once)."""
+    key = (x.shape, x.strides, x.dtype.itemsize)
+    ext = _extents.get(key)
+    if ext is None:
+        if 0 in x.shape:
+            ext = (0, 0)
         else:
-            lo += (n - 1) * s
-    isz = x.dtype.itemsize
-    return x.ptr + lo * isz, x.ptr + (hi + 1) * isz
+            lo = sum(min(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
+            hi = sum(max(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
+            ext = (lo * x.dtype.itemsize, (hi + 1) * x.dtype.itemsize)
+        if len(_extents) < 4096:
+            _extents[key] = ext
+    return x.ptr + ext[0], x.ptr + ext[1]
 
 
 def _check_overlaps(A: DeviceArray, B: DeviceArray, O, GA) -> None:

@@ -45,10 +45,10 @@ class AgGemmOptions:
             if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
                 object.__setattr__(self, name, int(v))
 
-    def __hash__(self):  # (the options are part of every call's key: hashed once)
+    def __hash__(self) -> int:  # (part of every bound-call key: hashed once)
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.path, self.comm_sms, self.config, self.tail_split, self.fused_auto, self.model))
+            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
             object.__setattr__(self, "_hash", h)
         return h
 
