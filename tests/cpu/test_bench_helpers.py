@@ -196,10 +196,12 @@ def test_plan_table_shape_specs(bench_path):
     assert pt.parse_shape("325x4584x4184") == (325, 4584, 4184, "nk", 0)
     assert pt.parse_shape("9916x216x6512:kn+64") == (9916, 216, 6512, "kn", 64)
 
-    class P:  # a plan's fields plan_label reads
-        cfg, splits, split_from, dependent, swapped = type("C", (), {"id": 18})(), 5, 132, True, False
+    class P:  # a GemmPlan's fields plan_label reads
+        kind, config, splits, split_from, dependent, swapped = "tiles", 18, 5, 132, True, False
     assert pt.plan_label(P()) == "c18x5f132p"
     P.splits, P.dependent = 1, False
     assert pt.plan_label(P()) == "c18x1"
     P.swapped = True
     assert pt.plan_label(P()) == "s18x1"
+    P.kind = "gemv"
+    assert pt.plan_label(P()) == "gemv"
