@@ -11,7 +11,7 @@ from typing import Iterable
 import numpy as np
 from cuda.bindings import driver as cu
 
-from . import dlpack
+from . import arrays, dlpack
 from .arrays import KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED, DeviceArray, as_shape
 from .device import cu_init, current_device_or, pointer_device, stream_wait
 from .dtypes import SUPPORTED, DType, dtype_from_dlpack, dtype_from_typestr, dtype_of, dtype_names
@@ -276,3 +276,6 @@ def require(arr, name: str, *, dtypes=None, ndim=None, shape=None, contiguous: b
     if writable and a.readonly:
         raise ValueError(f"{name} is read-only memory but the op writes it")
     return a
+
+
+arrays._importer = as_device_array  # (DeviceArray.copy_from takes any GPU array through it)

@@ -28,6 +28,7 @@ from ..core.driver import check, device_attribute
 from ..core.streams import is_capturing, stream_handle
 from ..errors import CommError, MkernelError
 from .agreement import Agreement
+from .opstate import OpState
 from .signals import OPS, ErrorRecordView, MkComm
 from .timeouts import resolve_timeout, validate_timeout
 from .topology import Topology
@@ -169,12 +170,10 @@ class Context:
 
     # ------------------------------------------------------------------ op state
     def op_state(self, name: str):
-        """The state of op ``name`` on this context (:class:`mkernel.ops.base.OpState`: bound calls,
+        """The state of op ``name`` on this context (:class:`mkernel.dist.opstate.OpState`: bound calls,
         the last plan, op-owned data), created on first use and dropped by :meth:`close`."""
         st = self._op_states.get(name)
         if st is None:
-            from ..ops.base import OpState
-
             st = self._op_states[name] = OpState(name)
         return st
 

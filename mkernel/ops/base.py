@@ -27,13 +27,11 @@ have dropped the bound call.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 
 from ..core.streams import is_capturing, stream_handle
+from ..dist.opstate import STATE_CAPACITY, OpState
 
 __all__ = ["Op", "OpState", "BoundCall", "device_state", "pinned_calls", "STATE_CAPACITY"]
-
-STATE_CAPACITY = 64  # bound calls kept per op state (least recently used dropped first)
 
 _pinned: list = []
 _pinned_lock = threading.Lock()
@@ -68,39 +66,6 @@ class BoundCall:
             for clear in self.clears:
                 clear(stream, capturing)
         self.run(stream, call)
-
-
-class OpState:
-    """One op's state in one place.  ``calls``: bound calls by key (LRU of ``capacity``); ``last_plan``:
-    the plan of the latest call; ``data``: whatever else the op keeps (workspaces, agreed signatures,
-    side structures), owned by the op."""
-
-    __slots__ = ("name", "calls", "capacity", "last_plan", "data", "lock")
-
-    def __init__(self, name: str, capacity: int = STATE_CAPACITY):
-        self.name, self.capacity = name, capacity
-        self.calls: OrderedDict = OrderedDict()
-        self.last_plan = None
-        self.data: dict = {}
-        self.lock = threading.Lock()
-
-    def get(self, key):
-        b = self.calls.get(key)
-        if b is not None:
-            self.calls.move_to_end(key)
-        return b
-
-    def put(self, key, bound) -> None:
-        with self.lock:
-            self.calls[key] = bound
-            while len(self.calls) > self.capacity:
-                self.calls.popitem(last=False)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.calls.clear()
-            self.data.clear()
-            self.last_plan = None
 
 
 _device_states: dict = {}

@@ -26,6 +26,7 @@ import math
 from ...core.arrays import DeviceArray
 from ...core.compiler import compile_module, kernel, register_specialization
 from .configs import DTYPE_CODES, IN_DTYPES, OUT_DTYPES
+from .bound import GemmBound, GemmPlan
 from .kernels import usage
 
 SOURCE = "gemm/gemv.cu"
@@ -106,8 +107,6 @@ def bind(A: DeviceArray, B: DeviceArray, O: DeviceArray, M: int, N: int, K: int,
     """The bound call of ``O[M, N] = A @ B^T`` (``supported`` operands; O with unit column stride): one block
     per 16 rows of B, the two-tile variant (MK_GEMV_NT = 2) above 8 rows; ``dependent``: a programmatic
     dependent launch.  Re-pointed at each call's A, B and O."""
-    from .plan import GemmBound, GemmPlan
-
     nt = column_tiles(M)
     lda = A.strides[0] if M > 1 else K
     ldb = B.strides[0] if N > 1 else K
