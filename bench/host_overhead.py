@@ -73,8 +73,10 @@ def wall_us(fn, comm, n=200, rounds=5) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(HERE.parent / "docs"))
+    ap.add_argument("--no-torch", action="store_true",
+                    help="ours only (ranks sharing one GPU: NCCL refuses them): no torch baselines, no gemm rows")
     args = ap.parse_args()
-    ctx = C.bootstrap(nccl=True)
+    ctx = C.bootstrap(nccl=not args.no_torch)
     import torch
     import torch.distributed as dist
 
@@ -96,7 +98,7 @@ def main():
                          note=note))
 
     # ---- gemm
-    for M, N, K in [(1, 8192, 8192), (3, 8192, 8192), (8, 8192, 8192), (24, 8192, 8192), (128, 8192, 8192),
+    for M, N, K in [] if args.no_torch else [(1, 8192, 8192), (3, 8192, 8192), (8, 8192, 8192), (24, 8192, 8192), (128, 8192, 8192),
                     (4096, 4096, 4096)]:
         w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
         a, o = pool((M, K)), pool((M, N))
@@ -120,16 +122,18 @@ def main():
         n = nbytes // 2
         x, out = pool((n,)), pool((n,))
         mk = per_call_us(lambda i: mkernel.all_reduce(ctx, x[i % POOL], out[i % POOL], stream=s), comm)
-        th = per_call_us(lambda i: dist.all_reduce(x[i % POOL]), comm)
+        th = None if args.no_torch else per_call_us(lambda i: dist.all_reduce(x[i % POOL]), comm)
         record(f"all_reduce {C.fmt_bytes(nbytes)}", mk, th, "<= NCCL")
         g = pool((P * n,))
         mk = per_call_us(lambda i: mkernel.all_gather(ctx, x[i % POOL], g[i % POOL], stream=s), comm)
-        th = per_call_us(lambda i: dist.all_gather_into_tensor(g[i % POOL], x[i % POOL]), comm)
+        th = None if args.no_torch else per_call_us(
+            lambda i: dist.all_gather_into_tensor(g[i % POOL], x[i % POOL]), comm)
         record(f"all_gather {C.fmt_bytes(nbytes)}", mk, th, "<= NCCL")
         r = pool((n // P,))
         xs = pool((n - n % P,))
         mk = per_call_us(lambda i: mkernel.reduce_scatter(ctx, xs[i % POOL], r[i % POOL], stream=s), comm)
-        th = per_call_us(lambda i: dist.reduce_scatter_tensor(r[i % POOL], xs[i % POOL]), comm)
+        th = None if args.no_torch else per_call_us(
+            lambda i: dist.reduce_scatter_tensor(r[i % POOL], xs[i % POOL]), comm)
         record(f"reduce_scatter {C.fmt_bytes(nbytes)}", mk, th, "<= NCCL")
         del x, out, g, r, xs
 
