@@ -31,7 +31,8 @@ import threading
 from ..core.streams import is_capturing, stream_handle
 from ..dist.opstate import STATE_CAPACITY, OpState
 
-__all__ = ["Op", "OpState", "BoundCall", "device_state", "pinned_calls", "STATE_CAPACITY"]
+__all__ = ["Op", "OpState", "BoundCall", "device_state", "pinned_calls", "STATE_CAPACITY", "as_stream",
+           "options_hash", "checked_once", "byte_span", "check_no_overlap"]
 
 _pinned: list = []
 _pinned_lock = threading.Lock()
@@ -121,3 +122,62 @@ def as_stream(stream) -> int:
     """The raw handle of ``stream`` (converted once per call, at the entry)."""
     return stream if type(stream) is int else stream_handle(stream)
 
+
+def options_hash(self) -> int:
+    """``__hash__`` of an op's frozen options dataclass: its fields' hash, computed once (the options are
+    part of every bound-call key).  A class opts in with ``__hash__ = options_hash``."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
+        object.__setattr__(self, "_hash", h)
+    return h
+
+
+_checked: set = set()
+
+
+def checked_once(options):
+    """``options.checked()`` the first time options equal to these are seen (ValueError / TypeError naming
+    the bad field), then free; returns ``options``."""
+    try:
+        if options in _checked:
+            return options
+    except TypeError:  # (an unhashable field: checked() names it)
+        pass
+    options.checked()
+    if len(_checked) >= 1024:
+        _checked.clear()
+    _checked.add(options)
+    return options
+
+
+_extents: dict = {}
+
+
+def byte_span(x) -> tuple[int, int]:
+    """``[first byte, last byte + 1)`` that array ``x`` touches (a layout's offsets are computed once)."""
+    key = (x.shape, x.strides, x.dtype.itemsize)
+    ext = _extents.get(key)
+    if ext is None:
+        if 0 in x.shape:
+            ext = (0, 0)
+        else:
+            lo = sum(min(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
+            hi = sum(max(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
+            ext = (lo * x.dtype.itemsize, (hi + 1) * x.dtype.itemsize)
+        if len(_extents) < 4096:
+            _extents[key] = ext
+    return x.ptr + ext[0], x.ptr + ext[1]
+
+
+def check_no_overlap(what: str, pairs) -> None:
+    """Raise ValueError for the first ``(written, name, read, name)`` of ``pairs`` whose arrays share memory
+    (None entries are skipped): a kernel reads its inputs while it writes its outputs."""
+    for w, wn, r, rn in pairs:
+        if w is None or r is None:
+            continue
+        w0, w1 = byte_span(w)
+        r0, r1 = byte_span(r)
+        if w0 < r1 and r0 < w1:
+            raise ValueError(f"{what}: {wn} overlaps {rn} (bytes 0x{w0:x}-0x{w1:x} and 0x{r0:x}-0x{r1:x}); the "
+                             "kernel reads its inputs while it writes its outputs")

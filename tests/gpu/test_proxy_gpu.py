@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from test_proxy_tcp import SCRIPT, _env, _mpirun
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))  # (the proxy scenario runner's helpers)
+from test_proxy_tcp import SCRIPT, _env, _mpirun  # noqa: E402
 
 
 def _have_gpu():

@@ -46,7 +46,7 @@ from ...core.interop import as_device_array
 from ...core.streams import copy_async
 from ...core.tensormap import TensorMapArg
 from ...dist.sidestream import ForkedCopies
-from ..base import BoundCall, Op, as_stream
+from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once
 from ..gemm import gemm
 from ..gemm.operands import vec_ok
 from .. import gemm as G  # the GEMM package's public planning API
@@ -397,37 +397,13 @@ class _Call:
                  "local_sig", "guess", "agreed")
 
 
-_extents: dict = {}
-
-
-def _span(x: DeviceArray) -> tuple:
-    """[first byte, last byte + 1) that ``x`` touches (the offsets of a layout are computed once)."""
-    key = (x.shape, x.strides, x.dtype.itemsize)
-    ext = _extents.get(key)
-    if ext is None:
-        if 0 in x.shape:
-            ext = (0, 0)
-        else:
-            lo = sum(min(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
-            hi = sum(max(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
-            ext = (lo * x.dtype.itemsize, (hi + 1) * x.dtype.itemsize)
-        if len(_extents) < 4096:
-            _extents[key] = ext
-    return x.ptr + ext[0], x.ptr + ext[1]
-
-
 def _check_overlaps(A: DeviceArray, B: DeviceArray, O, GA) -> None:
     """The arrays the kernels write (out, gathered_a) must not share memory with what they read (a_shard, b)
     or with each other.  (gathered_a may hold a_shard: one local rank's gathered A is its shard.)"""
     if O is None and GA is None:
         return
-    a, b = _span(A), _span(B)
-    o = None if O is None else _span(O)
-    g = None if GA is None else _span(GA)
-    for x, y, nx, ny in ((o, a, "out", "a_shard"), (o, b, "out", "b"), (o, g, "out", "gathered_a"),
-                         (g, b, "gathered_a", "b")):
-        if x is not None and y is not None and x[0] < y[1] and y[0] < x[1]:
-            raise ValueError(f"{WHAT}: {nx} overlaps {ny}")
+    check_no_overlap(WHAT, ((O, "out", A, "a_shard"), (O, "out", B, "b"), (O, "out", GA, "gathered_a"),
+                            (GA, "gathered_a", B, "b")))
 
 
 def _log(ctx, p: AgPlan) -> None:
@@ -442,9 +418,6 @@ def _has_workspace(ms, K: int) -> bool:
 
 class AgGemm(Op):
     name = OP
-
-    def __init__(self):
-        self._checked_options: set = set()
 
     # ---- per call ---------------------------------------------------------------------------
     def __call__(self, ctx, a_shard, b, out, gathered_a, b_layout, stream, options, m_sizes, path, comm_sms,
@@ -474,15 +447,7 @@ class AgGemm(Op):
         return out if out is not None else call.o
 
     def _check_options(self, opts: AgGemmOptions) -> None:
-        try:
-            known = opts in self._checked_options
-        except TypeError:  # (an unhashable field: checked() names it)
-            known = False
-        if not known:
-            opts.checked()
-            if len(self._checked_options) >= 1024:
-                self._checked_options.clear()
-            self._checked_options.add(opts)
+        checked_once(opts)
 
     # ---- first call of a key ----------------------------------------------------------------
     def validate(self, ctx, call):

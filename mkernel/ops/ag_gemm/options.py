@@ -11,6 +11,7 @@ import numbers
 from dataclasses import dataclass, field, replace
 
 from ...core import env
+from ..base import options_hash
 from .layout import FUSED_CONFIGS
 from .planner import PATHS, CostModel
 
@@ -45,12 +46,7 @@ class AgGemmOptions:
             if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
                 object.__setattr__(self, name, int(v))
 
-    def __hash__(self) -> int:  # (part of every bound-call key: hashed once)
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
-            object.__setattr__(self, "_hash", h)
-        return h
+    __hash__ = options_hash  # (hashed once: part of every bound-call key)
 
     @classmethod
     def default(cls) -> "AgGemmOptions":

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...core import env
+from ..base import options_hash
 
 __all__ = ["CollectiveOptions"]
 
@@ -48,12 +49,7 @@ class CollectiveOptions:
             return self.one_shot_max_bytes
         return 32 * MiB if local_size == 2 else 256 * 1024
 
-    def __hash__(self) -> int:  # (part of every bound-call key: hashed once)
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
-            object.__setattr__(self, "_hash", h)
-        return h
+    __hash__ = options_hash  # (hashed once: part of every bound-call key)
 
     @classmethod
     def default(cls) -> "CollectiveOptions":

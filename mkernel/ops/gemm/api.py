@@ -32,42 +32,13 @@ from ...core.arrays import DeviceArray
 from ...core.compiler import precompile_source
 from ...core.device import on_device
 from ...core.interop import as_device_array
-from ..base import Op, as_stream, device_state
+from ..base import Op, as_stream, check_no_overlap, checked_once, device_state
 from .configs import CONFIGS, SOURCE
 from .operands import check_arrays, check_device, layout_key, prepare_out
 from .options import GemmOptions
 from .plan import bind_gemm, bind_grouped
 
 __all__ = ["gemm", "grouped_gemm", "precompile", "last_plan"]
-
-
-_extents: dict = {}
-
-
-def _span(x: DeviceArray) -> tuple[int, int]:
-    """[first, last) bytes the array's elements cover (the offsets of a layout are computed once)."""
-    key = (x.shape, x.strides, x.dtype.itemsize)
-    ext = _extents.get(key)
-    if ext is None:
-        if 0 in x.shape:
-            ext = (0, 0)
-        else:
-            lo = sum(min(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
-            hi = sum(max(0, (n - 1) * s) for n, s in zip(x.shape, x.strides))
-            ext = (lo * x.dtype.itemsize, (hi + 1) * x.dtype.itemsize)
-        if len(_extents) < 4096:
-            _extents[key] = ext
-    return x.ptr + ext[0], x.ptr + ext[1]
-
-
-def _check_no_overlap(what: str, O: DeviceArray, *inputs) -> None:
-    """``out`` must not share memory with an input (the kernel reads inputs while it writes out)."""
-    o0, o1 = _span(O)
-    for x, name in inputs:
-        x0, x1 = _span(x)
-        if o0 < x1 and x0 < o1:
-            raise ValueError(f"{what}: out overlaps {name} (bytes 0x{o0:x}-0x{o1:x} and 0x{x0:x}-0x{x1:x}); the "
-                             "kernel reads its inputs while it writes out")
 
 
 class _Call:
@@ -100,7 +71,7 @@ class _Gemm(Op):
         else:
             O = as_device_array(out, name="gemm: out", stream=s)
             result = out
-            _check_no_overlap(self.what, O, (A, "a"), (B, "b"))
+            check_no_overlap(self.what, ((O, "out", A, "a"), (O, "out", B, "b")))
         if M == 0 or N == 0:
             return result
         call = _Call()
@@ -111,7 +82,7 @@ class _Gemm(Op):
         return result
 
     def validate(self, ctx, call):
-        o = call.options.checked()
+        o = checked_once(call.options)
         if o.swap and call.b_layout != "nk":
             raise ValueError('mkernel.gemm: swap=True needs b_layout="nk" (B [N, K] as the transposed '
                              "problem's K-major A operand)")
@@ -163,7 +134,7 @@ class _Grouped(Op):
         else:
             O = as_device_array(out, name="grouped_gemm: out", stream=s)
             result = out
-            _check_no_overlap(self.what, O, (A, "a"), (B, "b"))
+            check_no_overlap(self.what, ((O, "out", A, "a"), (O, "out", B, "b")))
         if T == 0 or N == 0 or G == 0:
             return result
         call.stream, call.A, call.B, call.O, call.M, call.N, call.K, call.G = s, A, B, O, T, N, K, G
@@ -174,7 +145,7 @@ class _Grouped(Op):
         return result
 
     def validate(self, ctx, call):
-        o = call.options.checked()
+        o = checked_once(call.options)
         if o.config is not None and CONFIGS[o.config].cluster > 1:
             raise ValueError(f"{self.what}: config {o.config} runs in clusters of blocks; grouped problems "
                              "do not (choose another config)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ...core import env
+from ..base import options_hash
 from .configs import CONFIGS
 
 __all__ = ["GemmOptions"]
@@ -35,12 +36,7 @@ class GemmOptions:
     gemv: bool = True
     transposed: bool = True
 
-    def __hash__(self) -> int:  # (part of every bound-call key: hashed once)
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
-            object.__setattr__(self, "_hash", h)
-        return h
+    __hash__ = options_hash  # (hashed once: part of every bound-call key)
 
     @classmethod
     def default(cls) -> "GemmOptions":

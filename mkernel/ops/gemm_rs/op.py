@@ -28,7 +28,7 @@ from ...core.driver import check
 from ...core.interop import as_device_array, require
 from ...core.tensormap import TensorMapArg, tma_compatible
 from ...core.util import round_up
-from ..base import BoundCall, Op, as_stream
+from ..base import BoundCall, Op, as_stream, checked_once
 from ..collectives import reduce_scatter
 from ..gemm import gemm
 from .. import gemm as G  # the GEMM package's public planning API
@@ -236,9 +236,6 @@ def _overlap(x: DeviceArray, y: DeviceArray) -> bool:
 class GemmReduceScatter(Op):
     name = OP
 
-    def __init__(self):
-        self._checked_options: set = set()
-
     # ---- per call ---------------------------------------------------------------------------
     def __call__(self, ctx, a, b, out, b_layout, out_dtype, deterministic, stream, options):
         ctx.check()
@@ -247,13 +244,7 @@ class GemmReduceScatter(Op):
         if opts is not _DEFAULT:
             if not isinstance(opts, GemmRsOptions):
                 raise TypeError(f"{WHAT}: options must be a GemmRsOptions, got {type(opts).__name__}")
-            try:
-                known = opts in self._checked_options
-            except TypeError:  # (an unhashable field: checked() names it)
-                known = False
-            if not known:
-                opts.checked()
-                self._checked_options.add(opts)
+            checked_once(opts)
         if b_layout not in LAYOUTS:
             raise ValueError(f"{WHAT}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
         A = as_device_array(a, name=f"{WHAT}: a", stream=s)
