@@ -33,12 +33,26 @@ from ...core.compiler import precompile_source
 from ...core.device import on_device
 from ...core.interop import as_device_array
 from ..base import Op, as_stream, check_no_overlap, checked_once, device_state
-from .configs import CONFIGS, SOURCE
+from .configs import CONFIGS, OUT_DTYPES, SOURCE
 from .operands import check_arrays, check_device, layout_key, prepare_out
 from .options import GemmOptions
 from .plan import bind_gemm, bind_grouped
 
 __all__ = ["gemm", "grouped_gemm", "precompile", "last_plan"]
+
+
+def _output(what: str, out, out_dtype, A: DeviceArray, B: DeviceArray, shape: tuple, stream: int):
+    """(out as a DeviceArray, what the op returns): a new array of ``out_dtype`` (default a's) when ``out`` is
+    None, else ``out`` imported and checked not to overlap a or b."""
+    if out is None:
+        od = out_dtype or A.dtype.name
+        if od not in OUT_DTYPES:
+            raise TypeError(f"{what}: out_dtype {od} not in {OUT_DTYPES}")
+        O = DeviceArray.empty(shape, od, device=A.device)
+        return O, O
+    O = as_device_array(out, name=f"{what.rsplit('.', 1)[-1]}: out", stream=stream)
+    check_no_overlap(what, ((O, "out", A, "a"), (O, "out", B, "b")))
+    return O, out
 
 
 class _Call:
@@ -62,16 +76,7 @@ class _Gemm(Op):
         A = as_device_array(a, name="gemm: a", stream=s)
         B = as_device_array(b, name="gemm: b", stream=s)
         A, B, M, K, N, _ = check_arrays(A, B, b_layout, what=self.what)
-        if out is None:
-            od = out_dtype or A.dtype.name
-            if od not in ("bfloat16", "float16", "float32"):
-                raise TypeError(f"{self.what}: out_dtype {od} not in ('bfloat16', 'float16', 'float32')")
-            O = DeviceArray.empty((M, N), od, device=A.device)
-            result = O
-        else:
-            O = as_device_array(out, name="gemm: out", stream=s)
-            result = out
-            check_no_overlap(self.what, ((O, "out", A, "a"), (O, "out", B, "b")))
+        O, result = _output(self.what, out, out_dtype, A, B, (M, N), s)
         if M == 0 or N == 0:
             return result
         call = _Call()
@@ -125,16 +130,7 @@ class _Grouped(Op):
         else:
             D = call.offsets = as_device_array(group_offsets, name="grouped_gemm: group_offsets", stream=s)
             offs_key = ("dev",) + layout_key(D)
-        if out is None:
-            od = out_dtype or A.dtype.name
-            if od not in ("bfloat16", "float16", "float32"):
-                raise TypeError(f"{self.what}: out_dtype {od} not in ('bfloat16', 'float16', 'float32')")
-            O = DeviceArray.empty((T, N), od, device=A.device)
-            result = O
-        else:
-            O = as_device_array(out, name="grouped_gemm: out", stream=s)
-            result = out
-            check_no_overlap(self.what, ((O, "out", A, "a"), (O, "out", B, "b")))
+        O, result = _output(self.what, out, out_dtype, A, B, (T, N), s)
         if T == 0 or N == 0 or G == 0:
             return result
         call.stream, call.A, call.B, call.O, call.M, call.N, call.K, call.G = s, A, B, O, T, N, K, G
