@@ -1,4 +1,4 @@
-"""Agreement on calls across ranks: every rank must make the same call in the same position.
+"""Agreement on calls across ranks, and every other host-side collective of a context, bounded.
 
 Two halves (docs/design.md, "Epochs, flags and timeouts"):
 
@@ -9,18 +9,23 @@ Two halves (docs/design.md, "Epochs, flags and timeouts"):
   rank announces it in the op's workspace before any data moves, and a receiver compares it with its
   own (``MK_ERR_MISMATCH`` -> :class:`mkernel.CommMismatch`).
 
-Every host wait is bounded by the context's timeout.  A timed-out exchange leaves an MPI request
-that a late rank's next exchange would pair with, so after one the agreement is *broken*: every
-later exchange raises at once (the context must be reset or discarded) instead of hanging.
+The same object runs the context's other host collectives (:meth:`Agreement.barrier`,
+:meth:`Agreement.exchange_bytes`: symmetric memory, the inter-node transports' set-up), all through
+:mod:`mkernel.dist.hostwait`: each wait is bounded by :func:`~mkernel.dist.timeouts.host_wait_limit` of
+the context's timeout.  A timed-out or failed collective leaves an MPI request that a late rank's next
+collective would pair with, so after one the agreement is *broken*: every later collective raises at
+once (the context must be discarded: ``close()`` it, which is then local, and make a new one with
+``mkernel.init()``) instead of hanging or pairing with the wrong operation.
 """
 from __future__ import annotations
 
-import time
 import zlib
 
 import numpy as np
 
-from ..errors import CommTimeout
+from ..errors import CommError, CommTimeout
+from . import hostwait
+from .timeouts import host_wait_limit
 
 __all__ = ["Agreement", "digest"]
 
@@ -32,9 +37,10 @@ def digest(what: str, signature) -> int:
 
 
 class Agreement:
-    """Host-side agreement of one context: ``timeout()`` gives the bound in seconds, ``rank`` names this
-    rank in messages; ``comms`` are the context's private communicators (exchanges never share an MPI
-    communicator with the application)."""
+    """Host-side agreement and collectives of one context: ``timeout()`` gives the context's timeout in
+    seconds (every wait is bounded by :attr:`limit`, derived from it), ``rank`` names this rank in
+    messages; the communicators passed in are the context's private ones (exchanges never share an MPI
+    communicator with the application).  ``broken``: None, or why the agreement is broken."""
 
     def __init__(self, rank: int, timeout):
         self.rank = rank
@@ -45,9 +51,9 @@ class Agreement:
     def agree(self, what: str, signature: tuple, comm) -> int:
         """Check, once per distinct ``signature``, that every rank of ``comm`` makes the same call.
 
-        Raises ``ValueError`` naming the ranks that differ, or :class:`~mkernel.CommTimeout` if a rank
-        does not join within the bound.  Later calls with an agreed signature cost a dict lookup.
-        Returns the call's digest (``MkComm.sig``)."""
+        Raises ``ValueError`` on every rank, naming the ranks that differ and their calls, or
+        :class:`~mkernel.CommTimeout` if a rank does not join within the bound.  Later calls with an agreed
+        signature cost a dict lookup.  Returns the call's digest (``MkComm.sig``)."""
         key = (what, signature, id(comm))
         d = self._agreed.get(key)
         if d is not None:
@@ -55,34 +61,49 @@ class Agreement:
         d = digest(what, signature)
         allv = self.exchange(what, np.array([d], dtype=np.int64), comm)[:, 0]
         if not np.all(allv == d):
-            sigs = comm.allgather(signature)
-            bad = [i for i, s in enumerate(sigs) if s != signature]
+            # every rank saw the same digests, so every rank takes this path: a second bounded exchange
+            mine = repr(signature)
+            sigs = [b.decode("utf-8", "replace") for b in self.exchange_bytes(what, mine.encode(), comm)]
+            bad = [i for i, s in enumerate(sigs) if s != mine]
             raise ValueError(f"mkernel: {what}: ranks disagree on the call: this rank (rank {comm.Get_rank()} of "
-                             f"the communicator) has {signature}, ranks {bad} have {[sigs[i] for i in bad]}")
+                             f"the communicator) has {mine}, ranks {bad} have [{', '.join(sigs[i] for i in bad)}]")
         self._agreed[key] = d
         return d
 
-    def exchange(self, what: str, vec: np.ndarray, comm) -> np.ndarray:
-        """Allgather one int64 vector per rank of ``comm`` -> ``[size, len]``, bounded: a rank that does not
-        join within 4x the timeout (at least 4 s) raises :class:`~mkernel.CommTimeout` here, and the
-        agreement is broken from then on."""
+    @property
+    def limit(self) -> float:
+        """Seconds every host collective of this agreement may wait for the other ranks."""
+        return host_wait_limit(self._timeout())
+
+    def require(self, what: str) -> None:
+        """Raise :class:`~mkernel.CommTimeout` naming ``what`` if the agreement is broken."""
         if self.broken is not None:
             raise CommTimeout(f"mkernel: rank {self.rank}: {what}: this context's agreement is broken "
-                              f"({self.broken}); reset or discard the context", {"rank": self.rank, "op": what})
-        vec = np.ascontiguousarray(vec, dtype=np.int64).reshape(-1)
-        allv = np.empty((comm.Get_size(), vec.shape[0]), dtype=np.int64)
-        req = comm.Iallgather(vec, allv)
-        limit = max(self._timeout(), 1.0) * 4
-        deadline = time.monotonic() + limit
-        sleep = 2e-6
-        while not req.Test():
-            if time.monotonic() > deadline:
-                self.broken = f"{what} timed out after {limit:.1f} s"
-                raise CommTimeout(f"mkernel: rank {self.rank} waited {limit:.1f} s for the other ranks to join "
-                                  f"{what}; a rank is dead or made a different call", {"rank": self.rank, "op": what})
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 1e-4)
-        return allv
+                              f"({self.broken}); discard the context (close() it) and make a new one with "
+                              "mkernel.init()", {"rank": self.rank, "op": what})
+
+    def _run(self, what: str, fn, *args):
+        self.require(what)
+        try:
+            return fn(*args)
+        except CommError as exc:
+            self.broken = f"{what}: {exc}"
+            raise
+
+    def exchange(self, what: str, vec: np.ndarray, comm) -> np.ndarray:
+        """Allgather one int64 vector per rank of ``comm`` -> ``[size, len]``, bounded: a rank that does not
+        join within :attr:`limit` (4x the timeout, at least 4 s) raises :class:`~mkernel.CommTimeout` here,
+        and the agreement is broken from then on."""
+        return self._run(what, hostwait.iallgather, comm, vec, self.limit, what, self.rank)
+
+    def exchange_bytes(self, what: str, data: bytes, comm) -> list:
+        """Allgather ``data`` (any length up to 1 MiB) per rank of ``comm`` -> list of bytes, bounded
+        like :meth:`exchange`."""
+        return self._run(what, hostwait.iallgather_bytes, comm, data, self.limit, what, self.rank)
+
+    def barrier(self, what: str, comm) -> None:
+        """Every rank of ``comm`` reached this point, bounded like :meth:`exchange`."""
+        self._run(what, hostwait.ibarrier, comm, self.limit, what, self.rank)
 
     def forget(self) -> None:
         """Drop every agreed signature (after a reset: the next call of each agrees again)."""

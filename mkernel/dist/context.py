@@ -47,7 +47,7 @@ class Context:
     def __init__(self, comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
                  timeout: float | None = None):
         self._timeout = resolve_timeout(timeout)  # first: a bad value fails before any collective set-up
-        topo = Topology.from_comm(comm, ranks_per_node)
+        topo = Topology.from_comm(comm, ranks_per_node, timeout=self._timeout)
         self.topology = topo
         self.world, self.node_comm, self.host_comm = topo.world, topo.node_comm, topo.host_comm
         self.rank, self.size = topo.rank, topo.size
@@ -124,10 +124,13 @@ class Context:
 
     # ------------------------------------------------------------------ errors
     def check(self) -> None:
-        """Raise :class:`~mkernel.CommTimeout` if any kernel of this rank reported a failure (non-blocking),
-        :class:`~mkernel.MkernelError` if the context was closed (every op calls this first)."""
+        """Raise :class:`~mkernel.CommTimeout` if any kernel of this rank reported a failure or a host
+        collective of this context timed out (non-blocking), :class:`~mkernel.MkernelError` if the context
+        was closed (every op calls this first)."""
         if self._closed:
             raise MkernelError(f"mkernel: rank {self.rank}: this context was closed; make a new one with mkernel.init()")
+        if self.agreement.broken is not None:
+            self.agreement.require("mkernel")
         for fn in self._checks:  # host-side failures first: they carry the cause (e.g. the transport's)
             fn()
         self.error_record.raise_if_set()
@@ -155,6 +158,21 @@ class Context:
         if rec.code == 0:
             rec.rank, rec.op, rec.peer, rec.flag_index = self.rank, OPS["proxy"], peer, -1
             rec.code = code
+
+    def failure(self) -> str | None:
+        """Why this context failed, or None while it is healthy: a host collective timed out or failed (the
+        agreement is broken), a kernel of this rank reported an error, or a check hook (the inter-node
+        proxy) raised.  A failed context must be discarded: :meth:`close` is then local."""
+        if self.agreement.broken is not None:
+            return f"host collective failed: {self.agreement.broken}"
+        if self.error_record.code != 0:
+            return f"a kernel reported error code {self.error_record.code}"
+        for fn in self._checks:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - the hook's failure is the answer
+                return f"{type(exc).__name__}: {exc}"
+        return None
 
     # ------------------------------------------------------------------ agreement across ranks
     def agree(self, what: str, signature: tuple, comm=None) -> int:
@@ -206,9 +224,12 @@ class Context:
 
     # ------------------------------------------------------------------ memory
     def alloc_symmetric(self, nbytes: int, comm=None):
-        """Collectively allocate ``nbytes`` on every rank of this node and map every peer's copy."""
+        """Collectively allocate ``nbytes`` on every rank of this node and map every peer's copy (bounded;
+        a failure on any rank raises on every rank: :class:`mkernel.dist.symmetric.SymmetricBuffer`)."""
         from .symmetric import SymmetricBuffer
 
+        if self._closed:
+            self.check()
         buf = SymmetricBuffer(self, nbytes, comm if comm is not None else self.node_comm)
         buf.seq = self._sym_seq  # (collective: the same number on every rank)
         self._sym_seq += 1
@@ -243,6 +264,8 @@ class Context:
                 "captured into a CUDA graph: make one call of this size (or larger) before capturing")
         if ws is not None:
             self.synchronize()
+            del self._workspaces[key]  # (a failed free or allocation leaves no freed workspace cached)
+            self._ws_gen += 1
             ws.free()
         grow = max(nbytes, int(ws.nbytes * 1.5) if ws is not None else nbytes)
         ws = self.alloc_symmetric(grow)
@@ -259,10 +282,21 @@ class Context:
         return int(self._side)
 
     def barrier(self) -> None:
-        self.world.Barrier()
+        """Every rank of the world reached this point (bounded: :class:`~mkernel.CommTimeout` after the
+        agreement's limit, and the context is failed from then on)."""
+        self.check()
+        self.agreement.barrier("mkernel barrier", self.world)
 
     def close(self) -> None:
-        """Free workspaces and symmetric buffers (collective), stop the proxy, release the error record."""
+        """Stop the inter-node proxy, free workspaces and symmetric buffers, release the error record.
+
+        On a healthy context the frees are collective over each node (every rank closes), each wait
+        bounded.  A failed context (:meth:`failure`) closes locally and never waits for a peer: its
+        symmetric buffers are leaked, not freed (a dead peer would never join the collective free, and a
+        live one may still map them); their device memory returns when the process exits.  A collective
+        free that times out leaves the context failed, and the buffers left are leaked the same way.
+        Idempotent; every op on a closed context raises :class:`~mkernel.MkernelError`.
+        """
         if self._closed:
             return
         self._closed = True
@@ -270,23 +304,30 @@ class Context:
             check(cu.cuCtxSynchronize())
         except Exception:
             pass
-        for fn in list(self._closers):  # a closer removes itself
+        failed = self.failure()
+        for fn in list(self._closers):  # a closer removes itself; each is bounded by the timeout
             try:
                 fn()
-            except Exception:
-                pass
+            except Exception as exc:  # noqa: BLE001 - e.g. a proxy whose peer is gone: the frees are skipped
+                failed = failed or f"{type(exc).__name__}: {exc}"
         for st in self._op_states.values():
             st.clear()
         self._op_states.clear()
         for ws in list(self._symmetric):
-            if not ws.freed:
-                ws.free()
+            if failed is None and not ws.freed:
+                try:
+                    ws.free()
+                except Exception as exc:  # noqa: BLE001 - the rest are leaked, never waited for
+                    failed = str(exc)
+            if failed is not None and not ws.freed:
+                ws.abandon()
         self._workspaces.clear()
         self._ws_gen += 1
+        done = (lambda r: None) if failed is not None else check  # a failed device may fail these too
         if self._side is not None:
-            check(cu.cuStreamDestroy(self._side))
+            done(cu.cuStreamDestroy(self._side))
             self._side = None
-        check(cu.cuMemFreeHost(self._err_host))
+        done(cu.cuMemFreeHost(self._err_host))
 
     def __enter__(self):
         return self

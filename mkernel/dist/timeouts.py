@@ -9,10 +9,16 @@ from __future__ import annotations
 import math
 import os
 
-__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "validate_timeout", "resolve_timeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "HOST_WAIT_FACTOR", "HOST_WAIT_MIN_S", "validate_timeout",
+           "resolve_timeout", "host_wait_limit"]
 
 DEFAULT_TIMEOUT_S = 5.0
 MAX_TIMEOUT_S = 86400.0  # one day
+# Host-side collective waits (agreement, symmetric allocation and free, set-up exchanges) allow the ranks
+# to arrive this many timeouts apart, and at least HOST_WAIT_MIN_S: a rank compiling a kernel or
+# allocating reaches them later than its peers without anything being wrong.
+HOST_WAIT_FACTOR = 4.0
+HOST_WAIT_MIN_S = 4.0
 
 
 def validate_timeout(value, what: str = "timeout") -> float:
@@ -41,3 +47,9 @@ def resolve_timeout(value=None, env: str = "MKERNEL_TIMEOUT", default: float = D
     if v is not None and v.strip() != "":
         return validate_timeout(v, env)
     return validate_timeout(default, "default timeout")
+
+
+def host_wait_limit(timeout: float) -> float:
+    """Seconds a host-side collective wait may take under a timeout of ``timeout`` seconds:
+    HOST_WAIT_FACTOR x the timeout, at least HOST_WAIT_MIN_S."""
+    return max(HOST_WAIT_MIN_S, HOST_WAIT_FACTOR * float(timeout))

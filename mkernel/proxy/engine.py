@@ -201,7 +201,8 @@ def _coalesce(data: list) -> list:
 class Proxy:
     """One rank's proxy: ``Proxy(comm, windows, transport=None, ring_capacity=1024, ...)``.
 
-    * ``comm``: an mpi4py communicator or a :class:`mkernel.transport.Exchanger` (collective set-up).
+    * ``comm``: an mpi4py communicator or a :class:`mkernel.transport.Exchanger` (collective set-up,
+      every exchange bounded: :mod:`mkernel.proxy.transport.exchange`).
     * ``windows``: list of memory windows (``Window``, numpy arrays, device arrays); window ``i``
       must be the same logical buffer on every rank.  Flags live in these windows too.
     * ``transport``: a name (``"tcp"``, ``"verbs"``), a Transport class or instance, or None (auto).
@@ -216,7 +217,7 @@ class Proxy:
                  max_batch: int = 1024, spin_s: float = 200e-6, idle_sleep: float = 200e-6,
                  on_error=None, transport_options: dict | None = None, timeout: float | None = None):
         self.timeout = DEFAULT_TIMEOUT_S if timeout is None else validate_timeout(timeout, "Proxy timeout")
-        self.ex = as_exchanger(comm)
+        self.ex = as_exchanger(comm, self.timeout)
         self.rank, self.size = self.ex.rank, self.ex.size
         self.windows = [as_window(w) for w in windows]
         if ring is None:

@@ -23,6 +23,7 @@ from ...core.driver import check
 from ...core.streams import stream_handle
 from ...core.util import round_up
 from ...dist.signals import MK_ERR_PROXY
+from ...errors import CommError
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "InterLayout", "check_layout"]
 
@@ -69,8 +70,17 @@ class _State:
         self.ws = ctx.workspace(("internode", op), nbytes)
         self.window = GpuWindow(self.ws.ptr, self.ws.nbytes)
 
-        self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024, timeout=ctx.timeout,
-                           on_error=lambda exc: ctx.report_host_failure(MK_ERR_PROXY))
+        try:
+            self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024, timeout=ctx.timeout,
+                               on_error=lambda exc: ctx.report_host_failure(MK_ERR_PROXY))
+        except CommError as exc:
+            # a failed set-up may leave MPI requests on the world communicator behind: the context has
+            # failed (every later op raises the cause, close() is local)
+            def failed(exc=exc):
+                raise exc
+            ctx.add_check(failed)
+            ctx.report_host_failure(MK_ERR_PROXY)
+            raise
         self.proxy.start()
         self.ctx = ctx
         ctx.add_closer(self.close)

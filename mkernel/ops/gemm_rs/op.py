@@ -330,11 +330,11 @@ class GemmReduceScatter(Op):
             return ks
         crc = zlib.crc32(repr(sig).encode()) & 0x7FFFFFFF
         allv = np.asarray(ctx.bounded_allgather(np.array([crc, K], dtype=np.int64), WHAT, ctx.node_comm))
-        if not np.all(allv[:, 0] == crc):
-            sigs = ctx.node_comm.allgather(sig)
-            bad = [i for i, x in enumerate(sigs) if x != sig]
+        if not np.all(allv[:, 0] == crc):  # (every rank saw the same digests: every rank raises)
+            bad = [i for i, x in enumerate(allv[:, 0].tolist()) if x != crc]
             raise ValueError(f"{WHAT}: local ranks disagree on the call: this rank (local rank {ctx.local_rank}) has "
-                             f"{sig}, local ranks {bad} have {[sigs[i] for i in bad]}")
+                             f"{sig}, local ranks {bad} have other calls (signature digests "
+                             f"{[int(allv[i, 0]) for i in bad]}, this rank's {crc})")
         ks = cache[(sig, K)] = tuple(int(k) for k in allv[:, 1])
         return ks
 

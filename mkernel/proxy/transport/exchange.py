@@ -4,7 +4,10 @@ Transports only need ``rank``, ``size``, ``allgather(obj) -> list`` (index = ran
 ``barrier()``.  :class:`MpiExchanger` wraps an mpi4py communicator; :class:`SocketExchanger` is a
 tiny TCP rendezvous (rank 0 listens at ``host:port``) for processes started without MPI (the
 soft-RoCE VM tests, ``bench/proxy.py --socket``).  :func:`as_exchanger` accepts either, or an mpi4py
-comm.
+comm.  Every wait of both is bounded: :class:`MpiExchanger` through non-blocking MPI collectives with a
+deadline (:class:`~mkernel.dist.agreement.Agreement`: the context's own when a context makes it, so a
+timeout there fails the context too), :class:`SocketExchanger` through socket timeouts; a rank that
+does not answer in time is a :class:`~mkernel.CommError` (:class:`~mkernel.CommTimeout` from MPI).
 
 What the transports exchange: host names, ``(address, port)`` tuples, the TCP job secret
 (bytes), verbs QP descriptions (dicts keyed by rank with ints, strings and lists of tuples),
@@ -27,6 +30,8 @@ import socket
 import struct
 import time
 
+from ...dist.agreement import Agreement
+from ...dist.timeouts import validate_timeout
 from ...errors import CommError
 from .auth import accept_peers, connect_peer
 
@@ -50,15 +55,35 @@ class Exchanger:
 
 
 class MpiExchanger(Exchanger):
-    def __init__(self, comm):
+    """Over an mpi4py communicator: plain values (:func:`encode`) through bounded non-blocking
+    collectives.  ``host``: the :class:`~mkernel.dist.agreement.Agreement` to run them through (a
+    context's, sharing its timeout and its broken state), else a private one under ``timeout`` seconds
+    (default 30); every wait is bounded by its ``limit``."""
+
+    WHAT = "inter-node transport set-up"
+
+    def __init__(self, comm, timeout: float | None = None, host: Agreement | None = None):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        if host is None:
+            t = 30.0 if timeout is None else validate_timeout(timeout, "exchange timeout")
+            host = Agreement(self.rank, lambda: t)
+        self.host = host
 
     def allgather(self, obj):
-        return self.comm.allgather(obj)
+        b = encode(obj)
+        if len(b) > MAX_MESSAGE:
+            raise ValueError(f"exchange: message of {len(b)} bytes exceeds the {MAX_MESSAGE}-byte limit")
+        out = []
+        for r, data in enumerate(self.host.exchange_bytes(self.WHAT, b, self.comm)):
+            try:
+                out.append(decode(data))
+            except ValueError as exc:
+                raise CommError(f"exchange: rank {r} sent a malformed message: {exc}", {"peer": r}) from None
+        return out
 
     def barrier(self):
-        self.comm.Barrier()
+        self.host.barrier(self.WHAT, self.comm)
 
 
 def _tag(obj):
@@ -223,16 +248,24 @@ class SocketExchanger(Exchanger):
         if self.size == 1:
             return [decode(encode(obj))]
         if self.rank == 0:
-            out = [decode(encode(obj))] + [_recv_obj(c, f"rank {r}") for r, c in enumerate(self._peers, 1)]
-            for c in self._peers:
-                _send_obj(c, out)
+            out = [decode(encode(obj))] + [self._io(r, _recv_obj, c, f"rank {r}") for r, c in enumerate(self._peers, 1)]
+            for r, c in enumerate(self._peers, 1):
+                self._io(r, _send_obj, c, out)
             return out
-        _send_obj(self._peers[0], obj)
-        out = _recv_obj(self._peers[0], "rank 0")
+        self._io(0, _send_obj, self._peers[0], obj)
+        out = self._io(0, _recv_obj, self._peers[0], "rank 0")
         if not isinstance(out, list) or len(out) != self.size:
             raise CommError(f"exchange: rank 0 answered the allgather with {type(out).__name__}, not a list of "
                             f"{self.size} values")
         return out
+
+    def _io(self, peer: int, fn, *args):
+        """``fn(*args)`` on the socket to or from ``peer``: a socket error or timeout is a CommError naming it."""
+        try:
+            return fn(*args)
+        except OSError as exc:
+            raise CommError(f"exchange: rank {self.rank}: rank {peer} did not answer within {self.timeout} s or "
+                            f"closed the connection (dead or stalled?): {exc!r}", {"peer": peer}) from exc
 
     def close(self):
         for s in self._peers:
@@ -240,9 +273,11 @@ class SocketExchanger(Exchanger):
         self._peers = []
 
 
-def as_exchanger(x) -> Exchanger:
+def as_exchanger(x, timeout: float | None = None) -> Exchanger:
+    """``x`` if it is an Exchanger, else an :class:`MpiExchanger` over the mpi4py communicator ``x``
+    (bounded by ``timeout``)."""
     if isinstance(x, Exchanger):
         return x
     if hasattr(x, "allgather") and hasattr(x, "Get_rank"):
-        return MpiExchanger(x)
+        return MpiExchanger(x, timeout)
     raise TypeError(f"need an mpi4py communicator or an Exchanger, got {type(x).__name__}")

@@ -5,7 +5,11 @@ exchanger's ``allgather``; every rank listens on an ephemeral port of its advert
 a wildcard), addresses are exchanged, every rank connects to every other one, and each connection
 is authenticated with a mutual HMAC challenge-response on the secret (:mod:`.auth`): a process
 that does not know it, claims a rank that is out of range or already connected, or answers with a
-wrong MAC is refused, and accepting goes on until every peer arrived or ``timeout`` passed.
+wrong MAC is refused, and accepting goes on until every peer arrived or ``timeout`` passed.  A rank
+whose listener or connections fail still takes part in every exchange of the set-up, carrying its
+error (``(None, message)`` in the address table, the message in the closing status exchange), so
+every rank raises a CommError naming it at the same step instead of waiting for it; the exchanges
+themselves are bounded (:mod:`.exchange`).
 Address: ``addr`` or ``$MKERNEL_TCP_ADDR`` if set, loopback when all ranks share a host name, else
 the address the host name resolves to.
 
@@ -21,7 +25,9 @@ every payload into its window (host: straight from the socket; GPU: through pinn
 synchronized HtoD copy) and only then stores the flags, so "flag visible => data complete".
 
 A sender's batch is complete when the kernel accepted the bytes (``sendmsg`` returned).  EOF
-without ``bye`` means the peer died: the error surfaces from ``post``/``progress``.
+without ``bye`` means the peer died: the error surfaces from ``post``/``progress``.  Every socket
+operation is bounded by ``timeout``: a peer that stops reading (the send blocks) or stops in the
+middle of a message it is sending is a CommError naming it.
 """
 from __future__ import annotations
 
@@ -122,23 +128,66 @@ class TcpTransport(Transport):
 
     def connect(self) -> None:
         """Collective: listen on the advertised address, exchange addresses and the job secret, then
-        connect to every peer and accept every peer, each connection authenticated (:mod:`.auth`)."""
+        connect to every peer and accept every peer, each connection authenticated (:mod:`.auth`); a
+        closing status exchange tells every rank whether every rank succeeded."""
         hello = self.ex.allgather((socket.gethostname(), new_secret() if self.rank == 0 else None))
         secret = hello[0][1]
         if not isinstance(secret, bytes) or len(secret) != SECRET_BYTES:
             raise CommError(f"tcp transport rank {self.rank}: no valid job secret from rank 0")
         same = len({h for h, _ in hello}) == 1
-        my = self._my_addr(same)
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        srv, mine, error = None, None, None
         try:
-            srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # inherited by accepted sockets
-            srv.bind((my, 0))  # the advertised address only: never a wildcard
-            srv.listen(max(128, self.size))
-        except OSError as exc:
+            my = self._my_addr(same)
+            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # inherited by accepted sockets
+                srv.bind((my, 0))  # the advertised address only: never a wildcard
+                srv.listen(max(128, self.size))
+            except OSError as exc:
+                raise CommError(f"tcp transport rank {self.rank}: cannot listen on {my}: {exc}") from exc
+            mine = (my, srv.getsockname()[1])
+        except CommError as exc:
+            error = exc
+            if srv is not None:
+                srv.close()
+                srv = None
+        table = self.ex.allgather(mine if error is None else (None, str(error)))
+        failed = {r: t[1] for r, t in enumerate(table) if t[0] is None}
+        if failed:
+            if srv is not None:
+                srv.close()
+            if error is not None:
+                raise error
+            raise CommError(f"tcp transport rank {self.rank}: set-up failed on ranks {sorted(failed)}: "
+                            f"{next(iter(failed.values()))}", {"peer": min(failed)})
+        try:
+            self._connect_all(srv, secret, table)
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the peers in the status exchange
+            error = exc if isinstance(exc, CommError) else CommError(
+                f"tcp transport rank {self.rank}: connecting failed: {exc!r}")
+            if error is not exc:
+                error.__cause__ = exc
+        finally:
             srv.close()
-            raise CommError(f"tcp transport rank {self.rank}: cannot listen on {my}: {exc}") from exc
+        # every rank learns whether every rank connected (a rank that failed does not leave the others
+        # waiting for it): None, or the failure
+        status = self.ex.allgather(None if error is None else str(error))
+        failed = {r: m for r, m in enumerate(status) if m is not None}
+        if failed:
+            for sk in list(self.out.values()) + list(self.inc.values()):
+                sk.close()
+            self.out, self.inc = {}, {}
+            if error is not None:
+                raise error
+            raise CommError(f"tcp transport rank {self.rank}: set-up failed on ranks {sorted(failed)}: "
+                            f"{next(iter(failed.values()))}", {"peer": min(failed)})
+        self._rx_thread = threading.Thread(target=self._rx_loop, name=f"mkernel-tcp-rx-{self.rank}", daemon=True)
+        self._rx_thread.start()
+
+    def _connect_all(self, srv, secret: bytes, table: list) -> None:
+        """Connect to every peer and accept every peer on ``srv`` before the deadline; CommError otherwise
+        (nothing kept)."""
         try:
-            table = self.ex.allgather((my, srv.getsockname()[1]))
             accepted: dict = {}
             deadline = time.monotonic() + self.timeout
             cancel = threading.Event()
@@ -182,16 +231,13 @@ class TcpTransport(Transport):
             if "peers" not in accepted:
                 raise CommError(f"tcp transport rank {self.rank}: accepting peers did not finish in {self.timeout} s")
             self.inc = accepted["peers"]
+            for c in self.inc.values():
+                c.settimeout(self.timeout)  # read only when readable: bounds a message that stops half-way
         except BaseException:
             for s in self.out.values():
                 s.close()
             self.out = {}
             raise
-        finally:
-            srv.close()
-        self.ex.barrier()
-        self._rx_thread = threading.Thread(target=self._rx_loop, name=f"mkernel-tcp-rx-{self.rank}", daemon=True)
-        self._rx_thread.start()
 
     # ---- send side ------------------------------------------------------------------------------
     def _check(self):
@@ -306,6 +352,9 @@ class TcpTransport(Transport):
             for w, off, v in zip(flags["win"].tolist(), flags["off"].tolist(), flags["n"].tolist()):
                 self.windows[w].write_u64(off, v)
             return True
+        except TimeoutError as exc:
+            raise CommError(f"tcp transport rank {self.rank}: rank {peer} stopped in the middle of a message: "
+                            f"nothing for {self.timeout} s (stalled or dead?)", {"peer": peer}) from exc
         except (ConnectionError, OSError) as exc:
             if self._closing and peer in self._byes:
                 return False

@@ -333,7 +333,6 @@ class VerbsTransport(Transport):
 
     def connect(self) -> None:
         import pyverbs.enums as e
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.cq import CQ
         from pyverbs.mr import MR
         from pyverbs.pd import PD
@@ -404,7 +403,37 @@ class VerbsTransport(Transport):
         if len({t["notify"] for t in table}) != 1:
             raise CommError(f"verbs: ranks disagree on the notify mode: {[t['notify'] for t in table]}")
         self.remote = table
-        # post receives, then INIT -> RTR -> RTS
+        # post receives, then INIT -> RTR -> RTS; a failure still joins the status exchange at the end
+        error = None
+        try:
+            self._to_rts(table, peers, acc)
+        except Exception as exc:  # noqa: BLE001 - handed to every rank below
+            error = exc
+        # completion bookkeeping
+        # (token or None, n_wr, flag slots, notice slots, credit?) per posted chain, per QP
+        self._outstanding = {r: collections.deque() for r in peers}
+        self._in_sq = {r: 0 for r in peers}
+        self._credit_in_sq = {r: 0 for r in peers}  # of _in_sq: credit WRITEs (close does not wait for them)
+        self._gone: set[int] = set()  # peers that said bye and whose QP failed after: ignored
+        self._notes_sent = {r: 0 for r in peers}    # notices (SENDs) posted to r
+        self._reposted = {r: 0 for r in peers}      # receives re-posted for r's notices
+        self._credit_told = {r: 0 for r in peers}   # the last re-post count written into r's credit word
+        self._token_left: dict[int, int] = {}
+        self._done: list[int] = []
+        self._byes: set[int] = set()
+        # every rank learns whether every rank connected (a rank that failed does not leave the others
+        # waiting for it)
+        status = self.ex.allgather(None if error is None else str(error))
+        failed = [r for r, m in enumerate(status) if m is not None]
+        if failed:
+            if error is not None:
+                raise error
+            raise CommError(f"verbs: set-up failed on ranks {failed}: {status[failed[0]]}", {"peer": failed[0]})
+
+    def _to_rts(self, table, peers, acc) -> None:
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+
         self._recv_slot = {}
         for k, r in enumerate(peers):
             for j in range(_N_RECV):
@@ -430,19 +459,6 @@ class VerbsTransport(Transport):
             except Exception as exc:  # noqa: BLE001
                 raise CommError(f"verbs: connecting the QP to rank {r} failed (GID index {self.gid_index}, "
                                 f"remote GID {t['gid']}): {exc}") from exc
-        # completion bookkeeping
-        # (token or None, n_wr, flag slots, notice slots, credit?) per posted chain, per QP
-        self._outstanding = {r: collections.deque() for r in peers}
-        self._in_sq = {r: 0 for r in peers}
-        self._credit_in_sq = {r: 0 for r in peers}  # of _in_sq: credit WRITEs (close does not wait for them)
-        self._gone: set[int] = set()  # peers that said bye and whose QP failed after: ignored
-        self._notes_sent = {r: 0 for r in peers}    # notices (SENDs) posted to r
-        self._reposted = {r: 0 for r in peers}      # receives re-posted for r's notices
-        self._credit_told = {r: 0 for r in peers}   # the last re-post count written into r's credit word
-        self._token_left: dict[int, int] = {}
-        self._done: list[int] = []
-        self._byes: set[int] = set()
-        self.ex.barrier()
 
     # ---- posting ------------------------------------------------------------------------------------
     def _post_recv(self, peer, slot):
