@@ -62,7 +62,7 @@ class Agreement:
         allv = self.exchange(what, np.array([d], dtype=np.int64), comm)[:, 0]
         if not np.all(allv == d):
             # every rank saw the same digests, so every rank takes this path: a second bounded exchange
-            mine = repr(signature)
+            mine = f"{what}{signature!r}"
             sigs = [b.decode("utf-8", "replace") for b in self.exchange_bytes(what, mine.encode(), comm)]
             bad = [i for i, s in enumerate(sigs) if s != mine]
             raise ValueError(f"mkernel: {what}: ranks disagree on the call: this rank (rank {comm.Get_rank()} of "

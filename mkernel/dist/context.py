@@ -165,13 +165,13 @@ class Context:
         proxy) raised.  A failed context must be discarded: :meth:`close` is then local."""
         if self.agreement.broken is not None:
             return f"host collective failed: {self.agreement.broken}"
-        if self.error_record.code != 0:
-            return f"a kernel reported error code {self.error_record.code}"
-        for fn in self._checks:
+        for fn in self._checks:  # (before the record: they carry the cause)
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001 - the hook's failure is the answer
                 return f"{type(exc).__name__}: {exc}"
+        if self.error_record.code != 0:
+            return f"a kernel reported error code {self.error_record.code}"
         return None
 
     # ------------------------------------------------------------------ agreement across ranks

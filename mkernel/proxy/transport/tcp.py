@@ -172,15 +172,17 @@ class TcpTransport(Transport):
         # every rank learns whether every rank connected (a rank that failed does not leave the others
         # waiting for it): None, or the failure
         status = self.ex.allgather(None if error is None else str(error))
-        failed = {r: m for r, m in enumerate(status) if m is not None}
-        if failed:
+        others = sorted(r for r, m in enumerate(status) if m is not None and r != self.rank)
+        if error is not None or others:
             for sk in list(self.out.values()) + list(self.inc.values()):
                 sk.close()
             self.out, self.inc = {}, {}
-            if error is not None:
+            if not others:
                 raise error
-            raise CommError(f"tcp transport rank {self.rank}: set-up failed on ranks {sorted(failed)}: "
-                            f"{next(iter(failed.values()))}", {"peer": min(failed)})
+            msg = f"set-up failed on ranks {others}: {status[others[0]]}"
+            exc = CommError(f"tcp transport rank {self.rank}: {msg}" if error is None else f"{error}; {msg}",
+                            {"peer": others[0]})
+            raise exc from error
         self._rx_thread = threading.Thread(target=self._rx_loop, name=f"mkernel-tcp-rx-{self.rank}", daemon=True)
         self._rx_thread.start()
 
@@ -264,8 +266,8 @@ class TcpTransport(Transport):
                 try:
                     _sendall_iov(self.out[b.dst], [hdr, desc, fl, *payload])
                 except OSError as exc:
-                    self.error = CommError(f"tcp transport rank {self.rank}: sending to rank {b.dst} failed "
-                                           f"(peer dead?): {exc!r}", {"peer": b.dst})
+                    self.error = CommError(f"tcp transport rank {self.rank}: sending to rank {b.dst} failed (peer "
+                                           f"dead, or not reading for {self.timeout} s?): {exc!r}", {"peer": b.dst})
                     raise self.error from exc
                 self.bytes_sent += sum(p.nbytes for p in payload)
         tok = self.next_token()
