@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import CommError, CommTimeout
 
-__all__ = ["wait", "idup", "ibarrier", "iallgather", "iallgather_bytes", "abandoned_count"]
+__all__ = ["wait", "idup", "ibarrier", "iallgather", "iallgather_bytes"]
 
 _abandoned: list = []  # (request, buffers) of operations given up on: alive until the process exits
 _abandoned_lock = threading.Lock()
@@ -42,11 +42,6 @@ def _abandon(req, keep) -> None:
                 live.append((r, k))
         live.append((req, keep))
         _abandoned[:] = live
-
-
-def abandoned_count() -> int:
-    """How many timed-out operations are kept alive (diagnostics and tests)."""
-    return len(_abandoned)
 
 
 def wait(req, limit: float, what: str, rank: int, keep=()) -> None:

@@ -5,9 +5,10 @@ Transports only need ``rank``, ``size``, ``allgather(obj) -> list`` (index = ran
 tiny TCP rendezvous (rank 0 listens at ``host:port``) for processes started without MPI (the
 soft-RoCE VM tests, ``bench/proxy.py --socket``).  :func:`as_exchanger` accepts either, or an mpi4py
 comm.  Every wait of both is bounded: :class:`MpiExchanger` through non-blocking MPI collectives with a
-deadline (:class:`~mkernel.dist.agreement.Agreement`: the context's own when a context makes it, so a
-timeout there fails the context too), :class:`SocketExchanger` through socket timeouts; a rank that
-does not answer in time is a :class:`~mkernel.CommError` (:class:`~mkernel.CommTimeout` from MPI).
+deadline (run by an :class:`~mkernel.dist.agreement.Agreement`, which breaks on a timeout),
+:class:`SocketExchanger` through socket timeouts; a rank that does not answer in time is a
+:class:`~mkernel.CommError` (:class:`~mkernel.CommTimeout` from MPI).  A context whose inter-node set-up
+fails is failed from then on (mkernel/ops/collectives/internode.py).
 
 What the transports exchange: host names, ``(address, port)`` tuples, the TCP job secret
 (bytes), verbs QP descriptions (dicts keyed by rank with ints, strings and lists of tuples),
