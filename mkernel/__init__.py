@@ -17,7 +17,7 @@ from .core.dtypes import bf16_to_f32, dtype_of, f32_to_bf16
 from .core.interop import as_device_array
 from .dist.context import Context, init
 from .dist.topology import Topology
-from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, MkernelError
+from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, DeviceError, MkernelError
 from .ops.ag_gemm import AgGemmOptions, ag_gemm
 from .ops.collectives import CollectiveOptions, all_gather, all_reduce, reduce_scatter
 from .ops.gemm import GemmOptions, gemm, grouped_gemm
@@ -29,5 +29,5 @@ __all__ = [
     "init", "Context", "Topology", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
     "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm", "gemm_reduce_scatter",
     "CollectiveOptions", "GemmOptions", "AgGemmOptions", "GemmRsOptions",
-    "MkernelError", "CudaError", "CompileError", "CommError", "CommMismatch", "CommTimeout",
+    "MkernelError", "CudaError", "DeviceError", "CompileError", "CommError", "CommMismatch", "CommTimeout",
 ]

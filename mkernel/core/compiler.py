@@ -31,6 +31,7 @@ from cuda.bindings import driver as cu
 from cuda.bindings import nvrtc
 
 from ..errors import CompileError
+from .archs import require_nvrtc_arch
 from .device import on_device
 from .driver import capture_relaxed, check, current_arch
 from .launch import Kernel
@@ -325,6 +326,7 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     defines = dict(defines or {})
     defines.update(_env_defines())
     arch = arch or current_arch()
+    require_nvrtc_arch(arch)
     root = cuda_src_dir()
     sources: dict[str, str] = {}
     _collect_sources(source, root, sources)

@@ -24,11 +24,13 @@ import os
 import time
 from cuda.bindings import driver as cu
 
+from ..core.device import cu_init
 from ..core.driver import check, device_attribute
 from ..core.streams import is_capturing, stream_handle
-from ..errors import CommError, MkernelError
+from ..errors import DeviceError, MkernelError
 from .agreement import Agreement
 from .opstate import OpState
+from .sharing import gpu_identity, warn_shared_gpus
 from .signals import OPS, ErrorRecordView, MkComm
 from .timeouts import resolve_timeout, validate_timeout
 from .topology import Topology
@@ -47,6 +49,7 @@ class Context:
     def __init__(self, comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
                  timeout: float | None = None):
         self._timeout = resolve_timeout(timeout)  # first: a bad value fails before any collective set-up
+        cu_init()  # then the driver: a machine without one fails here, alone, with one DeviceError
         topo = Topology.from_comm(comm, ranks_per_node)
         self.topology = topo
         self.world, self.node_comm, self.host_comm = topo.world, topo.node_comm, topo.host_comm
@@ -57,14 +60,15 @@ class Context:
         self.local_world_ranks, self.node_of_rank = topo.local_world_ranks, topo.node_of_rank
         host_rank = topo.host_rank
         # GPU
-        check(cu.cuInit(0))
         ndev = check(cu.cuDeviceGetCount())
         if ndev == 0:
-            raise CommError("mkernel.init: no CUDA device")
+            raise DeviceError("mkernel.init: the NVIDIA driver sees no CUDA GPU")
         dev = device if device is not None else _env_int("MKERNEL_DEVICE")
         self.device = int(dev) if dev is not None else host_rank % ndev
         if not 0 <= self.device < ndev:
             raise ValueError(f"mkernel.init: device {self.device} out of range (this host has {ndev})")
+        warn_shared_gpus(self.rank, topo.host_comm.allgather((self.rank, gpu_identity(self.device))),
+                         topo.host_size, ndev)
         from cuda.core import Device
 
         self._cu_device = Device(self.device)

@@ -39,6 +39,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from ...core import env
+from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel, precompile_source
 from ...core.driver import check
@@ -453,6 +454,7 @@ class AgGemm(Op):
     def validate(self, ctx, call):
         """Every check that needs no other rank's values (out's and gathered_a's row counts, which need the
         agreed sum of every rank's rows, are checked in :meth:`plan` when m_sizes is not given)."""
+        require_gemm_device(WHAT, ctx.device)
         A, B, M_r, K, N, _ = G.check_arrays(call.a, call.b, call.b_layout, what=WHAT, a_name="a_shard")
         O, GA = call.o, call.ga
         for X, nm in ((A, "a_shard"), (B, "b"), (O, "out"), (GA, "gathered_a")):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import precompile_source
 from ...core.device import on_device
@@ -87,6 +88,7 @@ class _Gemm(Op):
         return result
 
     def validate(self, ctx, call):
+        require_gemm_device(self.what, call.A.device)
         o = checked_once(call.options)
         if o.swap and call.b_layout != "nk":
             raise ValueError('mkernel.gemm: swap=True needs b_layout="nk" (B [N, K] as the transposed '
@@ -141,6 +143,7 @@ class _Grouped(Op):
         return result
 
     def validate(self, ctx, call):
+        require_gemm_device(self.what, call.A.device)
         o = checked_once(call.options)
         if o.config is not None and CONFIGS[o.config].cluster > 1:
             raise ValueError(f"{self.what}: config {o.config} runs in clusters of blocks; grouped problems "
