@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import re
 import secrets
@@ -35,6 +34,7 @@ from .archs import require_nvrtc_arch
 from .device import on_device
 from .driver import capture_relaxed, check, current_arch
 from .launch import Kernel
+from .log import define_summary, log
 
 __all__ = ["cuda_src_dir", "include_dirs", "nvrtc_version", "cache_dir", "compile_module", "Module", "kernel",
            "register_specialization", "registered_specializations", "precompile", "precompile_source",
@@ -134,15 +134,14 @@ def _load_cached(cubin_path: Path, log_path: Path) -> tuple[bytes, str] | None:
     a missing, unreadable, truncated or altered entry (the caller recompiles and overwrites it)."""
     try:
         cubin = cubin_path.read_bytes()
-        head, _, log = log_path.read_text().partition("\n")
+        head, _, text = log_path.read_text().partition("\n")
     except (OSError, UnicodeDecodeError):
         return None
     want = head[len(_CUBIN_DIGEST):] if head.startswith(_CUBIN_DIGEST) else ""
     if not hmac.compare_digest(want, hashlib.sha256(cubin).hexdigest()):
-        logging.getLogger("mkernel").warning("mkernel: cache entry %s failed its integrity check; recompiling",
-                                             cubin_path)
+        log.warning("mkernel: cache entry %s failed its integrity check; recompiling", cubin_path)
         return None
-    return cubin, log
+    return cubin, text
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -358,9 +357,12 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     cubin_path = d / f"{stem}.cubin" if d is not None else None
     log_path = d / f"{stem}.log" if d is not None else None
     hit = _load_cached(cubin_path, log_path) if d is not None else None
+    what = f"{source} {define_summary(defines)}".rstrip()
     if hit is not None:
         mod = Module(source, defines, arch, hit[0], hit[1], 0.0, True)
+        log.debug("loaded %s for %s from the disk cache (%s)", what, arch, d)
     else:
+        log.info("compiling %s for %s (%s)", what, arch, f"cached in {d}" if d is not None else "disk cache off")
         t0 = time.perf_counter()
         prog = check(nvrtc.nvrtcCreateProgram(sources[source].encode(), source.encode(), 0, [], []))
         try:
@@ -369,18 +371,19 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
             size = check(nvrtc.nvrtcGetProgramLogSize(prog))
             buf = b" " * size
             check(nvrtc.nvrtcGetProgramLog(prog, buf))
-            log = buf.decode(errors="replace").rstrip("\0 \n")
+            nvrtc_log = buf.decode(errors="replace").rstrip("\0 \n")
             if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-                raise CompileError(source, defines, arch, log)
+                raise CompileError(source, defines, arch, nvrtc_log)
             size = check(nvrtc.nvrtcGetCUBINSize(prog))
             cubin = b" " * size
             check(nvrtc.nvrtcGetCUBIN(prog, cubin))
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
         dt = time.perf_counter() - t0
-        mod = Module(source, defines, arch, cubin, log, dt, False)
+        log.info("compiled %s for %s in %.1f s", what, arch, dt)
+        mod = Module(source, defines, arch, cubin, nvrtc_log, dt, False)
         if d is not None:
-            _store_cached(d, cubin_path, log_path, cubin, log)
+            _store_cached(d, cubin_path, log_path, cubin, nvrtc_log)
     with _module_cache_lock:
         _module_cache[mem_key] = mod
     return mod

@@ -26,6 +26,7 @@ from cuda.bindings import driver as cu
 
 from ..core.device import cu_init
 from ..core.driver import check, device_attribute
+from ..core.log import log
 from ..core.streams import is_capturing, stream_handle
 from ..errors import DeviceError, MkernelError
 from .agreement import Agreement
@@ -249,6 +250,8 @@ class Context:
             self.synchronize()
             ws.free()
         grow = max(nbytes, int(ws.nbytes * 1.5) if ws is not None else nbytes)
+        log.info("%s [rank %d]: communication workspace %s %s %d bytes", what, self.rank, key,
+                 f"grows from {ws.nbytes} to" if ws is not None else "created with", grow)
         ws = self.alloc_symmetric(grow)
         self._workspaces[key] = ws
         self._ws_gen += 1

@@ -100,6 +100,10 @@ class _Gemm(Op):
         if call.O.readonly:
             raise ValueError(f"{self.what}: out is read-only memory but the op writes it")
 
+    def describe_call(self, call):
+        return (f"M={call.M} N={call.N} K={call.K} {call.A.dtype.name} -> {call.O.dtype.name} "
+                f"b_layout={call.b_layout}")
+
     def plan(self, ctx, call, digest):
         return None  # (planned and bound together: plan.bind_gemm)
 
@@ -161,6 +165,10 @@ class _Grouped(Op):
         prepare_out(call.O, call.out_dtype, call.A.dtype.name, (call.M, call.N), call.A.device)
         if call.O.readonly:
             raise ValueError(f"{self.what}: out is read-only memory but the op writes it")
+
+    def describe_call(self, call):
+        return (f"T={call.M} N={call.N} K={call.K} G={call.G} {call.A.dtype.name} -> {call.O.dtype.name} "
+                f"b_layout={call.b_layout}")
 
     def plan(self, ctx, call, digest):
         return None
