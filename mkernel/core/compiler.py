@@ -36,8 +36,8 @@ from .driver import capture_relaxed, check, current_arch
 from .launch import Kernel
 from .log import define_summary, log
 
-__all__ = ["cuda_src_dir", "include_dirs", "nvrtc_version", "cache_dir", "compile_module", "Module", "kernel",
-           "register_specialization", "registered_specializations", "precompile", "precompile_source",
+__all__ = ["cuda_src_dir", "include_dirs", "nvrtc_version", "cache_path", "cache_dir", "compile_module", "Module",
+           "kernel", "register_specialization", "registered_specializations", "precompile", "precompile_source",
            "parse_ptxas_log"]
 
 
@@ -104,13 +104,18 @@ def _warn_cache(msg: str) -> None:
                       stacklevel=4)
 
 
+def cache_path() -> Path:
+    """Where the cubin cache is (``$MKERNEL_CACHE_DIR``, default ``~/.cache/mkernel``), created or not."""
+    return Path(os.environ.get("MKERNEL_CACHE_DIR") or Path.home() / ".cache" / "mkernel")
+
+
 def cache_dir() -> Path | None:
     """The cubin cache: ``$MKERNEL_CACHE_DIR`` (default ``~/.cache/mkernel``), created with mode
     0700 (an existing directory's mode is left alone).  None, after one warning per process, when
     it cannot be created or is not private: owned by another user, or writable by group or others
     (whoever can write there can make this process load their code)."""
     try:
-        d = Path(os.environ.get("MKERNEL_CACHE_DIR") or Path.home() / ".cache" / "mkernel")
+        d = cache_path()
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = d.stat()
     except (OSError, RuntimeError) as exc:
@@ -435,26 +440,37 @@ def precompile_source(source: str, specs=None, *, arch: str | None = None, worke
     return precompile([(source, d) for d in specs], arch=arch, workers=workers)
 
 
-def precompile(specs, *, arch: str, workers: int | None = None) -> float:
+def precompile(specs, *, arch: str, workers: int | None = None, progress=None) -> float:
     """Compile ``(source, defines)`` pairs for ``arch`` into the disk cache, in parallel worker
     processes (NVRTC is single-threaded per program); returns the summed NVRTC seconds (0 for cubins
-    already cached).  Later ``compile_module`` calls load them from disk.  The workers are spawned
-    and import the main module: a script calling this must do so under ``if __name__ ==
-    "__main__":``; where the workers die anyway, it warns and compiles in this process."""
+    already cached).  Later ``compile_module`` calls load them from disk.  ``progress(done, total,
+    source, defines, seconds)`` is called as results arrive, in the order of ``specs`` (``seconds`` 0:
+    it was cached).  The workers are spawned and import the main module: a script calling this must do
+    so under ``if __name__ == "__main__":``; where the workers die anyway, it warns and compiles in
+    this process."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
     items = [(src, dict(d), arch) for src, d in specs]
     workers = workers or max(1, min(len(items), (os.cpu_count() or 2)))
+
+    def collect(seconds) -> float:
+        total = 0.0
+        for done, (item, dt) in enumerate(zip(items, seconds), 1):
+            total += dt
+            if progress is not None:
+                progress(done, len(items), item[0], item[1], dt)
+        return total
+
     if workers == 1 or len(items) <= 1:
-        return sum(_compile_one(it) for it in items)
+        return collect(_compile_one(it) for it in items)
     try:
         with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            return sum(ex.map(_compile_one, items))
+            return collect(ex.map(_compile_one, items))
     except cf.process.BrokenProcessPool:
         import warnings
 
         warnings.warn("mkernel.precompile: the compile worker processes died (spawned workers import the main "
                       "module: call precompile under `if __name__ == '__main__':`); compiling in this process",
                       RuntimeWarning, stacklevel=2)
-        return sum(_compile_one(it) for it in items)
+        return collect(_compile_one(it) for it in items)

@@ -191,8 +191,9 @@ def address_codec():
             if _codec is None:
                 _codec = _discover_codec()
                 if _codec is False and driver_version() is not None:
-                    log.info("tensor maps are encoded again for every new address (no address word linear in the "
-                             "address found in this driver's descriptors): GEMM calls with new arrays cost more host time")
+                    log.info("tensor maps are encoded again for every new address (no address word linear in "
+                             "the address found in this driver's descriptors): GEMM calls with new arrays cost "
+                             "more host time")
     return _codec or None
 
 
