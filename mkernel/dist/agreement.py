@@ -9,8 +9,9 @@ Two halves (docs/design.md, "Epochs, flags and timeouts"):
   rank announces it in the op's workspace before any data moves, and a receiver compares it with its
   own (``MK_ERR_MISMATCH`` -> :class:`mkernel.CommMismatch`).
 
-Every host wait is bounded by the context's timeout.  A timed-out exchange leaves an MPI request
-that a late rank's next exchange would pair with, so after one the agreement is *broken*: every
+Every host wait is bounded by the context's timeout (MPI: a non-blocking allgather; another bootstrap's
+group: its allgather on a helper thread).  A timed-out exchange leaves an MPI request (or a pending
+allgather) that a late rank's next exchange would pair with, so after one the agreement is *broken*: every
 later exchange raises at once (the context must be reset or discarded) instead of hanging.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import zlib
 import numpy as np
 
 from ..errors import CommTimeout
+from .group import GroupTimeout
 
 __all__ = ["Agreement", "digest"]
 
@@ -70,9 +72,11 @@ class Agreement:
             raise CommTimeout(f"mkernel: rank {self.rank}: {what}: this context's agreement is broken "
                               f"({self.broken}); reset or discard the context", {"rank": self.rank, "op": what})
         vec = np.ascontiguousarray(vec, dtype=np.int64).reshape(-1)
+        limit = max(self._timeout(), 1.0) * 4
+        if not hasattr(comm, "Iallgather"):  # a group over another bootstrap (mkernel.dist.group)
+            return self._exchange_group(what, vec, comm, limit)
         allv = np.empty((comm.Get_size(), vec.shape[0]), dtype=np.int64)
         req = comm.Iallgather(vec, allv)
-        limit = max(self._timeout(), 1.0) * 4
         deadline = time.monotonic() + limit
         sleep = 2e-6
         while not req.Test():
@@ -83,6 +87,20 @@ class Agreement:
             time.sleep(sleep)
             sleep = min(sleep * 2, 1e-4)
         return allv
+
+    def _exchange_group(self, what: str, vec: np.ndarray, comm, limit: float) -> np.ndarray:
+        """:meth:`exchange` over a :class:`~mkernel.dist.group.Group`: its blocking allgather on a helper
+        thread, waited for at most ``limit`` seconds."""
+        try:
+            rows = comm.allgather_within([int(v) for v in vec], limit)
+        except GroupTimeout:
+            self.broken = f"{what} timed out after {limit:.1f} s"
+            raise CommTimeout(f"mkernel: rank {self.rank} waited {limit:.1f} s for the other ranks to join "
+                              f"{what}; a rank is dead or made a different call",
+                              {"rank": self.rank, "op": what}) from None
+        if any(len(r) != vec.shape[0] for r in rows):
+            raise ValueError(f"mkernel: {what}: ranks exchanged vectors of different lengths {[len(r) for r in rows]}")
+        return np.array(rows, dtype=np.int64).reshape(len(rows), vec.shape[0])
 
     def forget(self) -> None:
         """Drop every agreed signature (after a reset: the next call of each agrees again)."""

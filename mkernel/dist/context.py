@@ -1,6 +1,8 @@
 """Bootstrap, topology, and the per-rank context every op takes.
 
-``mkernel.init(comm=None)`` (``MPI.COMM_WORLD`` by default) returns a :class:`Context`:
+``mkernel.init(comm=None)`` returns a :class:`Context`; ``comm`` is an mpi4py communicator (default
+``MPI.COMM_WORLD``) or any bootstrap object offering ``rank``, ``size``, ``allgather(bytes) -> list[bytes]``
+and ``barrier()`` (:mod:`mkernel.dist.bootstrap`).  The context has:
 
 * world ``rank``/``size``;
 * ``node``/``num_nodes``: nodes come from a shared-memory split of the communicator;
@@ -14,8 +16,11 @@
 The context owns the host-mapped error record kernels write on a timeout, symmetric memory
 (:mod:`mkernel.dist.symmetric`), per-op workspaces, the agreement on calls across ranks
 (:mod:`mkernel.dist.agreement`) and every op's state (:meth:`Context.op_state`: bound calls, plans,
-op-owned structures), all in one place.  Its communicators are private duplicates of the one it was
-made from: mkernel's exchanges never interleave with the application's MPI traffic.
+op-owned structures), all in one place.  With MPI its communicators are private duplicates of the one
+it was made from: mkernel's exchanges never interleave with the application's MPI traffic.  With another
+bootstrap, ``world`` is that bootstrap (the application must not use it concurrently with mkernel's
+calls) and the node and host communicators are Unix-socket groups among the host's ranks
+(:mod:`mkernel.dist.localgroup`).
 """
 from __future__ import annotations
 
@@ -294,6 +299,7 @@ class Context:
             check(cu.cuStreamDestroy(self._side))
             self._side = None
         check(cu.cuMemFreeHost(self._err_host))
+        self.topology.close()
 
     def __enter__(self):
         return self
@@ -309,9 +315,14 @@ class Context:
 
 def init(comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
          timeout: float | None = None) -> Context:
-    """Create the per-rank :class:`Context` (collective over ``comm``, default ``MPI.COMM_WORLD``).
+    """Create the per-rank :class:`Context` (collective over ``comm``).
 
+    ``comm``: an mpi4py communicator (default ``MPI.COMM_WORLD``) or a bootstrap object with ``rank``,
+    ``size``, ``allgather(bytes) -> list[bytes]`` and ``barrier()``
+    (:class:`mkernel.dist.bootstrap.Bootstrap`).  ``device`` (or env ``MKERNEL_DEVICE``): this rank's GPU
+    ordinal (default: the rank's index among the ranks of its host, modulo the GPUs visible).
     ``ranks_per_node`` (or env ``MKERNEL_RANKS_PER_NODE``) splits each host into emulated nodes;
     ``timeout`` (seconds, or env ``MKERNEL_TIMEOUT``, default 5) bounds every device-side wait.
+    Raises :class:`~mkernel.DeviceError` without a usable driver or GPU, ValueError for a bad argument.
     """
     return Context(comm, device=device, ranks_per_node=ranks_per_node, timeout=timeout)

@@ -1,12 +1,16 @@
-"""Who is where: nodes from a shared-memory split of the communicator, optionally emulated.
+"""Who is where: the hosts, the (possibly emulated) nodes, this rank's place in them.
 
-Needs MPI only (no GPU), so it is tested on the CPU.
+With MPI the hosts come from a shared-memory split of the communicator; with another bootstrap
+(:mod:`.bootstrap`) from an allgather of the host names, and the node and host communicators are
+Unix-socket groups (:mod:`.localgroup`).  Needs no GPU, so it is tested on the CPU.
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from ..core import env
+from .bootstrap import MpiBootstrap, check_bootstrap, is_mpi_comm
 
 __all__ = ["Topology"]
 
@@ -38,19 +42,22 @@ class Topology:
 
     @classmethod
     def from_comm(cls, comm=None, ranks_per_node: int | None = None) -> "Topology":
-        """Collective over ``comm``.  ``ranks_per_node`` (or env ``MKERNEL_RANKS_PER_NODE``) groups each
-        host's ranks, in host order, into emulated nodes of that many ranks.  ``world`` is a private
-        duplicate of ``comm`` (mkernel's exchanges never match the application's messages)."""
+        """Collective over ``comm``: an mpi4py communicator (default ``MPI.COMM_WORLD``) or a
+        :class:`~mkernel.dist.bootstrap.Bootstrap` (:meth:`from_bootstrap`).  ``ranks_per_node`` (or env
+        ``MKERNEL_RANKS_PER_NODE``) groups each host's ranks, in host order, into emulated nodes of that
+        many ranks.  With MPI, ``world`` is a private duplicate of ``comm`` (mkernel's exchanges never
+        match the application's messages)."""
+        if isinstance(comm, MpiBootstrap):
+            comm = comm.comm
+        if comm is not None and not is_mpi_comm(comm):
+            return cls.from_bootstrap(comm, ranks_per_node)
         from mpi4py import MPI
 
         world = (comm if comm is not None else MPI.COMM_WORLD).Dup()
         rank, size = world.Get_rank(), world.Get_size()
         host_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         host_rank, host_size = host_comm.Get_rank(), host_comm.Get_size()
-        if ranks_per_node is None:
-            ranks_per_node = env.get("MKERNEL_RANKS_PER_NODE")
-        if ranks_per_node is not None and ranks_per_node <= 0:
-            raise ValueError(f"mkernel: ranks_per_node must be positive, got {ranks_per_node}")
+        ranks_per_node = _ranks_per_node(ranks_per_node)
         host_leader = host_comm.bcast(rank, root=0)
         sub = host_rank // ranks_per_node if ranks_per_node else 0
         keys = world.allgather((host_leader, sub))
@@ -62,3 +69,51 @@ class Topology:
                    emulated=bool(ranks_per_node and ranks_per_node < host_size),
                    local_world_ranks=node_comm.allgather(rank), node_of_rank=[uniq.index(k) for k in keys],
                    world=world, node_comm=node_comm, host_comm=host_comm)
+
+    @classmethod
+    def from_bootstrap(cls, bootstrap, ranks_per_node: int | None = None, hostname: str | None = None) -> "Topology":
+        """Collective over a :class:`~mkernel.dist.bootstrap.Bootstrap`: hosts are the ranks that report the
+        same ``hostname`` (default ``socket.gethostname()``), in world-rank order; the node and host
+        communicators are Unix-socket groups (:func:`~mkernel.dist.localgroup.local_group`), ``world``
+        the bootstrap itself (:class:`~mkernel.dist.group.BootstrapGroup`: not a private duplicate, so
+        the application must not call it concurrently with mkernel)."""
+        from .group import BootstrapGroup
+        from .localgroup import local_group
+
+        check_bootstrap(bootstrap)
+        ranks_per_node = _ranks_per_node(ranks_per_node)
+        world = BootstrapGroup(bootstrap)
+        rank, size = world.rank, world.size
+        hosts = world.allgather(hostname or socket.gethostname())
+        host_members = {h: [r for r in range(size) if hosts[r] == h] for h in hosts}
+        keys = []
+        for r in range(size):
+            hm = host_members[hosts[r]]
+            keys.append((hm[0], hm.index(r) // ranks_per_node if ranks_per_node else 0))
+        uniq = sorted(set(keys))
+        node = uniq.index(keys[rank])
+        node_members = [r for r in range(size) if keys[r] == keys[rank]]
+        mine = host_members[hosts[rank]]
+        host_comm = local_group(world, mine)
+        emulated = bool(ranks_per_node and ranks_per_node < len(mine))
+        node_comm = local_group(world, node_members) if emulated else host_comm
+        return cls(rank=rank, size=size, node=node, num_nodes=len(uniq), local_rank=node_members.index(rank),
+                   local_size=len(node_members), host_rank=mine.index(rank), host_size=len(mine), emulated=emulated,
+                   local_world_ranks=node_members, node_of_rank=[uniq.index(k) for k in keys],
+                   world=world, node_comm=node_comm, host_comm=host_comm)
+
+    def close(self) -> None:
+        """Close the communicators that hold sockets (the non-MPI bootstrap's groups)."""
+        from .group import Group
+
+        for c in {id(c): c for c in (self.node_comm, self.host_comm)}.values():
+            if isinstance(c, Group):
+                c.close()
+
+
+def _ranks_per_node(ranks_per_node):
+    if ranks_per_node is None:
+        ranks_per_node = env.get("MKERNEL_RANKS_PER_NODE")
+    if ranks_per_node is not None and ranks_per_node <= 0:
+        raise ValueError(f"mkernel: ranks_per_node must be positive, got {ranks_per_node}")
+    return ranks_per_node
