@@ -15,9 +15,10 @@ context, symmetric memory, signals), :mod:`mkernel.proxy` (inter-node proxy and 
 from .core.arrays import DeviceArray
 from .core.dtypes import bf16_to_f32, dtype_of, f32_to_bf16
 from .core.interop import as_device_array
+from .dist.bootstrap import Bootstrap
 from .dist.context import Context, init
 from .dist.topology import Topology
-from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, MkernelError
+from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, DeviceError, MkernelError
 from .ops.ag_gemm import AgGemmOptions, ag_gemm
 from .ops.collectives import CollectiveOptions, all_gather, all_reduce, reduce_scatter
 from .ops.gemm import GemmOptions, gemm, grouped_gemm
@@ -26,8 +27,8 @@ from .ops.gemm_rs import GemmRsOptions, gemm_reduce_scatter
 __version__ = "0.1.0"
 
 __all__ = [
-    "init", "Context", "Topology", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
+    "init", "Context", "Topology", "Bootstrap", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
     "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm", "gemm_reduce_scatter",
     "CollectiveOptions", "GemmOptions", "AgGemmOptions", "GemmRsOptions",
-    "MkernelError", "CudaError", "CompileError", "CommError", "CommMismatch", "CommTimeout",
+    "MkernelError", "CudaError", "DeviceError", "CompileError", "CommError", "CommMismatch", "CommTimeout",
 ]

@@ -1,7 +1,7 @@
 """Exceptions raised by mkernel."""
 from __future__ import annotations
 
-__all__ = ["MkernelError", "CudaError", "CompileError", "CommTimeout", "CommError"]
+__all__ = ["MkernelError", "CudaError", "DeviceError", "CompileError", "CommTimeout", "CommError", "CommMismatch"]
 
 
 class MkernelError(RuntimeError):
@@ -14,6 +14,12 @@ class CudaError(MkernelError):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+
+
+class DeviceError(MkernelError):
+    """No usable GPU for what was asked: no NVIDIA driver, a driver too old for CUDA 13, no visible GPU,
+    or a GPU whose architecture the op does not run on (the message names the op, the device's compute
+    capability and what is supported).  Raised before any kernel is compiled or launched."""
 
 
 class CompileError(MkernelError):

@@ -22,5 +22,7 @@ if [ "$NGPU" -ge 2 ]; then
   run "${MPIRUN[@]}" -np "$NGPU" -x MKERNEL_RANKS_PER_NODE=1 python -m pytest -q -p no:cacheprovider \
       -m "gpu and mpi and internode" tests/gpu "$@"
 fi
+# the HPC-style example: CuPy arrays (DeviceArrays without CuPy), numpy checks, no torch in the process
+run "${MPIRUN[@]}" -np "$([ "$NGPU" -ge 2 ] && echo "$NGPU" || echo 1)" python examples/hpc_cupy.py
 echo "=== GPU tests: $([ $status = 0 ] && echo PASSED || echo FAILED)"
 exit $status

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import re
 import secrets
@@ -31,12 +30,14 @@ from cuda.bindings import driver as cu
 from cuda.bindings import nvrtc
 
 from ..errors import CompileError
+from .archs import require_nvrtc_arch
 from .device import on_device
 from .driver import capture_relaxed, check, current_arch
 from .launch import Kernel
+from .log import define_summary, log
 
-__all__ = ["cuda_src_dir", "include_dirs", "nvrtc_version", "cache_dir", "compile_module", "Module", "kernel",
-           "register_specialization", "registered_specializations", "precompile", "precompile_source",
+__all__ = ["cuda_src_dir", "include_dirs", "nvrtc_version", "cache_path", "cache_dir", "compile_module", "Module",
+           "kernel", "register_specialization", "registered_specializations", "precompile", "precompile_source",
            "parse_ptxas_log"]
 
 
@@ -103,13 +104,18 @@ def _warn_cache(msg: str) -> None:
                       stacklevel=4)
 
 
+def cache_path() -> Path:
+    """Where the cubin cache is (``$MKERNEL_CACHE_DIR``, default ``~/.cache/mkernel``), created or not."""
+    return Path(os.environ.get("MKERNEL_CACHE_DIR") or Path.home() / ".cache" / "mkernel")
+
+
 def cache_dir() -> Path | None:
     """The cubin cache: ``$MKERNEL_CACHE_DIR`` (default ``~/.cache/mkernel``), created with mode
     0700 (an existing directory's mode is left alone).  None, after one warning per process, when
     it cannot be created or is not private: owned by another user, or writable by group or others
     (whoever can write there can make this process load their code)."""
     try:
-        d = Path(os.environ.get("MKERNEL_CACHE_DIR") or Path.home() / ".cache" / "mkernel")
+        d = cache_path()
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = d.stat()
     except (OSError, RuntimeError) as exc:
@@ -133,15 +139,14 @@ def _load_cached(cubin_path: Path, log_path: Path) -> tuple[bytes, str] | None:
     a missing, unreadable, truncated or altered entry (the caller recompiles and overwrites it)."""
     try:
         cubin = cubin_path.read_bytes()
-        head, _, log = log_path.read_text().partition("\n")
+        head, _, text = log_path.read_text().partition("\n")
     except (OSError, UnicodeDecodeError):
         return None
     want = head[len(_CUBIN_DIGEST):] if head.startswith(_CUBIN_DIGEST) else ""
     if not hmac.compare_digest(want, hashlib.sha256(cubin).hexdigest()):
-        logging.getLogger("mkernel").warning("mkernel: cache entry %s failed its integrity check; recompiling",
-                                             cubin_path)
+        log.warning("mkernel: cache entry %s failed its integrity check; recompiling", cubin_path)
         return None
-    return cubin, log
+    return cubin, text
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -325,6 +330,7 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     defines = dict(defines or {})
     defines.update(_env_defines())
     arch = arch or current_arch()
+    require_nvrtc_arch(arch)
     root = cuda_src_dir()
     sources: dict[str, str] = {}
     _collect_sources(source, root, sources)
@@ -356,9 +362,12 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
     cubin_path = d / f"{stem}.cubin" if d is not None else None
     log_path = d / f"{stem}.log" if d is not None else None
     hit = _load_cached(cubin_path, log_path) if d is not None else None
+    what = f"{source} {define_summary(defines)}".rstrip()
     if hit is not None:
         mod = Module(source, defines, arch, hit[0], hit[1], 0.0, True)
+        log.debug("loaded %s for %s from the disk cache (%s)", what, arch, d)
     else:
+        log.info("compiling %s for %s (%s)", what, arch, f"cached in {d}" if d is not None else "disk cache off")
         t0 = time.perf_counter()
         prog = check(nvrtc.nvrtcCreateProgram(sources[source].encode(), source.encode(), 0, [], []))
         try:
@@ -367,18 +376,19 @@ def compile_module(source: str, defines: Mapping[str, object] | None = None, *, 
             size = check(nvrtc.nvrtcGetProgramLogSize(prog))
             buf = b" " * size
             check(nvrtc.nvrtcGetProgramLog(prog, buf))
-            log = buf.decode(errors="replace").rstrip("\0 \n")
+            nvrtc_log = buf.decode(errors="replace").rstrip("\0 \n")
             if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-                raise CompileError(source, defines, arch, log)
+                raise CompileError(source, defines, arch, nvrtc_log)
             size = check(nvrtc.nvrtcGetCUBINSize(prog))
             cubin = b" " * size
             check(nvrtc.nvrtcGetCUBIN(prog, cubin))
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
         dt = time.perf_counter() - t0
-        mod = Module(source, defines, arch, cubin, log, dt, False)
+        log.info("compiled %s for %s in %.1f s", what, arch, dt)
+        mod = Module(source, defines, arch, cubin, nvrtc_log, dt, False)
         if d is not None:
-            _store_cached(d, cubin_path, log_path, cubin, log)
+            _store_cached(d, cubin_path, log_path, cubin, nvrtc_log)
     with _module_cache_lock:
         _module_cache[mem_key] = mod
     return mod
@@ -430,26 +440,37 @@ def precompile_source(source: str, specs=None, *, arch: str | None = None, worke
     return precompile([(source, d) for d in specs], arch=arch, workers=workers)
 
 
-def precompile(specs, *, arch: str, workers: int | None = None) -> float:
+def precompile(specs, *, arch: str, workers: int | None = None, progress=None) -> float:
     """Compile ``(source, defines)`` pairs for ``arch`` into the disk cache, in parallel worker
     processes (NVRTC is single-threaded per program); returns the summed NVRTC seconds (0 for cubins
-    already cached).  Later ``compile_module`` calls load them from disk.  The workers are spawned
-    and import the main module: a script calling this must do so under ``if __name__ ==
-    "__main__":``; where the workers die anyway, it warns and compiles in this process."""
+    already cached).  Later ``compile_module`` calls load them from disk.  ``progress(done, total,
+    source, defines, seconds)`` is called as results arrive, in the order of ``specs`` (``seconds`` 0:
+    it was cached).  The workers are spawned and import the main module: a script calling this must do
+    so under ``if __name__ == "__main__":``; where the workers die anyway, it warns and compiles in
+    this process."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
     items = [(src, dict(d), arch) for src, d in specs]
     workers = workers or max(1, min(len(items), (os.cpu_count() or 2)))
+
+    def collect(seconds) -> float:
+        total = 0.0
+        for done, (item, dt) in enumerate(zip(items, seconds), 1):
+            total += dt
+            if progress is not None:
+                progress(done, len(items), item[0], item[1], dt)
+        return total
+
     if workers == 1 or len(items) <= 1:
-        return sum(_compile_one(it) for it in items)
+        return collect(_compile_one(it) for it in items)
     try:
         with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-            return sum(ex.map(_compile_one, items))
+            return collect(ex.map(_compile_one, items))
     except cf.process.BrokenProcessPool:
         import warnings
 
         warnings.warn("mkernel.precompile: the compile worker processes died (spawned workers import the main "
                       "module: call precompile under `if __name__ == '__main__':`); compiling in this process",
                       RuntimeWarning, stacklevel=2)
-        return sum(_compile_one(it) for it in items)
+        return collect(_compile_one(it) for it in items)

@@ -7,7 +7,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .driver import check
+from .driver import check, init_driver
 from .streams import stream_handle
 
 __all__ = ["cu_init", "on_device", "pointer_device", "current_device_or", "stream_wait"]
@@ -19,11 +19,13 @@ _primary: dict[int, object] = {}  # device ordinal -> retained primary CUcontext
 
 
 def cu_init() -> None:
+    """Initialize the driver once per process (:func:`~mkernel.core.driver.init_driver`: a
+    :class:`~mkernel.DeviceError` when there is none)."""
     global _initialized
     if not _initialized:
         with _init_lock:
             if not _initialized:
-                check(cu.cuInit(0))
+                init_driver()
                 _initialized = True
 
 

@@ -6,14 +6,21 @@ device attributes are queried once per (attribute, device).
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from contextlib import contextmanager
 
 from cuda.bindings import driver as cu
 from cuda.bindings import nvrtc
 
-from ..errors import CudaError
+from ..errors import CudaError, DeviceError
 
-__all__ = ["check", "capture_relaxed", "current_device", "device_attribute", "current_arch"]
+__all__ = ["check", "init_driver", "driver_version", "capture_relaxed", "current_device", "device_attribute",
+           "current_arch", "device_name"]
+
+NO_DRIVER = "no NVIDIA driver found (libcuda.so): mkernel needs a CUDA GPU"
+CUDA_MAJOR = 13  # of the cuda-bindings, NVRTC and headers mkernel is installed with (pyproject.toml)
+MIN_DRIVER = "580"  # the first driver branch of CUDA 13
 
 
 def check(result):
@@ -34,6 +41,44 @@ def check(result):
         return None
     return rest[0] if len(rest) == 1 else rest
 
+
+_OLD_DRIVER = {"CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
+               "CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER"}
+
+
+def init_driver() -> None:
+    """``cuInit``, with one :class:`~mkernel.DeviceError` for each way there is no usable driver: no
+    ``libcuda.so`` at all, a driver older than CUDA 13, no visible GPU.  A driver that loads but reports
+    a CUDA version below 13 is logged as a warning (kernels may still load)."""
+    try:
+        err, = cu.cuInit(0)
+    except Exception:  # libcuda.so cannot be loaded (cuda.pathfinder raises): one line, not its traceback
+        raise DeviceError(NO_DRIVER) from None
+    R = cu.CUresult
+    if err == R.CUDA_ERROR_NO_DEVICE:
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise DeviceError("the NVIDIA driver sees no CUDA GPU" + (f" (CUDA_VISIBLE_DEVICES={vis!r})" if vis is not None
+                                                                   else ""))
+    if err.name in _OLD_DRIVER:
+        raise DeviceError(f"the NVIDIA driver is too old for CUDA {CUDA_MAJOR} (mkernel's cuda-bindings and NVRTC): "
+                          f"install driver {MIN_DRIVER} or newer ({err.name})")
+    check(err)
+    ver = driver_version()
+    if ver is not None and ver[0] < CUDA_MAJOR:
+        logging.getLogger("mkernel").warning(
+            "mkernel: the NVIDIA driver supports CUDA %d.%d; mkernel is built on CUDA %d (driver %s or newer)",
+            ver[0], ver[1], CUDA_MAJOR, MIN_DRIVER)
+
+
+def driver_version() -> tuple[int, int] | None:
+    """The CUDA version the driver supports, ``(major, minor)``; None without a driver."""
+    try:
+        err, v = cu.cuDriverGetVersion()
+    except Exception:
+        return None
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return None
+    return int(v) // 1000, int(v) % 1000 // 10
 
 
 @contextmanager
@@ -77,3 +122,11 @@ def current_arch() -> str:
     minor = device_attribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
     suffix = "a" if major >= 9 else ""
     return f"sm_{major}{minor}{suffix}"
+
+
+def device_name(device: int) -> str:
+    """The device's marketing name ("NVIDIA H200"), or "" when the driver cannot say."""
+    try:
+        return check(cu.cuDeviceGetName(64, check(cu.cuDeviceGet(device)))).split(b"\0", 1)[0].decode()
+    except Exception:
+        return ""

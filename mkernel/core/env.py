@@ -58,7 +58,8 @@ VARIABLES = {v.name: v for v in [
     Variable("MKERNEL_IB_GID_INDEX", _int, "GID index for RoCE"),
     Variable("MKERNEL_VERBS_NOTIFY", _str, "verbs flag delivery: write or send"),
     Variable("MKERNEL_VERBS_BOUNCE", _tristate, "verbs: stage GPU payloads through host memory (1) or not (0)"),
-    Variable("MKERNEL_LOG", _str, "1: log plans and compiles to stderr"),
+    Variable("MKERNEL_LOG", _str, "stderr handler for the 'mkernel' logger: 1 or info (compiles, workspaces, "
+                                  "fallbacks), 2 or debug (also every new plan)"),
     # experiments: compile-time switches
     Variable("MKERNEL_DEFINES", _str, "extra -D defines for every kernel (NAME or NAME=VALUE, comma-separated)"),
     # GEMM (GemmOptions)

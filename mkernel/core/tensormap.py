@@ -28,6 +28,8 @@ from collections import OrderedDict
 from cuda.bindings import driver as cu
 
 from ..errors import CudaError
+from .driver import driver_version
+from .log import log
 
 __all__ = ["encode_tiled", "TensorMapError", "tma_compatible", "clear_cache", "TensorMapArg", "address_codec"]
 
@@ -188,6 +190,10 @@ def address_codec():
         with _codec_lock:
             if _codec is None:
                 _codec = _discover_codec()
+                if _codec is False and driver_version() is not None:
+                    log.info("tensor maps are encoded again for every new address (no address word linear in "
+                             "the address found in this driver's descriptors): GEMM calls with new arrays cost "
+                             "more host time")
     return _codec or None
 
 

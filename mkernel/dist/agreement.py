@@ -11,11 +11,13 @@ Two halves (docs/design.md, "Epochs, flags and timeouts"):
 
 The same object runs the context's other host collectives (:meth:`Agreement.barrier`,
 :meth:`Agreement.exchange_bytes`: symmetric memory, the inter-node transports' set-up), all through
-:mod:`mkernel.dist.hostwait`: each wait is bounded by :func:`~mkernel.dist.timeouts.host_wait_limit` of
-the context's timeout.  A timed-out or failed collective leaves an MPI request that a late rank's next
-collective would pair with, so after one the agreement is *broken*: every later collective raises at
-once (the context must be discarded: ``close()`` it, which is then local, and make a new one with
-``mkernel.init()``) instead of hanging or pairing with the wrong operation.
+:mod:`mkernel.dist.hostwait` (MPI: non-blocking collectives tested against a deadline; another
+bootstrap's group: its allgather on a helper thread): each wait is bounded by
+:func:`~mkernel.dist.timeouts.host_wait_limit` of the context's timeout.  A timed-out or failed collective
+leaves an MPI request (or a pending allgather) that a late rank's next collective would pair with, so
+after one the agreement is *broken*: every later collective raises at once (the context must be
+discarded: ``close()`` it, which is then local, and make a new one with ``mkernel.init()``) instead of
+hanging or pairing with the wrong operation.
 """
 from __future__ import annotations
 
@@ -62,11 +64,13 @@ class Agreement:
         allv = self.exchange(what, np.array([d], dtype=np.int64), comm)[:, 0]
         if not np.all(allv == d):
             # every rank saw the same digests, so every rank takes this path: a second bounded exchange
-            mine = f"{what}{signature!r}"
-            sigs = [b.decode("utf-8", "replace") for b in self.exchange_bytes(what, mine.encode(), comm)]
-            bad = [i for i, s in enumerate(sigs) if s != mine]
+            mine = (what, repr(signature))
+            calls = [tuple(b.decode("utf-8", "replace").split("\0", 1)) for b in
+                     self.exchange_bytes(what, "\0".join(mine).encode(), comm)]
+            bad = [i for i, c in enumerate(calls) if c != mine]
+            shown = [c[1] if c[0] == what else f"{c[0]}{c[1]}" for c in (calls[i] for i in bad)]
             raise ValueError(f"mkernel: {what}: ranks disagree on the call: this rank (rank {comm.Get_rank()} of "
-                             f"the communicator) has {mine}, ranks {bad} have [{', '.join(sigs[i] for i in bad)}]")
+                             f"the communicator) has {mine[1]}, ranks {bad} have [{', '.join(shown)}]")
         self._agreed[key] = d
         return d
 

@@ -1,6 +1,8 @@
 """Bootstrap, topology, and the per-rank context every op takes.
 
-``mkernel.init(comm=None)`` (``MPI.COMM_WORLD`` by default) returns a :class:`Context`:
+``mkernel.init(comm=None)`` returns a :class:`Context`; ``comm`` is an mpi4py communicator (default
+``MPI.COMM_WORLD``) or any bootstrap object offering ``rank``, ``size``, ``allgather(bytes) -> list[bytes]``
+and ``barrier()`` (:mod:`mkernel.dist.bootstrap`).  The context has:
 
 * world ``rank``/``size``;
 * ``node``/``num_nodes``: nodes come from a shared-memory split of the communicator;
@@ -14,8 +16,11 @@
 The context owns the host-mapped error record kernels write on a timeout, symmetric memory
 (:mod:`mkernel.dist.symmetric`), per-op workspaces, the agreement on calls across ranks
 (:mod:`mkernel.dist.agreement`) and every op's state (:meth:`Context.op_state`: bound calls, plans,
-op-owned structures), all in one place.  Its communicators are private duplicates of the one it was
-made from: mkernel's exchanges never interleave with the application's MPI traffic.
+op-owned structures), all in one place.  With MPI its communicators are private duplicates of the one
+it was made from: mkernel's exchanges never interleave with the application's MPI traffic.  With another
+bootstrap, ``world`` is that bootstrap (the application must not use it concurrently with mkernel's
+calls) and the node and host communicators are Unix-socket groups among the host's ranks
+(:mod:`mkernel.dist.localgroup`).
 """
 from __future__ import annotations
 
@@ -24,12 +29,16 @@ import os
 import time
 from cuda.bindings import driver as cu
 
+from ..core.device import cu_init
 from ..core.driver import check, device_attribute
+from ..core.log import log
 from ..core.streams import is_capturing, stream_handle
-from ..errors import CommError, MkernelError
+from ..errors import DeviceError, MkernelError
 from .agreement import Agreement
 from .opstate import OpState
+from .sharing import gpu_identity, warn_shared_gpus
 from .signals import OPS, ErrorRecordView, MkComm
+from . import wire
 from .timeouts import resolve_timeout, validate_timeout
 from .topology import Topology
 
@@ -47,6 +56,7 @@ class Context:
     def __init__(self, comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
                  timeout: float | None = None):
         self._timeout = resolve_timeout(timeout)  # first: a bad value fails before any collective set-up
+        cu_init()  # then the driver: a machine without one fails here, alone, with one DeviceError
         topo = Topology.from_comm(comm, ranks_per_node, timeout=self._timeout)
         self.topology = topo
         self.world, self.node_comm, self.host_comm = topo.world, topo.node_comm, topo.host_comm
@@ -57,14 +67,17 @@ class Context:
         self.local_world_ranks, self.node_of_rank = topo.local_world_ranks, topo.node_of_rank
         host_rank = topo.host_rank
         # GPU
-        check(cu.cuInit(0))
         ndev = check(cu.cuDeviceGetCount())
         if ndev == 0:
-            raise CommError("mkernel.init: no CUDA device")
+            raise DeviceError("mkernel.init: the NVIDIA driver sees no CUDA GPU")
         dev = device if device is not None else _env_int("MKERNEL_DEVICE")
         self.device = int(dev) if dev is not None else host_rank % ndev
         if not 0 <= self.device < ndev:
             raise ValueError(f"mkernel.init: device {self.device} out of range (this host has {ndev})")
+        self.agreement = Agreement(self.rank, lambda: self._timeout)
+        ids = self.agreement.exchange_bytes("mkernel.init (GPU identities)",
+                                            wire.encode((self.rank, gpu_identity(self.device))), topo.host_comm)
+        warn_shared_gpus(self.rank, [wire.decode(b) for b in ids], topo.host_size, ndev)
         from cuda.core import Device
 
         self._cu_device = Device(self.device)
@@ -79,7 +92,6 @@ class Context:
         self._err_dev = int(check(cu.cuMemHostGetDevicePointer(self._err_host, 0)))
         self.error_record = ErrorRecordView(self._err_host, self.local_world_ranks)
         self._workspaces: dict = {}
-        self.agreement = Agreement(self.rank, lambda: self._timeout)
         self._ws_gen = 0  # bumped whenever a workspace is (re)allocated: bound calls are keyed on it
         self._op_states: dict = {}
         self._symmetric: list = []
@@ -268,6 +280,8 @@ class Context:
             self._ws_gen += 1
             ws.free()
         grow = max(nbytes, int(ws.nbytes * 1.5) if ws is not None else nbytes)
+        log.info("%s [rank %d]: communication workspace %s %s %d bytes", what, self.rank, key,
+                 f"grows from {ws.nbytes} to" if ws is not None else "created with", grow)
         ws = self.alloc_symmetric(grow)
         self._workspaces[key] = ws
         self._ws_gen += 1
@@ -328,6 +342,7 @@ class Context:
             done(cu.cuStreamDestroy(self._side))
             self._side = None
         done(cu.cuMemFreeHost(self._err_host))
+        self.topology.close()
 
     def __enter__(self):
         return self
@@ -343,9 +358,14 @@ class Context:
 
 def init(comm=None, *, device: int | None = None, ranks_per_node: int | None = None,
          timeout: float | None = None) -> Context:
-    """Create the per-rank :class:`Context` (collective over ``comm``, default ``MPI.COMM_WORLD``).
+    """Create the per-rank :class:`Context` (collective over ``comm``).
 
+    ``comm``: an mpi4py communicator (default ``MPI.COMM_WORLD``) or a bootstrap object with ``rank``,
+    ``size``, ``allgather(bytes) -> list[bytes]`` and ``barrier()``
+    (:class:`mkernel.dist.bootstrap.Bootstrap`).  ``device`` (or env ``MKERNEL_DEVICE``): this rank's GPU
+    ordinal (default: the rank's index among the ranks of its host, modulo the GPUs visible).
     ``ranks_per_node`` (or env ``MKERNEL_RANKS_PER_NODE``) splits each host into emulated nodes;
     ``timeout`` (seconds, or env ``MKERNEL_TIMEOUT``, default 5) bounds every device-side wait.
+    Raises :class:`~mkernel.DeviceError` without a usable driver or GPU, ValueError for a bad argument.
     """
     return Context(comm, device=device, ranks_per_node=ranks_per_node, timeout=timeout)

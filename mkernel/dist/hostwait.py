@@ -12,7 +12,11 @@ tests it, sleeping between tests, until it completes or ``limit`` seconds pass. 
 * an error MPI reports while testing (e.g. a failed peer, with an MPI that detects failures):
   :class:`~mkernel.CommError` with MPI's exception as the cause; also abandoned.
 
-Needs only an mpi4py-like communicator (tests pass fakes); never imports ``mpi4py.MPI`` itself.
+A :class:`~mkernel.dist.group.Group` (the communicators of a job started without MPI) has no
+non-blocking collectives: its allgather runs on a helper thread that the caller stops waiting for at the
+deadline (:meth:`~mkernel.dist.group.Group.allgather_within`), with the same outcomes.
+
+Needs only an mpi4py-like communicator or a group (tests pass fakes); never imports ``mpi4py.MPI`` itself.
 """
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ import time
 import numpy as np
 
 from ..errors import CommError, CommTimeout
+from .group import GroupTimeout
 
-__all__ = ["wait", "idup", "ibarrier", "iallgather", "iallgather_bytes"]
+__all__ = ["wait", "idup", "ibarrier", "iallgather", "iallgather_bytes", "group_allgather"]
 
 _abandoned: list = []  # (request, buffers) of operations given up on: alive until the process exits
 _abandoned_lock = threading.Lock()
@@ -44,6 +49,27 @@ def _abandon(req, keep) -> None:
         _abandoned[:] = live
 
 
+def _timeout(limit: float, what: str, rank: int) -> CommTimeout:
+    return CommTimeout(f"mkernel: rank {rank} waited {limit:.1f} s for the other ranks to join {what}; a rank "
+                       "is dead, stalled or made a different call", {"rank": rank, "op": what})
+
+
+def _is_group(comm) -> bool:
+    return not hasattr(comm, "Iallgather")
+
+
+def group_allgather(comm, obj, limit: float, what: str, rank: int) -> list:
+    """A group's allgather of ``obj``, waited for at most ``limit`` seconds."""
+    try:
+        return comm.allgather_within(obj, limit)
+    except GroupTimeout:
+        raise _timeout(limit, what, rank) from None
+    except CommError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the group's transport raised
+        raise CommError(f"mkernel: rank {rank}: {what} failed: {exc}", {"rank": rank, "op": what}) from exc
+
+
 def wait(req, limit: float, what: str, rank: int, keep=()) -> None:
     """Test ``req`` until it completes; CommTimeout after ``limit`` seconds, CommError if MPI reports an
     error.  ``keep``: the buffers the operation reads or writes (kept alive with it when abandoned)."""
@@ -59,8 +85,7 @@ def wait(req, limit: float, what: str, rank: int, keep=()) -> None:
                             {"rank": rank, "op": what}) from exc
         if time.monotonic() > deadline:
             _abandon(req, keep)
-            raise CommTimeout(f"mkernel: rank {rank} waited {limit:.1f} s for the other ranks to join {what}; a rank "
-                              "is dead, stalled or made a different call", {"rank": rank, "op": what})
+            raise _timeout(limit, what, rank)
         time.sleep(sleep)
         sleep = min(sleep * 2, 1e-4)
 
@@ -73,12 +98,20 @@ def idup(comm, limit: float, what: str, rank: int):
 
 
 def ibarrier(comm, limit: float, what: str, rank: int) -> None:
+    if _is_group(comm):
+        group_allgather(comm, None, limit, what, rank)
+        return
     wait(comm.Ibarrier(), limit, what, rank)
 
 
 def iallgather(comm, vec, limit: float, what: str, rank: int) -> np.ndarray:
     """Every rank's int64 vector (the same length on every rank) -> ``[size, len]``, bounded."""
     vec = np.ascontiguousarray(vec, dtype=np.int64).reshape(-1)
+    if _is_group(comm):
+        rows = group_allgather(comm, [int(v) for v in vec], limit, what, rank)
+        if any(len(r) != vec.shape[0] for r in rows):
+            raise ValueError(f"mkernel: {what}: ranks exchanged vectors of different lengths {[len(r) for r in rows]}")
+        return np.array(rows, dtype=np.int64).reshape(len(rows), vec.shape[0])
     out = np.empty((comm.Get_size(), vec.shape[0]), dtype=np.int64)
     wait(comm.Iallgather(vec, out), limit, what, rank, keep=(vec, out))
     return out
@@ -89,6 +122,8 @@ def iallgather_bytes(comm, data: bytes, limit: float, what: str, rank: int, max_
     then the bytes, each bounded by ``limit``."""
     if len(data) > max_bytes:
         raise ValueError(f"mkernel: {what}: {len(data)} bytes to exchange (at most {max_bytes})")
+    if _is_group(comm):
+        return [bytes(b) for b in group_allgather(comm, bytes(data), limit, what, rank)]
     lens = iallgather(comm, [len(data)], limit, what, rank)[:, 0]
     if (lens < 0).any() or (lens > max_bytes).any():
         raise CommError(f"mkernel: rank {rank}: {what}: a peer announced {lens.tolist()} bytes (at most {max_bytes})",

@@ -1,20 +1,25 @@
-"""Who is where: nodes from a shared-memory split of the communicator, optionally emulated.
+"""Who is where: the hosts, the (possibly emulated) nodes, this rank's place in them.
 
-Needs MPI only (no GPU), so it is tested on the CPU.  Every wait is bounded
-(:mod:`mkernel.dist.hostwait`, :func:`~mkernel.dist.timeouts.host_wait_limit` of the timeout): the
-duplicate of the communicator is an ``Idup`` and the exchanges non-blocking allgathers.  MPI has no
-non-blocking communicator split, so each of the two splits runs right after a bounded collective that
-every rank completed: a rank that is missing is found by the bounded wait, and only a rank dying in
-between can still hold the others in a split.
+With MPI the hosts come from a shared-memory split of the communicator; with another bootstrap
+(:mod:`.bootstrap`) from an allgather of the host names, and the node and host communicators are
+Unix-socket groups (:mod:`.localgroup`).  Needs no GPU, so it is tested on the CPU.
+
+Every wait is bounded (:mod:`mkernel.dist.hostwait`, :func:`~mkernel.dist.timeouts.host_wait_limit` of
+the timeout): with MPI the duplicate of the communicator is an ``Idup`` and the exchange a non-blocking
+allgather; MPI has no non-blocking communicator split, so each of the two splits runs right after a
+bounded collective that every rank completed (only a rank dying in between can still hold the others
+in a split).  With another bootstrap the allgathers run on a helper thread waited for at most the limit.
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..core import env
 from . import hostwait
+from .bootstrap import MpiBootstrap, check_bootstrap, is_mpi_comm
 from .timeouts import DEFAULT_TIMEOUT_S, host_wait_limit
 
 __all__ = ["Topology"]
@@ -47,17 +52,19 @@ class Topology:
 
     @classmethod
     def from_comm(cls, comm=None, ranks_per_node: int | None = None, timeout: float | None = None) -> "Topology":
-        """Collective over ``comm``.  ``ranks_per_node`` (or env ``MKERNEL_RANKS_PER_NODE``) groups each
-        host's ranks, in host order, into emulated nodes of that many ranks.  ``world`` is a private
-        duplicate of ``comm`` (mkernel's exchanges never match the application's messages).  ``timeout``
-        (seconds, default 5) bounds every wait: a rank that does not join within
-        ``host_wait_limit(timeout)`` gives :class:`~mkernel.CommTimeout`."""
+        """Collective over ``comm``: an mpi4py communicator (default ``MPI.COMM_WORLD``) or a
+        :class:`~mkernel.dist.bootstrap.Bootstrap` (:meth:`from_bootstrap`).  ``ranks_per_node`` (or env
+        ``MKERNEL_RANKS_PER_NODE``) groups each host's ranks, in host order, into emulated nodes of that
+        many ranks.  With MPI, ``world`` is a private duplicate of ``comm`` (mkernel's exchanges never
+        match the application's messages).  ``timeout`` (seconds, default 5) bounds every wait: a rank
+        that does not join within ``host_wait_limit(timeout)`` gives :class:`~mkernel.CommTimeout`."""
+        if isinstance(comm, MpiBootstrap):
+            comm = comm.comm
+        if comm is not None and not is_mpi_comm(comm):
+            return cls.from_bootstrap(comm, ranks_per_node, timeout=timeout)
         from mpi4py import MPI
 
-        if ranks_per_node is None:
-            ranks_per_node = env.get("MKERNEL_RANKS_PER_NODE")
-        if ranks_per_node is not None and ranks_per_node <= 0:
-            raise ValueError(f"mkernel: ranks_per_node must be positive, got {ranks_per_node}")
+        ranks_per_node = _ranks_per_node(ranks_per_node)
         parent = comm if comm is not None else MPI.COMM_WORLD
         limit = host_wait_limit(DEFAULT_TIMEOUT_S if timeout is None else timeout)
         me = parent.Get_rank()
@@ -79,3 +86,55 @@ class Topology:
                    emulated=bool(ranks_per_node and ranks_per_node < host_size),
                    local_world_ranks=[int(r) for r in local_world_ranks], node_of_rank=[uniq.index(k) for k in keys],
                    world=world, node_comm=node_comm, host_comm=host_comm)
+
+    @classmethod
+    def from_bootstrap(cls, bootstrap, ranks_per_node: int | None = None, hostname: str | None = None,
+                       timeout: float | None = None) -> "Topology":
+        """Collective over a :class:`~mkernel.dist.bootstrap.Bootstrap`: hosts are the ranks that report the
+        same ``hostname`` (default ``socket.gethostname()``), in world-rank order; the node and host
+        communicators are Unix-socket groups (:func:`~mkernel.dist.localgroup.local_group`), ``world``
+        the bootstrap itself (:class:`~mkernel.dist.group.BootstrapGroup`: not a private duplicate, so
+        the application must not call it concurrently with mkernel).  The host names' allgather is
+        bounded by ``host_wait_limit(timeout)``."""
+        from .group import BootstrapGroup
+        from .localgroup import local_group
+
+        check_bootstrap(bootstrap)
+        ranks_per_node = _ranks_per_node(ranks_per_node)
+        world = BootstrapGroup(bootstrap)
+        rank, size = world.rank, world.size
+        limit = host_wait_limit(DEFAULT_TIMEOUT_S if timeout is None else timeout)
+        hosts = hostwait.group_allgather(world, hostname or socket.gethostname(), limit,
+                                         "mkernel.init (the host names)", rank)
+        host_members = {h: [r for r in range(size) if hosts[r] == h] for h in hosts}
+        keys = []
+        for r in range(size):
+            hm = host_members[hosts[r]]
+            keys.append((hm[0], hm.index(r) // ranks_per_node if ranks_per_node else 0))
+        uniq = sorted(set(keys))
+        node = uniq.index(keys[rank])
+        node_members = [r for r in range(size) if keys[r] == keys[rank]]
+        mine = host_members[hosts[rank]]
+        host_comm = local_group(world, mine)
+        emulated = bool(ranks_per_node and ranks_per_node < len(mine))
+        node_comm = local_group(world, node_members) if emulated else host_comm
+        return cls(rank=rank, size=size, node=node, num_nodes=len(uniq), local_rank=node_members.index(rank),
+                   local_size=len(node_members), host_rank=mine.index(rank), host_size=len(mine), emulated=emulated,
+                   local_world_ranks=node_members, node_of_rank=[uniq.index(k) for k in keys],
+                   world=world, node_comm=node_comm, host_comm=host_comm)
+
+    def close(self) -> None:
+        """Close the communicators that hold sockets (the non-MPI bootstrap's groups)."""
+        from .group import Group
+
+        for c in {id(c): c for c in (self.node_comm, self.host_comm)}.values():
+            if isinstance(c, Group):
+                c.close()
+
+
+def _ranks_per_node(ranks_per_node):
+    if ranks_per_node is None:
+        ranks_per_node = env.get("MKERNEL_RANKS_PER_NODE")
+    if ranks_per_node is not None and ranks_per_node <= 0:
+        raise ValueError(f"mkernel: ranks_per_node must be positive, got {ranks_per_node}")
+    return ranks_per_node

@@ -14,7 +14,8 @@
 * **agree** (first call of a key, ops across ranks): :class:`mkernel.dist.agreement.Agreement` -> the
   digest the kernels announce and compare on the device for every later call.
 * **plan**: the op's decisions (path, tile config, chunking), inspectable as ``last_plan``.
-* **bind**: a :class:`BoundCall` -- prepared launches, the buffers they use, zeroing before first use.
+* **bind**: a :class:`BoundCall` -- prepared launches, the buffers they use, zeroing before first use;
+  its plan is logged (:func:`mkernel.core.log.plan_line`: DEBUG, INFO for a fallback).
 * **run** (every call): the bound call is re-pointed at this call's arrays (tensor maps patched in
   place, pointer fields set) and submitted.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import threading
 
+from ..core.log import plan_line
 from ..core.streams import is_capturing, stream_handle
 from ..dist.opstate import STATE_CAPACITY, OpState
 
@@ -105,6 +107,10 @@ class Op:
     def bind(self, ctx, call, plan) -> BoundCall:
         raise NotImplementedError
 
+    def describe_call(self, call) -> str:
+        """The call's shapes and dtypes for the plan log line ("" when the plan says it all)."""
+        return ""
+
     def invoke(self, state: OpState, call, ctx=None) -> BoundCall:
         bound = state.get(call.key)
         if bound is None:
@@ -113,6 +119,7 @@ class Op:
             digest = self.agree(ctx, call)
             bound = self.bind(ctx, call, self.plan(ctx, call, digest))
             state.put(call.key, bound)
+            plan_line(self.name, getattr(ctx, "rank", None), lambda: self.describe_call(call), bound.plan)
         state.last_plan = bound.plan
         bound(call.stream, call)
         return bound

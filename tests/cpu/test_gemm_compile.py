@@ -147,8 +147,9 @@ def fake(monkeypatch, mkenv):
 
 
 def _no_device(monkeypatch):
-    """The ops' device scopes (gemm / grouped_gemm, describe) as no-ops on device 0."""
+    """The ops' device scopes (gemm / grouped_gemm, describe) as no-ops on device 0, a Hopper."""
     monkeypatch.setattr(GA, "on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
+    monkeypatch.setattr(GA, "require_gemm_device", lambda what, device: None)
     monkeypatch.setattr(GP, "_on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
 
 

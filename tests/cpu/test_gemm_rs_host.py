@@ -137,6 +137,7 @@ def env(monkeypatch):
         dict(rs=(x.ptr, x.shape, o.ptr, o.shape, stream))))
     monkeypatch.setattr(DeviceArray, "empty", classmethod(lambda cls, shape, dtype, device=None: arr(shape, dtype)))
     monkeypatch.setattr(BASE, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(OPM, "require_gemm_device", lambda what, device: None)  # (a Hopper, as far as the op asks)
     monkeypatch.setattr(OPM, "_OP", OPM.GemmReduceScatter())  # (options seen by other tests' op object)
     yield FakeCtx(), log
 

@@ -335,6 +335,7 @@ def test_an_exception_in_the_proxy_thread_reaches_ctx_check(monkeypatch):
     ctx.agreement = Agreement(0, lambda: 1.0)
     ctx.error_record = ErrorRecordView(ctypes.addressof(rec), [0, 1])
     ctx.world = TwoRanks()
+    ctx.topology = types.SimpleNamespace(close=lambda: None)
     ctx.workspace = lambda key, nbytes: types.SimpleNamespace(ptr=0, nbytes=nbytes, freed=False)
     st = internode._State(ctx, "all_gather", 1 << 16)  # the real wiring: on_error, add_check, add_closer
     ctx.check()

@@ -31,14 +31,13 @@ with its peers' on the device.
 """
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver as cu
 
-from ...core import env
+from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel, precompile_source
 from ...core.driver import check
@@ -406,11 +405,6 @@ def _check_overlaps(A: DeviceArray, B: DeviceArray, O, GA) -> None:
                             (GA, "gathered_a", B, "b")))
 
 
-def _log(ctx, p: AgPlan) -> None:
-    if env.get("MKERNEL_LOG", "") not in ("", "0"):
-        print(f"{WHAT}[rank {ctx.rank}]: {p.describe()}", file=sys.stderr, flush=True)
-
-
 def _has_workspace(ms, K: int) -> bool:
     """Whether a call of these agreed row counts moves anything between ranks (else: the plain GEMM)."""
     return len(ms) > 1 and sum(ms) > 0 and K > 0
@@ -453,6 +447,7 @@ class AgGemm(Op):
     def validate(self, ctx, call):
         """Every check that needs no other rank's values (out's and gathered_a's row counts, which need the
         agreed sum of every rank's rows, are checked in :meth:`plan` when m_sizes is not given)."""
+        require_gemm_device(WHAT, ctx.device)
         A, B, M_r, K, N, _ = G.check_arrays(call.a, call.b, call.b_layout, what=WHAT, a_name="a_shard")
         O, GA = call.o, call.ga
         for X, nm in ((A, "a_shard"), (B, "b"), (O, "out"), (GA, "gathered_a")):
@@ -614,7 +609,6 @@ class AgGemm(Op):
         sigs[call.local_sig] = ag
         while len(sigs) > SIGS_MAX:
             sigs.popitem(last=False)
-        _log(ctx, p)
         return ag
 
     def plan(self, ctx, call, digest):

@@ -125,6 +125,11 @@ class AgPlan:
     split_from: int = 0             # partial wave of the workers' tile order; 1 = none)
     ce_group_max: int = 1           # fused_ce: the largest copy group, in chunks (ce_copy_groups)
 
+    @property
+    def fallback(self) -> str:
+        """Why the ranks' rows are gathered before the GEMM instead of during it ("" when they are not)."""
+        return f"all-gather, then GEMM ({self.reason})" if self.path == "unfused" and self.P > 1 else ""
+
     def describe(self) -> str:
         us = lambda t: f"{t * 1e6:.1f}us" if math.isfinite(t) else "n/a"  # noqa: E731
         split = f" splits={self.splits} from tile {self.split_from}" if self.splits > 1 else ""

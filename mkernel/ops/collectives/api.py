@@ -290,6 +290,9 @@ class _Collective(Op):
         CE phases) of this op's call."""
         raise NotImplementedError
 
+    def describe_call(self, call):
+        return f"{call.x.dtype.name}{list(call.x.shape)} -> {list(call.o.shape)}"
+
     def plan(self, ctx, call, digest):
         X, O = call.x, call.o
         if O.size == 0 or X.size == 0:

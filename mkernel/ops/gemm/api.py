@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import precompile_source
 from ...core.device import on_device
@@ -87,6 +88,7 @@ class _Gemm(Op):
         return result
 
     def validate(self, ctx, call):
+        require_gemm_device(self.what, call.A.device)
         o = checked_once(call.options)
         if o.swap and call.b_layout != "nk":
             raise ValueError('mkernel.gemm: swap=True needs b_layout="nk" (B [N, K] as the transposed '
@@ -97,6 +99,10 @@ class _Gemm(Op):
         prepare_out(call.O, call.out_dtype, call.A.dtype.name, (call.M, call.N), call.A.device)
         if call.O.readonly:
             raise ValueError(f"{self.what}: out is read-only memory but the op writes it")
+
+    def describe_call(self, call):
+        return (f"M={call.M} N={call.N} K={call.K} {call.A.dtype.name} -> {call.O.dtype.name} "
+                f"b_layout={call.b_layout}")
 
     def plan(self, ctx, call, digest):
         return None  # (planned and bound together: plan.bind_gemm)
@@ -141,6 +147,7 @@ class _Grouped(Op):
         return result
 
     def validate(self, ctx, call):
+        require_gemm_device(self.what, call.A.device)
         o = checked_once(call.options)
         if o.config is not None and CONFIGS[o.config].cluster > 1:
             raise ValueError(f"{self.what}: config {o.config} runs in clusters of blocks; grouped problems "
@@ -158,6 +165,10 @@ class _Grouped(Op):
         prepare_out(call.O, call.out_dtype, call.A.dtype.name, (call.M, call.N), call.A.device)
         if call.O.readonly:
             raise ValueError(f"{self.what}: out is read-only memory but the op writes it")
+
+    def describe_call(self, call):
+        return (f"T={call.M} N={call.N} K={call.K} G={call.G} {call.A.dtype.name} -> {call.O.dtype.name} "
+                f"b_layout={call.b_layout}")
 
     def plan(self, ctx, call, digest):
         return None

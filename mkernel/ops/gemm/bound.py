@@ -29,6 +29,14 @@ class GemmPlan:
     dependent: bool = False
     staged: tuple = ()  # the operands staged into padded copies first ("a", "b")
 
+    @property
+    def fallback(self) -> str:
+        """Why this plan is slower than reading the operands in place ("" when it is not)."""
+        if not self.staged:
+            return ""
+        return (f"{' and '.join(self.staged)} staged into padded copies first (TMA needs 16-byte aligned bases and "
+                "row strides and a unit inner stride)")
+
 
 class GemmBound(BoundCall):
     """A GEMM bound to one layout of its operands: prepared launches (staging copies, the kernel), the

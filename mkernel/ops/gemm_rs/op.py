@@ -22,6 +22,7 @@ from dataclasses import replace
 import numpy as np
 from cuda.bindings import driver as cu
 
+from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel
 from ...core.driver import check
@@ -289,6 +290,7 @@ class GemmReduceScatter(Op):
 
     # ---- first call of a key ----------------------------------------------------------------
     def validate(self, ctx, call):
+        require_gemm_device(WHAT, ctx.device)
         if ctx.num_nodes != 1:
             raise ValueError(f"{WHAT}: runs among the ranks of one node (NVLink); this context has "
                              f"{ctx.num_nodes} nodes")

@@ -60,6 +60,11 @@ class RsPlan:
     digest: int = field(default=0, repr=False)
 
     @property
+    def fallback(self) -> str:
+        """Why the GEMM runs before the reduce-scatter instead of fused with it ("" when it does not)."""
+        return f"GEMM, then reduce-scatter ({self.reason})" if self.path == "unfused" and self.P > 1 else ""
+
+    @property
     def offs(self) -> tuple:
         return row_offsets(self.m_sizes)
 

@@ -1,31 +1,26 @@
 """Connection set-up exchange: ``allgather`` of small plain values between ranks.
 
 Transports only need ``rank``, ``size``, ``allgather(obj) -> list`` (index = rank) and
-``barrier()``.  :class:`MpiExchanger` wraps an mpi4py communicator; :class:`SocketExchanger` is a
+``barrier()``.  :class:`MpiExchanger` wraps an mpi4py communicator (or a context's communicator over
+another bootstrap, :mod:`mkernel.dist.group`: the same methods); :class:`SocketExchanger` is a
 tiny TCP rendezvous (rank 0 listens at ``host:port``) for processes started without MPI (the
 soft-RoCE VM tests, ``bench/proxy.py --socket``).  :func:`as_exchanger` accepts either, or an mpi4py
 comm.  Every wait of both is bounded: :class:`MpiExchanger` through non-blocking MPI collectives with a
-deadline (run by an :class:`~mkernel.dist.agreement.Agreement`, which breaks on a timeout),
-:class:`SocketExchanger` through socket timeouts; a rank that does not answer in time is a
-:class:`~mkernel.CommError` (:class:`~mkernel.CommTimeout` from MPI).  A context whose inter-node set-up
-fails is failed from then on (mkernel/ops/collectives/internode.py).
+deadline, or a group's allgather on a helper thread (run by an :class:`~mkernel.dist.agreement.Agreement`,
+which breaks on a timeout), :class:`SocketExchanger` through socket timeouts; a rank that does not
+answer in time is a :class:`~mkernel.CommError` (:class:`~mkernel.CommTimeout` from MPI).  A context
+whose inter-node set-up fails is failed from then on (mkernel/ops/collectives/internode.py).
 
 What the transports exchange: host names, ``(address, port)`` tuples, the TCP job secret
 (bytes), verbs QP descriptions (dicts keyed by rank with ints, strings and lists of tuples),
 ``("error", message)`` tuples and None.  :class:`SocketExchanger` carries exactly these through
-:func:`encode` / :func:`decode`: JSON in which every object is a one-key tag (``{"b": base64}``
-bytes, ``{"t": [...]}`` tuple, ``{"d": [[key, value], ...]}`` dict with keys of any of these
-types), so whatever a peer sends decodes to plain data and nothing else (never pickle: unpickling
-socket data runs code).  The rendezvous is authenticated with a shared token (argument or
-``$MKERNEL_EXCHANGE_TOKEN``; mutual HMAC challenge-response, :mod:`.auth`) and every message is
-bounded (:data:`MAX_MESSAGE`).
+:func:`encode` / :func:`decode` (:mod:`mkernel.dist.wire`: tagged JSON that decodes to plain data and
+nothing else; never pickle: unpickling socket data runs code).  The rendezvous is authenticated
+with a shared token (argument or ``$MKERNEL_EXCHANGE_TOKEN``; mutual HMAC challenge-response,
+:mod:`.auth`) and every message is bounded (:data:`MAX_MESSAGE`).
 """
 from __future__ import annotations
 
-import base64
-import json
-import math
-import operator
 import os
 import socket
 import struct
@@ -33,6 +28,7 @@ import time
 
 from ...dist.agreement import Agreement
 from ...dist.timeouts import validate_timeout
+from ...dist.wire import decode, encode
 from ...errors import CommError
 from .auth import accept_peers, connect_peer
 
@@ -56,10 +52,10 @@ class Exchanger:
 
 
 class MpiExchanger(Exchanger):
-    """Over an mpi4py communicator: plain values (:func:`encode`) through bounded non-blocking
-    collectives.  ``host``: the :class:`~mkernel.dist.agreement.Agreement` to run them through (a
-    context's, sharing its timeout and its broken state), else a private one under ``timeout`` seconds
-    (default 30); every wait is bounded by its ``limit``."""
+    """Over an mpi4py communicator or a :class:`~mkernel.dist.group.Group`: plain values (:func:`encode`)
+    through bounded collectives.  ``host``: the :class:`~mkernel.dist.agreement.Agreement` to run them
+    through (a context's, sharing its timeout and its broken state), else a private one under ``timeout``
+    seconds (default 30); every wait is bounded by its ``limit``."""
 
     WHAT = "inter-node transport set-up"
 
@@ -85,69 +81,6 @@ class MpiExchanger(Exchanger):
 
     def barrier(self):
         self.host.barrier(self.WHAT, self.comm)
-
-
-def _tag(obj):
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        if not math.isfinite(obj):
-            raise ValueError(f"exchange: cannot send the non-finite float {obj!r}")
-        return float(obj)
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return {"b": base64.b64encode(bytes(obj)).decode("ascii")}
-    if isinstance(obj, tuple):
-        return {"t": [_tag(x) for x in obj]}
-    if isinstance(obj, list):
-        return [_tag(x) for x in obj]
-    if isinstance(obj, dict):
-        return {"d": [[_tag(k), _tag(v)] for k, v in obj.items()]}
-    if hasattr(obj, "__index__"):  # numpy integers
-        return operator.index(obj)
-    raise TypeError(f"exchange: cannot send a {type(obj).__name__} (plain values only: None, bool, int, float, "
-                    "str, bytes, tuple, list, dict)")
-
-
-def _untag(x):
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, list):
-        return [_untag(v) for v in x]
-    if isinstance(x, dict) and len(x) == 1:
-        (k, v), = x.items()
-        if k == "b" and isinstance(v, str):
-            return base64.b64decode(v.encode("ascii"), validate=True)
-        if k == "t" and isinstance(v, list):
-            return tuple(_untag(e) for e in v)
-        if k == "d" and isinstance(v, list) and all(isinstance(e, list) and len(e) == 2 for e in v):
-            out = {}
-            for ek, ev in v:
-                key = _untag(ek)
-                try:
-                    out[key] = _untag(ev)
-                except TypeError:
-                    raise ValueError(f"unhashable dict key {key!r}") from None
-            return out
-    raise ValueError(f"not a tagged value: {str(x)[:80]}")
-
-
-def encode(obj) -> bytes:
-    """``obj`` (plain values: None, bool, int, float, str, bytes, tuple, list, dict) as bytes."""
-    return json.dumps(_tag(obj), separators=(",", ":"), allow_nan=False).encode()
-
-
-def decode(data: bytes):
-    """The value :func:`encode` made; ValueError for anything else (malformed or foreign input)."""
-    try:
-        return _untag(json.loads(data.decode("utf-8"), parse_constant=_no_constant))
-    except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as exc:
-        raise ValueError(f"exchange: undecodable message: {exc}") from None
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not allowed")
 
 
 def _recv_exact(s: socket.socket, n: int) -> bytes:
