@@ -7,7 +7,11 @@ probes in ``experiments/`` and the tools in ``tools/``, which put ``bench/`` on 
 * :func:`time_stats`: CUDA-event timing of back-to-back calls on torch's current
   stream, median over batches, with an MPI barrier before every batch.
 * :func:`max_over_ranks`, :func:`all_ranks_ok`: cross-rank reductions over an mpi4py communicator.
-* :func:`markdown_table`, :func:`write_json`, :func:`plot_panels`, :func:`fmt_bytes`, :func:`fmt_or_na`: output.
+* :class:`Methods`, :func:`reps_for`, :func:`rel_err`: the fused-op benches' per-shape protocol -- every
+  method run once and checked against the reference, the ones that ran on every rank timed in alternating
+  rounds, GPU and host time per call recorded as the max over ranks.
+* :func:`markdown_table`, :func:`write_json`, :func:`plot_panels`, :func:`plot_by_m`, :func:`write_report`,
+  :func:`merge_results`, :func:`fmt_bytes`, :func:`fmt_or_na`: output.
 
 torch, mpi4py and matplotlib are imported inside the functions that need them, so this module
 imports with the standard library alone.
@@ -351,3 +355,133 @@ def fmt_or_na(v, fmt: str) -> str:
     """``format(v, fmt)``, or "n/a" for None / NaN (a baseline that did not run)."""
     return "n/a" if v is None or v != v else format(v, fmt)
 
+
+# ------------------------------------------------------------------------------------ fused-op benches
+def reps_for(est_ms: float, quick: bool) -> dict:
+    """Warm-up calls, timed rounds and calls per batch for a method of about ``est_ms`` per call (a batch of
+    about 4 ms, at most 20 calls)."""
+    batch = int(min(20, max(1, round(4.0 / max(est_ms, 1e-3)))))
+    return {"warmup": 2 if est_ms > 5 else 5, "reps": 3 if quick else 7, "batch": batch}
+
+
+def rel_err(torch, got, ref) -> float:
+    """Relative Frobenius error of torch tensor ``got`` against ``ref``; inf for a NaN (unwritten) output."""
+    g, r = got.float(), ref.float()
+    if torch.isnan(g).any():
+        return float("inf")
+    return float(torch.linalg.norm(g - r) / torch.linalg.norm(r).clamp_min(1e-30))
+
+
+class Methods:
+    """The methods of one shape: :meth:`add` runs a method once (errors and a mismatch against the reference
+    are noted in ``rec``: ``<key>_note``, ``<key>_err``), :meth:`time` times every method that ran on every
+    rank in alternating rounds (:func:`time_interleaved`, GPU time behind a host lead) and stores
+    ``<key>_ms`` / ``<key>_host_ms`` (max over ranks; None where a method did not run)."""
+
+    def __init__(self, ctx, rec: dict, rel_tol: float = 1e-2):
+        self.ctx, self.rec, self.rel_tol, self.fns = ctx, rec, rel_tol, {}
+
+    def add(self, key: str, fn, check=None) -> bool:
+        import torch
+
+        try:
+            fn()
+            torch.cuda.synchronize()
+            self.ctx.check()
+            if check is not None:
+                err = check()
+                self.rec[key + "_err"] = err
+                if not err < self.rel_tol:
+                    self.rec[key + "_note"] = f"MISMATCH rel err {err:.2e}"
+            self.fns[key] = fn
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.rec[key + "_note"] = f"{type(exc).__name__}: {exc}"[:300]
+            return False
+
+    def time(self, rp: dict, keys) -> dict:
+        comm = self.ctx.world
+        common = set.intersection(*[set(m) for m in comm.allgather(list(self.fns))])
+        stats = {}
+        try:
+            stats = time_interleaved({k: f for k, f in self.fns.items() if k in common}, rp["warmup"], rp["reps"],
+                                     rp["batch"], barrier=comm.Barrier, host_lead=True,
+                                     agree=lambda v: max(comm.allgather(v)))
+            self.ctx.check()
+        except Exception as exc:  # noqa: BLE001
+            self.rec["timing_note"] = f"{type(exc).__name__}: {exc}"[:300]
+            stats = {}
+        for key in keys:
+            self.rec[key + "_ms"] = max_over_ranks(stats[key]["median_ms"], comm)[0] if key in stats else None
+            self.rec[key + "_host_ms"] = max_over_ranks(stats[key]["host_ms"], comm)[0] if key in stats else None
+        return stats
+
+
+def plot_by_m(results, path, title: str, series, floor_key: str | None = None, ylabel: str = "TFLOP/s per GPU",
+              value=None, xlabel: str = "total M (tokens)", logy: bool = False) -> None:
+    """One PNG, one panel per shape name (in order of appearance), x = M (log2 axis): ``series`` is
+    ``[(key, label, matplotlib fmt)]`` plotted as ``value(rec, key)`` (default ``rec[key + "_tflops"]``);
+    ``floor_key``: also ``flops_per_gpu / rec[floor_key]`` as a dotted grey line (no overlap loss)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    value = value or (lambda r, k: r.get(k + "_tflops"))
+    groups = []
+    for r in results:
+        if r["name"] not in groups:
+            groups.append(r["name"])
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.0), squeeze=False)
+    for ax, name in zip(axes[0], groups):
+        rs = [r for r in results if r["name"] == name]
+        xs = [r["M"] for r in rs]
+        for key, label, style in series:
+            pts = [(x, value(r, key)) for x, r in zip(xs, rs) if value(r, key)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
+        if floor_key is not None:
+            fl = [(r["M"], r["flops_per_gpu"] / (r[floor_key] * 1e-3) / 1e12) for r in rs if r.get(floor_key)]
+            if fl:
+                ax.plot([p[0] for p in fl], [p[1] for p in fl], ":", color="gray", label="floor (no overlap loss)")
+        ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs], rotation=45)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if not logy:
+            ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out_dir, stem: str, text: str, meta: dict, results: list, plot=None) -> str:
+    """``<out_dir>/<stem>.md`` (``text``), ``.json`` (meta and results) and, with ``plot(path)``, ``.png`` (a
+    plot that fails is reported, not raised); returns ``text``."""
+    import traceback
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(text)
+    write_json(out_dir / f"{stem}.json", {"meta": meta, "results": results})
+    if plot is not None:
+        try:
+            plot(out_dir / f"{stem}.png")
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    return text
+
+
+def merge_results(files) -> tuple[dict, list]:
+    """(meta, results) of several runs' JSON reports merged (the first run's meta, elapsed times summed)."""
+    parts = [json.loads(Path(f).read_text()) for f in files]
+    meta = dict(parts[0]["meta"], elapsed_s=sum(p["meta"]["elapsed_s"] for p in parts))
+    return meta, [r for p in parts for r in p["results"]]

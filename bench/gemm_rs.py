@@ -70,16 +70,7 @@ def shapes(P: int, quick: bool):
     return out + [("sweep M=N", m, m, m // 16) for m in SWEEP]
 
 
-def reps_for(est_ms: float, quick: bool) -> dict:
-    batch = int(min(20, max(1, round(4.0 / max(est_ms, 1e-3)))))
-    return {"warmup": 2 if est_ms > 5 else 5, "reps": 3 if quick else 7, "batch": batch}
-
-
-def rel_err(torch, got, ref) -> float:
-    g, r = got.float(), ref.float()
-    if torch.isnan(g).any():
-        return float("inf")
-    return float(torch.linalg.norm(g - r) / torch.linalg.norm(r).clamp_min(1e-30))
+reps_for, rel_err = C.reps_for, C.rel_err
 
 
 class TorchSymmMem:
@@ -106,7 +97,7 @@ class TorchSymmMem:
 def measure_shape(ctx, torch, dist, mk, symm, name, M, N, K, quick):
     from mkernel.core.interop import as_device_array
 
-    P, comm = ctx.local_size, ctx.world
+    P = ctx.local_size
     dev = torch.device("cuda", ctx.device)
     Mr = M // P
     g = torch.Generator(device=dev)
@@ -139,22 +130,8 @@ def measure_shape(ctx, torch, dist, mk, symm, name, M, N, K, quick):
     def ours_rs():
         mk.reduce_scatter(ctx, PO, RO, stream=sh)
 
-    methods = {}
-
-    def prepare(key, fn, check=None):
-        try:
-            fn()
-            torch.cuda.synchronize()
-            ctx.check()
-            if check is not None:
-                err = check()
-                rec[key + "_err"] = err
-                if not err < REL_TOL:
-                    rec[key + "_note"] = f"MISMATCH rel err {err:.2e}"
-            methods[key] = fn
-        except Exception as exc:  # noqa: BLE001
-            rec[key + "_note"] = f"{type(exc).__name__}: {exc}"[:300]
-
+    methods = C.Methods(ctx, rec, REL_TOL)
+    prepare = methods.add
     prepare("nccl", cublas_nccl)  # also the reference c_ref
     prepare("ours", ours_auto, lambda: rel_err(torch, c_ours, c_ref))
     plan = ctx.last_plan("gemm_rs")
@@ -179,19 +156,7 @@ def measure_shape(ctx, torch, dist, mk, symm, name, M, N, K, quick):
         prepare("forced", lambda: mk.gemm_reduce_scatter(ctx, A, W, CO, b_layout="nk", stream=sh, options=opts),
                 lambda: rel_err(torch, c_ours, c_ref))
         rec["forced_path"] = alt
-    common = set.intersection(*[set(m) for m in comm.allgather(list(methods))])
-    stats = {}
-    try:
-        stats = C.time_interleaved({k: f for k, f in methods.items() if k in common}, rp["warmup"], rp["reps"],
-                                   rp["batch"], barrier=comm.Barrier, host_lead=True,
-                                   agree=lambda v: max(comm.allgather(v)))
-        ctx.check()
-    except Exception as exc:  # noqa: BLE001
-        rec["timing_note"] = f"{type(exc).__name__}: {exc}"[:300]
-        stats = {}
-    for key in ("nccl", "ours", "gemm", "rs", "symm", "forced"):
-        rec[key + "_ms"] = C.max_over_ranks(stats[key]["median_ms"], comm)[0] if key in stats else None
-        rec[key + "_host_ms"] = C.max_over_ranks(stats[key]["host_ms"], comm)[0] if key in stats else None
+    methods.time(rp, ("nccl", "ours", "gemm", "rs", "symm", "forced"))
     t = {k: rec.get(k + "_ms") for k in ("nccl", "symm", "gemm", "rs", "ours", "forced")}
     ok = lambda v: v is not None and v == v and v > 0  # noqa: E731
     if ok(t["gemm"]) and ok(t["rs"]):
@@ -242,51 +207,14 @@ def report(results, meta, out_dir: Path) -> str:
           C.markdown_table(headers, rows)]
     if symm_notes:
         md += ["", "(b) unavailable: " + " / ".join(symm_notes)]
-    text = "\n".join(md) + "\n"
-    (out_dir / "gemm_rs_bench.md").write_text(text)
-    C.write_json(out_dir / "gemm_rs_bench.json", {"meta": meta, "results": results})
-    try:
-        plot(results, out_dir / "gemm_rs_bench.png", meta)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-    return text
+    return C.write_report(out_dir, "gemm_rs_bench", "\n".join(md) + "\n", meta, results,
+                          lambda path: plot(results, path, meta))
 
 
 def plot(results, path: Path, meta) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = []
-    for r in results:
-        if r["name"] not in groups:
-            groups.append(r["name"])
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.0), squeeze=False)
-    series = [("nccl", "(a) cuBLAS+NCCL", "s--"), ("symm", "(b) torch symm", "^--"), ("ours", "(d) mkernel", "o-")]
-    for ax, name in zip(axes[0], groups):
-        rs = [r for r in results if r["name"] == name]
-        xs = [r["M"] for r in rs]
-        for key, label, style in series:
-            pts = [(x, r.get(key + "_tflops")) for x, r in zip(xs, rs) if r.get(key + "_tflops")]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4)
-        fl = [(r["M"], r["flops_per_gpu"] / (r["floor_ms"] * 1e-3) / 1e12) for r in rs if r.get("floor_ms")]
-        if fl:
-            ax.plot([p[0] for p in fl], [p[1] for p in fl], ":", color="gray", label="floor (no overlap loss)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([str(x) for x in xs], rotation=45)
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("total M (tokens)")
-        ax.set_ylabel("TFLOP/s per GPU")
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"GEMM + ReduceScatter, {meta['P']} x {meta['gpu']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.plot_by_m(results, path, f"GEMM + ReduceScatter, {meta['P']} x {meta['gpu']}",
+                [("nccl", "(a) cuBLAS+NCCL", "s--"), ("symm", "(b) torch symm", "^--"), ("ours", "(d) mkernel", "o-")],
+                floor_key="floor_ms")
 
 
 def main() -> int:
@@ -301,14 +229,8 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.monotonic()
     if args.merge:
-        import json
-
-        parts = [json.loads(Path(f).read_text()) for f in args.merge]
-        meta = dict(parts[0]["meta"], elapsed_s=sum(p["meta"]["elapsed_s"] for p in parts))
-        results = [r for p in parts for r in p["results"]]
-        out_dir = Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        print(report(results, meta, out_dir), flush=True)
+        meta, results = C.merge_results(args.merge)
+        print(report(results, meta, Path(args.out)), flush=True)
         return 0
 
     ctx = C.bootstrap()

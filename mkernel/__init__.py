@@ -22,6 +22,7 @@ from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaErro
 from .ops.ag_gemm import AgGemmOptions, ag_gemm
 from .ops.collectives import CollectiveOptions, all_gather, all_reduce, reduce_scatter
 from .ops.gemm import GemmOptions, gemm, grouped_gemm
+from .ops.gemm_ar import GemmArOptions, gemm_all_reduce
 from .ops.gemm_rs import GemmRsOptions, gemm_reduce_scatter
 
 __version__ = "0.1.0"
@@ -29,6 +30,6 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Context", "Topology", "Bootstrap", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
     "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm", "gemm_reduce_scatter",
-    "CollectiveOptions", "GemmOptions", "AgGemmOptions", "GemmRsOptions",
+    "gemm_all_reduce", "CollectiveOptions", "GemmOptions", "AgGemmOptions", "GemmRsOptions", "GemmArOptions",
     "MkernelError", "CudaError", "DeviceError", "CompileError", "CommError", "CommMismatch", "CommTimeout",
 ]

@@ -6,123 +6,13 @@ should.  The context is a stand-in, arrays carry fake device pointers, kernels a
 nothing touches a GPU."""
 from __future__ import annotations
 
-import ctypes
-
-import numpy as np
 import pytest
 
+from _comm_fakes import FakeCtx, FakeKernel, FakeMap, arr, launches
 from mkernel.core.arrays import DeviceArray
-from mkernel.dist.signals import MkComm
 from mkernel.ops import base as BASE
-from mkernel.ops.base import OpState
 from mkernel.ops.gemm_rs import GemmRsOptions
 from mkernel.ops.gemm_rs import op as OPM
-from mkernel.ops.gemm_rs.layout import RsArgs
-
-_next = [1 << 20]
-
-
-def arr(shape, dtype="bfloat16", device=0, ptr=None, strides=None, readonly=False):
-    p = ptr if ptr is not None else _next[0]
-    a = DeviceArray(p, shape, dtype, strides, device, None, readonly=readonly)
-    _next[0] += max(1 << 24, (a.nbytes + 4095) // 4096 * 4096)
-    return a
-
-
-class FakeWs:
-    def __init__(self, nbytes, n):
-        self.ptr, self.peer_table, self.nbytes = (1 << 40) + n * (1 << 36), (1 << 41) + n * (1 << 36), nbytes
-
-
-class FakeComm:
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-    def allgather(self, x):
-        return [x] + [self.ctx.peer_sig or x] * (self.ctx.local_size - 1)
-
-
-class FakeCtx:
-    device, rank, local_rank, num_nodes, sm_count = 0, 0, 0, 1, 132
-
-    def __init__(self, P=2, ks=None):
-        self.size = self.local_size = P
-        self.ks = ks  # K_r of every rank (None: this rank's everywhere)
-        self.peer_sig = None  # a different signature on the other ranks
-        self.agreed, self.exchanges, self.workspaces = [], [], []
-        self.states = {}
-        self.workspace_generation = 0
-        self.node_comm = FakeComm(self)
-
-    def check(self):
-        pass
-
-    def agree(self, what, signature, comm=None):
-        self.agreed.append((what, signature))
-        return 0x7000 + len(self.agreed)
-
-    def bounded_allgather(self, vec, what, comm=None):
-        self.exchanges.append((what, tuple(vec)))
-        rows = np.tile(np.asarray(vec, dtype=np.int64), (self.local_size, 1))
-        if self.ks is not None:
-            rows[:, 1] = self.ks
-        if self.peer_sig is not None:
-            rows[1:, 0] += 1
-        return rows
-
-    def op_state(self, name):
-        return self.states.setdefault(name, OpState(name))
-
-    def last_plan(self, name):
-        return self.states[name].last_plan
-
-    def workspace(self, key, nbytes, stream=None, what=""):
-        self.workspaces.append((key, nbytes))
-        return FakeWs(nbytes, self.workspace_generation)
-
-    def comm_args(self, op, sig=0):
-        c = MkComm()
-        c.sig = sig
-        return c
-
-
-class FakeMap:
-    def __init__(self, ptr, dtype, dims, strides, box):
-        self.ptr, self.spec = ptr, (dtype, tuple(dims), tuple(strides), tuple(box))
-        self.buf = ctypes.create_string_buffer(ptr.to_bytes(8, "little"), 128)
-        self.raw = self.buf.raw
-
-    def point(self, ptr):
-        self.ptr = ptr
-        self.buf[0:8] = ptr.to_bytes(8, "little")
-
-
-def _value(a):
-    if isinstance(a, RsArgs):
-        return dict(ws=a.ws, peers=a.peers, c=a.c, ldc=a.ldc, K=a.K, c_tma=a.c_tma, c_vec_ok=a.c_vec_ok, P=a.rows.P,
-                    me=a.rows.me, N=a.rows.N, offs=list(a.rows.offs[:a.rows.P + 1]), flags_off=a.L.flags_off,
-                    data_off=a.L.data_off, slot_bytes=a.L.slot_bytes)
-    if isinstance(a, MkComm):
-        return dict(sig=a.sig)
-    return int.from_bytes(a.raw[:8], "little")  # a tensor map: its base address
-
-
-class FakeLaunch:
-    def __init__(self, log, name, args):
-        self.log, self.name, self.args = log, name, args
-
-    def submit(self):
-        self.log.append(dict(op=self.name, values=[_value(a) for a in self.args]))
-
-
-class FakeKernel:
-    def __init__(self, log, name):
-        self.log, self.name = log, name
-
-    def prepare(self, grid, block, args, *, stream=None, smem=0, cooperative=False, **kw):
-        self.log.append(dict(prepared=self.name, grid=grid, block=block, smem=smem, cooperative=cooperative,
-                             stream=stream))
-        return FakeLaunch(self.log, self.name, list(args))
 
 
 @pytest.fixture
@@ -140,10 +30,6 @@ def env(monkeypatch):
     monkeypatch.setattr(OPM, "require_gemm_device", lambda what, device: None)  # (a Hopper, as far as the op asks)
     monkeypatch.setattr(OPM, "_OP", OPM.GemmReduceScatter())  # (options seen by other tests' op object)
     yield FakeCtx(), log
-
-
-def launches(log):
-    return [e for e in log if "values" in e]
 
 
 def call(ctx, a, b, out=None, **kw):

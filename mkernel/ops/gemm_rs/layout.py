@@ -16,42 +16,24 @@ for itself (its own partial stays in registers): P - 1 slots, not P.
 from __future__ import annotations
 
 import ctypes
-import math
 from dataclasses import dataclass
 
 from ...core.compiler import register_specialization
 from ...core.util import round_up
-from ...dist.signals import MAX_CHUNKS, workspace_control
+from ...dist.signals import workspace_control
 from .. import gemm as G  # the GEMM package's public planning API
+from ..gemm_comm import (FLAG_ROWS_PER_SOURCE, FLAGS_PER_SOURCE, MAXP, OwnerRows, RsLayout, Tile, owner_tiles, raster,
+                         row_offsets, tile_order)
 
 __all__ = ["SOURCE", "MAXP", "FUSED_CONFIGS", "FLAG_ROWS_PER_SOURCE", "FLAGS_PER_SOURCE", "RsLayout", "OwnerRows",
-           "RsArgs", "split_rows", "row_offsets", "owner_tiles", "tile_order", "raster", "control_offsets",
+           "RsArgs", "split_rows", "row_offsets", "owner_tiles", "tile_order", "raster", "Tile", "control_offsets",
            "workspace_layout", "tile_bytes", "kernel_defines", "WsLayout"]
 
 SOURCE = "ops/gemm_rs.cu"
-MAXP = 16  # local ranks (the kernel keeps the owner in 4 bits of the tile id)
 # Tile configs of the fused kernel: cooperative, one slab per consumer warpgroup, no clusters (config 5's
 # 224-wide tile with B "nk" only, as for every GEMM kernel).
 FUSED_CONFIGS = (1, 2, 3, 4, 5)
-# Ready flags per source: FLAG_ROWS_PER_SOURCE rows of MAX_CHUNKS, one flag per tile of an owner; the
-# plan never gives an owner more tiles (32768: e.g. 16384 x 65536 output rows x columns of 128 x 256 tiles).
-FLAG_ROWS_PER_SOURCE = 32
-FLAGS_PER_SOURCE = FLAG_ROWS_PER_SOURCE * MAX_CHUNKS
 _DT = {"bfloat16": 0, "float16": 1, "float32": 2}  # mk_common.cuh MK_DTYPE_*
-
-
-class RsLayout(ctypes.Structure):
-    """``struct MkRsLayout`` of mk_gemm_comm.cuh."""
-
-    _fields_ = [("consumed_off", ctypes.c_uint64), ("flags_off", ctypes.c_uint64), ("data_off", ctypes.c_uint64),
-                ("slot_bytes", ctypes.c_uint64), ("flag_stride", ctypes.c_int32), ("pad", ctypes.c_int32)]
-
-
-class OwnerRows(ctypes.Structure):
-    """``struct MkOwnerRows`` of mk_gemm_comm.cuh."""
-
-    _fields_ = [("P", ctypes.c_int32), ("me", ctypes.c_int32), ("N", ctypes.c_int32), ("group_m", ctypes.c_int32),
-                ("offs", ctypes.c_int32 * (MAXP + 1))]
 
 
 class RsArgs(ctypes.Structure):
@@ -83,68 +65,12 @@ for _i in G.IN_DTYPES:
 
 
 # --------------------------------------------------------------------------------------------
-# the row split and the fused kernel's tile order
+# the row split (the fused kernel's tile order: mkernel.ops.gemm_comm.tile_order)
 # --------------------------------------------------------------------------------------------
 def split_rows(M: int, P: int) -> tuple:
     """The default split of M rows over P ranks: as even as possible, the first M % P ranks one more."""
     q, r = divmod(M, P)
     return tuple(q + (1 if j < r else 0) for j in range(P))
-
-
-def row_offsets(m_sizes) -> tuple:
-    """``offs`` with owner j's rows at ``[offs[j], offs[j+1])``."""
-    offs = [0]
-    for m in m_sizes:
-        offs.append(offs[-1] + int(m))
-    return tuple(offs)
-
-
-def owner_tiles(m: int, N: int, bm: int, bn: int) -> int:
-    """Output tiles of an owner of m rows (its own tile grid: no tile straddles two owners)."""
-    return math.ceil(m / bm) * math.ceil(N / bn)
-
-
-def raster(i: int, num_m: int, num_n: int, group_m: int) -> tuple:
-    """(tile row, tile column) of tile i in super-rows of group_m tile-rows (mk_gemm.cuh mk_raster)."""
-    per_group = group_m * num_n
-    gid = i // per_group
-    first_m = gid * group_m
-    gsz = min(num_m - first_m, group_m)
-    local = i - gid * per_group
-    return first_m + local % gsz, local // gsz
-
-
-@dataclass(frozen=True)
-class Tile:
-    """One tile of the fused kernel: owner, tile coordinates in the owner's grid, the flag index
-    (``tm * num_n + tn``), absolute first row (of A and of the full output), rows, first column, columns."""
-
-    owner: int
-    tm: int
-    tn: int
-    index: int
-    row0: int
-    rows: int
-    col0: int
-    cols: int
-
-
-def tile_order(m_sizes, N: int, bm: int, bn: int, me: int, group_m: int | None = None) -> list:
-    """Rank ``me``'s tiles in the kernel's unit order (mk_gemm_comm.cuh MkOwnerScheduler): owner me+1's
-    grid first, ..., this rank's own last; unit u runs on worker u % workers."""
-    group_m = G.GROUP_M if group_m is None else group_m
-    P, offs = len(m_sizes), row_offsets(m_sizes)
-    num_n = math.ceil(N / bn)
-    out = []
-    for k in range(1, P + 1):
-        owner = (me + k) % P
-        rows = offs[owner + 1] - offs[owner]
-        num_m = math.ceil(rows / bm)
-        for i in range(num_m * num_n):
-            tm, tn = raster(i, num_m, num_n, group_m)
-            out.append(Tile(owner, tm, tn, tm * num_n + tn, offs[owner] + tm * bm, min(bm, rows - tm * bm), tn * bn,
-                            min(bn, N - tn * bn)))
-    return out
 
 
 # --------------------------------------------------------------------------------------------

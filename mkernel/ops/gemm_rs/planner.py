@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .. import gemm as G  # the GEMM package's public planning API
+from ..gemm_comm import units_of_worker
 from .layout import (FLAGS_PER_SOURCE, FUSED_CONFIGS, MAXP, WsLayout, owner_tiles, row_offsets, split_rows,
                      tile_bytes, workspace_layout)
 from .options import CostModel, GemmRsOptions
@@ -103,13 +104,6 @@ def choose_fused_config(m_sizes, N: int, K: int, b_layout: str, sms: int, config
                            k=K, layout=b_layout, candidates=cands)
 
 
-def _count(lo: int, hi: int, w: int, W: int) -> int:
-    """Units u in [lo, hi) with u % W == w."""
-    def upto(n):  # u in [0, n) with u % W == w
-        return 0 if n <= w else (n - 1 - w) // W + 1
-    return upto(hi) - upto(lo)
-
-
 def fused_time(cfg, m_sizes, N: int, Ks, b_layout: str, partial_itemsize: int, sms: int, model: CostModel) -> float:
     """Predicted seconds of the fused call (the slowest rank's; see the module doc)."""
     P = len(m_sizes)
@@ -125,7 +119,8 @@ def fused_time(cfg, m_sizes, N: int, Ks, b_layout: str, partial_itemsize: int, s
         if total == 0:
             continue
         W = min(sms, total)
-        t_sm = max(_count(0, n_peer, w, W) * (t + push) + _count(n_peer, total, w, W) * (t + reduce) for w in range(W))
+        t_sm = max(units_of_worker(0, n_peer, w, W) * (t + push) + units_of_worker(n_peer, total, w, W) * (t + reduce)
+                   for w in range(W))
         sent, received = n_peer * tb, (P - 1) * tiles[r] * tb
         t_link = max(sent, received) / model.link_bw
         worst = max(worst, max(t_sm, t_link + t + reduce))
