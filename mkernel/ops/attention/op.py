@@ -206,8 +206,11 @@ class _AttentionBound(BoundCall):
     def __init__(self, call: _Call, plan: AttentionPlan):
         B, Sq, Sk, Hq, Hkv, D = call.dims
         self.plan = plan
-        self._q, self._k, self._v = (_map(x, call.layout, K.BM if x is call.q else K.BN)
-                                     for x in (call.q, call.k, call.v))
+        # no keys (S_k = 0): K and V are never read; their maps cover q (a valid, non-null address)
+        self._nokeys = Sk == 0
+        kv = (call.q, call.q) if self._nokeys else (call.k, call.v)
+        self._q = _map(call.q, call.layout, K.BM)
+        self._k, self._v = (_map(x, call.layout, K.BN) for x in kv)
         ext, st = _bshd(call.out, call.layout)
         self._args = K.AttnFwdArgs(call.out.ptr, call.lse.ptr, st[0], st[1], st[2], Sq, Sk, Hq, Hq // Hkv,
                                    call.scale * _LOG2E, int(plan.heavy_first))
@@ -218,8 +221,8 @@ class _AttentionBound(BoundCall):
 
     def run(self, stream, call) -> None:
         self._q.point(call.q.ptr)
-        self._k.point(call.k.ptr)
-        self._v.point(call.v.ptr)
+        self._k.point(call.q.ptr if self._nokeys else call.k.ptr)
+        self._v.point(call.q.ptr if self._nokeys else call.v.ptr)
         a = self._args
         a.out, a.lse, a.scale_log2 = call.out.ptr, call.lse.ptr, call.scale * _LOG2E
         if _context_handle() != self._ctx:
