@@ -184,8 +184,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     for (int s = 0; s < MK_STAGES; ++s) {
       mk_mbar_init(sm.k_full(s), 1);
       mk_mbar_init(sm.v_full(s), 1);
-      mk_mbar_init(sm.k_empty(s), 2);  // one arrival per consumer warpgroup
-      mk_mbar_init(sm.v_empty(s), 2);
+      // lane 0 of every consumer warp (a warp's wgmma.wait_group covers that warp's reads of the slot)
+      mk_mbar_init(sm.k_empty(s), 8);
+      mk_mbar_init(sm.v_empty(s), 8);
     }
     mk_mbar_init_fence();
   } else if (tid == 32) {
@@ -218,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   // ================= consumers =================
   mk_setmaxnreg_inc<MK_CONSUMER_REGS>();
   const int wg = tid / 128 - 1;
-  const bool leader = (tid & 127) == 0;
+  const bool leader = (tid & 31) == 0;  // arrives on the empty barriers for its warp
   int r0, c0;
   mk_wgmma_frag_origin(r0, c0);
   const int row = m0 + 64 * wg + r0;  // this thread's rows: row and row + 8

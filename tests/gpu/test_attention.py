@@ -13,12 +13,14 @@ Skipped without a Hopper GPU; about a minute on an H200 (mostly the float64 refe
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
 
 import mkernel
 from mkernel.core.arrays import DeviceArray
+from mkernel.core.compiler import precompile_source
 from mkernel.ops.attention import kernels as AK, last_plan
 
 from _util import download, poisoned, upload
@@ -31,15 +33,15 @@ TOL = {"bfloat16": (1e-2, 0.02), "float16": (3e-3, 0.005)}  # (relative Frobeniu
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    from mkernel.core.compiler import precompile_source
-    precompile_source(AK.SOURCE)  # every registered specialization, in parallel, into the disk cache
-    yield
+    """Every registered attention specialization compiled first, in parallel processes (disk cache)."""
+    precompile_source(AK.SOURCE)
 
 
 @pytest.fixture
 def rng(request):
-    seed = (SEED + sum(map(ord, request.node.name))) % (1 << 32)
-    print(f"seed={seed}")
+    """Fresh data per run; the printed seed (run seed mixed with the test id) reproduces a failure."""
+    seed = zlib.crc32(request.node.nodeid.encode(), SEED)
+    print(f"seed={seed} (run seed {SEED})")
     return np.random.default_rng(seed)
 
 
