@@ -16,7 +16,8 @@ import mkernel
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 # module-level functions users call that are not in mkernel.__all__
 EXTRA = ["mkernel.ops.gemm.last_plan", "mkernel.ops.gemm.describe", "mkernel.ops.gemm.precompile",
-         "mkernel.ops.ag_gemm.precompile", "mkernel.core.compiler.precompile", "mkernel.dist.bootstrap.MpiBootstrap"]
+         "mkernel.ops.ag_gemm.precompile",
+         "mkernel.ops.attention.last_plan", "mkernel.core.compiler.precompile", "mkernel.dist.bootstrap.MpiBootstrap"]
 _SIG_LINE = re.compile(r"^(mkernel(?:\.\w+)+)\((.*)\)\s*(?:->.*)?$")
 
 

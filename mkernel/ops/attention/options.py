@@ -1,0 +1,28 @@
+"""Options of :func:`mkernel.attention` (``options=``): a frozen dataclass, part of every bound-call key."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..base import options_hash
+
+__all__ = ["AttentionOptions"]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Options of :func:`mkernel.attention`.
+
+    ``heavy_first``: launch the query blocks from the last one to the first.  With ``causal=True`` the last
+    blocks have the most keys to visit; starting them first keeps the tail of the grid short (the blocks
+    that run last are the cheap ones).  Without a mask every block costs the same and the order does not
+    matter.  docs/attention.md, "Scheduling"."""
+
+    heavy_first: bool = True
+
+    __hash__ = options_hash  # (hashed once: part of every bound-call key)
+
+    def checked(self) -> "AttentionOptions":
+        """Self, or a ValueError naming the first field out of range."""
+        if self.heavy_first not in (True, False):
+            raise ValueError(f"AttentionOptions.heavy_first must be True or False, got {self.heavy_first!r}")
+        return self
