@@ -20,6 +20,7 @@ from .dist.context import Context, init
 from .dist.topology import Topology
 from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, DeviceError, MkernelError
 from .ops.ag_gemm import AgGemmOptions, ag_gemm
+from .ops.attention_bwd import AttentionBwdOptions, attention_backward
 from .ops.collectives import CollectiveOptions, all_gather, all_reduce, reduce_scatter
 from .ops.gemm import GemmOptions, gemm, grouped_gemm
 from .ops.gemm_ar import GemmArOptions, gemm_all_reduce
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Context", "Topology", "Bootstrap", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
     "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm", "gemm_reduce_scatter",
-    "gemm_all_reduce", "CollectiveOptions", "GemmOptions", "AgGemmOptions", "GemmRsOptions", "GemmArOptions",
+    "gemm_all_reduce", "attention_backward", "CollectiveOptions", "GemmOptions", "AgGemmOptions", "GemmRsOptions",
+    "GemmArOptions", "AttentionBwdOptions",
     "MkernelError", "CudaError", "DeviceError", "CompileError", "CommError", "CommMismatch", "CommTimeout",
 ]
