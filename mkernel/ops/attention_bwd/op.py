@@ -28,7 +28,7 @@ from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once, dev
 from . import kernels as K
 from .options import AttentionBwdOptions
 
-__all__ = ["attention_backward", "BwdArgs", "AttentionBwdPlan", "LAYOUTS", "last_plan"]
+__all__ = ["attention_backward", "BwdArgs", "AttentionBwdPlan", "LAYOUTS", "last_plan", "current_context"]
 
 LAYOUTS = ("bshd", "bhsd")
 _GRID_YZ_MAX = 65535
@@ -90,6 +90,11 @@ class _Call:
                  "options", "dims", "state")
 
 
+def current_context() -> int:
+    """The current CUDA context's handle (0: none), read on every call of a bound attention backward."""
+    return int(cu.cuCtxGetCurrent()[1])
+
+
 class _Bound(BoundCall):
     def __init__(self, plan, launches, args: BwdArgs, buffers, ctx: int, device: int):
         self.plan, self._launches, self._args = plan, launches, args
@@ -100,7 +105,7 @@ class _Bound(BoundCall):
         a = self._args
         a.q, a.k, a.v, a.o, a.dout, a.lse = call.q.ptr, call.k.ptr, call.v.ptr, call.o.ptr, call.do.ptr, call.lse.ptr
         a.dq, a.dk, a.dv = call.dq.ptr, call.dk.ptr, call.dv.ptr
-        if int(cu.cuCtxGetCurrent()[1]) != self._ctx:
+        if current_context() != self._ctx:
             with on_device(self._device):
                 for launch in self._launches:
                     launch.submit()
