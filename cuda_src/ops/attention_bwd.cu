@@ -89,6 +89,18 @@ MK_DEVICE void mkatt_cp16(void* dst, const void* src, bool valid) {
 MK_DEVICE void mkatt_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> MK_DEVICE void mkatt_cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// Double buffering: the current stage's cp.async group has landed and is visible to the block; when the
+// next stage's loads were just issued (`prefetched`), they are committed and left in flight.
+MK_DEVICE void mkatt_stage_ready(bool prefetched) {
+  if (prefetched) {
+    mkatt_cp_commit();
+    mkatt_cp_wait<1>();
+  } else {
+    mkatt_cp_wait<0>();
+  }
+  __syncthreads();
+}
+
 MK_DEVICE void mkatt_ldsm4(mk_u32 (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(mkatt_smem(p)));
@@ -194,18 +206,27 @@ MK_DEVICE float mkatt_lse2(float lse) {
   return lse == -MKATT_INF ? MKATT_INF : lse * 1.4426950408889634f;
 }
 
+// The (b, h, i) query row of this warp in the row kernels (8 warps per block, row = (b Hq + h) Sq + i);
+// false past the last row.
+MK_DEVICE bool mkatt_warp_row(const MkAttnBwdArgs& a, mk_i64* row, int* b, int* h, int* i) {
+  const mk_i64 r = (mk_i64)blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (r >= (mk_i64)a.B * a.Hq * a.Sq) return false;
+  *row = r;
+  *i = (int)(r % a.Sq);
+  *h = (int)((r / a.Sq) % a.Hq);
+  *b = (int)(r / ((mk_i64)a.Sq * a.Hq));
+  return true;
+}
+
 // ---- preprocess ---------------------------------------------------------------------------------
 
 // One warp per (b, h, i) row: Dsum = sum_d dO * O in fp32, and the row of the dQ accumulator zeroed
 // (when dq_acc is set).  Grid: ceil(B Hq Sq / 8) blocks of 256 threads.
 extern "C" __global__ void __launch_bounds__(256) mk_attn_bwd_pre(MkAttnBwdArgs a) {
   const int lane = threadIdx.x & 31;
-  const mk_i64 row = (mk_i64)blockIdx.x * 8 + (threadIdx.x >> 5);
-  const mk_i64 rows = (mk_i64)a.B * a.Hq * a.Sq;
-  if (row >= rows) return;
-  const int i = (int)(row % a.Sq);
-  const int h = (int)((row / a.Sq) % a.Hq);
-  const int b = (int)(row / ((mk_i64)a.Sq * a.Hq));
+  mk_i64 row;
+  int b, h, i;
+  if (!mkatt_warp_row(a, &row, &b, &h, &i)) return;
   const mkatt_t* o = a.o + b * a.o_s[0] + i * a.o_s[1] + h * a.o_s[2];
   const mkatt_t* g = a.dout + b * a.do_s[0] + i * a.do_s[1] + h * a.do_s[2];
   constexpr int E = D_ / 32;  // elements per lane (2 or 4, contiguous)
@@ -284,14 +305,9 @@ extern "C" __global__ void __launch_bounds__(NT_, 1) mk_attn_bwd_main(MkAttnBwdA
   for (int it = 0; it < items; ++it) {
     const int buf = it & 1;
     const int h = hk * group + it / per_head, m = m_begin + it % per_head;
-    if (it + 1 < items) {
-      mkatt_main_load(a, sm, buf ^ 1, b, hk * group + (it + 1) / per_head, m_begin + (it + 1) % per_head, tid);
-      mkatt_cp_commit();
-      mkatt_cp_wait<1>();
-    } else {
-      mkatt_cp_wait<0>();
-    }
-    __syncthreads();
+    const bool more = it + 1 < items;
+    if (more) mkatt_main_load(a, sm, buf ^ 1, b, hk * group + (it + 1) / per_head, m_begin + (it + 1) % per_head, tid);
+    mkatt_stage_ready(more);
     const int i0 = m * BR_;
     const mkatt_t* sq = sm.q[buf];
     const mkatt_t* sg = sm.g[buf];
@@ -457,15 +473,12 @@ extern "C" __global__ void __launch_bounds__(NTQ_, 1) mk_attn_bwd_dq(MkAttnBwdAr
 
   for (int nb = 0; nb < nkb; ++nb) {
     const int buf = nb & 1;
-    if (nb + 1 < nkb) {
+    const bool more = nb + 1 < nkb;
+    if (more) {
       mkatt_load_tile<BK_, NTQ_>(sm.k[buf ^ 1], kbase, a.k_s[1], (nb + 1) * BK_, a.Sk, tid);
       mkatt_load_tile<BK_, NTQ_>(sm.v[buf ^ 1], vbase, a.v_s[1], (nb + 1) * BK_, a.Sk, tid);
-      mkatt_cp_commit();
-      mkatt_cp_wait<1>();
-    } else {
-      mkatt_cp_wait<0>();
     }
-    __syncthreads();
+    mkatt_stage_ready(more);
     const int jb = nb * BK_;
     float s[BK_ / 8][4], dp[BK_ / 8][4];
 #pragma unroll
@@ -494,6 +507,7 @@ extern "C" __global__ void __launch_bounds__(NTQ_, 1) mk_attn_bwd_dq(MkAttnBwdAr
     mkatt_gemm_rb<BK_ / 16, D_>(acc, dsf, sm.k[buf], LD_, 0, lane);
     __syncthreads();
   }
+  mkatt_cp_wait<0>();  // (no KV block: the Q, dO loads are still in flight)
 
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -512,12 +526,9 @@ extern "C" __global__ void __launch_bounds__(NTQ_, 1) mk_attn_bwd_dq(MkAttnBwdAr
 // One warp per (b, h, i) row: dq = scale * dq_acc in q's dtype.  Grid: ceil(B Hq Sq / 8) x 256 threads.
 extern "C" __global__ void __launch_bounds__(256) mk_attn_bwd_convert(MkAttnBwdArgs a) {
   const int lane = threadIdx.x & 31;
-  const mk_i64 row = (mk_i64)blockIdx.x * 8 + (threadIdx.x >> 5);
-  const mk_i64 rows = (mk_i64)a.B * a.Hq * a.Sq;
-  if (row >= rows) return;
-  const int i = (int)(row % a.Sq);
-  const int h = (int)((row / a.Sq) % a.Hq);
-  const int b = (int)(row / ((mk_i64)a.Sq * a.Hq));
+  mk_i64 row;
+  int b, h, i;
+  if (!mkatt_warp_row(a, &row, &b, &h, &i)) return;
   mkatt_t* r = a.dq + b * a.dq_s[0] + i * a.dq_s[1] + h * a.dq_s[2];
   constexpr int E = D_ / 32;
   const float* src = a.dq_acc + row * D_ + lane * E;

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from mkernel.core.arrays import DeviceArray
+from mkernel.core.compiler import precompile_source
 from mkernel.ops.attention_bwd import AttentionBwdOptions, attention_backward, last_plan
 from mkernel.ops.attention_bwd import kernels as K
 
-from _util import download, poisoned, upload
+from _util import download, poisoned, seeded_rng, upload
 
 pytestmark = pytest.mark.gpu
 
@@ -32,17 +33,12 @@ TOL = {"bfloat16": 2e-2, "float16": 4e-3}
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    from mkernel.core.compiler import precompile_source
-
-    precompile_source(K.SOURCE)
-    yield
+    precompile_source(K.SOURCE)  # every registered specialization, in parallel, into the disk cache
 
 
 @pytest.fixture
 def rng(request):
-    seed = (SEED + sum(map(ord, request.node.name))) % (1 << 32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
+    return seeded_rng(request, SEED)
 
 
 def _to_layout(x: np.ndarray, layout: str) -> np.ndarray:
