@@ -306,7 +306,8 @@ extern "C" __global__ void __launch_bounds__(NT_, 1) mk_attn_bwd_main(MkAttnBwdA
     const int buf = it & 1;
     const int h = hk * group + it / per_head, m = m_begin + it % per_head;
     const bool more = it + 1 < items;
-    if (more) mkatt_main_load(a, sm, buf ^ 1, b, hk * group + (it + 1) / per_head, m_begin + (it + 1) % per_head, tid);
+    if (more)
+      mkatt_main_load(a, sm, buf ^ 1, b, hk * group + (it + 1) / per_head, m_begin + (it + 1) % per_head, tid);
     mkatt_stage_ready(more);
     const int i0 = m * BR_;
     const mkatt_t* sq = sm.q[buf];
