@@ -21,6 +21,7 @@ from .dist.topology import Topology
 from .errors import CommError, CommMismatch, CommTimeout, CompileError, CudaError, DeviceError, MkernelError
 from .ops.ag_gemm import AgGemmOptions, ag_gemm
 from .ops.attention import AttentionOptions, attention
+from .ops.attention_bwd import AttentionBwdOptions, attention_backward
 from .ops.collectives import CollectiveOptions, all_gather, all_reduce, reduce_scatter
 from .ops.gemm import GemmOptions, gemm, grouped_gemm
 from .ops.gemm_ar import GemmArOptions, gemm_all_reduce
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "Context", "Topology", "Bootstrap", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
     "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm", "gemm_reduce_scatter",
-    "gemm_all_reduce", "attention", "CollectiveOptions", "GemmOptions", "AgGemmOptions", "GemmRsOptions", "GemmArOptions", "AttentionOptions",
+    "gemm_all_reduce", "attention", "attention_backward", "CollectiveOptions", "GemmOptions", "AgGemmOptions",
+    "GemmRsOptions", "GemmArOptions", "AttentionOptions", "AttentionBwdOptions",
     "MkernelError", "CudaError", "DeviceError", "CompileError", "CommError", "CommMismatch", "CommTimeout",
 ]

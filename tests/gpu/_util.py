@@ -21,6 +21,13 @@ def host_values(x: np.ndarray, dtype: str) -> np.ndarray:
     return s, s.astype(np.float64)
 
 
+def seeded_rng(request, seed: int) -> np.random.Generator:
+    """A generator seeded from the session's ``seed`` and the test's name (printed: rerun with it)."""
+    s = (seed + sum(map(ord, request.node.name))) % (1 << 32)
+    print(f"seed={s}")
+    return np.random.default_rng(s)
+
+
 def upload(x: np.ndarray, dtype: str):
     """(DeviceArray, float64 values) of ``x`` rounded to ``dtype``."""
     storage, exact = host_values(x, dtype)

@@ -1,0 +1,50 @@
+"""The attention backward's kernels (``cuda_src/ops/attention_bwd.cu``): registered specializations, their
+defines, launch geometry and shared-memory sizes.  docs/attention_bwd.md, section "Kernels"."""
+from __future__ import annotations
+
+from ...core.compiler import kernel, register_specialization
+
+__all__ = ["SOURCE", "DTYPES", "HEAD_DIMS", "BLOCK_Q", "DEFAULT_BLOCK_Q", "WARPS", "DQ_WARPS", "DQ_BLOCK_K",
+           "defines", "specializations", "main_smem", "dq_smem", "get"]
+
+SOURCE = "ops/attention_bwd.cu"
+DTYPES = {"bfloat16": 0, "float16": 1}  # MKATT_DTYPE (mk_common.cuh dtype codes)
+HEAD_DIMS = (64, 128)
+BLOCK_Q = (32, 64)  # main kernel's query rows per step (MKATT_BR)
+DEFAULT_BLOCK_Q = {64: 64, 128: 32}  # registers: dK, dV (D / 8 x 4 x 2 fp32) + S^T, dP^T (BR / 8 x 4 x 2)
+WARPS = 8  # main kernel: KV rows per block = 16 x WARPS
+DQ_WARPS = 4  # deterministic dQ kernel: query rows per block = 16 x DQ_WARPS
+DQ_BLOCK_K = 64  # deterministic dQ kernel: KV rows per step
+ROW_KERNEL_ROWS = 8  # mk_attn_bwd_pre / mk_attn_bwd_convert: one warp per row, 256 threads
+
+
+def defines(dtype: str, d: int, block_q: int) -> dict:
+    return dict(MKATT_DTYPE=DTYPES[dtype], MKATT_D=d, MKATT_WARPS=WARPS, MKATT_BR=block_q,
+                MKATT_DQ_WARPS=DQ_WARPS, MKATT_DQ_BK=DQ_BLOCK_K)
+
+
+def specializations() -> list[dict]:
+    """Every (dtype, head dim, block_q) the op can launch."""
+    return [defines(t, d, br) for t in DTYPES for d in HEAD_DIMS for br in BLOCK_Q]
+
+
+for _d in specializations():
+    register_specialization(SOURCE, _d)
+
+
+def main_smem(d: int, block_q: int) -> int:
+    """Bytes of ``MkAttnMainSmem``: K, V (BC rows), Q, dO (two buffers of block_q rows), dS^T, lse, Dsum;
+    rows padded to D + 8 elements."""
+    ld, bc = d + 8, 16 * WARPS
+    return 2 * (2 * bc * ld + 4 * block_q * ld + bc * (block_q + 8)) + 4 * 4 * block_q
+
+
+def dq_smem(d: int) -> int:
+    """Bytes of ``MkAttnDqSmem``: Q, dO (16 x DQ_WARPS rows), K, V (two buffers of DQ_BLOCK_K rows)."""
+    ld = d + 8
+    return 2 * (2 * 16 * DQ_WARPS * ld + 4 * DQ_BLOCK_K * ld)
+
+
+def get(dtype: str, d: int, block_q: int, name: str):
+    """The compiled (or cached) kernel ``name`` of that specialization."""
+    return kernel(SOURCE, defines(dtype, d, block_q), name)
