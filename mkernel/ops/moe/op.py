@@ -85,7 +85,7 @@ class MoeRouting:
         return cls(ctx, T, k, num_experts, options)
 
     @property
-    def key(self) -> tuple:
+    def _key(self) -> tuple:
         return (self.T, self.k, self.E, self.P, self.capacity, self.recv_rows, self.options.softmax, self.ids.device)
 
     def __repr__(self):
@@ -196,7 +196,7 @@ class _Route(Op):
         elif not isinstance(out, MoeRouting):
             raise TypeError(f"{self.what}: out must be a MoeRouting, got {type(out).__name__}")
         call.routing = out
-        call.key = (mode, T, int(k), E, out.key, s, opts, ctx.workspace_generation)
+        call.key = (mode, T, int(k), E, out._key, s, opts, ctx.workspace_generation)
         self.invoke(ctx.op_state(self.name), call, ctx)
         return out
 
@@ -309,7 +309,7 @@ class _Exchange(Op):
         call = _Call()
         call.stream, call.x, call.o, call.routing, call.options = s, X, O, R, opts
         call.key = (X.shape, X.strides, X.dtype, X.device, O.shape, O.strides, O.dtype, O.device, O.readonly,
-                    X.ptr % 16 == 0, O.ptr % 16 == 0, R.key, s, opts, ctx.workspace_generation)
+                    X.ptr % 16 == 0, O.ptr % 16 == 0, R._key, s, opts, ctx.workspace_generation)
         self.invoke(ctx.op_state(self.name), call, ctx)
         return result
 
