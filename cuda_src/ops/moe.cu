@@ -83,14 +83,16 @@ struct MoeWs {
 };
 
 MK_DEVICE MoeWs moe_ws(const MkComm& c, char* ws, const mk_u64* peers, const MoeLayout& L) {
-  MoeWs w;
-  w.base = ws;
-  w.peers = peers;
-  w.L = L;
-  w.P = c.local_size;
-  w.me = c.local_rank;
-  return w;
+  return MoeWs{ws, peers, L, c.local_size, c.local_rank};
 }
+
+// A grid's warps as one pool: this thread's lane, the pool size, this warp's index in it.
+struct MoeWarps {
+  int lane, warps, gw;
+  MK_DEVICE MoeWarps()
+      : lane(threadIdx.x & 31), warps((int)(gridDim.x * (blockDim.x >> 5))),
+        gw((int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))) {}
+};
 
 // Call number; block 0's first warp announces the call's signature to every peer.
 MK_DEVICE mk_u64 moe_begin(const MkComm& c, const MoeWs& w) {
@@ -359,9 +361,8 @@ mk_moe_dispatch(MkComm c, const char* __restrict__ x, const int* __restrict__ id
                 char* ws, const mk_u64* __restrict__ peers, MoeLayout L, MoeShape s) {
   const MoeWs w = moe_ws(c, ws, peers, L);
   const mk_u64 ep = moe_begin(c, w);
-  const int lane = threadIdx.x & 31, k = s.k, me = w.me;
-  const int warps = (int)(gridDim.x * (blockDim.x >> 5));
-  const int gw = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+  const MoeWarps pool;
+  const int lane = pool.lane, warps = pool.warps, gw = pool.gw, k = s.k, me = w.me;
   const mk_u64 RB = L.row_bytes, Tk = (mk_u64)s.T * k;
   if (!moe_wait_consumed(c, w, ep)) return;
   // send: token t once to every rank holding one of its kept experts
@@ -409,9 +410,8 @@ mk_moe_combine(MkComm c, const T* __restrict__ y, const int* __restrict__ ids, c
                TO* __restrict__ out, char* ws, const mk_u64* __restrict__ peers, MoeLayout L, MoeShape s) {
   const MoeWs w = moe_ws(c, ws, peers, L);
   const mk_u64 ep = moe_begin(c, w);
-  const int lane = threadIdx.x & 31, k = s.k, me = w.me;
-  const int warps = (int)(gridDim.x * (blockDim.x >> 5));
-  const int gw = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+  const MoeWarps pool;
+  const int lane = pool.lane, warps = pool.warps, gw = pool.gw, k = s.k, me = w.me;
   const mk_u64 RB = L.row_bytes, Tk = (mk_u64)s.T * k;
   if (!moe_wait_consumed(c, w, ep)) return;
   const int R = min(__ldcg(expert_offsets + s.El), s.r_cap);

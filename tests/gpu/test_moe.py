@@ -16,10 +16,9 @@ import pytest
 import mkernel
 from mkernel import MoeOptions
 from mkernel.core.arrays import DeviceArray
-from mkernel.core.compiler import precompile_source
 from mkernel.ops.moe import reference as ref
 
-from _util import assert_missing_peer_times_out, download, poisoned, upload
+from _util import assert_missing_peer_times_out, download, poisoned, precompiled_with_long_timeout, upload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -28,16 +27,7 @@ SOURCE = "ops/moe.cu"
 
 @pytest.fixture(scope="module", autouse=True)
 def _setup(ctx):
-    if ctx.local_rank == 0:
-        try:
-            precompile_source(SOURCE)
-        except Exception as exc:  # noqa: BLE001  (kernels then compile lazily)
-            print(f"precompile failed, compiling lazily: {exc!r}")
-    ctx.world.Barrier()
-    old = ctx.timeout
-    ctx.timeout = max(old, 60.0)
-    yield
-    ctx.timeout = old
+    yield from precompiled_with_long_timeout(ctx, SOURCE)
 
 
 def _ids(rng, P, T, k, E, mode):
