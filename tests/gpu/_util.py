@@ -160,3 +160,21 @@ def check_all_reduce(ctx, comm, rng, n: int, dtype: str, what: str, in_place: bo
         mkernel.all_reduce(ctx, x, x)
         ctx.synchronize()
         np.testing.assert_array_equal(download(x), got, err_msg=f"{what} in place n={n} {dtype}")
+
+
+def precompiled_with_long_timeout(ctx, source: str, timeout: float = 60.0):
+    """Generator for a module fixture: ``source``'s registered specializations compiled on local rank 0 (the
+    other ranks load the cubins), and the context's timeout raised to ``timeout`` (ranks sharing a GPU wait
+    for each other's time slices) until the fixture ends."""
+    from mkernel.core.compiler import precompile_source
+
+    if ctx.local_rank == 0:
+        try:
+            precompile_source(source)
+        except Exception as exc:  # noqa: BLE001  (kernels then compile lazily)
+            print(f"precompile failed, compiling lazily: {exc!r}")
+    ctx.world.Barrier()
+    old = ctx.timeout
+    ctx.timeout = max(old, timeout)
+    yield
+    ctx.timeout = old

@@ -1,0 +1,113 @@
+"""The MoE ops' shapes and workspace layouts: pure functions of sizes and options (cuda_src/ops/moe.cu has
+the protocol; docs/moe.md the design)."""
+from __future__ import annotations
+
+import ctypes
+import math
+
+from ...core.util import ceil_div, round_up
+from ...dist.signals import MAX_CHUNKS, workspace_control
+from .options import MoeOptions
+
+__all__ = ["SOURCE", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
+           "make_shape", "route_layout", "dispatch_layout", "combine_layout", "kernel_defines", "SPECIALIZATIONS"]
+
+SOURCE = "ops/moe.cu"
+TILE = 256          # tokens per routing tile (moe.cu MOE_TILE)
+MAX_EXPERTS = 1024  # moe.cu MOE_MAX_E
+MAX_K = 32          # moe.cu MOE_MAX_K (one lane per choice)
+THREADS = 256       # dispatch / combine blocks
+EXCHANGE_THREADS = MAX_EXPERTS
+
+# (MK_DTYPE, MK_OUT_DTYPE, MK_LOGIT_DTYPE) codes compiled: the routing kernels by logit dtype, the combine
+# and SwiGLU kernels by (input, output) dtype; the dispatch kernel moves bytes (any specialization).
+SPECIALIZATIONS = ((0, 0, 2), (0, 0, 0), (0, 2, 2), (1, 1, 2), (1, 2, 2), (2, 2, 2))
+
+
+def kernel_defines(dtype: int = 0, out_dtype: int | None = None, logit_dtype: int = 2) -> dict:
+    out = dtype if out_dtype is None else out_dtype
+    if (dtype, out, logit_dtype) not in SPECIALIZATIONS:
+        raise AssertionError(f"moe: no specialization {(dtype, out, logit_dtype)}")
+    return {"MK_DTYPE": dtype, "MK_OUT_DTYPE": out, "MK_LOGIT_DTYPE": logit_dtype}
+
+
+class MoeLayout(ctypes.Structure):
+    """``struct MoeLayout`` of moe.cu: byte offsets into an op's symmetric workspace."""
+
+    _fields_ = [("consumed_off", ctypes.c_uint64), ("flags_off", ctypes.c_uint64),
+                ("counts_off", ctypes.c_uint64), ("scratch_off", ctypes.c_uint64),
+                ("stage_off", ctypes.c_uint64), ("row_bytes", ctypes.c_uint64),
+                ("flag_stride", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class MoeShape(ctypes.Structure):
+    """``struct MoeShape`` of moe.cu."""
+
+    _fields_ = [("T", ctypes.c_int32), ("H", ctypes.c_int32), ("k", ctypes.c_int32), ("E", ctypes.c_int32),
+                ("El", ctypes.c_int32), ("capacity", ctypes.c_int32), ("r_cap", ctypes.c_int32),
+                ("softmax_all", ctypes.c_int32)]
+
+
+def capacity_of(P: int, T: int, k: int, E: int, options: MoeOptions) -> int:
+    """Rows an expert keeps per receiving rank (0: no limit)."""
+    if options.expert_capacity is not None:
+        return options.expert_capacity
+    if options.capacity_factor is not None:
+        return max(1, math.ceil(options.capacity_factor * P * T * k / E))
+    return 0
+
+
+def recv_rows(P: int, T: int, k: int, E: int, options: MoeOptions) -> int:
+    """Rows of a rank's receive buffer (x_recv): ``options.recv_rows``, else the most it can receive."""
+    if options.recv_rows is not None:
+        return options.recv_rows
+    El = E // P
+    worst = P * T * min(k, El)
+    cap = capacity_of(P, T, k, E, options)
+    return max(1, min(worst, El * cap) if cap else worst)
+
+
+def make_shape(P: int, T: int, H: int, k: int, E: int, options: MoeOptions) -> MoeShape:
+    s = MoeShape()
+    s.T, s.H, s.k, s.E, s.El = T, H, k, E, E // P
+    s.capacity = capacity_of(P, T, k, E, options)
+    s.r_cap = recv_rows(P, T, k, E, options)
+    s.softmax_all = int(options.softmax == "all")
+    return s
+
+
+def _control(P: int) -> tuple[MoeLayout, int]:
+    L = MoeLayout()
+    L.consumed_off, L.flags_off, end = workspace_control(P, P)
+    L.flag_stride = MAX_CHUNKS
+    return L, round_up(end, 256)
+
+
+def route_layout(P: int, T: int, E: int) -> tuple[MoeLayout, int]:
+    """(layout, bytes) of the routing workspace: control, int32 counts[2][P][E] (written by the peers),
+    then this rank's scratch: int32 tile_cnt[ceil(T / TILE)][E], base[2 E]."""
+    L, off = _control(P)
+    L.counts_off = off
+    L.scratch_off = round_up(off + 2 * P * E * 4, 256)
+    total = L.scratch_off + (ceil_div(max(T, 1), TILE) * E + 2 * E) * 4
+    L.stage_off = total
+    return L, round_up(total, 256)
+
+
+def dispatch_layout(P: int, T: int, row_bytes: int, r_cap: int) -> tuple[MoeLayout, int]:
+    """(layout, bytes) of the dispatch workspace: control, int32 recv_src[r_cap] (written by the senders),
+    staging rows [P][T] of ``row_bytes`` (row [src][t]: source rank src's token t)."""
+    L, off = _control(P)
+    L.counts_off = off
+    L.scratch_off = L.stage_off = round_up(off + 4 * r_cap, 256)
+    L.row_bytes = row_bytes
+    return L, L.stage_off + P * T * row_bytes
+
+
+def combine_layout(P: int, T: int, k: int, row_bytes: int) -> tuple[MoeLayout, int]:
+    """(layout, bytes) of the combine workspace: control, staging rows [T * k] of ``row_bytes`` (row
+    t * k + j: the expert output of this rank's pair (t, j), written by the rank holding the expert)."""
+    L, off = _control(P)
+    L.counts_off = L.scratch_off = L.stage_off = off
+    L.row_bytes = row_bytes
+    return L, L.stage_off + T * k * row_bytes

@@ -1,0 +1,55 @@
+"""How the MoE ops run: the options object (``options=``) of :func:`mkernel.moe_route`,
+:func:`mkernel.moe_dispatch`, :func:`mkernel.moe_combine` and :func:`mkernel.moe_layer`.
+
+Every rank must pass equal options (they are part of the agreed call signature).  docs/moe.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..base import options_hash
+
+__all__ = ["MoeOptions", "SOFTMAX_MODES"]
+
+SOFTMAX_MODES = ("topk", "all")
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """Options of the MoE ops (docs/moe.md).
+
+    ``softmax`` (routing from logits): "topk" -- the weights are the softmax over the k chosen logits;
+    "all" -- the softmax over all E experts, taken at the k chosen (not renormalised: they sum to < 1).
+    (Softmax over all E then renormalised over the top-k equals "topk".)
+    ``expert_capacity``: rows each expert receives at most (per receiving rank, over all sources; pairs
+    beyond it are dropped, the highest (source rank, token) first); ``capacity_factor``: the same as
+    ``ceil(factor * P * T * k / E)`` rows; both None: dropless.  ``recv_rows``: rows of the receive buffer
+    (None: the worst case ``P * T * min(k, E_local)``, or ``E_local * capacity`` when smaller); pairs that
+    would land beyond it are dropped.  ``blocks``: blocks of the dispatch and combine kernels (0: one
+    per SM).
+    """
+
+    softmax: str = "topk"
+    expert_capacity: int | None = None
+    capacity_factor: float | None = None
+    recv_rows: int | None = None
+    blocks: int = 0
+
+    __hash__ = options_hash
+
+    def checked(self) -> "MoeOptions":
+        """Self, or a ValueError naming the first field out of range."""
+        if self.softmax not in SOFTMAX_MODES:
+            raise ValueError(f"MoeOptions.softmax must be one of {SOFTMAX_MODES}, got {self.softmax!r}")
+        for name in ("expert_capacity", "recv_rows"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 < v < 2 ** 31):
+                raise ValueError(f"MoeOptions.{name} must be None or an int in [1, 2**31), got {v!r}")
+        cf = self.capacity_factor
+        if cf is not None and (not isinstance(cf, (int, float)) or isinstance(cf, bool) or not 0 < cf < 1e6):
+            raise ValueError(f"MoeOptions.capacity_factor must be None or a number > 0, got {cf!r}")
+        if cf is not None and self.expert_capacity is not None:
+            raise ValueError("MoeOptions: give expert_capacity or capacity_factor, not both")
+        if not isinstance(self.blocks, int) or isinstance(self.blocks, bool) or not 0 <= self.blocks <= 1024:
+            raise ValueError(f"MoeOptions.blocks must be an int in [0, 1024], got {self.blocks!r}")
+        return self

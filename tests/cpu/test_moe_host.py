@@ -1,0 +1,132 @@
+"""MoE on the CPU: every moe.cu specialization compiles for sm_90a without spills; the options, the
+workspace layouts and the float64 reference of the routing layout (docs/moe.md) -- no GPU needed."""
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+
+from mkernel.core import compiler as CP
+from mkernel.dist.signals import workspace_control
+from mkernel.ops.moe import MoeOptions
+from mkernel.ops.moe import layout as ML
+from mkernel.ops.moe import reference as ref
+
+ARCH = "sm_90a"
+SPECS = [(s, d) for s, d in CP.registered_specializations() if s == ML.SOURCE]
+KERNELS = ("mk_moe_route_tiles", "mk_moe_route_exchange", "mk_moe_route_slots", "mk_moe_dispatch", "mk_moe_combine",
+           "mk_moe_swiglu")
+LIMITS = {"mk_moe_route_exchange": ML.EXCHANGE_THREADS, "mk_moe_route_tiles": ML.TILE}
+
+
+def test_specializations_registered():
+    assert {(d["MK_DTYPE"], d["MK_OUT_DTYPE"], d["MK_LOGIT_DTYPE"]) for _, d in SPECS} == set(ML.SPECIALIZATIONS)
+
+
+@pytest.mark.parametrize("source,defines", SPECS, ids=[
+    f"d{d['MK_DTYPE']}-o{d['MK_OUT_DTYPE']}-l{d['MK_LOGIT_DTYPE']}" for _, d in SPECS])
+def test_compiles_clean(source, defines):
+    mod = CP.compile_module(source, defines, arch=ARCH)
+    usage = mod.resource_usage
+    for name in KERNELS:
+        assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
+    for fn, u in usage.items():
+        assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, f"{fn} spills: {u}"
+        assert u.get("stack", 0) == 0, f"{fn} uses a stack frame: {u}"
+        assert u["registers"] * LIMITS.get(fn, ML.THREADS) <= 65536, f"{fn}: {u['registers']} registers"
+    warnings = [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)]
+    assert not warnings, "ptxas warnings:\n" + "\n".join(warnings)
+
+
+def test_structs_match_the_kernel():
+    assert ctypes.sizeof(ML.MoeLayout) == 56 and ctypes.sizeof(ML.MoeShape) == 32
+
+
+@pytest.mark.parametrize("bad", [dict(softmax="max"), dict(expert_capacity=0), dict(capacity_factor=-1.0),
+                                 dict(expert_capacity=4, capacity_factor=1.0), dict(recv_rows=True), dict(blocks=-1)])
+def test_bad_options(bad):
+    with pytest.raises(ValueError):
+        MoeOptions(**bad).checked()
+
+
+def test_capacity_and_recv_rows():
+    o = MoeOptions()
+    assert ML.capacity_of(2, 100, 8, 16, o) == 0 and ML.recv_rows(2, 100, 8, 16, o) == 2 * 100 * 8
+    assert ML.recv_rows(2, 100, 8, 4, o) == 2 * 100 * 2  # k > E_local: a token sends at most E_local rows
+    c = MoeOptions(capacity_factor=1.25)
+    assert ML.capacity_of(2, 100, 2, 8, c) == 63  # ceil(1.25 * 2 * 100 * 2 / 8)
+    assert ML.recv_rows(2, 100, 2, 8, c) == 4 * 63
+    assert ML.recv_rows(2, 100, 2, 8, MoeOptions(recv_rows=17)) == 17
+
+
+@pytest.mark.parametrize("P", [1, 2, 8])
+def test_control_words_do_not_move_with_the_call(P):
+    """Epoch, header and flags sit where workspace_control puts them whatever T, H, E (docs/design.md)."""
+    c, f, _ = workspace_control(P, P)
+    for L, _ in (ML.route_layout(P, 1, 8), ML.route_layout(P, 9999, 1024), ML.dispatch_layout(P, 5, 16, 7),
+                 ML.dispatch_layout(P, 4096, 14336, 4096 * 16), ML.combine_layout(P, 3, 1, 16),
+                 ML.combine_layout(P, 16384, 8, 14336)):
+        assert (L.consumed_off, L.flags_off) == (c, f)
+    L, total = ML.dispatch_layout(P, 100, 256, 1000)
+    assert L.stage_off >= L.counts_off + 4 * 1000 and total == L.stage_off + P * 100 * 256
+
+
+def test_topk_reference_ties_and_softmax():
+    lg = np.array([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    ids, w = ref.topk_reference(lg, 2)
+    np.testing.assert_array_equal(ids, [[1, 2], [0, 1]])
+    np.testing.assert_allclose(w, [[0.5, 0.5], [0.5, 0.5]])
+    _, wa = ref.topk_reference(lg, 2, "all")
+    np.testing.assert_allclose(wa[1], [0.25, 0.25])
+
+
+def test_layout_reference_order_and_offsets():
+    """Two ranks, 4 experts (2 each): rows grouped by expert, then source rank, then token."""
+    ids = [np.array([[0, 2], [0, 1], [3, 0]], np.int32), np.array([[2, 0], [1, 3], [0, 1]], np.int32)]
+    lay = ref.layout_reference(ids, 4)
+    T, k = 3, 2
+    # rank 0 holds experts 0, 1: expert 0 from rank 0 tokens 0, 1, 2, then rank 1 tokens 0, 2; expert 1 ...
+    np.testing.assert_array_equal(lay[0]["expert_offsets"], [0, 5, 8])
+    src = [(v // (T * k), (v % (T * k)) // k, v % k) for v in lay[0]["recv_src"]]
+    assert src == [(0, 0, 0), (0, 1, 0), (0, 2, 1), (1, 0, 1), (1, 2, 0), (0, 1, 1), (1, 1, 0), (1, 2, 1)]
+    np.testing.assert_array_equal(lay[1]["expert_offsets"], [0, 2, 4])
+    np.testing.assert_array_equal(lay[0]["slots"], [[0, 0], [1, 5], [2, 2]])
+    np.testing.assert_array_equal(lay[1]["slots"], [[1, 3], [6, 3], [4, 7]])
+
+
+def test_layout_reference_capacity_and_r_cap():
+    ids = [np.zeros((5, 1), np.int32), np.zeros((5, 1), np.int32)]  # everything to expert 0
+    lay = ref.layout_reference(ids, 2, capacity=7)
+    np.testing.assert_array_equal(lay[0]["expert_offsets"], [0, 7])
+    assert (lay[0]["slots"] >= 0).all() and (lay[1]["slots"][:2] >= 0).all() and (lay[1]["slots"][2:] == -1).all()
+    lay = ref.layout_reference(ids, 2, r_cap=3)
+    np.testing.assert_array_equal(lay[0]["expert_offsets"], [0, 3])
+    assert (lay[0]["slots"][3:] == -1).all() and (lay[1]["slots"] == -1).all()
+
+
+def test_combine_and_layer_reference_agree():
+    """The layer reference equals dispatch -> per-expert FFN -> combine built from the other references."""
+    rng = np.random.default_rng(1)
+    P, T, k, El, H, F = 2, 9, 2, 3, 8, 4
+    E = P * El
+    ids = [np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int32) for _ in range(P)]
+    ws = [rng.random((T, k)) for _ in range(P)]
+    xs = [rng.standard_normal((T, H)) for _ in range(P)]
+    wg = [rng.standard_normal((El, 2 * F, H)) for _ in range(P)]
+    wd = [rng.standard_normal((El, H, F)) for _ in range(P)]
+    lay = ref.layout_reference(ids, E)
+    xr = ref.dispatch_reference(xs, lay, k)
+    ys = []
+    for d in range(P):
+        o = lay[d]["expert_offsets"]
+        y = np.zeros((len(xr[d]), H))
+        for l in range(El):
+            h = xr[d][o[l]:o[l + 1]] @ wg[d][l].T
+            y[o[l]:o[l + 1]] = (h[:, :F] / (1 + np.exp(-h[:, :F])) * h[:, F:]) @ wd[d][l].T
+        ys.append(y)
+    a = ref.combine_reference(ys, ids, ws, [l["slots"] for l in lay], E)
+    b = ref.layer_reference(xs, ids, ws, [l["slots"] for l in lay], wg, wd)
+    for d in range(P):
+        np.testing.assert_allclose(a[d], b[d], rtol=1e-12, atol=1e-12)

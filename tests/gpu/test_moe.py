@@ -1,0 +1,246 @@
+"""MoE routing, dispatch, combine and the unfused layer against float64 numpy (mkernel.ops.moe.reference), on
+every rank of ``mpirun -np N python -m pytest`` (N = 1 or 2; two ranks may share one GPU: the timeout is
+raised to 60 s and no kernel needs its peer's to be resident).
+
+Every rank draws all ranks' inputs from a generator seeded identically (fresh per test), so each rank can
+build the whole reference.  Routing metadata (ids, slots, offsets, recv map) must match exactly; data
+moves (dispatch) bit-exactly; combine within fp32 accumulation of bf16 rows (rounded to out's dtype);
+the layer within bf16 rounding of the intermediate h / act / y (tolerance stated at the test).  Outputs
+are NaN-poisoned first.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mkernel
+from mkernel import MoeOptions
+from mkernel.core.arrays import DeviceArray
+from mkernel.ops.moe import reference as ref
+
+from _util import assert_missing_peer_times_out, download, poisoned, precompiled_with_long_timeout, upload
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+SOURCE = "ops/moe.cu"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _setup(ctx):
+    yield from precompiled_with_long_timeout(ctx, SOURCE)
+
+
+def _ids(rng, P, T, k, E, mode):
+    """Every rank's [T, k] int32 expert ids (distinct per token) under a routing ``mode``."""
+    out = []
+    for _ in range(P):
+        if mode == "random":
+            ids = np.argsort(rng.random((T, E)), axis=1)[:, :k]
+        elif mode == "one_expert":  # every token's first choice is expert 0; the rest random
+            rest = np.argsort(rng.random((T, E - 1)), axis=1)[:, :k - 1] + 1
+            ids = np.concatenate([np.zeros((T, 1), np.int64), rest], axis=1)
+        elif mode == "rank0_only":  # rank 1 (and up) receives nothing
+            El = E // P
+            ids = np.argsort(rng.random((T, El)), axis=1)[:, :k]
+        else:
+            raise AssertionError(mode)
+        out.append(ids.astype(np.int32))
+    return out
+
+
+def _route_given(ctx, rng, T, k, E, mode, options=None):
+    P, me = ctx.local_size, ctx.local_rank
+    ids = _ids(rng, P, T, k, E, mode)
+    ws = [rng.random((T, k)).astype(np.float32) for _ in range(P)]
+    R = mkernel.moe_route(ctx, topk_ids=DeviceArray.from_numpy(ids[me]),
+                          topk_weights=DeviceArray.from_numpy(ws[me]), num_experts=E, options=options)
+    return R, ids, ws
+
+
+def _check_layout(R, ids, E, me, capacity=0):
+    lay = ref.layout_reference(ids, E, capacity, R.recv_rows)
+    np.testing.assert_array_equal(R.slots.to_numpy(), lay[me]["slots"])
+    np.testing.assert_array_equal(R.expert_offsets.to_numpy(), lay[me]["expert_offsets"])
+    return lay
+
+
+@pytest.mark.parametrize("T,k,E_local,mode", [(1000, 8, 4, "random"), (333, 1, 3, "random"), (517, 2, 4, "one_expert"),
+                                              (300, 2, 2, "rank0_only"), (0, 2, 2, "random"), (70, 8, 8, "random")])
+def test_route_dispatch_combine_given_ids(ctx, shared_rng, T, k, E_local, mode):
+    P, me = ctx.local_size, ctx.local_rank
+    E = E_local * P
+    if k > E:
+        pytest.skip("k > E")
+    R, ids, ws = _route_given(ctx, shared_rng, T, k, E, mode)
+    H = 136  # (17 vectors of 8 bf16: not a multiple of the warp's 32 lanes)
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    xr = poisoned((R.recv_rows, H), "bfloat16")
+    mkernel.moe_dispatch(ctx, xs[me][0], R, xr)
+    ctx.synchronize()
+    lay = _check_layout(R, ids, E, me)
+    n = int(lay[me]["expert_offsets"][-1])
+    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
+    want = ref.dispatch_reference([x[1] for x in xs], lay, k)[me]
+    np.testing.assert_array_equal(download(xr)[:n], want)
+    # combine: expert outputs y (random, per rank), summed back with the weights
+    ys = [shared_rng.standard_normal((R.recv_rows, H)) for _ in range(P)]
+    ys = [upload(y, "bfloat16") for y in ys]
+    for od, tol in (("float32", 2.0 ** -20), ("bfloat16", 2.0 ** -8)):
+        out = poisoned((T, H), od)
+        mkernel.moe_combine(ctx, ys[me][0], R, out)
+        ctx.synchronize()
+        want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
+        scale = sum(np.abs(ys[0][1]).max() * 1.0 for _ in range(k))
+        got = download(out)
+        assert not np.isnan(got).any()
+        assert np.abs(got - want).max() <= tol * (np.abs(want).max() + scale) + 1e-6
+
+
+@pytest.mark.parametrize("ldt", ["float32", "bfloat16"])
+@pytest.mark.parametrize("softmax", ["topk", "all"])
+def test_route_from_logits(ctx, shared_rng, ldt, softmax):
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E = 777, 4, 8 * P
+    logits = [upload(shared_rng.standard_normal((T, E)), ldt) for _ in range(P)]
+    R = mkernel.moe_route(ctx, logits[me][0], k=k, options=MoeOptions(softmax=softmax))
+    ctx.synchronize()
+    ids, w = ref.topk_reference(logits[me][1], k, softmax)
+    np.testing.assert_array_equal(R.ids.to_numpy(), ids)
+    np.testing.assert_allclose(R.weights.to_numpy(), w, rtol=1e-5, atol=1e-6)
+    all_ids = [ref.topk_reference(l[1], k)[0] for l in logits]
+    _check_layout(R, all_ids, E, me)
+
+
+def test_capacity_drops_deterministically(ctx, shared_rng):
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E = 400, 2, 4 * P
+    opts = MoeOptions(expert_capacity=37)
+    R, ids, ws = _route_given(ctx, shared_rng, T, k, E, "one_expert", options=opts)
+    ctx.synchronize()
+    assert R.capacity == 37 and R.recv_rows == 37 * (E // P)
+    _check_layout(R, ids, E, me, capacity=37)
+
+
+@pytest.mark.parametrize("T,k,E_local,H,F", [(300, 2, 4, 256, 128), (129, 8, 8, 512, 256)])
+def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F):
+    P, me = ctx.local_size, ctx.local_rank
+    E = E_local * P
+    logits = [shared_rng.standard_normal((T, E)).astype(np.float32) for _ in range(P)]
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    wgs = [upload(shared_rng.standard_normal((E_local, 2 * F, H)) / np.sqrt(H), "bfloat16") for _ in range(P)]
+    wds = [upload(shared_rng.standard_normal((E_local, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
+    out = poisoned((T, H), "bfloat16")
+    o, R = mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k,
+                             out=out)
+    ctx.synchronize()
+    ids = [ref.topk_reference(l, k)[0] for l in logits]
+    wts = [ref.topk_reference(l, k)[1] for l in logits]
+    lay = ref.layout_reference(ids, E)
+    want = ref.layer_reference([x[1] for x in xs], ids, wts, [l["slots"] for l in lay], [w[1] for w in wgs],
+                               [w[1] for w in wds])[me]
+    got = download(o)
+    # h, act and y are rounded to bf16 (3 roundings of 2**-8 relative, amplified by at most ~4 through
+    # SwiGLU and the down projection), the out once more: 2**-5 of the output's scale
+    err = np.abs(got - want).max()
+    assert not np.isnan(got).any()
+    assert err <= 2.0 ** -5 * np.abs(want).max(), err
+
+
+def test_back_to_back_changing_routings(ctx, shared_rng):
+    """1000 route+dispatch+combine calls with fresh routings each time, reusing one MoeRouting; every 100th
+    checked (the epochs and staging handshakes must hold across calls)."""
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E, H = 97, 2, 4 * P, 64
+    R = mkernel.MoeRouting.empty(ctx, T, k, E)
+    xr = DeviceArray.empty((R.recv_rows, H), "bfloat16")
+    out = DeviceArray.empty((T, H), "float32")
+    ones = DeviceArray.from_numpy(np.ones((T, k), np.float32))
+    for it in range(1000):
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        x, xv = upload(shared_rng.standard_normal((T, H)), "bfloat16")
+        mkernel.moe_route(ctx, topk_ids=DeviceArray.from_numpy(ids[me]), topk_weights=ones, num_experts=E, out=R)
+        mkernel.moe_dispatch(ctx, x, R, xr)
+        mkernel.moe_combine(ctx, xr, R, out)  # y = x_recv: out = k * x (every pair kept)
+        if it % 100 == 0:
+            ctx.synchronize()
+            np.testing.assert_array_equal(download(out), k * xv)
+    ctx.synchronize()
+
+
+def test_graph_replay(ctx, shared_rng):
+    from cuda.bindings import driver as cu
+    from mkernel.core.driver import check
+
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E, H = 200, 2, 4 * P, 128
+    R = mkernel.MoeRouting.empty(ctx, T, k, E)
+    xr = DeviceArray.empty((R.recv_rows, H), "bfloat16")
+    out = DeviceArray.empty((T, H), "float32")
+    ids_d = DeviceArray.empty((T, k), "int32")
+    w_d = DeviceArray.from_numpy(np.ones((T, k), np.float32))
+    x_d = DeviceArray.empty((T, H), "bfloat16")
+    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    hs = int(s)
+
+    def seq():
+        mkernel.moe_route(ctx, topk_ids=ids_d, topk_weights=w_d, num_experts=E, out=R, stream=hs)
+        mkernel.moe_dispatch(ctx, x_d, R, xr, stream=hs)
+        mkernel.moe_combine(ctx, xr, R, out, stream=hs)
+
+    def fill():
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        x, xv = upload(shared_rng.standard_normal((T, H)), "bfloat16")
+        check(cu.cuMemcpyDtoD(ids_d.ptr, DeviceArray.from_numpy(ids[me]).ptr, ids_d.nbytes))
+        check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
+        return xv
+    fill()
+    seq()
+    ctx.synchronize()
+    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    seq()
+    g = check(cu.cuStreamEndCapture(s))
+    ge = check(cu.cuGraphInstantiate(g, 0))
+    for _ in range(5):
+        xv = fill()
+        ctx.synchronize()
+        ctx.world.Barrier()
+        check(cu.cuGraphLaunch(ge, s))
+        ctx.synchronize(hs)
+        np.testing.assert_array_equal(download(out), k * xv)
+    check(cu.cuGraphExecDestroy(ge))
+    check(cu.cuGraphDestroy(g))
+
+
+def test_bad_inputs_raise_before_launch(ctx):
+    P = ctx.local_size
+    E = 4 * P
+    lg = DeviceArray.empty((10, E), "float32")
+    with pytest.raises(ValueError, match="k is required"):
+        mkernel.moe_route(ctx, lg)
+    with pytest.raises(ValueError, match="k"):
+        mkernel.moe_route(ctx, lg, k=E + 1)
+    with pytest.raises(TypeError):
+        mkernel.moe_route(ctx, DeviceArray.empty((10, E), "int32"), k=2)
+    with pytest.raises(ValueError, match="multiple"):
+        mkernel.moe_route(ctx, topk_ids=DeviceArray.empty((10, 2), "int32"),
+                          topk_weights=DeviceArray.empty((10, 2), "float32"), num_experts=E + 1 if P > 1 else 2000)
+    with pytest.raises(ValueError):
+        mkernel.MoeOptions(softmax="nope").checked()
+    R = mkernel.moe_route(ctx, lg, k=2)
+    with pytest.raises(ValueError):
+        mkernel.moe_dispatch(ctx, DeviceArray.empty((11, 64), "bfloat16"), R)  # T mismatch
+    with pytest.raises(ValueError, match="16 bytes"):
+        mkernel.moe_dispatch(ctx, DeviceArray.empty((10, 7), "bfloat16"), R)
+    with pytest.raises(ValueError):
+        mkernel.moe_combine(ctx, DeviceArray.empty((3, 64), "bfloat16"), R)  # not recv_rows rows
+    ctx.synchronize()
+
+
+def test_missing_peer_times_out(ctx):
+    if ctx.size < 2:
+        pytest.skip("needs 2 ranks")
+    T, E = 64, 2 * ctx.local_size
+
+    def call(c2):
+        mkernel.moe_route(c2, DeviceArray.from_numpy(np.zeros((T, E), np.float32)), k=1)
+    assert_missing_peer_times_out(call, "moe_route")
