@@ -9,9 +9,11 @@ import pytest
 
 from mkernel.core import compiler as CP
 def selected(request, test_name: str) -> list:
-    """The ``(source, defines)`` parameters of the collected (selected) items of ``test_name``."""
+    """The ``(source, defines)`` parameters of the collected (selected) items of ``test_name`` in the
+    requesting test module (other modules' specializations carry other defines)."""
     return [(it.callspec.params["source"], it.callspec.params["defines"]) for it in request.session.items
-            if getattr(it, "originalname", None) == test_name and hasattr(it, "callspec")]
+            if getattr(it, "originalname", None) == test_name and hasattr(it, "callspec")
+            and it.module is request.module]
 
 
 def fill(tmp_path_factory, specs, arch: str):
