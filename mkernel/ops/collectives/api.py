@@ -319,7 +319,7 @@ class _Collective(Op):
             return _FnBound(plan, lambda stream, c: None)
         if plan.path == "internode":
             fn = getattr(internode, self.name)
-            return _FnBound(plan, lambda stream, c: fn(ctx, c.x, c.o, stream))
+            return _FnBound(plan, lambda stream, c: fn(ctx, c.x, c.o, stream, plan.digest))
         dt = self.sizes(ctx, call)[0]
         if plan.path == "ce":
             ws = ctx.workspace(("collective_ce", self.name), plan.ws_bytes, call.stream, self.what)
