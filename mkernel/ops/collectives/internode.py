@@ -144,7 +144,7 @@ def compile_for(op: str, dtype) -> None:
 
 
 def _grid(ctx) -> int:
-    return min(GRID, ctx.sm_count)
+    return min(GRID, ctx.resident_sms)
 
 
 def all_gather(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) -> None:
