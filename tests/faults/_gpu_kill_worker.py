@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mpi4py import MPI  # noqa: E402
 
-from _mpi_worker import Log, become_victim, wait_for_victim  # noqa: E402
+from _mpi_worker import Log, become_victim, leave, wait_for_victim  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -85,12 +85,7 @@ def main():
     except Exception as exc:  # noqa: BLE001
         log.add("crashed", exc, tb=traceback.format_exc())
         rc = 1
-    sys.stdout.flush()
-    (out / f"exit{rank}").touch()
-    t0 = time.monotonic()
-    while not all((out / f"exit{r}").exists() for r in range(size - 1)) and time.monotonic() - t0 < 30:
-        time.sleep(0.01)
-    os._exit(rc)
+    leave(out, rank, list(range(size - 1)), rc)
 
 
 if __name__ == "__main__":

@@ -279,13 +279,18 @@ def main():
     except Exception as exc:  # noqa: BLE001
         log.add("crashed", exc, tb=traceback.format_exc())
         rc = 1
+    leave(out, rank, [r for r in range(size) if not (name.endswith("_kill") and r == size - 1)], rc)
+
+
+def leave(out: Path, rank: int, alive: list, rc: int) -> None:
+    """Report this rank's exit, wait (at most 30 s) until every rank in ``alive`` did, and leave without
+    MPI_Finalize (a dead rank would hold it)."""
     sys.stdout.flush()
     (out / f"exit{rank}").touch()
-    alive = [r for r in range(size) if not (name.endswith("_kill") and r == size - 1)]
     t0 = time.monotonic()
     while not all((out / f"exit{r}").exists() for r in alive) and time.monotonic() - t0 < 30:
         time.sleep(0.01)
-    os._exit(rc)  # never MPI_Finalize: a dead rank would hold it
+    os._exit(rc)
 
 
 if __name__ == "__main__":

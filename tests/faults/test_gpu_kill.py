@@ -12,17 +12,17 @@ the lead runs it in one batch:
 """
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import run as launch  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.gpu]
 
@@ -45,52 +45,11 @@ def _mpirun() -> list:
     return [path]
 
 
-def _run(op: str, n: int, tmp_path: Path, timeout: float = 180.0):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(HERE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    env["MK_KILL_TIMEOUT"] = str(TIMEOUT)
-    env.pop("MKERNEL_TIMEOUT", None)
-    if op.startswith("internode"):
-        env["MKERNEL_RANKS_PER_NODE"] = "1"  # every peer across the proxy (TCP)
-    else:
-        env.pop("MKERNEL_RANKS_PER_NODE", None)
-    rank_cmd = [sys.executable, str(WORKER), op, str(tmp_path)]
-    victim = " ".join(shlex.quote(c) for c in rank_cmd) + "; sleep 60"
-    mpirun = _mpirun()
-    cmd = [*mpirun, "-np", str(n - 1), *rank_cmd, ":", "-np", "1", "sh", "-c", victim]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         start_new_session=True)
-    try:
-        pid_file = tmp_path / "victim.pid"
-        t0 = time.monotonic()
-        while not pid_file.exists():
-            assert time.monotonic() - t0 < timeout and p.poll() is None, \
-                f"the victim never got ready:\n{p.stdout.read()[-4000:] if p.poll() is not None else ''}"
-            time.sleep(0.005)
-        pid, shell = (int(x) for x in pid_file.read_text().split())
-        t_kill = time.time()
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        while not all((tmp_path / f"exit{r}").exists() for r in range(n - 1)):
-            assert time.monotonic() - t0 < 60, "the other ranks never reported"
-            time.sleep(0.01)
-        time.sleep(0.2)
-        try:
-            os.kill(shell, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        out, _ = p.communicate(timeout=60)
-    except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.communicate()
-        raise
-    ranks = {}
-    for f in tmp_path.glob("rank*.json"):
-        d = json.loads(f.read_text())
-        ranks[d["rank"]] = {e["event"]: e for e in d["events"]}
-    for r, ev in ranks.items():
-        assert "crashed" not in ev, f"rank {r} crashed: {ev['crashed'].get('tb')}\n{out[-3000:]}"
-    return ranks, t_kill, out
+def _run(op: str, n: int, tmp_path: Path):
+    extra = {"MK_KILL_TIMEOUT": str(TIMEOUT),
+             # the proxy case: every peer across the proxy (TCP); the others: one node
+             "MKERNEL_RANKS_PER_NODE": "1" if op.startswith("internode") else None}
+    return launch(WORKER, op, n, tmp_path, _mpirun(), kill=True, timeout=180.0, env_extra=extra, ready_within=180.0)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -8,6 +8,10 @@ proxy (``mkernel/proxy.py``).  Used by :func:`mkernel.all_gather` / ``reduce_sca
 ``MKERNEL_RANKS_PER_NODE``); ranks must be node-major (world rank = node * L + local rank) with the
 same number of ranks L on every node, which ``mpirun``'s default by-slot mapping gives.
 
+Every call is checked on the device against the agreed signature: each rank announces ``(call, digest)``
+to the ranks that read what it writes, and a slot is read only after its writer's announcement matched
+(:class:`mkernel.CommMismatch` otherwise; docs/internode.md, "Call signatures").
+
 No host synchronization between calls; every wait (NVLink flags, proxy ring room, proxy completion)
 is under the context timeout; a dead remote rank gives :class:`mkernel.CommTimeout` naming it.
 """
