@@ -187,6 +187,19 @@ def sc_init_kill(out, log):
     log.attempt("init", lambda: init())
 
 
+def sc_split_kill(out, log):
+    """The last rank is killed inside mkernel.init between the bounded duplicate and the host split (MPI's
+    Split_type has no non-blocking form): the others, inside the split, must still raise at the limit."""
+    from mkernel.dist import hostwait
+
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if rank == size - 1:
+        hostwait.blocking = lambda *a, **k: become_victim(out)  # dies where the split would run
+    else:
+        log.add("threads", level=MPI.Query_thread(), multiple=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    log.attempt("init", lambda: init())
+
+
 def sc_agree_stall(out, log):
     """Rank 1 sleeps past the limit before it joins an agreement; the others time out, then every rank
     discards its agreement and initialises again, and the new one agrees."""

@@ -67,6 +67,18 @@ def test_kill_9_before_init_every_other_rank_raises_in_bound(tmp_path):
         assert e["t"] - t_kill <= LIMIT + SLACK, (r, e["t"] - t_kill)
 
 
+def test_kill_9_before_the_host_split_every_other_rank_raises_in_bound(tmp_path):
+    """MPI has no non-blocking communicator split: init runs its splits on a helper thread bounded by the
+    host wait limit (MPI_THREAD_MULTIPLE, mpi4py's default)."""
+    ranks, t_kill, out = run("split_kill", 3, tmp_path, kill=True)
+    assert sorted(ranks) == [0, 1], out[-3000:]
+    for r, ev in ranks.items():
+        assert ev["threads"]["multiple"], ev["threads"]
+        e = ev["init"]
+        assert e["type"] == "CommTimeout" and "mkernel.init (the host split)" in e["msg"], e
+        assert e["t"] - t_kill <= LIMIT + SLACK, (r, e["t"] - t_kill)
+
+
 def test_a_stalled_rank_times_the_others_out_and_every_rank_can_initialise_again(tmp_path):
     ranks, _, out = run("agree_stall", 3, tmp_path)
     assert sorted(ranks) == [0, 1, 2], out[-3000:]
