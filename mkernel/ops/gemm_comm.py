@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 from cuda.bindings import driver as cu
 
-from ..core.archs import require_gemm_device
 from ..core.arrays import DeviceArray
 from ..core.compiler import kernel
 from ..core.driver import check
@@ -38,7 +37,7 @@ from . import gemm as G  # the GEMM package's public planning API
 __all__ = ["MAXP", "FLAG_ROWS_PER_SOURCE", "FLAGS_PER_SOURCE", "LAYOUTS", "RsLayout", "GatherLayout", "OwnerRows",
            "row_offsets", "owner_tiles", "raster", "Tile", "tile_order", "units_of_worker", "copy_2d", "TmaOperand", "FnBound",
            "FusedBound", "resident_kernel", "exchange_ks", "parse_operands", "make_out", "overlaps",
-           "validate_operands"]
+           "validate_operands", "gemm_options"]
 
 MAXP = 16  # local ranks (the kernels keep the owner in 4 bits of the tile id)
 # Ready flags per source: FLAG_ROWS_PER_SOURCE rows of MAX_CHUNKS, one flag per tile of an owner (or of the
@@ -72,6 +71,15 @@ class OwnerRows(ctypes.Structure):
 # --------------------------------------------------------------------------------------------
 # owners' tiles (MkOwnerScheduler)
 # --------------------------------------------------------------------------------------------
+_DETERMINISTIC_GEMM = G.GemmOptions(deterministic=True)
+
+
+def gemm_options(call):
+    """The options of the plain GEMM a fused op runs (its one-rank and unfused paths): deterministic when the
+    call is (docs/gemm.md, "Determinism"), else the defaults (None)."""
+    return _DETERMINISTIC_GEMM if call.deterministic else None
+
+
 def row_offsets(m_sizes) -> tuple:
     """``offs`` with owner j's rows at ``[offs[j], offs[j+1])``."""
     offs = [0]
@@ -178,10 +186,10 @@ def overlaps(x: DeviceArray, y: DeviceArray) -> bool:
 
 
 def validate_operands(ctx, call, what: str, out_shape: tuple, out_desc: str) -> None:
-    """Every check of a fused comm-GEMM call's arrays (``call.a``, ``call.b``, ``call.o``, ``call.M / K / N``,
+    """Every check of a fused comm-GEMM call's arrays, after the op's device check (require_gemm_device):
+    (``call.a``, ``call.b``, ``call.o``, ``call.M / K / N``,
     ``call.out_dtype``) on one node: dtypes, devices, unit inner strides, row strides, sizes, out writable
     and of ``out_shape`` (``out_desc`` says what it holds)."""
-    require_gemm_device(what, ctx.device)
     if ctx.num_nodes != 1:
         raise ValueError(f"{what}: runs among the ranks of one node (NVLink); this context has "
                          f"{ctx.num_nodes} nodes")

@@ -71,13 +71,15 @@ def test_gemm_ops_refuse_other_architectures(fake_gpu, cc):
     supported, first thing in its validate stage (before any compile)."""
     from mkernel.ops.ag_gemm.op import _OP as AG
     from mkernel.ops.gemm.api import _GEMM, _GROUPED
+    from mkernel.ops.gemm_ar.op import _OP as AR
     from mkernel.ops.gemm_rs.op import _OP as RS
 
     fake_gpu(*cc)
     call = SimpleNamespace(A=SimpleNamespace(device=0))  # validate must stop before reading anything else
     ctx = SimpleNamespace(device=0, num_nodes=1)
     for op, c, what in ((_GEMM, None, "mkernel.gemm"), (_GROUPED, None, "mkernel.grouped_gemm"),
-                        (AG, ctx, "mkernel.ag_gemm"), (RS, ctx, "mkernel.gemm_reduce_scatter")):
+                        (AG, ctx, "mkernel.ag_gemm"), (RS, ctx, "mkernel.gemm_reduce_scatter"),
+                        (AR, ctx, "mkernel.gemm_all_reduce")):
         with pytest.raises(DeviceError) as ei:
             op.validate(c, call)
         msg = str(ei.value)

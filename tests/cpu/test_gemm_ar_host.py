@@ -24,12 +24,13 @@ def env(monkeypatch):
         log, f"mk_gemm_ar_{p.b_layout}:{p.path}:{p.config}{':T' if p.transposed else ''}"))
     monkeypatch.setattr(OPM, "TensorMapArg", FakeMap)
     monkeypatch.setattr(OPM, "copy_2d", lambda *a: log.append(dict(copy_2d=a)))
-    monkeypatch.setattr(OPM, "gemm", lambda a, b, o, *, b_layout, stream: log.append(
-        dict(gemm=(a.ptr, a.shape, b.ptr, o.ptr, o.shape, b_layout, stream))))
+    monkeypatch.setattr(OPM, "gemm", lambda a, b, o, *, b_layout, stream, options=None: log.append(
+        dict(gemm=(a.ptr, a.shape, b.ptr, o.ptr, o.shape, b_layout, stream), **({"options": options} if options else {}))))
     monkeypatch.setattr(OPM, "all_reduce", lambda ctx, x, o, *, stream: log.append(
         dict(ar=(x.ptr, x.shape, o.ptr, o.shape, stream))))
     monkeypatch.setattr(DeviceArray, "empty", classmethod(lambda cls, shape, dtype, device=None: arr(shape, dtype)))
     monkeypatch.setattr(BASE, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(OPM, "require_gemm_device", lambda what, device: None)  # (a Hopper, as far as the op asks)
     monkeypatch.setattr(OPM, "_OP", OPM.GemmAllReduce())  # (options seen by other tests' op object)
     yield FakeCtx(), log
 
@@ -274,3 +275,14 @@ def test_specialization_of_each_plan_is_registered_or_compiles_lazily():
     the "nk" entry only)."""
     d = LY.kernel_defines("bfloat16", "bfloat16", 54, "latency", None, True)
     assert d["MK_GEMM_SWAP"] == 1 and d["MK_AR_PATH"] == 0 and d["MK_GEMM_CONFIG"] == 54
+
+
+def test_deterministic_plain_gemm(env):
+    """deterministic=True reaches the plain GEMM of the one-rank and unfused paths (no split-K there)."""
+    ctx, log = env
+    ctx.local_size = ctx.size = 1
+    a, b, o = arr((100, 64)), arr((64, 48)), arr((100, 48))
+    call(ctx, a, b, o, deterministic=True)
+    call(ctx, a, b, o)
+    opts = [e.get("options") for e in log if "gemm" in e]
+    assert len(opts) == 2 and opts[0].deterministic and opts[1] is None

@@ -903,3 +903,16 @@ def test_gemv_dependent_launch_env(fake_gemv, monkeypatch, mkenv):
             mkenv("MKERNEL_GEMM_PDL", env)
         G.gemm(a, b, b_layout="nk")
         assert launches[-1]["kernel"] == "mk_gemv_nk" and launches[-1]["dependent"] is want, env
+
+
+def test_deterministic_plans_never_split(fake):
+    """A shape the heuristic splits along K (few tiles, long K) is planned unsplit with
+    GemmOptions(deterministic=True) (split-K adds its partials in arrival order); splits > 1 with it is refused."""
+    launches, maps, empty = fake
+    a, b = empty((128, 16384), "bfloat16"), empty((16384, 512), "bfloat16")
+    G.gemm(a, b)
+    assert _args(launches[-1]).splits > 1  # the default plan splits (else this test shows nothing)
+    G.gemm(a, b, options=G.GemmOptions(deterministic=True))
+    assert _args(launches[-1]).splits == 1
+    with pytest.raises(ValueError, match="deterministic"):
+        G.gemm(a, b, options=G.GemmOptions(deterministic=True, splits=2))

@@ -21,8 +21,8 @@ def env(monkeypatch):
     monkeypatch.setattr(OPM, "fused_kernel", lambda ctx, p: FakeKernel(log, f"mk_gemm_rs_{p.b_layout}:{p.config}"))
     monkeypatch.setattr(OPM, "TensorMapArg", FakeMap)
     monkeypatch.setattr(OPM, "copy_2d", lambda *a: log.append(dict(copy_2d=a)))
-    monkeypatch.setattr(OPM, "gemm", lambda a, b, o, *, b_layout, stream: log.append(
-        dict(gemm=(a.ptr, a.shape, b.ptr, o.ptr, o.shape, b_layout, stream))))
+    monkeypatch.setattr(OPM, "gemm", lambda a, b, o, *, b_layout, stream, options=None: log.append(
+        dict(gemm=(a.ptr, a.shape, b.ptr, o.ptr, o.shape, b_layout, stream), **({"options": options} if options else {}))))
     monkeypatch.setattr(OPM, "reduce_scatter", lambda ctx, x, o, *, stream: log.append(
         dict(rs=(x.ptr, x.shape, o.ptr, o.shape, stream))))
     monkeypatch.setattr(DeviceArray, "empty", classmethod(lambda cls, shape, dtype, device=None: arr(shape, dtype)))
@@ -247,3 +247,14 @@ def test_deterministic_is_part_of_the_call(env):
     call(ctx, a, b, o, deterministic=True)
     assert ctx.last_plan("gemm_rs").deterministic is True
     assert ctx.agreed[0][1][0] != ctx.agreed[1][1][0]  # another agreed signature
+
+
+def test_deterministic_plain_gemm(env):
+    """deterministic=True reaches the plain GEMM of the one-rank and unfused paths (no split-K there)."""
+    ctx, log = env
+    ctx.local_size = ctx.size = 1
+    a, b, o = arr((100, 64)), arr((64, 48)), arr((100, 48))
+    call(ctx, a, b, o, deterministic=True)
+    call(ctx, a, b, o)
+    opts = [e.get("options") for e in log if "gemm" in e]
+    assert len(opts) == 2 and opts[0].deterministic and opts[1] is None

@@ -706,3 +706,23 @@ def test_gemv_chain_dependent_launches(rng, gemv_route, M, graph, monkeypatch, m
         got = download(xs[i + 1])
         check(got, prev @ ws[i][1].T, f"decode chain step {i} ({M}x{n}x{k}, config={cfg}, graph={graph})")
         prev = got
+
+
+@pytest.mark.parametrize("M,N,K,layout", [(128, 512, 16384, "kn"), (200, 1000, 12000, "nk")])
+def test_deterministic_bits(rng, M, N, K, layout):
+    """GemmOptions(deterministic=True) on shapes the heuristic splits along K: correct, and the same bits
+    over 20 calls (the default split plan is checked for correctness only: its last bits may vary)."""
+    a, av = rand(rng, (M, K), "bfloat16")
+    b, bv = rand(rng, (K, N) if layout == "kn" else (N, K), "bfloat16")
+    ref = av @ (bv if layout == "kn" else bv.T)
+    opts = G.GemmOptions(deterministic=True)
+    outs = [poisoned((M, N), "float32") for _ in range(20)]
+    for o in outs:
+        G.gemm(a, b, o, b_layout=layout, out_dtype="float32", options=opts)
+    first = download(outs[0])
+    check(first, ref, f"deterministic gemm {M}x{N}x{K} {layout}")
+    for i, o in enumerate(outs[1:]):
+        np.testing.assert_array_equal(download(o), first, err_msg=f"call {i + 1} differs")
+    split = poisoned((M, N), "float32")
+    G.gemm(a, b, split, b_layout=layout, out_dtype="float32")
+    check(download(split), ref, f"default gemm {M}x{N}x{K} {layout}")

@@ -314,7 +314,8 @@ def orient_and_plan(M: int, N: int, K: int, b_layout: str, sms: int, options, mi
     """``(swap, config, splits, split_from)`` of a plain GEMM's plan, or None where the decode kernel
     (gemv.py) takes the call (``gemv_ok``).  ``options``: a GemmOptions.  Unless a config, a split factor or
     ``swap`` is forced, swap_candidates decides the orientation; a transposed plan is the N x M x K
-    problem's (``misaligned`` exchanged too).  ``splits``: forced on every tile."""
+    problem's (``misaligned`` exchanged too).  ``splits``: forced on every tile.  ``deterministic``: no
+    split-K (its partials are added in arrival order)."""
     config, splits, swap, allowed = options.config, options.splits, options.swap, options.candidates
     cands = SWAP_CANDIDATES  # (swap forced)
     if config is None and splits is None and swap is None:
@@ -331,6 +332,8 @@ def orient_and_plan(M: int, N: int, K: int, b_layout: str, sms: int, options, mi
         sp, sf = _decode_swap_splits(cfg, M, N, b_layout, sms, sp, sf)
     if splits is not None:  # forced: every tile split
         sp, sf = max(1, min(int(splits), max_splits(cfg, M, N, K, b_layout))), 0
+    if options.deterministic and sp > 1:
+        sp, sf = 1, 0
     return swap, cfg, sp, sf
 
 

@@ -25,7 +25,9 @@ class GemmOptions:
     where none of them applies).  ``pdl``: programmatic dependent launches always (True), never (False) or
     where the heuristic says (None).  ``epilogue``: "tma" (TMA stores where the config stages its output)
     or "registers".  ``gemv``: let decode-shaped calls (M <= 16, B "nk") take the decode kernel;
-    ``transposed``: let the heuristic choose transposed plans."""
+    ``transposed``: let the heuristic choose transposed plans.  ``deterministic``: bit-identical results call
+    after call: no split-K plan (its blocks add their partial tiles in arrival order); the decode kernel and
+    cluster split-K (a fixed order) stay allowed (docs/gemm.md, "Determinism")."""
 
     config: int | None = None
     splits: int | None = None
@@ -35,6 +37,7 @@ class GemmOptions:
     epilogue: str = "tma"
     gemv: bool = True
     transposed: bool = True
+    deterministic: bool = False
 
     __hash__ = options_hash  # (hashed once: part of every bound-call key)
 
@@ -70,6 +73,11 @@ class GemmOptions:
             raise ValueError(f"GemmOptions.splits must be None or an int >= 1, got {self.splits!r}")
         if self.epilogue not in ("tma", "registers"):
             raise ValueError(f"GemmOptions.epilogue must be 'tma' or 'registers', got {self.epilogue!r}")
+        if self.deterministic not in (True, False):
+            raise ValueError(f"GemmOptions.deterministic must be True or False, got {self.deterministic!r}")
+        if self.deterministic and self.splits is not None and self.splits > 1:
+            raise ValueError(f"GemmOptions: splits={self.splits} adds partial tiles in arrival order; "
+                             "it cannot be deterministic")
         for name in ("swap", "pdl"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"GemmOptions.{name} must be None, True or False, got {getattr(self, name)!r}")

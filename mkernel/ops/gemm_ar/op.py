@@ -18,14 +18,15 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.tensormap import TensorMapArg  # noqa: F401  (used through _DEV: the CPU tests replace it)
 from ..base import BoundCall, Op, as_stream, checked_once
 from ..collectives import all_reduce
 from ..gemm import gemm
 from .. import gemm as G  # the GEMM package's public planning API
-from ..gemm_comm import (FnBound, FusedBound, OwnerRows, copy_2d, exchange_ks, make_out, overlaps, parse_operands,
-                         resident_kernel, row_offsets, validate_operands)
+from ..gemm_comm import (FnBound, FusedBound, OwnerRows, copy_2d, exchange_ks, gemm_options, make_out, overlaps,
+                         parse_operands, resident_kernel, row_offsets, validate_operands)
 from .layout import SOURCE, ArArgs, kernel_defines
 from .options import GemmArOptions
 from .planner import ArPlan, plan as make_plan
@@ -93,7 +94,7 @@ class _UnfusedBound(BoundCall):
     def run(self, stream, call):
         p, O = self.plan, call.o
         buf = O if self._direct else self._tmp
-        gemm(call.a, call.b, buf, b_layout=p.b_layout, stream=stream)
+        gemm(call.a, call.b, buf, b_layout=p.b_layout, stream=stream, options=gemm_options(call))
         all_reduce(self._ctx, buf, buf, stream=stream)
         if not self._direct:
             isz = O.dtype.itemsize
@@ -137,6 +138,7 @@ class GemmAllReduce(Op):
 
     # ---- first call of a key ----------------------------------------------------------------
     def validate(self, ctx, call):
+        require_gemm_device(WHAT, ctx.device)
         validate_operands(ctx, call, WHAT, (call.M, call.N), f"the whole {call.M} x {call.N} sum, on every rank")
 
     def _local_signature(self, ctx, call) -> tuple:
@@ -167,7 +169,8 @@ class GemmAllReduce(Op):
         if p.path == "empty":
             return FnBound(p, lambda stream, c: None)
         if p.path == "gemm":
-            return FnBound(p, lambda stream, c: gemm(c.a, c.b, c.o, b_layout=c.b_layout, stream=stream))
+            return FnBound(p, lambda stream, c: gemm(c.a, c.b, c.o, b_layout=c.b_layout, stream=stream,
+                                                         options=gemm_options(c)))
         if p.path == "unfused":
             return _UnfusedBound(ctx, call, p)
         return _fused_bound(ctx, call, p)

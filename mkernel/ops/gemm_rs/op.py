@@ -18,13 +18,14 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.tensormap import TensorMapArg  # noqa: F401  (used through _DEV: the CPU tests replace it)
 from ..base import BoundCall, Op, as_stream, checked_once
 from ..collectives import reduce_scatter
 from ..gemm import gemm
 from .. import gemm as G  # the GEMM package's public planning API
-from ..gemm_comm import (FnBound, FusedBound, copy_2d, exchange_ks, make_out, overlaps, parse_operands,
+from ..gemm_comm import (FnBound, FusedBound, copy_2d, exchange_ks, gemm_options, make_out, overlaps, parse_operands,
                          resident_kernel, validate_operands)
 from .layout import SOURCE, OwnerRows, RsArgs, kernel_defines, row_offsets, split_rows
 from .options import GemmRsOptions
@@ -90,12 +91,12 @@ class _UnfusedBound(BoundCall):
     def run(self, stream, call):
         p, tmp, m_max = self.plan, self._tmp, self._m_max
         if self._equal:
-            gemm(call.a, call.b, tmp, b_layout=p.b_layout, stream=stream)
+            gemm(call.a, call.b, tmp, b_layout=p.b_layout, stream=stream, options=gemm_options(call))
         else:
             for j, m in enumerate(p.m_sizes):
                 if m:
                     gemm(call.a[self._offs[j]:self._offs[j + 1]], call.b, tmp[j * m_max:j * m_max + m],
-                         b_layout=p.b_layout, stream=stream)
+                         b_layout=p.b_layout, stream=stream, options=gemm_options(call))
         O = call.o
         red = O if self._direct else self._red
         reduce_scatter(self._ctx, tmp, red, stream=stream)
@@ -150,6 +151,7 @@ class GemmReduceScatter(Op):
 
     # ---- first call of a key ----------------------------------------------------------------
     def validate(self, ctx, call):
+        require_gemm_device(WHAT, ctx.device)
         validate_operands(ctx, call, WHAT, (call.m_sizes[ctx.local_rank], call.N),
                           f"this rank's rows of the {call.M} x {call.N} sum")
 
@@ -182,7 +184,8 @@ class GemmReduceScatter(Op):
         if p.path == "empty":
             return FnBound(p, lambda stream, c: None)
         if p.path == "gemm":
-            return FnBound(p, lambda stream, c: gemm(c.a, c.b, c.o, b_layout=c.b_layout, stream=stream))
+            return FnBound(p, lambda stream, c: gemm(c.a, c.b, c.o, b_layout=c.b_layout, stream=stream,
+                                                         options=gemm_options(c)))
         if p.path == "unfused":
             return _UnfusedBound(ctx, call, p)
         return _fused_bound(ctx, call, p)
