@@ -9,12 +9,22 @@
 //   [0]             MkEpochState
 //   [8*8]           u64 barrier counter (grid barrier, local)
 //   [consumed_off]  u64[P]  consumed[r]: world rank r finished reading what we wrote into it
+//   [calls_off]     u64[P][2] calls[r][e & 1] = (e << 32) | sig: world rank r's announcement of its call e
+//                   and that call's signature (MkComm.sig), one word (NVLink store or proxy FLAG)
 //   [ready_off]     u64[R]  ready flags (op-specific index), value = epoch
 //   [data_off]      slots (op-specific)
 // A writer (NVLink push or proxy WRITE) waits consumed[dst] >= epoch-1 first; the proxy raises the
 // destination's ready flag after the data (RC ordering / TCP copy-then-flag); the last block of a
 // call tells every writer it consumed (NVLink flag to local peers, proxy FLAG to rail peers) after
 // waiting until the proxy finished reading our source regions.
+//
+// Same call everywhere (docs/internode.md, "Call signatures"): at the start of a call one thread
+// announces (epoch, sig) to every rank that reads what we send (local peers by NVLink, rail peers by a
+// proxy FLAG), and before a block reads a slot that world rank s filled it checks s's announcement of
+// this call (inter_same_call): another signature is MK_ERR_MISMATCH, raised as CommMismatch.  Two
+// parity words per sender: s cannot announce e+2 before we took part in e+1 (every call needs every
+// rank's data), so word e & 1 still holds e when we read it.  The word's high half is the call number
+// (wrap-safe for 2^32 calls), so waiting for calls[s][e & 1] >= e << 32 waits for the announcement.
 //
 // Work is whole-slot items strided over blocks (cooperative launch: every block resident).
 #include "core/mk_copy.cuh"
@@ -27,7 +37,7 @@
 typedef mk_type<MK_DTYPE>::T T;
 
 struct InterLayout {
-  mk_u64 consumed_off, ready_off, data_off;
+  mk_u64 consumed_off, calls_off, ready_off, data_off;
   mk_u64 slot_bytes;  // bytes per slot (multiple of 256)
   int L, N;           // ranks per node, nodes
 };
@@ -43,6 +53,9 @@ struct IWs {
   MK_DEVICE mk_u64* barrier() const { return (mk_u64*)(base + 64); }
   MK_DEVICE mk_u64* consumed(int r) const { return (mk_u64*)(base + Lo.consumed_off) + r; }
   MK_DEVICE mk_u64 consumed_off(int r) const { return Lo.consumed_off + 8ull * r; }
+  // world rank r's announcement of call e (parity e & 1) in this rank's workspace
+  MK_DEVICE mk_u64 call_off(int r, mk_u64 e) const { return Lo.calls_off + 16ull * r + 8ull * (e & 1); }
+  MK_DEVICE mk_u64* call(int r, mk_u64 e) const { return (mk_u64*)(base + call_off(r, e)); }
   MK_DEVICE mk_u64* ready(int i) const { return (mk_u64*)(base + Lo.ready_off) + i; }
   MK_DEVICE mk_u64 ready_off(int i) const { return Lo.ready_off + 8ull * i; }
   MK_DEVICE mk_u64 slot_off(int i) const { return Lo.data_off + (mk_u64)i * Lo.slot_bytes; }
@@ -72,6 +85,50 @@ MK_DEVICE bool grid_sync(const MkComm& c, const IWs& w, mk_u64 epoch, int nb, in
     const mk_u64 target = ((epoch - 1) * nb + k) * (mk_u64)gridDim.x;
     ok = mk_wait_geq(c, w.barrier(), target, -1, -100 - k);
   }
+  return __syncthreads_and(ok) != 0;
+}
+
+MK_DEVICE mk_u64 inter_call_word(const MkComm& c, mk_u64 epoch) { return (epoch << 32) | (mk_u64)c.sig; }
+
+// Announce call `epoch` (one thread, before anything of the call is pushed): our word into every
+// local peer's workspace (NVLink) and, through the proxy, every rail peer's.  False if the proxy
+// ring stayed full (recorded).
+MK_DEVICE bool inter_announce(const MkComm& c, const IWs& w, const MkProxy& p, mk_u64 epoch) {
+  const mk_u64 word = inter_call_word(c, epoch);
+  const mk_u64 off = w.call_off(w.me, epoch);
+  for (int j = 0; j < w.Lo.L; ++j)
+    if (j != w.l) mk_signal_set((mk_u64*)(w.peer(j) + off), word);
+  for (int m = 0; m < w.Lo.N; ++m) {
+    if (m == w.n) continue;
+    if (mk_proxy_push(c, p, MK_PROXY_OP_FLAG, w.world(m, w.l), 0, 0, 0, 0, 0, off, word) == MK_PROXY_NO_FLAG)
+      return false;
+  }
+  return true;
+}
+
+// Every block calls it first: block 0's thread 0 announces; block-uniform verdict.
+MK_DEVICE bool inter_open(const MkComm& c, const IWs& w, const MkProxy& p, mk_u64 epoch) {
+  int ok = 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) ok = inter_announce(c, w, p, epoch);
+  return __syncthreads_and(ok) != 0;
+}
+
+// One thread: world rank `s` announced call `epoch` with our signature.  Waits (bounded) for the
+// announcement; another signature is MK_ERR_MISMATCH (peer s, flag index -1000 - s).
+MK_DEVICE bool inter_same_call(const MkComm& c, const IWs& w, mk_u64 epoch, int s) {
+  const int flag_index = -1000 - s;
+  if (!mk_wait_geq(c, w.call(s, epoch), epoch << 32, s, flag_index)) return false;
+  const mk_u64 word = mk_ld_acquire(w.call(s, epoch));
+  if (word == inter_call_word(c, epoch)) return true;
+  mk_report(c, MK_ERR_MISMATCH, s, flag_index, c.sig, word & 0xffffffffull, 0);
+  return false;
+}
+
+// Whole block: slot data that world rank `s` wrote and raised `flag` for in call `epoch` may be read --
+// the flag is up and s made this very call (a forwarder checked the rank it forwards for first).
+MK_DEVICE bool inter_wait_from(const MkComm& c, const IWs& w, mk_u64 epoch, const mk_u64* flag, int s, int flag_idx) {
+  int ok = 1;
+  if (threadIdx.x == 0) ok = mk_wait_geq(c, flag, epoch, s, flag_idx) && inter_same_call(c, w, epoch, s);
   return __syncthreads_and(ok) != 0;
 }
 
@@ -127,6 +184,7 @@ mk_inter_all_gather(MkComm c, MkProxy p, const char* in, char* out, mk_u64 shard
   const IWs w = make_iws(c, ws, peers, Lo);
   const mk_u64 epoch = mk_epoch_begin(w.st());
   const int L = Lo.L, N = Lo.N, P = w.P;
+  if (!inter_open(c, w, p, epoch)) return;
   // 1. our shard into our own slot (all blocks), then a grid barrier
   {
     const mk_u64 per = mk_div_up(mk_div_up(shard, 16) , gridDim.x) * 16;
@@ -150,12 +208,15 @@ mk_inter_all_gather(MkComm c, MkProxy p, const char* in, char* out, mk_u64 shard
       if (!nvl_push(c, w, epoch, j, w.slot(w.me), w.slot_off(w.me), shard, w.me)) return;
     } else if (it < n_push + n_fwd) {
       const int s = w.world((w.n + N - 1 - (it - n_push)) % N, w.l);  // rail peer's shard, via the proxy
-      if (!mk_block_wait_geq(c, w.ready(s), epoch, s, s)) return;
+      if (!inter_wait_from(c, w, epoch, w.ready(s), s, s)) return;
       for (int k = 1; k < L; ++k)
         if (!nvl_push(c, w, epoch, (w.l + k) % L, w.slot(s), w.slot_off(s), shard, s)) return;
     } else {
       const int r = (w.me + (it - n_push - n_fwd)) % P;
-      if (r != w.me && !mk_block_wait_geq(c, w.ready(r), epoch, r, r)) return;
+      // slot r's writer: r itself (our node, or our rail through the proxy), else r's rail peer on our
+      // node, which forwarded it after checking r's call
+      const int lr = r % L, writer = (r / L == w.n || lr == w.l) ? r : w.world(w.n, lr);
+      if (r != w.me && !inter_wait_from(c, w, epoch, w.ready(r), writer, r)) return;
       mk_block_copy(out + (mk_u64)r * shard, w.slot(r), shard);
     }
   }
@@ -179,6 +240,7 @@ mk_inter_reduce_scatter(MkComm c, MkProxy p, const T* x, T* out, mk_u64 n, char*
   auto A = [&](int j, int m) { return j * N + m; };
   auto S = [&](int m) { return L * N + m; };
   auto B = [&](int m) { return L * N + N + m; };
+  if (!inter_open(c, w, p, epoch)) return;
   // items: [(L-1)*N NVLink pushes] [N-1 node partials sent to rail peers] [1: our own partial + final sum]
   const int n_push = (L - 1) * N, n_items = n_push + N;
   for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
@@ -193,7 +255,7 @@ mk_inter_reduce_scatter(MkComm c, MkProxy p, const T* x, T* out, mk_u64 n, char*
     const int k = it - n_push;                      // 0 .. N-1; the last one is our own node
     const int m = (w.n + 1 + k) % N;                // k = N-1 -> m = our node
     for (int j = 0; j < L; ++j)
-      if (j != w.l && !mk_block_wait_geq(c, w.ready(A(j, m)), epoch, w.world(w.n, j), A(j, m))) return;
+      if (j != w.l && !inter_wait_from(c, w, epoch, w.ready(A(j, m)), w.world(w.n, j), A(j, m))) return;
     const T* own = x + (mk_u64)w.world(m, w.l) * n;
     mk_sum_sources((T*)w.slot(S(m)), L,
                 [&](int j) { return j == w.l ? own : (const T*)w.slot(A(j, m)); }, n, xal);
@@ -209,7 +271,7 @@ mk_inter_reduce_scatter(MkComm c, MkProxy p, const T* x, T* out, mk_u64 n, char*
     // our own node: wait for every other node's partial, then the final sum in node order
     for (int q = 1; q < N; ++q) {
       const int mm = (w.n + q) % N;
-      if (!mk_block_wait_geq(c, w.ready(B(mm)), epoch, w.world(mm, w.l), B(mm))) return;
+      if (!inter_wait_from(c, w, epoch, w.ready(B(mm)), w.world(mm, w.l), B(mm))) return;
     }
     mk_sum_sources(out, N, [&](int mm) { return (const T*)w.slot(mm == w.n ? S(mm) : B(mm)); }, n,
                 ((((mk_u64)out) | bytes) & 15) == 0);

@@ -36,7 +36,7 @@ from ..core.streams import is_capturing, stream_handle
 from ..errors import DeviceError, MkernelError
 from .agreement import Agreement
 from .opstate import OpState
-from .sharing import gpu_identity, warn_shared_gpus
+from .sharing import gpu_identity, shared_gpus, warn_shared_gpus
 from .signals import OPS, ErrorRecordView, MkComm
 from . import wire
 from .timeouts import resolve_timeout, validate_timeout
@@ -77,7 +77,10 @@ class Context:
         self.agreement = Agreement(self.rank, lambda: self._timeout)
         ids = self.agreement.exchange_bytes("mkernel.init (GPU identities)",
                                             wire.encode((self.rank, gpu_identity(self.device))), topo.host_comm)
-        warn_shared_gpus(self.rank, [wire.decode(b) for b in ids], topo.host_size, ndev)
+        entries = [wire.decode(b) for b in ids]
+        warn_shared_gpus(self.rank, entries, topo.host_size, ndev)
+        # the most ranks of this host on one GPU: the same on every rank of the host (so in every plan)
+        self.gpu_sharers = max([1] + [len(r) for r in shared_gpus(entries).values()])
         from cuda.core import Device
 
         self._cu_device = Device(self.device)
@@ -85,6 +88,10 @@ class Context:
         self.cu_context = check(cu.cuCtxGetCurrent())
         A = cu.CUdevice_attribute
         self.sm_count = device_attribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device)
+        # SMs a kernel that waits for its peers' kernels may fill: all of them, or an equal share when
+        # ranks share a GPU, so the sharers' kernels fit on it together (docs/reliability.md, "Ranks
+        # sharing a GPU"); every op's grids and plans use this, never sm_count
+        self.resident_sms = max(1, self.sm_count // self.gpu_sharers)
         # host-mapped error record
         flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE
         self._err_host = int(check(cu.cuMemHostAlloc(4096, flags)))

@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import CommError, CommTimeout
 from .group import GroupTimeout
 
-__all__ = ["wait", "idup", "ibarrier", "iallgather", "iallgather_bytes", "group_allgather"]
+__all__ = ["wait", "idup", "ibarrier", "iallgather", "iallgather_bytes", "group_allgather", "blocking"]
 
 _abandoned: list = []  # (request, buffers) of operations given up on: alive until the process exits
 _abandoned_lock = threading.Lock()
@@ -134,3 +134,46 @@ def iallgather_bytes(comm, data: bytes, limit: float, what: str, rank: int, max_
     counts, displs = [int(x) for x in lens], [int(x) for x in displs]
     wait(comm.Iallgatherv(send, [buf, (counts, displs)]), limit, what, rank, keep=(send, buf))
     return [bytes(buf[d:d + c]) for c, d in zip(counts, displs)]
+
+
+def blocking(fn, limit: float, what: str, rank: int, threads_ok: bool):
+    """``fn()`` -- a blocking MPI collective that has no non-blocking form (``Split_type``, ``Split``) --
+    waited for at most ``limit`` seconds.  With ``threads_ok`` (MPI initialised with
+    ``MPI_THREAD_MULTIPLE``) it runs on a helper thread: past the limit :class:`~mkernel.CommTimeout`
+    is raised and the thread is left blocked in MPI (a daemon: it never holds up the exit), as an
+    abandoned request is (docs/reliability.md, "Limits").  Without it, MPI forbids a second thread in
+    the library and ``fn`` runs here, unbounded."""
+    if not threads_ok:
+        return fn()
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="mkernel-mpi-blocking", daemon=True)
+    t.start()
+    t.join(limit)
+    if t.is_alive():
+        with _abandoned_lock:
+            _abandoned.append((_Stuck(t), ()))
+        raise _timeout(limit, what, rank)
+    if "error" in box:
+        exc = box["error"]
+        if isinstance(exc, CommError):
+            raise exc
+        raise CommError(f"mkernel: rank {rank}: {what} failed in MPI (a peer failed?): {exc}",
+                        {"rank": rank, "op": what}) from exc
+    return box["value"]
+
+
+class _Stuck:
+    """An abandoned blocking call, kept in the abandoned list like a request (done once its thread ends)."""
+
+    def __init__(self, thread):
+        self.thread = thread
+
+    def Test(self) -> bool:  # noqa: N802 - the request protocol
+        return not self.thread.is_alive()

@@ -1,7 +1,8 @@
 """Ranks that share a GPU: more ranks than GPUs on a host (or ``MKERNEL_DEVICE`` / ``device=`` choosing
-one GPU twice).  mkernel runs that way (the ranks' kernels time-share the GPU, which slows every op
-and can make the fused GEMM ops time out), so it is reported, not refused: one warning per shared GPU,
-logged by the lowest rank using it.
+one GPU twice).  mkernel runs that way -- every op whose kernels wait for their peers' kernels plans and
+launches within ``Context.resident_sms`` (the SMs divided by the most ranks on one GPU), so the sharers'
+kernels fit on it together (docs/reliability.md, "Ranks sharing a GPU") -- but each op then has a share
+of the GPU, so it is reported: one warning per shared GPU, logged by the lowest rank using it.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def warn_shared_gpus(rank: int, entries, host_size: int, num_gpus: int) -> None:
     """Log one warning per shared GPU of ``entries`` (this host's ``(rank, gpu)``), from its lowest rank."""
     for gpu, ranks in shared_gpus(entries).items():
         if ranks[0] == rank:
-            log.warning("mkernel: ranks %s share the GPU %s (%d ranks on this host, %d GPUs visible): their kernels "
-                        "time-share it; give each rank its own GPU (device=, MKERNEL_DEVICE or CUDA_VISIBLE_DEVICES)",
+            log.warning("mkernel: ranks %s share the GPU %s (%d ranks on this host, %d GPUs visible): each op runs "
+                        "on its share of the SMs; give each rank its own GPU (device=, MKERNEL_DEVICE or "
+                        "CUDA_VISIBLE_DEVICES)",
                         ranks, gpu, host_size, num_gpus)

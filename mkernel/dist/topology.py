@@ -6,9 +6,10 @@ Unix-socket groups (:mod:`.localgroup`).  Needs no GPU, so it is tested on the C
 
 Every wait is bounded (:mod:`mkernel.dist.hostwait`, :func:`~mkernel.dist.timeouts.host_wait_limit` of
 the timeout): with MPI the duplicate of the communicator is an ``Idup`` and the exchange a non-blocking
-allgather; MPI has no non-blocking communicator split, so each of the two splits runs right after a
-bounded collective that every rank completed (only a rank dying in between can still hold the others
-in a split).  With another bootstrap the allgathers run on a helper thread waited for at most the limit.
+allgather; MPI has no non-blocking communicator split, so the two splits run on a helper thread waited
+for at most the limit (:func:`~mkernel.dist.hostwait.blocking`; with ``MPI_THREAD_MULTIPLE``, mpi4py's
+default -- under a lower thread level they run inline, each right after a bounded collective every rank
+completed, so only a rank dying in between can hold the others there).  With another bootstrap the allgathers run on a helper thread waited for at most the limit.
 """
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ class Topology:
         me = parent.Get_rank()
         world = hostwait.idup(parent, limit, "mkernel.init (duplicating the communicator)", me)
         rank, size = world.Get_rank(), world.Get_size()
-        host_comm = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        threads_ok = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        host_comm = hostwait.blocking(lambda: world.Split_type(MPI.COMM_TYPE_SHARED, key=rank), limit,
+                                      "mkernel.init (the host split)", rank, threads_ok)
         host_rank, host_size = host_comm.Get_rank(), host_comm.Get_size()
         host_leader = host_comm.Get_group().Translate_ranks([0], world.Get_group())[0]
         sub = host_rank // ranks_per_node if ranks_per_node else 0
@@ -78,7 +81,8 @@ class Topology:
                                                       "mkernel.init (the topology exchange)", rank).tolist()]
         uniq = sorted(set(keys))
         node = uniq.index((host_leader, sub))
-        node_comm = world.Split(color=node, key=rank)
+        node_comm = hostwait.blocking(lambda: world.Split(color=node, key=rank), limit,
+                                      "mkernel.init (the node split)", rank, threads_ok)
         local_world_ranks = node_comm.Get_group().Translate_ranks(list(range(node_comm.Get_size())),
                                                                   world.Get_group())
         return cls(rank=rank, size=size, node=node, num_nodes=len(uniq), local_rank=node_comm.Get_rank(),

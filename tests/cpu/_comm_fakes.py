@@ -36,7 +36,7 @@ class FakeComm:
 
 
 class FakeCtx:
-    device, rank, local_rank, num_nodes, sm_count = 0, 0, 0, 1, 132
+    device, rank, local_rank, num_nodes, sm_count, resident_sms = 0, 0, 0, 1, 132, 132
 
     def __init__(self, P=2, ks=None):
         self.size = self.local_size = P

@@ -59,7 +59,7 @@ class FakeAgreement:
 
 
 class FakeCtx:
-    device, rank, local_rank, num_nodes, sm_count = 0, 0, 0, 1, 132
+    device, rank, local_rank, num_nodes, sm_count, resident_sms = 0, 0, 0, 1, 132, 132
     node_comm = object()
 
     def __init__(self, log, P=2):
@@ -480,3 +480,20 @@ def test_copy_list_and_gathered_copies():
     assert OPM.gathered_copies(100, 1000, 5000, 40, 60, 90, True) == [(100, 1000, 40), (140, 5000, 20),
                                                                       (160, 1060, 30)]
     assert OPM.gathered_copies(100, 1000, 5000, 0, 60, 60, True) == [(100, 5000, 60)]
+
+
+@pytest.mark.parametrize("path", ["fused", "fused_ce", "unfused"])
+def test_ranks_sharing_a_gpu_plan_for_their_share_of_the_sms(env, path):
+    """Two ranks on one GPU (ctx.resident_sms = half the SMs): every kernel that waits for the peer's
+    kernel fits beside it -- the plan is made for 66 SMs, the launched grids stay within them, and the
+    last-wave split plans (those that filled every SM and deadlocked with 2 ranks on one H200) too."""
+    ctx, log = env
+    ctx.resident_sms = 66
+    m_sizes, N, K = [700, 717], 3000, 4096  # test_last_wave_split's config-2 shape (splits on 132 SMs)
+    a, b = arr((m_sizes[0], K)), arr((N, K))
+    ctx.peer_columns = {1: [m_sizes[1]]}
+    kw = dict(comm_sms=4) if path == "fused" else dict(path=path)
+    call(ctx, a, b, b_layout="nk", **kw)
+    p = ctx.last_plan("ag_gemm")
+    assert p.path == path and p.comm_sms + p.workers <= 66 and p.gather_blocks <= 66, p.describe()
+    assert all(e["grid"] <= 66 for e in prepared(log) if e["prepared"].startswith(("mk_ag_gemm", "mk_ag_gather")))

@@ -28,7 +28,7 @@ class FakeWs:
 
 
 class FakeCtx:
-    device, size, local_size, rank, local_rank, num_nodes, sm_count = 0, 2, 2, 0, 0, 1, 132
+    device, size, local_size, rank, local_rank, num_nodes, sm_count, resident_sms = 0, 2, 2, 0, 0, 1, 132, 132
     world = object()
 
     def __init__(self):

@@ -510,3 +510,31 @@ def test_every_op_on_a_closed_context_raises_first(op):
         ctx.alloc_symmetric(4096)
     with pytest.raises(MkernelError, match="this context was closed"):
         ctx.barrier()
+
+
+def test_a_blocking_mpi_split_is_bounded_on_a_helper_thread():
+    """mkernel.init's two communicator splits (no non-blocking form in MPI) run on a helper thread under
+    MPI_THREAD_MULTIPLE: a split that never returns (a rank died before it) is a CommTimeout at the limit;
+    a result or an MPI error comes back to the caller; without threads the call runs inline."""
+    import threading
+    import time
+
+    from mkernel.dist import hostwait
+    from mkernel.errors import CommError, CommTimeout
+
+    assert hostwait.blocking(lambda: 7, 1.0, "split", 0, True) == 7
+    release = threading.Event()
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match="rank 3 waited 0.3 s .* mkernel.init \\(the node split\\)"):
+        hostwait.blocking(lambda: release.wait(30), 0.3, "mkernel.init (the node split)", 3, True)
+    assert 0.3 <= time.monotonic() - t0 < 1.5
+    release.set()
+
+    def mpi_error():
+        raise RuntimeError("MPI_ERR_PROC_FAILED")
+
+    with pytest.raises(CommError, match="failed in MPI") as ei:
+        hostwait.blocking(mpi_error, 1.0, "split", 0, True)
+    assert isinstance(ei.value.__cause__, RuntimeError)
+    me = threading.get_ident()
+    assert hostwait.blocking(threading.get_ident, 1.0, "split", 0, False) == me  # inline

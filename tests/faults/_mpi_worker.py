@@ -187,6 +187,19 @@ def sc_init_kill(out, log):
     log.attempt("init", lambda: init())
 
 
+def sc_split_kill(out, log):
+    """The last rank is killed inside mkernel.init between the bounded duplicate and the host split (MPI's
+    Split_type has no non-blocking form): the others, inside the split, must still raise at the limit."""
+    from mkernel.dist import hostwait
+
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    if rank == size - 1:
+        hostwait.blocking = lambda *a, **k: become_victim(out)  # dies where the split would run
+    else:
+        log.add("threads", level=MPI.Query_thread(), multiple=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    log.attempt("init", lambda: init())
+
+
 def sc_agree_stall(out, log):
     """Rank 1 sleeps past the limit before it joins an agreement; the others time out, then every rank
     discards its agreement and initialises again, and the new one agrees."""
@@ -279,13 +292,18 @@ def main():
     except Exception as exc:  # noqa: BLE001
         log.add("crashed", exc, tb=traceback.format_exc())
         rc = 1
+    leave(out, rank, [r for r in range(size) if not (name.endswith("_kill") and r == size - 1)], rc)
+
+
+def leave(out: Path, rank: int, alive: list, rc: int) -> None:
+    """Report this rank's exit, wait (at most 30 s) until every rank in ``alive`` did, and leave without
+    MPI_Finalize (a dead rank would hold it)."""
     sys.stdout.flush()
     (out / f"exit{rank}").touch()
-    alive = [r for r in range(size) if not (name.endswith("_kill") and r == size - 1)]
     t0 = time.monotonic()
     while not all((out / f"exit{r}").exists() for r in alive) and time.monotonic() - t0 < 30:
         time.sleep(0.01)
-    os._exit(rc)  # never MPI_Finalize: a dead rank would hold it
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,15 @@ the others can only find out through their own bounded waits.
 """
 from __future__ import annotations
 
-import json
-import os
-import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import run as launch  # noqa: E402
 
 from mkernel.dist.timeouts import host_wait_limit
 
@@ -44,52 +43,8 @@ def _mpirun():
 
 
 def run(scenario: str, n: int, tmp_path: Path, kill: bool = False, timeout: float = 60.0):
-    """Run ``scenario`` on ``n`` ranks; returns ({rank: events}, kill time or None, output).  With ``kill``
-    the last rank is the victim: it runs under a shell that outlives it (the launcher must not learn of
-    the death: the others find out through their bounded waits), which is ended once every other rank
-    has reported."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(HERE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("MKERNEL_TIMEOUT", None)
-    rank_cmd = [sys.executable, str(WORKER), scenario, str(tmp_path)]
-    cmd = [_mpirun(), "-disable-auto-cleanup", "-np", str(n), *rank_cmd]
-    if kill:
-        victim = " ".join(shlex.quote(c) for c in rank_cmd) + "; sleep 60"
-        cmd = [_mpirun(), "-disable-auto-cleanup", "-np", str(n - 1), *rank_cmd, ":", "-np", "1", "sh", "-c", victim]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         start_new_session=True)
-    t_kill = None
-    try:
-        if kill:
-            pid_file = tmp_path / "victim.pid"
-            t0 = time.monotonic()
-            while not pid_file.exists():
-                assert time.monotonic() - t0 < 30 and p.poll() is None, "the victim never got ready"
-                time.sleep(0.005)
-            pid, shell = (int(x) for x in pid_file.read_text().split())
-            t_kill = time.time()
-            os.kill(pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            while not all((tmp_path / f"exit{r}").exists() for r in range(n - 1)):
-                assert time.monotonic() - t0 < timeout, "the other ranks never reported"
-                time.sleep(0.01)
-            time.sleep(0.2)
-            try:
-                os.kill(shell, signal.SIGKILL)  # the victim's shell: the job may end now
-            except ProcessLookupError:  # (the launcher ended it when the others left)
-                pass
-        out, _ = p.communicate(timeout=timeout)
-    except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)  # the session this test started
-        p.communicate()
-        raise
-    ranks = {}
-    for f in tmp_path.glob("rank*.json"):
-        d = json.loads(f.read_text())
-        ranks[d["rank"]] = {e["event"]: e for e in d["events"]}
-    for r, ev in ranks.items():
-        assert "crashed" not in ev, f"rank {r} crashed: {ev['crashed'].get('tb')}\n{out[-3000:]}"
-    return ranks, t_kill, out
+    """Run ``scenario`` on ``n`` ranks under hydra (-disable-auto-cleanup): :func:`_launch.run`."""
+    return launch(WORKER, scenario, n, tmp_path, [_mpirun(), "-disable-auto-cleanup"], kill=kill, timeout=timeout)
 
 
 def test_kill_9_during_an_agreement_every_other_rank_raises_in_bound(tmp_path):
@@ -109,6 +64,18 @@ def test_kill_9_before_init_every_other_rank_raises_in_bound(tmp_path):
     for r, ev in ranks.items():
         e = ev["init"]
         assert e["type"] == "CommTimeout" and "mkernel.init" in e["msg"], e
+        assert e["t"] - t_kill <= LIMIT + SLACK, (r, e["t"] - t_kill)
+
+
+def test_kill_9_before_the_host_split_every_other_rank_raises_in_bound(tmp_path):
+    """MPI has no non-blocking communicator split: init runs its splits on a helper thread bounded by the
+    host wait limit (MPI_THREAD_MULTIPLE, mpi4py's default)."""
+    ranks, t_kill, out = run("split_kill", 3, tmp_path, kill=True)
+    assert sorted(ranks) == [0, 1], out[-3000:]
+    for r, ev in ranks.items():
+        assert ev["threads"]["multiple"], ev["threads"]
+        e = ev["init"]
+        assert e["type"] == "CommTimeout" and "mkernel.init (the host split)" in e["msg"], e
         assert e["t"] - t_kill <= LIMIT + SLACK, (r, e["t"] - t_kill)
 
 

@@ -131,11 +131,11 @@ def test_shapes(ctx, shared_rng, case):
     if P > 1 and mode.startswith("fused"):
         assert plan.path == "fused" and plan.comm_sms == comm_sms, plan.describe()
     elif P > 1 and mode == "ce":
-        assert plan.path == "fused_ce" and plan.workers <= ctx.sm_count, plan.describe()
+        assert plan.path == "fused_ce" and plan.workers <= ctx.resident_sms, plan.describe()
     elif mode == "unfused" or P == 1:
         assert plan.path == "unfused", plan.describe()
     else:  # auto: what the model says for these agreed sizes
-        want = PL.plan(m_sizes, N, K, 2, ctx.sm_count, gathered=bool(extra.get("gathered")), b_layout=layout).path
+        want = PL.plan(m_sizes, N, K, 2, ctx.resident_sms, gathered=bool(extra.get("gathered")), b_layout=layout).path
         assert plan.path == want, plan.describe()
 
 
@@ -167,10 +167,10 @@ def test_last_wave_split(ctx, shared_rng, layout, config, path):
                          options=AgGemmOptions(tail_split=True),
                          what=f"tail split config {config} {layout} {path} call {it}", **kw)
     if ctx.local_size > 1:
-        want = PL.plan(m_sizes, N, K, 2, ctx.sm_count, config=config, tail_split=True,
+        want = PL.plan(m_sizes, N, K, 2, ctx.resident_sms, config=config, tail_split=True,
                         b_layout=layout, **({"comm_sms": 4} if path == "fused" else {"force_path": path}))
         assert (plan.path, plan.splits, plan.split_from) == (path, want.splits, want.split_from), plan.describe()
-        if ctx.sm_count == 132 and ctx.local_size == 2:  # the N above were picked for 2 x H200
+        if ctx.resident_sms == 132 and ctx.local_size == 2:  # the N above were picked for 2 x H200
             assert plan.splits > 1, plan.describe()
 
 
@@ -183,9 +183,9 @@ def test_last_chunk_split(ctx, shared_rng, spec):
     for it in range(3):
         plan = _run_case(ctx, shared_rng, m_sizes, N, K, b_layout="nk", what=f"last-chunk split call {it}")
     if ctx.local_size > 1:
-        want = PL.plan(m_sizes, N, K, 2, ctx.sm_count, b_layout="nk")
+        want = PL.plan(m_sizes, N, K, 2, ctx.resident_sms, b_layout="nk")
         assert (plan.path, plan.splits, plan.split_from) == (want.path, want.splits, want.split_from), plan.describe()
-        if ctx.sm_count >= 120:  # H100/H200
+        if ctx.resident_sms >= 120:  # H100/H200
             assert plan.path == "fused_ce" and plan.splits > 1, plan.describe()
 
 
@@ -209,9 +209,9 @@ def test_every_tile_split(ctx, shared_rng):
         plan = _run_case(ctx, shared_rng, m_sizes, 512, 16384, b_layout="nk", path="fused_ce",
                          what=f"every tile split call {it}")
     if ctx.local_size > 1:
-        want = PL.plan(m_sizes, 512, 16384, 2, ctx.sm_count, force_path="fused_ce", b_layout="nk")
+        want = PL.plan(m_sizes, 512, 16384, 2, ctx.resident_sms, force_path="fused_ce", b_layout="nk")
         assert (plan.splits, plan.split_from) == (want.splits, want.split_from), plan.describe()
-        if ctx.sm_count >= 120:
+        if ctx.resident_sms >= 120:
             assert plan.splits > 1 and plan.split_from == 0, plan.describe()
 
 

@@ -114,7 +114,7 @@ def _sm_data_off(ctx, op: str, n: int, itemsize: int) -> int:
 
     P = ctx.local_size
     o = CollectiveOptions.default()
-    grid_max = min(ctx.sm_count, o.max_blocks) if o.max_blocks > 0 else ctx.sm_count
+    grid_max = min(ctx.resident_sms, o.max_blocks) if o.max_blocks > 0 else ctx.resident_sms
     phases = 1
     slot = n * itemsize
     if op == "all_reduce" and not LY.one_shot(n * itemsize, P, o):

@@ -117,6 +117,41 @@ def test_internode_graph_replay(mctx, shared_rng):
     check(cu.cuGraphDestroy(graph))
 
 
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_zzz_internode_mismatched_sizes_raise_comm_mismatch(mctx, op):
+    """Two sizes agreed on earlier (the host exchanges nothing more), then rank 0 repeats one while the
+    other ranks make the other: every rank raises CommMismatch -- from the call words announced through
+    the proxy and over NVLink -- before it reads a slot a mismatched peer filled (no peer's data reaches
+    the NaN-poisoned output).  Run with MKERNEL_RANKS_PER_NODE=1 (every peer across the proxy)."""
+    from mpi4py import MPI
+
+    c2 = mkernel.init(MPI.COMM_WORLD.Dup(), timeout=2.0)
+    P, me = c2.size, c2.rank
+    fn = getattr(mkernel, op)
+    sizes = (1000 + 7, 3000 + 5)
+    for n in sizes:
+        x = upload(np.ones(n * (P if op == "reduce_scatter" else 1)), "float32")[0]
+        fn(c2, x, poisoned((n * P,) if op == "all_gather" else (n,), "float32"))
+    c2.synchronize()
+    c2.world.Barrier()
+    n = sizes[0] if me == 0 else sizes[1]
+    x = upload(np.ones(n * (P if op == "reduce_scatter" else 1)), "float32")[0]
+    out = poisoned((n * P,) if op == "all_gather" else (n,), "float32")
+    fn(c2, x, out)
+    with pytest.raises(mkernel.CommError) as ei:
+        c2.synchronize()
+    rec = ei.value.record
+    assert rec["op"] == "internode_" + op and rec["rank"] == me, rec
+    if P == 2 or me == 0:  # rank 0 differs from every peer; with 2 ranks each sees the other first
+        assert isinstance(ei.value, mkernel.CommMismatch), ei.value
+        assert rec["expected"] != rec["seen"] and rec["peer"] != me, rec
+    got = download(out)
+    if op == "all_gather":  # a rank's own shard may be copied before any check; no peer's
+        got = np.delete(got, np.s_[me * n:(me + 1) * n])
+    assert np.isnan(got).all(), "a mismatched call read a peer's data"
+    c2.world.Barrier()
+
+
 def test_zzz_internode_dead_rank_times_out(mctx):
     from mpi4py import MPI
 

@@ -345,7 +345,7 @@ class _CeBound(_Bound):
         if not a.local_map:
             # this rank's rows are copied into the workspace first: a same-device copy the driver may run as
             # a kernel, which must find an SM while the GEMM waits for those rows
-            grid = min(grid, ctx.sm_count - 1)
+            grid = min(grid, ctx.resident_sms - 1)
         k = fused_kernel(ctx, dt, out_dt, p.config, call.b_layout)
         self._launch = k.prepare(grid, cfg.threads, f.kargs, stream=s, smem=cfg.smem)
         self.buffers, self.clears = tuple(f.keep), f.clears
@@ -495,7 +495,7 @@ class AgGemm(Op):
     def _plan_of(self, ctx, call, inputs) -> AgPlan:
         ms, n_max, gathered, layout = inputs
         o = call.options
-        return make_plan(ms, n_max, call.K, call.a.dtype.itemsize, ctx.sm_count, comm_sms=o.comm_sms,
+        return make_plan(ms, n_max, call.K, call.a.dtype.itemsize, ctx.resident_sms, comm_sms=o.comm_sms,
                          gathered=gathered, force_path=o.path, config=o.config, tail_split=o.tail_split,
                          b_layout=layout, fused_auto=o.fused_auto, model=o.model)
 

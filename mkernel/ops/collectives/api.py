@@ -307,10 +307,10 @@ class _Collective(Op):
                 L = CollLayout.from_buffer_copy(L)  # (the cached layout stays as it is)
                 L.direct = 1
             # receiving blocks: all SMs but one (the begin kernel always finds one)
-            grid = max(1, min(ctx.sm_count - 1, opts.ce_blocks or ctx.sm_count))
+            grid = max(1, min(ctx.resident_sms - 1, opts.ce_blocks or ctx.resident_sms))
             return CollPlan(self.name, "ce", os_, grid, L.nchunks, call.direct is not None, digest, L, total,
                             count, shard)
-        grid_max = min(ctx.sm_count, opts.max_blocks) if opts.max_blocks > 0 else ctx.sm_count
+        grid_max = min(ctx.resident_sms, opts.max_blocks) if opts.max_blocks > 0 else ctx.resident_sms
         L, total, grid = sm_layout(ctx.local_size, slot, grid_max, phases, opts.min_chunk)
         return CollPlan(self.name, "sm", os_, grid, L.nchunks, False, digest, L, total, count, shard, tuple(tail))
 
@@ -319,7 +319,7 @@ class _Collective(Op):
             return _FnBound(plan, lambda stream, c: None)
         if plan.path == "internode":
             fn = getattr(internode, self.name)
-            return _FnBound(plan, lambda stream, c: fn(ctx, c.x, c.o, stream))
+            return _FnBound(plan, lambda stream, c: fn(ctx, c.x, c.o, stream, plan.digest))
         dt = self.sizes(ctx, call)[0]
         if plan.path == "ce":
             ws = ctx.workspace(("collective_ce", self.name), plan.ws_bytes, call.stream, self.what)

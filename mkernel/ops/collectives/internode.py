@@ -8,6 +8,10 @@ proxy (``mkernel/proxy.py``).  Used by :func:`mkernel.all_gather` / ``reduce_sca
 ``MKERNEL_RANKS_PER_NODE``); ranks must be node-major (world rank = node * L + local rank) with the
 same number of ranks L on every node, which ``mpirun``'s default by-slot mapping gives.
 
+Every call is checked on the device against the agreed signature: each rank announces ``(call, digest)``
+to the ranks that read what it writes, and a slot is read only after its writer's announcement matched
+(:class:`mkernel.CommMismatch` otherwise; docs/internode.md, "Call signatures").
+
 No host synchronization between calls; every wait (NVLink flags, proxy ring room, proxy completion)
 is under the context timeout; a dead remote rank gives :class:`mkernel.CommTimeout` naming it.
 """
@@ -25,7 +29,8 @@ from ...core.util import round_up
 from ...dist.signals import MK_ERR_PROXY
 from ...errors import CommError
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce", "InterLayout", "check_layout"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "InterLayout", "check_layout", "layout", "call_word",
+           "call_offset"]
 
 _SOURCE = "ops/internode.cu"
 _THREADS = 512
@@ -36,8 +41,23 @@ for _code in (0, 1, 2):
 
 
 class InterLayout(ctypes.Structure):
-    _fields_ = [("consumed_off", ctypes.c_uint64), ("ready_off", ctypes.c_uint64), ("data_off", ctypes.c_uint64),
-                ("slot_bytes", ctypes.c_uint64), ("L", ctypes.c_int32), ("N", ctypes.c_int32)]
+    """``struct InterLayout`` of ``cuda_src/ops/internode.cu`` (byte offsets in the op's workspace)."""
+
+    _fields_ = [("consumed_off", ctypes.c_uint64), ("calls_off", ctypes.c_uint64), ("ready_off", ctypes.c_uint64),
+                ("data_off", ctypes.c_uint64), ("slot_bytes", ctypes.c_uint64), ("L", ctypes.c_int32),
+                ("N", ctypes.c_int32)]
+
+
+def call_word(epoch: int, sig: int) -> int:
+    """The u64 world rank r writes into every reader's ``calls[r][epoch & 1]`` when it starts call ``epoch``
+    of signature ``sig`` (``inter_call_word`` in internode.cu): the call number in the high half, so a
+    waiter for ``>= epoch << 32`` waits for the announcement, the signature in the low half."""
+    return ((int(epoch) & 0xFFFFFFFF) << 32) | (int(sig) & 0xFFFFFFFF)
+
+
+def call_offset(Lo: InterLayout, rank: int, epoch: int) -> int:
+    """Byte offset of world rank ``rank``'s announcement of call ``epoch`` in a reader's workspace."""
+    return Lo.calls_off + 16 * rank + 8 * (epoch & 1)
 
 
 def check_layout(ctx) -> None:
@@ -49,15 +69,23 @@ def check_layout(ctx) -> None:
                          f"every node (world rank = node*L + local rank); this job has nodes {ctx.node_of_rank}")
 
 
-def _layout(ctx, nslots: int, nflags: int, slot_bytes: int) -> tuple[InterLayout, int]:
-    P = ctx.size
+def layout(L: int, N: int, nslots: int, nflags: int, slot_bytes: int) -> tuple[InterLayout, int]:
+    """(layout, workspace bytes) for L ranks per node, N nodes, ``nslots`` slots of ``slot_bytes`` and
+    ``nflags`` ready flags.  Every control offset depends on L, N and the op's flag count only (the
+    workspace serves every call of the op, whatever its size: docs/design.md, "Control words never move")."""
+    P = L * N
     Lo = InterLayout()
     Lo.consumed_off = 128
-    Lo.ready_off = round_up(Lo.consumed_off + 8 * P, 256)
+    Lo.calls_off = Lo.consumed_off + 8 * P
+    Lo.ready_off = round_up(Lo.calls_off + 16 * P, 256)
     Lo.data_off = round_up(Lo.ready_off + 8 * nflags, 4096)
     Lo.slot_bytes = round_up(max(slot_bytes, 16), 256)
-    Lo.L, Lo.N = ctx.local_size, ctx.num_nodes
+    Lo.L, Lo.N = L, N
     return Lo, Lo.data_off + nslots * Lo.slot_bytes
+
+
+def _layout(ctx, nslots: int, nflags: int, slot_bytes: int) -> tuple[InterLayout, int]:
+    return layout(ctx.local_size, ctx.num_nodes, nslots, nflags, slot_bytes)
 
 
 class _State:
@@ -120,31 +148,33 @@ def compile_for(op: str, dtype) -> None:
 
 
 def _grid(ctx) -> int:
-    return min(GRID, ctx.sm_count)
+    return min(GRID, ctx.resident_sms)
 
 
-def all_gather(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
-    """``o`` (``[P*n, ...]``) = every world rank's ``x`` (``[n, ...]``) in world-rank order."""
+def all_gather(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) -> None:
+    """``o`` (``[P*n, ...]``) = every world rank's ``x`` (``[n, ...]``) in world-rank order.  ``sig``: the
+    agreed call's digest (``ctx.agree``), compared with every sender's before its data is read."""
     check_layout(ctx)
     P = ctx.size
     Lo, total = _layout(ctx, P, P, x.nbytes)
     st = _state(ctx, "all_gather", total)
     k = _kernel("mk_inter_all_gather", 0)
-    args = [ctx.comm_args("internode_all_gather"), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
+    args = [ctx.comm_args("internode_all_gather", sig), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
             ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes), ctypes.c_uint64(st.ws.ptr),
             ctypes.c_uint64(st.ws.peer_table), Lo]
     k.launch(_grid(ctx), _THREADS, args, stream=stream, cooperative=True)
 
 
-def reduce_scatter(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
-    """``o`` (``[n, ...]``) on world rank r = sum over world ranks of ``x[r*n:(r+1)*n]``."""
+def reduce_scatter(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) -> None:
+    """``o`` (``[n, ...]``) on world rank r = sum over world ranks of ``x[r*n:(r+1)*n]``.  ``sig``: as
+    :func:`all_gather`."""
     check_layout(ctx)
     L, N = ctx.local_size, ctx.num_nodes
     n = o.size
     Lo, total = _layout(ctx, L * N + 2 * N, L * N + N, n * x.dtype.itemsize)
     st = _state(ctx, "reduce_scatter", total)
     k = _kernel("mk_inter_reduce_scatter", x.dtype.code)
-    args = [ctx.comm_args("internode_reduce_scatter"), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
+    args = [ctx.comm_args("internode_reduce_scatter", sig), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
             ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(st.ws.ptr),
             ctypes.c_uint64(st.ws.peer_table), Lo]
     k.launch(_grid(ctx), _THREADS, args, stream=stream, cooperative=True)
@@ -157,7 +187,7 @@ class _ARBuffers:
         self.out = DeviceArray.empty((n_pad,), dtype)
 
 
-def all_reduce(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
+def all_reduce(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) -> None:
     """``o`` = sum over world ranks of ``x``: reduce-scatter then all-gather, both hierarchical.
 
     Sizes that are not a multiple of the world size go through padded buffers cached per size
@@ -176,6 +206,6 @@ def all_reduce(ctx, x: DeviceArray, o: DeviceArray, stream) -> None:
     check(cu.cuMemcpyDtoDAsync(b.inp.ptr, x.ptr, n * isz, s))
     if n_pad > n:
         check(cu.cuMemsetD8Async(b.inp.ptr + n * isz, 0, (n_pad - n) * isz, s))
-    reduce_scatter(ctx, b.inp, b.mid, stream)
-    all_gather(ctx, b.mid, b.out, stream)
+    reduce_scatter(ctx, b.inp, b.mid, stream, sig)
+    all_gather(ctx, b.mid, b.out, stream, sig)
     check(cu.cuMemcpyDtoDAsync(o.ptr, b.out.ptr, n * isz, s))

@@ -144,7 +144,7 @@ class GemmAllReduce(Op):
     def _local_signature(self, ctx, call) -> tuple:
         """What every rank's call must share (K_r may differ: it is exchanged)."""
         return (call.a.dtype.name, call.o.dtype.name, call.M, call.N, call.b_layout, call.deterministic,
-                repr(call.options), ctx.local_size, ctx.sm_count)
+                repr(call.options), ctx.local_size, ctx.resident_sms)
 
     def compile(self, ctx, call):
         """Exchange K_r, plan, and compile the fused kernel before the ranks agree: a rank compiling for
@@ -153,7 +153,7 @@ class GemmAllReduce(Op):
         ks = exchange_ks(ctx, OP, WHAT, sig, call.K) if ctx.local_size > 1 else (call.K,)
         call.local_sig = sig
         call.plan = make_plan(call.M, call.N, ks, ctx.local_rank, b_layout=call.b_layout, in_dtype=call.a.dtype.name,
-                              out_dtype=call.o.dtype.name, sms=ctx.sm_count, options=call.options,
+                              out_dtype=call.o.dtype.name, sms=ctx.resident_sms, options=call.options,
                               deterministic=call.deterministic)
         if call.plan.path in ("latency", "bandwidth"):
             fused_kernel(ctx, call.plan)

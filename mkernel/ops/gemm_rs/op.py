@@ -158,7 +158,7 @@ class GemmReduceScatter(Op):
     def _local_signature(self, ctx, call) -> tuple:
         """What every rank's call must share (K_r may differ: it is exchanged)."""
         return (call.a.dtype.name, call.o.dtype.name, call.M, call.N, call.b_layout, call.m_sizes,
-                call.deterministic, repr(call.options), ctx.local_size, ctx.sm_count)
+                call.deterministic, repr(call.options), ctx.local_size, ctx.resident_sms)
 
     def compile(self, ctx, call):
         """Exchange K_r, plan, and compile the fused kernel before the ranks agree: a rank compiling for
@@ -168,7 +168,7 @@ class GemmReduceScatter(Op):
         opts = call.options
         call.local_sig = sig
         call.plan = make_plan(call.m_sizes, call.N, ks, ctx.local_rank, b_layout=call.b_layout,
-                              in_dtype=call.a.dtype.name, out_dtype=call.o.dtype.name, sms=ctx.sm_count,
+                              in_dtype=call.a.dtype.name, out_dtype=call.o.dtype.name, sms=ctx.resident_sms,
                               options=opts, deterministic=call.deterministic)
         if call.plan.path == "fused":
             fused_kernel(ctx, call.plan)

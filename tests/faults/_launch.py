@@ -1,0 +1,70 @@
+"""Launch a fault scenario under mpirun and read what every rank saw (tests/faults/test_mpi_faults.py,
+test_gpu_kill.py; the workers log through ``_mpi_worker.Log``)."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(worker: Path, scenario: str, n: int, tmp_path: Path, mpirun: list, kill: bool = False, timeout: float = 60.0,
+        env_extra: dict | None = None, ready_within: float = 30.0):
+    """Run ``scenario`` on ``n`` ranks; returns ({rank: events}, kill time or None, output).  With ``kill``
+    the last rank is the victim: it runs under a shell that outlives it (the launcher must not learn of
+    the death: the others find out through their bounded waits), which is ended once every other rank
+    has reported.  ``mpirun``: the launcher and its options; ``env_extra``: variables set (None: removed)
+    for the ranks; ``ready_within``: seconds the victim may take to get ready (a GPU warm-up compiles)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(HERE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("MKERNEL_TIMEOUT", None)
+    for k, v in (env_extra or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    rank_cmd = [sys.executable, str(worker), scenario, str(tmp_path)]
+    cmd = [*mpirun, "-np", str(n), *rank_cmd]
+    if kill:
+        victim = " ".join(shlex.quote(c) for c in rank_cmd) + "; sleep 60"
+        cmd = [*mpirun, "-np", str(n - 1), *rank_cmd, ":", "-np", "1", "sh", "-c", victim]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         start_new_session=True)
+    t_kill = None
+    try:
+        if kill:
+            pid_file = tmp_path / "victim.pid"
+            t0 = time.monotonic()
+            while not pid_file.exists():
+                assert time.monotonic() - t0 < ready_within and p.poll() is None, "the victim never got ready"
+                time.sleep(0.005)
+            pid, shell = (int(x) for x in pid_file.read_text().split())
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while not all((tmp_path / f"exit{r}").exists() for r in range(n - 1)):
+                assert time.monotonic() - t0 < timeout, "the other ranks never reported"
+                time.sleep(0.01)
+            time.sleep(0.2)
+            try:
+                os.kill(shell, signal.SIGKILL)  # the victim's shell: the job may end now
+            except ProcessLookupError:  # (the launcher ended it when the others left)
+                pass
+        out, _ = p.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)  # the session this test started
+        p.communicate()
+        raise
+    ranks = {}
+    for f in tmp_path.glob("rank*.json"):
+        d = json.loads(f.read_text())
+        ranks[d["rank"]] = {e["event"]: e for e in d["events"]}
+    for r, ev in ranks.items():
+        assert "crashed" not in ev, f"rank {r} crashed: {ev['crashed'].get('tb')}\n{out[-3000:]}"
+    return ranks, t_kill, out
