@@ -114,7 +114,11 @@ class Problem:
             err = np.linalg.norm(g - ref) / scale_ref
             tol = TOL[self.dtype]
             if not np.any(ref):
-                assert not np.any(g), f"{what} {n}: reference is 0, got max |{n}| = {np.abs(g).max()}"
+                # (e.g. one key: dS = P (dP - D) is 0 in exact arithmetic, but dP = dO.V and D = dO.O are fp32
+                # sums in different orders, so a rounding-sized residue is right; bound it by the gradients' scale)
+                big = max(np.abs(self.dv).max(), np.abs(self.dk).max(), np.abs(self.dq).max(), 1.0)
+                assert np.abs(g).max() <= 1e-2 * tol * big, \
+                    f"{what} {n}: reference is 0, got max |{n}| = {np.abs(g).max()} > {1e-2 * tol * big}"
                 continue
             assert err <= tol, f"{what} {n}: relative Frobenius error {err:.3e} > {tol}"
             worst = np.abs(g - ref).max() / np.abs(ref).max()
