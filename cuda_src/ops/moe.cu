@@ -66,6 +66,32 @@ struct MoeShape {
   int softmax_all;     // route from logits: 1 = softmax over all E then top-k renormalised, 0 = softmax over the top-k
 };
 
+// The host's ctypes layouts (moe/layout.py MoeLayout / MoeShape, dist/signals.py MkComm), checked by
+// tests/cpu/test_moe_host.py: MK_EXPECT_MOE_STRUCTS = {sizeof, offsetof each field...} of the three, in the
+// order below.  (A kernel parameter struct that differs from the host's reads garbage sizes.)
+#ifdef MK_EXPECT_MOE_STRUCTS
+#define MOE_OFF(S, f) ((unsigned long long)__builtin_offsetof(S, f))
+constexpr unsigned long long moe_expected_structs[] = MK_EXPECT_MOE_STRUCTS;
+constexpr unsigned long long moe_device_structs[] = {
+    sizeof(MoeLayout), alignof(MoeLayout), MOE_OFF(MoeLayout, consumed_off), MOE_OFF(MoeLayout, flags_off),
+    MOE_OFF(MoeLayout, counts_off), MOE_OFF(MoeLayout, scratch_off), MOE_OFF(MoeLayout, stage_off),
+    MOE_OFF(MoeLayout, row_bytes), MOE_OFF(MoeLayout, flag_stride), MOE_OFF(MoeLayout, pad),
+    sizeof(MoeShape), alignof(MoeShape), MOE_OFF(MoeShape, T), MOE_OFF(MoeShape, H), MOE_OFF(MoeShape, k),
+    MOE_OFF(MoeShape, E), MOE_OFF(MoeShape, El), MOE_OFF(MoeShape, capacity), MOE_OFF(MoeShape, r_cap),
+    MOE_OFF(MoeShape, softmax_all),
+    sizeof(MkComm), alignof(MkComm), MOE_OFF(MkComm, err), MOE_OFF(MkComm, timeout_ns), MOE_OFF(MkComm, rank),
+    MOE_OFF(MkComm, world_size), MOE_OFF(MkComm, local_rank), MOE_OFF(MkComm, local_size), MOE_OFF(MkComm, node),
+    MOE_OFF(MkComm, num_nodes), MOE_OFF(MkComm, op), MOE_OFF(MkComm, sig)};
+constexpr bool moe_structs_match() {
+  if (sizeof(moe_expected_structs) != sizeof(moe_device_structs)) return false;
+  for (unsigned i = 0; i < sizeof(moe_device_structs) / sizeof(moe_device_structs[0]); ++i)
+    if (moe_expected_structs[i] != moe_device_structs[i]) return false;
+  return true;
+}
+static_assert(moe_structs_match(), "moe.cu: MoeLayout / MoeShape / MkComm differ from the host's ctypes structs");
+#undef MOE_OFF
+#endif
+
 struct MoeWs {
   char* base;
   const mk_u64* __restrict__ peers;
@@ -392,12 +418,28 @@ mk_moe_dispatch(MkComm c, const char* __restrict__ x, const int* __restrict__ id
   const int* recv_src = (const int*)(w.base + L.counts_off);
   for (int r = gw; r < R; r += warps) {
     const int v = __ldcg(recv_src + r);
+    if (lane == 0) recv_map[r] = v;
+    if (v < 0 || (mk_u64)v >= (mk_u64)w.P * Tk) continue;  // (never, with a consistent routing: no wild read)
     const int src = (int)(v / Tk), t = (int)((v % Tk) / k);
     const char* from = src == me ? x + (mk_u64)t * RB : w.base + L.stage_off + ((mk_u64)src * s.T + t) * RB;
     mk_copy(x_recv + (mk_u64)r * RB, from, RB, lane, 32);
-    if (lane == 0) recv_map[r] = v;
   }
   moe_finish(w, ep);
+}
+
+// V consecutive fp32 values -> V elements of TO_ at `o` (one or two 16-byte stores when V * sizeof(TO_) is
+// 16 or 32 bytes; o aligned to that).
+template <typename TO_, int V>
+MK_DEVICE void moe_store(TO_* o, const float* acc) {
+  if constexpr (V * sizeof(TO_) == 16) {
+    ((int4*)o)[0] = mk_pack<TO_>(acc);
+  } else if constexpr (V * sizeof(TO_) == 32) {
+    ((int4*)o)[0] = mk_pack<TO_>(acc);
+    ((int4*)o)[1] = mk_pack<TO_>(acc + mk_vec<TO_>::N);
+  } else {
+#pragma unroll
+    for (int q = 0; q < V; ++q) o[q] = mk_from_f32<TO_>(acc[q]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -417,15 +459,22 @@ mk_moe_combine(MkComm c, const T* __restrict__ y, const int* __restrict__ ids, c
   const int R = min(__ldcg(expert_offsets + s.El), s.r_cap);
   for (int r = gw; r < R; r += warps) {
     const int v = __ldcg(recv_map + r);
+    if (v < 0 || (mk_u64)v >= (mk_u64)w.P * Tk) continue;  // (never, with a consistent routing: no wild store)
     const int src = (int)(v / Tk);
     if (src == me) continue;
     mk_copy(w.peer(src) + L.stage_off + (mk_u64)(v % Tk) * RB, (const char*)y + (mk_u64)r * RB, RB, lane, 32);
   }
   moe_raise_ready(w, ep, false);
   if (!moe_wait_ready(c, w, ep, false)) return;
-  constexpr int V = 8;  // elements per 16-byte vector of y (bf16 / fp16; fp32 takes two)
+  // A 16-byte vector of y per lane: V elements (8 for bf16 / fp16, 4 for fp32; H * sizeof(T) is a multiple
+  // of 16, so nv * V == H exactly).  The vector loop runs the same trip count on every lane (lanes past nv
+  // only take part in the shuffles): a __shfl_sync(0xffffffff) under `for (i = lane; i < nv; i += 32)` with
+  // nv % 32 != 0 (H = 136 bf16: 17 vectors) is a divergent full-mask shuffle -- undefined behaviour, and the
+  // warp deadlocks (lanes 0..16 in the shuffle, lanes 17..31 at the next __syncthreads) with no bounded
+  // wait involved: the kernel never ends.
+  constexpr int V = mk_vec<T>::N;
   const int H = s.H, nv = H / V;
-  for (int t = gw; t < s.T; t += warps) {
+  for (int t = gw; t < s.T; t += warps) {  // (warp-uniform)
     int slot = -1, d = -1;
     float wt = 0.f;
     if (lane < k) {
@@ -436,34 +485,25 @@ mk_moe_combine(MkComm c, const T* __restrict__ y, const int* __restrict__ ids, c
         wt = weights[o];
       }
     }
-    for (int i = lane; i < nv; i += 32) {
+    for (int i0 = 0; i0 < nv; i0 += 32) {  // (warp-uniform trip count)
+      const int i = i0 + lane;
+      const bool act = i < nv;
       float acc[V];
 #pragma unroll
       for (int q = 0; q < V; ++q) acc[q] = 0.f;
-      for (int j = 0; j < k; ++j) {
-        const int sj = __shfl_sync(0xffffffffu, slot, j);  // (uniform across the warp's iterations)
-        if (sj < 0) continue;
+      for (int j = 0; j < k; ++j) {  // (warp-uniform: every lane shuffles)
+        const int sj = __shfl_sync(0xffffffffu, slot, j);
         const int dj = __shfl_sync(0xffffffffu, d, j);
         const float wj = __shfl_sync(0xffffffffu, wt, j);
+        if (sj < 0 || !act) continue;
         const T* row = dj == me ? y + (mk_u64)sj * H
                                 : (const T*)(w.base + L.stage_off + ((mk_u64)t * k + j) * RB);
         float f[V];
-        if constexpr (sizeof(T) == 2) {
-          mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
-        } else {
-          mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
-          mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V) + 1), f + 4);
-        }
+        mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
 #pragma unroll
         for (int q = 0; q < V; ++q) acc[q] = fmaf(wj, f[q], acc[q]);
       }
-      TO* o = out + (mk_u64)t * H + (mk_u64)i * V;
-      if constexpr (sizeof(TO) == 2) {
-        ((int4*)o)[0] = mk_pack<TO>(acc);
-      } else {
-        ((int4*)o)[0] = mk_pack<TO>(acc);
-        ((int4*)o)[1] = mk_pack<TO>(acc + 4);
-      }
+      if (act) moe_store<TO, V>(out + (mk_u64)t * H + (mk_u64)i * V, acc);
     }
   }
   moe_finish(w, ep);

@@ -30,6 +30,77 @@ def _setup(ctx):
     yield from precompiled_with_long_timeout(ctx, SOURCE)
 
 
+def _sync_stage(ctx, stage: str, slack: float = 30.0) -> None:
+    """Wait for the default stream with a deadline (the context timeout + ``slack``): every device wait is
+    bounded by the timeout, so a kernel still running past the deadline is stuck outside any bounded wait
+    (a divergent warp primitive, an unbounded loop).  That names ``stage`` on stderr (uncaptured) and ends
+    the process: nothing later could run on a stuck GPU, and mpirun then stops the job instead of hanging."""
+    import os
+    import sys
+    import time
+
+    from cuda.bindings import driver as cu
+    from mkernel.core.driver import check
+
+    print(f"[rank {ctx.rank}] moe smoke: {stage} ...", file=sys.__stderr__, flush=True)
+    ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+    try:
+        check(cu.cuEventRecord(ev, cu.CUstream(0)))
+        deadline = time.monotonic() + ctx.timeout + slack
+        while True:
+            r, = cu.cuEventQuery(ev)
+            if r != cu.CUresult.CUDA_ERROR_NOT_READY:
+                break
+            if time.monotonic() > deadline:
+                print(f"[rank {ctx.rank}] moe smoke: {stage} did not finish within the context timeout "
+                      f"({ctx.timeout} s) + {slack} s: a kernel is stuck outside any bounded wait", file=sys.__stderr__,
+                      flush=True)
+                os._exit(3)
+            time.sleep(1e-3)
+    finally:
+        cu.cuEventDestroy(ev)
+    ctx.synchronize()  # raises what the kernels reported (a timeout names op, peer and flag)
+
+
+def test_smoke_each_kernel_finishes(ctx, shared_rng):
+    """First, so that a hang names its kernel: routing alone, then dispatch, then combine (H = 136 bf16: 17
+    vectors per row, not a multiple of a warp's 32 lanes -- the shape that deadlocked mk_moe_combine), each
+    waited for with a deadline (_sync_stage)."""
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E, H = 333, 1, 3 * P, 136
+    R, ids, ws = _route_given(ctx, shared_rng, T, k, E, "random")
+    _sync_stage(ctx, "moe_route (given ids: copies, mk_moe_route_tiles, _exchange, _slots)")
+    lay = _check_layout(R, ids, E, me)
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    xr = poisoned((R.recv_rows, H), "bfloat16")
+    mkernel.moe_dispatch(ctx, xs[me][0], R, xr)
+    _sync_stage(ctx, "moe_dispatch (mk_moe_dispatch)")
+    n = int(lay[me]["expert_offsets"][-1])
+    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+    out = poisoned((T, H), "float32")
+    mkernel.moe_combine(ctx, xr, R, out)
+    _sync_stage(ctx, "moe_combine (mk_moe_combine)")
+    assert not np.isnan(download(out)).any()
+
+
+def test_combine_fp32_rows_not_a_multiple_of_8(ctx, shared_rng):
+    """fp32 y with H % 8 == 4 (rows of 16-byte multiples, as validate allows): every column is summed."""
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E, H = 50, 2, 2 * P, 12
+    R, ids, ws = _route_given(ctx, shared_rng, T, k, E, "random")
+    x, _ = upload(shared_rng.standard_normal((T, H)), "float32")
+    mkernel.moe_dispatch(ctx, x, R)  # (fills R.recv_map, which combine reads)
+    ys = [upload(shared_rng.standard_normal((R.recv_rows, H)), "float32") for _ in range(P)]
+    out = poisoned((T, H), "float32")
+    mkernel.moe_combine(ctx, ys[me][0], R, out)
+    _sync_stage(ctx, "moe_combine fp32 H=12")
+    lay = ref.layout_reference(ids, E, 0, R.recv_rows)
+    want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
+    got = download(out)
+    assert not np.isnan(got).any()
+    assert np.abs(got - want).max() <= 2.0 ** -20 * (np.abs(want).max() + k * max(np.abs(y[1]).max() for y in ys))
+
+
 def _ids(rng, P, T, k, E, mode):
     """Every rank's [T, k] int32 expert ids (distinct per token) under a routing ``mode``."""
     out = []
