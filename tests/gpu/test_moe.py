@@ -161,10 +161,11 @@ def test_route_dispatch_combine_given_ids(ctx, shared_rng, T, k, E_local, mode):
         mkernel.moe_combine(ctx, ys[me][0], R, out)
         ctx.synchronize()
         want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
-        scale = sum(np.abs(ys[0][1]).max() * 1.0 for _ in range(k))
         got = download(out)
-        assert not np.isnan(got).any()
-        assert np.abs(got - want).max() <= tol * (np.abs(want).max() + scale) + 1e-6
+        assert got.shape == want.shape and not np.isnan(got).any()
+        if T:
+            scale = sum(np.abs(ys[0][1]).max() * 1.0 for _ in range(k))
+            assert np.abs(got - want).max() <= tol * (np.abs(want).max() + scale) + 1e-6
 
 
 @pytest.mark.parametrize("ldt", ["float32", "bfloat16"])
@@ -261,7 +262,8 @@ def test_graph_replay(ctx, shared_rng):
     def fill():
         ids = _ids(shared_rng, P, T, k, E, "random")
         x, xv = upload(shared_rng.standard_normal((T, H)), "bfloat16")
-        check(cu.cuMemcpyDtoD(ids_d.ptr, DeviceArray.from_numpy(ids[me]).ptr, ids_d.nbytes))
+        src = DeviceArray.from_numpy(ids[me])  # (kept alive until the copy is done)
+        check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
         check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
         return xv
     fill()
