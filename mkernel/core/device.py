@@ -10,7 +10,8 @@ from cuda.bindings import driver as cu
 from .driver import check, init_driver
 from .streams import stream_handle
 
-__all__ = ["cu_init", "on_device", "pointer_device", "current_device_or", "stream_wait"]
+__all__ = ["cu_init", "on_device", "pointer_device", "current_device_or", "stream_wait", "current_context",
+           "context_handle"]
 
 
 _init_lock = threading.Lock()
@@ -112,3 +113,12 @@ def current_device_or(default: int) -> int:
     return default
 
 
+def current_context() -> tuple[int, int]:
+    """(handle, device) of the current CUDA context: a bound call's prepared launches belong to it."""
+    return int(check(cu.cuCtxGetCurrent())), int(check(cu.cuCtxGetDevice()))
+
+
+def context_handle() -> int:
+    """The current CUDA context's handle (0: none): checked on every call of a bound call, which launches in
+    its own context."""
+    return int(cu.cuCtxGetCurrent()[1])

@@ -15,12 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cuda.bindings import driver as cu
-
 from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
-from ...core.device import on_device
-from ...core.driver import check
+from ...core.device import context_handle as _context_handle, current_context as _current_context, on_device
 from ...core.interop import as_device_array
 from ...core.tensormap import TensorMapArg
 from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once, device_state
@@ -231,14 +228,6 @@ class _AttentionBound(BoundCall):
         else:
             self._launch()
 
-
-def _current_context() -> tuple[int, int]:
-    """(handle, device) of the current CUDA context: a bound call's launch belongs to it."""
-    return int(check(cu.cuCtxGetCurrent())), int(check(cu.cuCtxGetDevice()))
-
-
-def _context_handle() -> int:
-    return int(cu.cuCtxGetCurrent()[1])
 
 
 _ATTENTION = _Attention()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from cuda.bindings import driver as cu
 
 from ...core.compiler import kernel as _compiled_kernel
-from ...core.driver import check, device_attribute
+from ...core.device import context_handle, current_context as context
+from ...core.driver import device_attribute
 from .configs import SOURCE, defines
 
 __all__ = ["get", "num_sms", "usage", "context", "context_handle"]
@@ -28,12 +29,3 @@ def usage(mod, name: str) -> dict:
         u["registers"] = mod.function(name).attribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS)
     return u
 
-
-def context() -> tuple[int, int]:
-    """(handle, device) of the current CUDA context: a bound call's launches belong to it."""
-    return int(check(cu.cuCtxGetCurrent())), int(check(cu.cuCtxGetDevice()))
-
-
-def context_handle() -> int:
-    """The current CUDA context's handle (0: none), on every call of a bound GEMM."""
-    return int(cu.cuCtxGetCurrent()[1])
