@@ -23,10 +23,10 @@ from cuda.bindings import driver as cu
 import mkernel
 from mkernel import GemmArOptions
 from mkernel.core.arrays import DeviceArray
-from mkernel.core.compiler import precompile_source
 from mkernel.core.driver import check
 
-from _util import TOL, assert_missing_peer_times_out, download, poisoned, upload, written_outside
+from _util import (TOL, assert_missing_peer_times_out, download, poisoned, precompiled_with_long_timeout, upload,
+                   written_outside)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -35,18 +35,7 @@ SOURCE = "ops/gemm_ar.cu"
 
 @pytest.fixture(scope="module", autouse=True)
 def _setup(ctx):
-    """Every registered gemm_ar.cu specialization compiled on local rank 0 (the others load the cubins);
-    a generous timeout (ranks sharing a GPU wait for each other's time slices)."""
-    if ctx.local_rank == 0:
-        try:
-            precompile_source(SOURCE)
-        except Exception as exc:  # noqa: BLE001  (kernels then compile lazily)
-            print(f"precompile failed, compiling lazily: {exc!r}")
-    ctx.world.Barrier()
-    old = ctx.timeout
-    ctx.timeout = max(old, 60.0)
-    yield
-    ctx.timeout = old
+    yield from precompiled_with_long_timeout(ctx, SOURCE)
 
 
 def _operands(rng, M, N, Ks, b_layout):
