@@ -164,6 +164,10 @@ MK_DEVICE void mk_fence_proxy_async_smem() { asm volatile("fence.proxy.async.sha
 MK_DEVICE void mk_named_barrier_sync(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
 }
+// Arrive on barrier `id` without waiting (the threads that bar.sync on it wait for these arrivals too).
+MK_DEVICE void mk_named_barrier_arrive(int id, int nthreads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
 
 // Every thread of the warpgroup executes these (sync.aligned).
 template <int REGS> MK_DEVICE void mk_setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS)); }

@@ -3,16 +3,21 @@
 //
 // Specialization: MK_ATTN_DT (MK_DTYPE_BF16 | MK_DTYPE_F16: q, k, v and out), MK_ATTN_D (64 | 128: head dim),
 // MK_ATTN_CAUSAL (0 | 1).  Layout ([B, S, H, D] or [B, H, S, D]) and strides live in the tensor maps.
+// Schedule (AttentionOptions.schedule; default: the values below): MK_ATTN_PINGPONG (0 | 1), MK_ATTN_WGS
+// (consumer warpgroups, 2 | 3), MK_ATTN_BN (keys per tile), MK_ATTN_STAGES (K/V ring depth).
 //
-// Block: 3 warpgroups.  Warpgroup 0 is the producer (one thread issues TMA: the Q tile once, then K and V
+// Block: 1 + WGS warpgroups.  Warpgroup 0 is the producer (one thread issues TMA: the Q tile once, then K and V
 // tiles through a ring of STAGES slots, K and V on separate barriers so QK^T starts before V lands);
-// warpgroups 1 and 2 are consumers, each owning 64 of the block's 128 query rows.  Per K/V tile a consumer
+// the others are consumers, each owning 64 of the block's BM = 64 WGS query rows.  Per K/V tile a consumer
 // issues S = Q K^T (wgmma, smem x smem) for the next tile before P V (wgmma, P from registers) of the
 // current one, so the softmax of one tile runs while the tensor cores work on the other's matrix products.
 // Key tiles are visited from the last to the first, so the masked ones (the sequence tail, the causal
 // diagonal) come first and the rest run without mask arithmetic.
+// Ping-pong (MK_ATTN_PINGPONG): the consumer warpgroups also take turns, round robin, to issue their wgmmas
+// (named barriers 1 .. WGS), so one warpgroup's softmax runs while another's matrix products occupy the
+// tensor cores (docs/attention.md, "Ping-pong schedule").
 //
-// Grid: (ceil(S_q / 128), H_q, B).  With heavy_first the x index runs over query blocks from the last one
+// Grid: (ceil(S_q / BM), H_q, B).  With heavy_first the x index runs over query blocks from the last one
 // (causal: the longest rows start first).
 #include "ops/mk_attention.cuh"
 
@@ -25,24 +30,42 @@
 #ifndef MK_ATTN_CAUSAL
 #define MK_ATTN_CAUSAL 0
 #endif
+#ifndef MK_ATTN_PINGPONG
+#define MK_ATTN_PINGPONG 0
+#endif
+#ifndef MK_ATTN_WGS
+#define MK_ATTN_WGS 2
+#endif
+#ifndef MK_ATTN_BN
+#define MK_ATTN_BN 128
+#endif
+#ifndef MK_ATTN_STAGES
+#define MK_ATTN_STAGES (MK_ATTN_D == 64 ? 4 : 2)  // K/V ring depth (what fits next to Q in 227 KiB)
+#endif
 
 constexpr int MK_D = MK_ATTN_D;
-constexpr int MK_BM = 128;                     // query rows per block (64 per consumer warpgroup)
-constexpr int MK_BN = 128;                     // keys per K/V tile
-constexpr int MK_STAGES = MK_D == 64 ? 4 : 2;  // K/V ring depth (what fits next to Q in 227 KiB)
+constexpr int MK_WGS = MK_ATTN_WGS;            // consumer warpgroups
+constexpr int MK_BM = 64 * MK_WGS;             // query rows per block (64 per consumer warpgroup)
+constexpr int MK_BN = MK_ATTN_BN;              // keys per K/V tile
+constexpr int MK_STAGES = MK_ATTN_STAGES;
+constexpr int MK_THREADS = 128 * (1 + MK_WGS);
 constexpr int MK_Q_BYTES = MK_BM * MK_D * 2;
 constexpr int MK_KV_BYTES = MK_BN * MK_D * 2;
 constexpr int MK_BAR_BYTES = 256;
 // dynamic shared memory: 1024 bytes of alignment slack, Q, the K and V rings, the barriers
 constexpr int MK_SMEM_BYTES = 1024 + MK_Q_BYTES + 2 * MK_STAGES * MK_KV_BYTES + MK_BAR_BYTES;
 constexpr int MK_PRODUCER_REGS = 24;
-constexpr int MK_CONSUMER_REGS = 240;
+// 240 with two consumer warpgroups; 160 with three (S, P and O of a 64 x 128 tile at D = 64 fit)
+constexpr int MK_CONSUMER_REGS = MK_WGS == 2 ? 240 : 160;
 static_assert(MK_D == 64 || MK_D == 128, "head dim");
+static_assert(MK_WGS == 2 || MK_WGS == 3, "consumer warpgroups");
+static_assert(MK_BN % 16 == 0 && MK_BN <= 256 && (MK_BN * 128) % 1024 == 0, "key tile (TMA box, swizzle atoms)");
 static_assert(MK_SMEM_BYTES <= 227 * 1024, "shared memory");
 static_assert((1 + 4 * MK_STAGES) * 8 <= MK_BAR_BYTES, "barriers");
-static_assert(MK_PRODUCER_REGS * 128 + MK_CONSUMER_REGS * 256 <= 65536, "register file");
+static_assert(MK_PRODUCER_REGS * 128 + MK_CONSUMER_REGS * 128 * MK_WGS <= 65536, "register file");
 #ifdef MK_EXPECT_SMEM  // the host's figures (mkernel/ops/attention/kernels.py), checked by the CPU tests
 static_assert(MK_EXPECT_SMEM == MK_SMEM_BYTES && MK_EXPECT_BM == MK_BM && MK_EXPECT_BN == MK_BN, "host geometry");
+static_assert(MK_EXPECT_THREADS == MK_THREADS, "host geometry");
 #endif
 
 typedef mk_type<MK_ATTN_DT>::T MkElt;
@@ -159,12 +182,24 @@ MK_DEVICE void mk_attn_rescale(float (&o)[MK_D / 2], const float (&alpha)[2]) {
   }
 }
 
+// Ping-pong turns: consumer warpgroup wg waits on named barrier 1 + wg before issuing its wgmmas and, once
+// they are issued, passes the turn to the next warpgroup (barrier of 256 threads: the waiting warpgroup's
+// bar.sync and the previous one's bar.arrive; the producer gives warpgroup 0 its first turn).  Every
+// warpgroup takes n_blocks + 1 turns; the very last one passes nothing, so no barrier is left half-arrived.
+// Without MK_ATTN_PINGPONG both are empty.
+MK_DEVICE void mk_attn_turn_wait(int wg) {
+  if (MK_ATTN_PINGPONG) mk_named_barrier_sync(1 + wg, 256);
+}
+MK_DEVICE void mk_attn_turn_pass(int wg, bool last) {
+  if (MK_ATTN_PINGPONG && !(last && wg == MK_WGS - 1)) mk_named_barrier_arrive(1 + (wg + 1) % MK_WGS, 256);
+}
+
 // A key tile needs masking if it reaches past S_k or, causal, past the diagonal of the block's first row.
 MK_DEVICE bool mk_attn_tile_masked(int n0, int m0, const MkAttnFwdArgs& args) {
   return n0 + MK_BN > args.s_k || (MK_ATTN_CAUSAL && n0 + MK_BN - 1 > m0 + args.s_k - args.s_q);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1)
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_attention_fwd(const __grid_constant__ MkTensorMap tmQ, const __grid_constant__ MkTensorMap tmK,
                      const __grid_constant__ MkTensorMap tmV, const MkAttnFwdArgs args) {
   extern __shared__ unsigned char mk_smem_raw[];
@@ -185,8 +220,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       mk_mbar_init(sm.k_full(s), 1);
       mk_mbar_init(sm.v_full(s), 1);
       // lane 0 of every consumer warp (a warp's wgmma.wait_group covers that warp's reads of the slot)
-      mk_mbar_init(sm.k_empty(s), 8);
-      mk_mbar_init(sm.v_empty(s), 8);
+      mk_mbar_init(sm.k_empty(s), 4 * MK_WGS);
+      mk_mbar_init(sm.v_empty(s), 4 * MK_WGS);
     }
     mk_mbar_init_fence();
   } else if (tid == 32) {
@@ -199,6 +234,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   if (tid < 128) {
     // ================= producer =================
     mk_setmaxnreg_dec<MK_PRODUCER_REGS>();
+    if (MK_ATTN_PINGPONG && n_blocks > 0) mk_named_barrier_arrive(1, 256);  // warpgroup 0's first turn
     if (tid == 0 && n_blocks > 0) {
       mk_mbar_arrive_expect_tx(sm.q_full(), MK_Q_BYTES);
       mk_attn_load_tile<MK_D, MK_BM>(sm.q(), &tmQ, sm.q_full(), m0, h, b);
@@ -236,7 +272,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     mk_mbar_wait(sm.q_full(), 0);
     // first tile: S, softmax, P (the output is still zero: no rescale)
     mk_mbar_wait(sm.k_full(0), 0);
+    mk_attn_turn_wait(wg);
     mk_attn_qk(s, sm, wg, 0);
+    mk_attn_turn_pass(wg, false);
     mk_wgmma_wait<0>();
     mk_wgmma_fence_regs(s);
     if (leader) mk_mbar_arrive(sm.k_empty(0));
@@ -248,9 +286,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       const mk_u32 ph = (it / MK_STAGES) & 1u, pph = ((it - 1) / MK_STAGES) & 1u;
       n0 -= MK_BN;
       mk_mbar_wait(sm.k_full(st), ph);
+      mk_attn_turn_wait(wg);
       mk_attn_qk(s, sm, wg, st);  // S of this tile ...
       mk_mbar_wait(sm.v_full(pst), pph);
       mk_attn_pv(r.o, p, sm, pst);  // ... then O += P V of the previous one
+      mk_attn_turn_pass(wg, false);
       mk_wgmma_wait<1>();           // S is ready (P V may still run)
       mk_wgmma_fence_regs(s);
       if (leader) mk_mbar_arrive(sm.k_empty(st));
@@ -263,7 +303,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     }
     const int lst = (n_blocks - 1) % MK_STAGES;
     mk_mbar_wait(sm.v_full(lst), ((n_blocks - 1) / MK_STAGES) & 1u);
+    mk_attn_turn_wait(wg);
     mk_attn_pv(r.o, p, sm, lst);
+    mk_attn_turn_pass(wg, true);
     mk_wgmma_wait<0>();
     mk_wgmma_fence_regs(r.o);
     if (leader) mk_mbar_arrive(sm.v_empty(lst));

@@ -1,5 +1,5 @@
-"""mkernel.attention on the CPU: every registered attention_fwd.cu specialization compiles for sm_90a with no
-spills, no stack and no ptxas warnings, with the host's launch geometry (static_asserts); the argument
+"""mkernel.attention on the CPU: every registered attention_fwd.cu specialization (both schedules) compiles for
+sm_90a with no spills, no stack and no ptxas warnings, with the host's launch geometry (static_asserts); the argument
 checks raise before any launch; and the bound launch (tensor maps over both layouts, GQA group, strides,
 scale, grid, re-pointing) checked against fakes of the driver-facing pieces."""
 from __future__ import annotations
@@ -23,15 +23,24 @@ ARCH = "sm_90a"
 SPECS = [(s, d) for s, d in CP.registered_specializations() if s == AK.SOURCE]
 
 
+def _schedule(defines: dict) -> str:
+    return "pingpong" if defines.get("MK_ATTN_PINGPONG") else "default"
+
+
 def _with_expectations(defines: dict) -> dict:
-    return {**defines, "MK_EXPECT_SMEM": AK.smem_bytes(defines["MK_ATTN_D"]), "MK_EXPECT_BM": AK.BM,
-            "MK_EXPECT_BN": AK.BN}
+    g = AK.geometry(defines["MK_ATTN_D"], _schedule(defines))
+    return {**defines, "MK_EXPECT_SMEM": g.smem, "MK_EXPECT_BM": g.bm, "MK_EXPECT_BN": g.bn,
+            "MK_EXPECT_THREADS": g.threads}
 
 
 def test_all_specializations_registered():
-    got = {(d["MK_ATTN_DT"], d["MK_ATTN_D"], d["MK_ATTN_CAUSAL"]) for _, d in SPECS}
-    want = {(AK.DTYPE_CODES[t], hd, c) for t in AK.DTYPES for hd in AK.HEAD_DIMS for c in (0, 1)}
-    assert got == want and len(SPECS) == 8
+    got = {(d["MK_ATTN_DT"], d["MK_ATTN_D"], d["MK_ATTN_CAUSAL"], _schedule(d)) for _, d in SPECS}
+    want = {(AK.DTYPE_CODES[t], hd, c, s) for t in AK.DTYPES for hd in AK.HEAD_DIMS for c in (0, 1)
+            for s in AK.SCHEDULES}
+    assert got == want and len(SPECS) == 16
+    # the default schedule is the kernel's built-in geometry: its defines are the three it always had
+    for _, d in SPECS:
+        assert _schedule(d) == "pingpong" or set(d) == {"MK_ATTN_DT", "MK_ATTN_D", "MK_ATTN_CAUSAL"}
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +50,25 @@ def compile_cache(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
-    f"dt{d['MK_ATTN_DT']}-d{d['MK_ATTN_D']}-causal{d['MK_ATTN_CAUSAL']}" for _, d in SPECS])
+    f"dt{d['MK_ATTN_DT']}-d{d['MK_ATTN_D']}-causal{d['MK_ATTN_CAUSAL']}-{_schedule(d)}" for _, d in SPECS])
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
     mod = CP.compile_module(source, _with_expectations(defines), arch=ARCH)
     u = mod.resource_usage[AK.KERNEL]
     assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, f"spills: {u}\n{mod.log}"
     assert u.get("stack", 0) == 0, f"stack frame: {u}"
-    assert u["registers"] * AK.THREADS <= 65536
+    assert u["registers"] * AK.geometry(defines["MK_ATTN_D"], _schedule(defines)).threads <= 65536
     warnings = [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)]
     assert not warnings, "ptxas warnings:\n" + "\n".join(warnings)
 
 
 def test_smem_budget():
     for d in AK.HEAD_DIMS:
-        assert AK.smem_bytes(d) <= 227 * 1024
+        for s in AK.SCHEDULES:
+            assert AK.smem_bytes(d, s) <= 227 * 1024
+    assert AK.smem_bytes(64) == 1024 + 128 * 64 * 2 + 2 * 4 * 128 * 64 * 2 + 256  # (default: as before)
+    assert AK.smem_bytes(128) == 1024 + 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 + 256
+    assert max(AK.geometry(d, s).bm for d in AK.HEAD_DIMS for s in AK.SCHEDULES) <= AK.MAX_BM
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +103,8 @@ def fake(monkeypatch):
         maps.append(dict(ptr=ptr, dtype=dtype, dims=tuple(dims), strides=tuple(strides), box=tuple(box)))
         return int(ptr).to_bytes(8, "little") + bytes(120)
 
-    monkeypatch.setattr(AK, "get", lambda dt, d, c: FakeKernel(launches, (dt, d, c)))
+    monkeypatch.setattr(AK, "get", lambda dt, d, c, s="default": FakeKernel(launches, (dt, d, c) if s == "default"
+                                                                           else (dt, d, c, s)))
     monkeypatch.setattr(AO, "on_device", lambda dev=None: contextlib.nullcontext((None, 0)))
     monkeypatch.setattr(AO, "require_gemm_device", lambda what, device: None)
     monkeypatch.setattr(AO, "_current_context", lambda: (1, 0))
@@ -175,6 +189,7 @@ def test_no_keys_and_empty(fake):
     (dict(scale=0.0), ValueError, "softmax_scale"),
     (dict(scale=float("nan")), ValueError, "softmax_scale"),
     (dict(options="fast"), TypeError, "AttentionOptions"),
+    (dict(options=AttentionOptions(schedule="fast")), ValueError, "schedule"),
 ])
 def test_bad_arguments(fake, case, exc, match):
     launches, _, empty = fake
@@ -222,3 +237,29 @@ def test_args_struct_matches_kernel():
     assert f == dict(out=0, lse=8, out_sb=16, out_ss=24, out_sh=32, s_q=40, s_k=44, h_q=48, group=52,
                      scale_log2=56, heavy_first=60)
     assert ctypes.sizeof(AK.AttnFwdArgs) == 64
+
+
+@pytest.mark.parametrize("D,bm,threads", [(64, 192, 512), (128, 128, 384)])
+def test_pingpong_launch(fake, D, bm, threads):
+    """schedule="pingpong": its own kernel, grid over its query blocks, Q box of its rows; the default
+    schedule's bound call of the same arrays coexists (the options are part of the key)."""
+    launches, maps, empty = fake
+    q, k, v = _qkv(empty, 2, 1000, 700, 16, 4, D)
+    pp = AttentionOptions(schedule="pingpong")
+    attention(q, k, v, causal=True, options=pp)
+    (l,) = launches
+    g = AK.geometry(D, "pingpong")
+    assert l["key"] == ("bfloat16", D, True, "pingpong") and l["block"] == threads == g.threads
+    assert l["grid"] == (-(-1000 // bm), 16, 2) and l["smem"] == g.smem and g.bm == bm
+    mq, mk, mv = maps
+    assert mq["box"] == (64, bm, 1, 1) and mk["box"] == mv["box"] == (64, g.bn, 1, 1)
+    a = l["args"][3]
+    assert (a.s_q, a.s_k, a.group, a.heavy_first) == (1000, 700, 4, 1)
+    p = AO.last_plan(0)
+    assert (p.schedule, p.block_m, p.block_n, p.threads) == ("pingpong", bm, g.bn, threads)
+    attention(q, k, v, causal=True)
+    assert launches[-1]["key"] == ("bfloat16", D, True) and launches[-1]["grid"] == (8, 16, 2)
+    assert launches[-1]["block"] == 384 and maps[-3]["box"] == (64, 128, 1, 1)
+    assert len(BASE.device_state("attention", 0).calls) == 2
+    attention(q, k, v, causal=True, options=pp)
+    assert launches[-1]["key"][-1] == "pingpong" and len(BASE.device_state("attention", 0).calls) == 2

@@ -1,43 +1,95 @@
 """The attention forward kernel (``cuda_src/ops/attention_fwd.cu``): its specializations (registered so CI
-compiles every one), launch geometry, argument struct and the compiled kernel of a specialization.
-docs/attention.md, "Kernel"."""
+compiles every one), launch geometry per schedule, argument struct and the compiled kernel of a
+specialization.  docs/attention.md, "Kernel" and "Ping-pong schedule"."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 from ...core.compiler import kernel as _compiled_kernel, register_specialization
 
-__all__ = ["SOURCE", "KERNEL", "DTYPES", "HEAD_DIMS", "BM", "BN", "THREADS", "DTYPE_CODES", "AttnFwdArgs",
-           "defines", "stages", "smem_bytes", "get"]
+__all__ = ["SOURCE", "KERNEL", "DTYPES", "HEAD_DIMS", "SCHEDULES", "BM", "BN", "THREADS", "MAX_BM", "DTYPE_CODES",
+           "AttnFwdArgs", "Geometry", "geometry", "defines", "stages", "smem_bytes", "get"]
 
 SOURCE = "ops/attention_fwd.cu"
 KERNEL = "mk_attention_fwd"
 DTYPES = ("bfloat16", "float16")
 DTYPE_CODES = {"bfloat16": 0, "float16": 1}  # MK_ATTN_DT (mk_common.cuh's MK_DTYPE_*)
 HEAD_DIMS = (64, 128)
+SCHEDULES = ("default", "pingpong")  # AttentionOptions.schedule
+# the default schedule's geometry (both head dims)
 BM = 128  # query rows per block (two consumer warpgroups of 64)
 BN = 128  # keys per K/V tile
 THREADS = 384  # a producer and two consumer warpgroups
+MAX_BM = 192  # the largest query block of any schedule (index range checks)
 
 
-def stages(head_dim: int) -> int:
+@dataclass(frozen=True)
+class Geometry:
+    """One kernel's block shape: consumer warpgroups ``wgs`` (64 query rows each, ``bm = 64 wgs``), keys per
+    K/V tile ``bn``, K/V ring depth ``stages``; threads ``128 (1 + wgs)``; ``smem`` bytes of dynamic shared
+    memory (MK_SMEM_BYTES: alignment slack, Q, the K and V rings, barriers)."""
+
+    head_dim: int
+    pingpong: bool
+    wgs: int
+    bn: int
+    stages: int
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.wgs
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.wgs)
+
+    @property
+    def smem(self) -> int:
+        d = self.head_dim
+        return 1024 + self.bm * d * 2 + 2 * self.stages * self.bn * d * 2 + 256
+
+
+# Ping-pong at D = 64: three consumer warpgroups (BM = 192) so two GEMM streams cover each softmax (the exp
+# work per FLOP is twice D = 128's); at D = 128 two warpgroups and three K/V stages (the ring fits beside Q).
+# docs/attention.md, "Ping-pong schedule".
+_GEOMETRY = {
+    ("default", 64): Geometry(64, False, 2, BN, 4),
+    ("default", 128): Geometry(128, False, 2, BN, 2),
+    ("pingpong", 64): Geometry(64, True, 3, 128, 4),
+    ("pingpong", 128): Geometry(128, True, 2, 128, 3),
+}
+
+
+def geometry(head_dim: int, schedule: str = "default") -> Geometry:
+    """The block shape of the (``schedule``, ``head_dim``) kernel."""
+    return _GEOMETRY[(schedule, head_dim)]
+
+
+def stages(head_dim: int, schedule: str = "default") -> int:
     """K/V ring depth of the ``head_dim`` kernel (MK_STAGES)."""
-    return 4 if head_dim == 64 else 2
+    return geometry(head_dim, schedule).stages
 
 
-def smem_bytes(head_dim: int) -> int:
+def smem_bytes(head_dim: int, schedule: str = "default") -> int:
     """Dynamic shared memory per block (MK_SMEM_BYTES): alignment slack, Q, the K and V rings, barriers."""
-    return 1024 + BM * head_dim * 2 + 2 * stages(head_dim) * BN * head_dim * 2 + 256
+    return geometry(head_dim, schedule).smem
 
 
-def defines(dtype: str, head_dim: int, causal: bool) -> dict:
-    return {"MK_ATTN_DT": DTYPE_CODES[dtype], "MK_ATTN_D": head_dim, "MK_ATTN_CAUSAL": int(bool(causal))}
+def defines(dtype: str, head_dim: int, causal: bool, schedule: str = "default") -> dict:
+    """The kernel's preprocessor defines; the default schedule's are the kernel's built-in values (none)."""
+    d = {"MK_ATTN_DT": DTYPE_CODES[dtype], "MK_ATTN_D": head_dim, "MK_ATTN_CAUSAL": int(bool(causal))}
+    g = geometry(head_dim, schedule)
+    if g.pingpong:
+        d.update(MK_ATTN_PINGPONG=1, MK_ATTN_WGS=g.wgs, MK_ATTN_BN=g.bn, MK_ATTN_STAGES=g.stages)
+    return d
 
 
-for _dt in DTYPES:
-    for _d in HEAD_DIMS:
-        for _c in (False, True):
-            register_specialization(SOURCE, defines(_dt, _d, _c))
+for _s in SCHEDULES:
+    for _dt in DTYPES:
+        for _d in HEAD_DIMS:
+            for _c in (False, True):
+                register_specialization(SOURCE, defines(_dt, _d, _c, _s))
 
 
 class AttnFwdArgs(ctypes.Structure):
@@ -61,6 +113,6 @@ class AttnFwdArgs(ctypes.Structure):
 assert ctypes.sizeof(AttnFwdArgs) == 64
 
 
-def get(dtype: str, head_dim: int, causal: bool):
+def get(dtype: str, head_dim: int, causal: bool, schedule: str = "default"):
     """The forward kernel of this specialization (compiled or loaded on first use, then memoized)."""
-    return _compiled_kernel(SOURCE, defines(dtype, head_dim, causal), KERNEL)
+    return _compiled_kernel(SOURCE, defines(dtype, head_dim, causal, schedule), KERNEL)

@@ -34,7 +34,8 @@ _MAX_GRID_YZ = 65535  # gridDim.y (query heads) and gridDim.z (batch)
 @dataclass(frozen=True)
 class AttentionPlan:
     """What an attention call launched (``last_plan``): the kernel's head dim, dtype, causal flag, the grid
-    ``(query blocks, H_q, B)``, threads, shared memory and the query-block order."""
+    ``(query blocks, H_q, B)``, threads, shared memory, the query-block order, the schedule
+    (``AttentionOptions.schedule``) and its query rows and keys per block step (``block_m``, ``block_n``)."""
 
     head_dim: int
     dtype: str
@@ -44,6 +45,9 @@ class AttentionPlan:
     smem: int
     heavy_first: bool
     fallback: str = ""
+    schedule: str = "default"
+    block_m: int = K.BM
+    block_n: int = K.BN
 
 
 def _bshd(x: DeviceArray, layout: str) -> tuple:
@@ -136,9 +140,9 @@ class _Attention(Op):
             raise ValueError(f"{w}: head dim {D} is not supported; supported: {K.HEAD_DIMS}")
         if Hkv == 0 or Hq % Hkv:
             raise ValueError(f"{w}: query heads H_q={Hq} must be a multiple of the K/V heads H_kv={Hkv} (GQA/MQA)")
-        if max(Sq, Sk) >= 2**31 - K.BM or Hq > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
-            raise ValueError(f"{w}: sizes out of range (S_q={Sq}, S_k={Sk} below 2**31 - 128; H_q={Hq}, B={B} at most "
-                             f"{_MAX_GRID_YZ})")
+        if max(Sq, Sk) >= 2**31 - K.MAX_BM or Hq > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
+            raise ValueError(f"{w}: sizes out of range (S_q={Sq}, S_k={Sk} below 2**31 - {K.MAX_BM}; H_q={Hq}, B={B} at "
+                             f"most {_MAX_GRID_YZ})")
         for x, n in ((Q, "q"), (Kx, "k"), (V, "v")):
             ext, st = _bshd(x, call.layout)
             if st[3] != 1 and ext[3] > 1:
@@ -168,7 +172,7 @@ class _Attention(Op):
 
     def compile(self, ctx, call):
         with on_device(call.q.device):
-            K.get(call.q.dtype.name, call.dims[5], call.causal)
+            K.get(call.q.dtype.name, call.dims[5], call.causal, call.options.schedule)
 
     def describe_call(self, call):
         B, Sq, Sk, Hq, Hkv, D = call.dims
@@ -177,8 +181,9 @@ class _Attention(Op):
 
     def plan(self, ctx, call, digest):
         B, Sq, Sk, Hq, Hkv, D = call.dims
-        return AttentionPlan(D, call.q.dtype.name, call.causal, (-(-Sq // K.BM), Hq, B), K.THREADS,
-                             K.smem_bytes(D), call.options.heavy_first)
+        g = K.geometry(D, call.options.schedule)
+        return AttentionPlan(D, call.q.dtype.name, call.causal, (-(-Sq // g.bm), Hq, B), g.threads, g.smem,
+                             call.options.heavy_first, schedule=call.options.schedule, block_m=g.bm, block_n=g.bn)
 
     def bind(self, ctx, call, plan):
         with on_device(call.q.device):
@@ -206,13 +211,13 @@ class _AttentionBound(BoundCall):
         # no keys (S_k = 0): K and V are never read; their maps cover q (a valid, non-null address)
         self._nokeys = Sk == 0
         kv = (call.q, call.q) if self._nokeys else (call.k, call.v)
-        self._q = _map(call.q, call.layout, K.BM)
-        self._k, self._v = (_map(x, call.layout, K.BN) for x in kv)
+        self._q = _map(call.q, call.layout, plan.block_m)
+        self._k, self._v = (_map(x, call.layout, plan.block_n) for x in kv)
         ext, st = _bshd(call.out, call.layout)
         self._args = K.AttnFwdArgs(call.out.ptr, call.lse.ptr, st[0], st[1], st[2], Sq, Sk, Hq, Hq // Hkv,
                                    call.scale * _LOG2E, int(plan.heavy_first))
-        kern = K.get(call.q.dtype.name, D, call.causal)
-        self._launch = kern.prepare(plan.grid, K.THREADS, [self._q.buf, self._k.buf, self._v.buf, self._args],
+        kern = K.get(call.q.dtype.name, D, call.causal, plan.schedule)
+        self._launch = kern.prepare(plan.grid, plan.threads, [self._q.buf, self._k.buf, self._v.buf, self._args],
                                     stream=call.stream, smem=plan.smem)
         self._ctx, self._device = _current_context()
 
