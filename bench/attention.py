@@ -3,12 +3,13 @@
 with each backend that runs here (flash, cuDNN, memory-efficient; ``torch.nn.attention.sdpa_kernel``), in the
 same run.
 
-    python bench/attention.py [--quick] [--out DIR] [--only D128,causal,...]
+    python bench/attention.py [--quick] [--out DIR] [--only D128,causal,...] [--schedules default,pingpong]
 
 Shapes: H_q = 32 / H_kv = 8 (GQA; torch with ``enable_gqa=True``, K/V not replicated) and H = 16 (MHA),
 D in {64, 128}, S = S_q = S_k in {1K, 2K, 4K, 8K, 16K, 32K}, B = min(4, max(1, 16K / S)), causal and not;
 bf16, layout [B, S, H, D] for mkernel (torch reads the same memory as [B, H, S, D] views).  ``--quick``: S in
-{4K, 16K}.
+{4K, 16K}.  ``--schedules``: the ``AttentionOptions.schedule`` values to time, each a method of its own
+(``mkernel`` for the default, ``mkernel_<schedule>`` for the others), in the same rounds.
 
 Every method's output is checked against torch's first working backend (relative Frobenius error < 2e-2)
 on the first call.  Timing: CUDA events around batches of back-to-back calls, every method of a shape in
@@ -32,6 +33,10 @@ from _common import markdown_table, time_interleaved, write_report  # noqa: E402
 SEQS = (1024, 2048, 4096, 8192, 16384, 32768)
 HEADS = ((32, 8), (16, 16))
 BACKENDS = ("flash", "cudnn", "efficient")
+
+
+def method_name(schedule: str) -> str:
+    return "mkernel" if schedule == "default" else f"mkernel_{schedule}"
 
 
 def shapes(quick: bool):
@@ -63,7 +68,7 @@ def torch_method(torch, backend: str, q, k, v, causal: bool, gqa: bool):
     return run
 
 
-def bench_shape(torch, mkernel, sh, rounds: int):
+def bench_shape(torch, mkernel, sh, rounds: int, schedules=("default",)):
     B, S, Hq, Hkv, D, causal = sh["B"], sh["S"], sh["Hq"], sh["Hkv"], sh["D"], sh["causal"]
     dev = torch.device("cuda")
     q = torch.randn(B, S, Hq, D, device=dev, dtype=torch.bfloat16)
@@ -85,16 +90,24 @@ def bench_shape(torch, mkernel, sh, rounds: int):
             ref = o.float()
         fns[f"torch_{be}"] = fn
 
-    def ours():
-        mkernel.attention(q, k, v, out, lse=lse, causal=causal, stream=torch.cuda.current_stream())
-    ours()
-    torch.cuda.synchronize()
-    if ref is not None:
-        err = float((out.transpose(1, 2).float() - ref).norm() / ref.norm())
-        results["mkernel_err"] = err
-        if not err < 2e-2:
-            raise AssertionError(f"{sh}: mkernel.attention differs from torch by {err:.3e}")
-    fns["mkernel"] = ours
+    def ours(schedule):
+        opts = mkernel.AttentionOptions(schedule=schedule)
+
+        def run():
+            mkernel.attention(q, k, v, out, lse=lse, causal=causal, stream=torch.cuda.current_stream(), options=opts)
+        return run
+    for sched in schedules:
+        name = method_name(sched)
+        fn = ours(sched)
+        out.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        if ref is not None:
+            err = float((out.transpose(1, 2).float() - ref).norm() / ref.norm())
+            results[f"{name}_err"] = err
+            if not err < 2e-2:
+                raise AssertionError(f"{sh}: mkernel.attention (schedule={sched}) differs from torch by {err:.3e}")
+        fns[name] = fn
     per_call = 2 if S >= 16384 else 5 if S >= 4096 else 20
     times = time_interleaved(fns, warmup=2, rounds=rounds, batch=per_call, host_lead=True)
     for name, t in times.items():
@@ -103,28 +116,32 @@ def bench_shape(torch, mkernel, sh, rounds: int):
     return results
 
 
-def report(res, meta) -> str:
+def report(res, meta, schedules=("default",)) -> str:
     rows = []
+    names = [method_name(s) for s in schedules]
     for sh, r in res:
         best = min((r[f"torch_{b}"]["ms"] for b in BACKENDS if "ms" in r.get(f"torch_{b}", {})), default=None)
-        m = r.get("mkernel", {})
 
         def cell(name):
             x = r.get(name, {})
             return f"{x['tflops']:.0f} ({x['ms']:.3f})" if "ms" in x else "n/a"
+
+        def speedup(name):
+            m = r.get(name, {})
+            return f"{best / m['ms']:.2f}x" if best and "ms" in m else "n/a"
+        m = r.get(names[0], {})
         rows.append([f"B={sh['B']} S={sh['S']} H={sh['Hq']}/{sh['Hkv']} D={sh['D']}{' causal' if sh['causal'] else ''}",
-                     cell("mkernel"), *(cell(f"torch_{b}") for b in BACKENDS),
-                     f"{best / m['ms']:.2f}x" if best and "ms" in m else "n/a",
+                     *(cell(n) for n in names), *(cell(f"torch_{b}") for b in BACKENDS), *(speedup(n) for n in names),
                      f"{m['host_ms'] * 1e3:.0f}" if "host_ms" in m else "n/a"])
-    table = markdown_table(["shape", "mkernel TFLOP/s (ms)", *(f"torch {b}" for b in BACKENDS), "speedup vs best torch",
-                            "mkernel host us/call"], rows)
+    table = markdown_table(["shape", *(f"{n} TFLOP/s (ms)" for n in names), *(f"torch {b}" for b in BACKENDS),
+                            *(f"{n} vs best torch" for n in names), f"{names[0]} host us/call"], rows)
     return ("# Attention forward (one GPU)\n\n"
             f"{meta.get('device', '')}, torch {meta.get('torch', '')}; bf16, TFLOP/s = 4 B H_q S^2 D / t (causal "
             "at half); GPU time per call (CUDA events, alternating rounds, median); host us/call: the submission "
             "time of one eager call.  Produced by bench/attention.py.\n\n" + table + "\n")
 
 
-def plot(res, path):
+def plot(res, path, schedules=("default",)):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,7 +151,7 @@ def plot(res, path):
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
         pts = [(sh["S"], r) for sh, r in res if (sh["Hq"], sh["Hkv"], sh["D"], sh["causal"]) == key]
-        for name, style in (("mkernel", "o-"), *((f"torch_{b}", "s--") for b in BACKENDS)):
+        for name, style in (*((method_name(s), "o-") for s in schedules), *((f"torch_{b}", "s--") for b in BACKENDS)):
             xy = [(s, r[name]["tflops"]) for s, r in pts if "tflops" in r.get(name, {})]
             if xy:
                 ax.plot([x for x, _ in xy], [y for _, y in xy], style, label=name, ms=4)
@@ -154,10 +171,17 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs"))
     ap.add_argument("--only", default="", help="comma-separated filters: D64, D128, causal, noncausal, gqa, mha")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--schedules", default="default",
+                    help="comma-separated AttentionOptions.schedule values to time side by side (default,pingpong)")
     a = ap.parse_args()
     import torch
 
     import mkernel
+    from mkernel.ops.attention.kernels import SCHEDULES
+
+    schedules = tuple(x.strip() for x in a.schedules.split(",") if x.strip())
+    if not schedules or any(x not in SCHEDULES for x in schedules):
+        ap.error(f"--schedules: a comma-separated subset of {','.join(SCHEDULES)}, got {a.schedules!r}")
 
     keep = {x.strip() for x in a.only.split(",") if x.strip()}
 
@@ -168,17 +192,18 @@ def main():
     res = []
     for sh in filter(wanted, shapes(a.quick)):
         try:
-            r = bench_shape(torch, mkernel, sh, a.rounds)
+            r = bench_shape(torch, mkernel, sh, a.rounds, schedules)
         except Exception:  # noqa: BLE001 -- report and go on with the next shape
             traceback.print_exc()
             r = dict(error=traceback.format_exc().splitlines()[-1])
         res.append((sh, r))
         print(sh, {k: (round(v["tflops"]) if isinstance(v, dict) and "tflops" in v else v) for k, v in r.items()},
               flush=True)
-    text = report(res, meta)
+    meta["schedules"] = list(schedules)
+    text = report(res, meta, schedules)
     print(text)
     write_report(a.out, "attention_bench", text, meta, [dict(shape=sh, **r) for sh, r in res],
-                 plot=lambda p: plot(res, p))
+                 plot=lambda p: plot(res, p, schedules))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@ mask, autograd for the gradients); the backward is fed our own forward's out and
 Outputs NaN-poisoned first.  Relative Frobenius error bounds: forward 1e-2 (bf16) / 3e-3 (fp16), lse 1e-4
 absolute where finite, gradients 2e-2 / 4e-3.
 
-    PYTHONPATH=. python tools/recheck_attention.py [SEED] [CASES]      (last line: RECHECK PASSED / FAILED)
+    PYTHONPATH=. python tools/recheck_attention.py [SEED] [CASES] [--schedule default|pingpong]
+                                                                       (last line: RECHECK PASSED / FAILED)
+
+``--schedule``: the forward kernel (``AttentionOptions.schedule``) under test; the backward is the same.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -47,12 +51,17 @@ def rel(a, b) -> float:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("seed", nargs="?", type=int, default=20261202)
+    ap.add_argument("cases", nargs="?", type=int, default=40)
+    ap.add_argument("--schedule", default="default", choices=("default", "pingpong"))
+    a = ap.parse_args()
     import torch
 
     import mkernel
 
-    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 20261202
-    cases = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    seed, cases = a.seed, a.cases
+    opts = mkernel.AttentionOptions(schedule=a.schedule)
     rng = np.random.default_rng(seed)
     dev = torch.device("cuda")
     fails = 0
@@ -90,7 +99,8 @@ def main() -> int:
         what = (f"case {case}: B={B} Sq={Sq} Sk={Sk} Hq={hq} Hkv={hkv} D={D} {dt} {layout} causal={causal} "
                 f"scale={scale:.4g}{' packed' if packed else ''}")
         try:
-            mkernel.attention(qs, ks, vs, out, lse=lse, causal=causal, softmax_scale=scale, layout=layout)
+            mkernel.attention(qs, ks, vs, out, lse=lse, causal=causal, softmax_scale=scale, layout=layout,
+                              options=opts)
             torch.cuda.synchronize()
             e_o = rel(to_bhsd(out), o_ref)
             fin = torch.isfinite(lse_ref)
@@ -110,7 +120,7 @@ def main() -> int:
             ok, line = False, f"{what}: raised {exc!r}"
         fails += not ok
         print(("ok   " if ok else "FAIL ") + line, flush=True)
-    print(f"{cases - fails}/{cases} cases passed (seed {seed})")
+    print(f"{cases - fails}/{cases} cases passed (seed {seed}, schedule {a.schedule})")
     print("RECHECK PASSED" if fails == 0 else "RECHECK FAILED")
     return 1 if fails else 0
 

@@ -8,7 +8,9 @@ dtype before P V and O to the output dtype, so for out the relative Frobenius er
 exactly 0 with lse -inf.  Sequence lengths 1, 77, 129, 300, 1000, 4097 (none a multiple of the 128-row
 tiles), D 64 and 128, GQA ratios 1/4/8, causal with S_q < S_k and S_q > S_k, both layouts, strided views
 (q, k, v sliced out of one packed qkv buffer, a padded out), graph replay, 1000 back-to-back calls.
-Skipped without a Hopper GPU; about a minute on an H200 (mostly the float64 reference).
+Every correctness case runs with both schedules (``AttentionOptions(schedule="default" | "pingpong")``: two
+kernels, the ping-pong one with 192-row query blocks at D = 64); each checks ``last_plan().schedule``.
+Skipped without a Hopper GPU; about two minutes on an H200 (mostly the float64 reference).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from _util import download, poisoned, upload
 pytestmark = pytest.mark.gpu  # skipped by tests/conftest.py without a Hopper GPU
 
 SEED = int(np.random.SeedSequence().entropy % (1 << 32))
+SCHEDULES = AK.SCHEDULES
 TOL = {"bfloat16": (1e-2, 0.02), "float16": (3e-3, 0.005)}  # (relative Frobenius, elementwise abs/rel)
 
 
@@ -99,16 +102,20 @@ def make(rng, B, S, H, D, layout, dtype):
     return dev, to_bhsd(exact, layout)
 
 
-def run_case(rng, B, Sq, Sk, Hq, Hkv, D, causal, layout, dtype, scale=None):
+def run_case(rng, B, Sq, Sk, Hq, Hkv, D, causal, layout, dtype, scale=None, schedule="default"):
     q, qv = make(rng, B, Sq, Hq, D, layout, dtype)
     k, kv = make(rng, B, Sk, Hkv, D, layout, dtype)
     v, vv = make(rng, B, Sk, Hkv, D, layout, dtype)
     out = poisoned(q.shape, dtype)
     lse = poisoned((B, Hq, Sq), "float32")
-    r_out, r_lse = mkernel.attention(q, k, v, out, lse=lse, causal=causal, softmax_scale=scale, layout=layout)
+    r_out, r_lse = mkernel.attention(q, k, v, out, lse=lse, causal=causal, softmax_scale=scale, layout=layout,
+                                     options=mkernel.AttentionOptions(schedule=schedule))
     assert r_out is out and r_lse is lse
+    p = last_plan()
+    assert p.schedule == schedule and p.grid == (-(-Sq // p.block_m), Hq, B)
     ro, rl = reference(qv, kv, vv, causal, scale if scale is not None else 1 / math.sqrt(D))
-    check(out, lse, ro, rl, layout, dtype, f"B={B} Sq={Sq} Sk={Sk} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout}")
+    check(out, lse, ro, rl, layout, dtype,
+          f"B={B} Sq={Sq} Sk={Sk} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} schedule={schedule}")
 
 
 # ---- shapes ----------------------------------------------------------------------------------
@@ -125,32 +132,57 @@ def run_case(rng, B, Sq, Sk, Hq, Hkv, D, causal, layout, dtype, scale=None):
     (1, 1000, 300, 4, 1, 64, True, "bshd", "float16"),     # causal S_q > S_k: the first 700 rows see nothing
     (3, 129, 257, 16, 4, 64, False, "bhsd", "bfloat16"),
     (2, 1000, 1000, 32, 8, 128, False, "bshd", "bfloat16"),
+    (1, 385, 385, 4, 2, 64, True, "bshd", "float16"),      # 2 query blocks of 192 and 1 row (ping-pong D = 64)
+    (1, 2000, 2000, 2, 1, 64, False, "bshd", "bfloat16"),  # 16 key tiles: every ring slot reused 4 times
 ])
-def test_shapes(rng, B, Sq, Sk, Hq, Hkv, D, causal, layout, dtype):
-    run_case(rng, B, Sq, Sk, Hq, Hkv, D, causal, layout, dtype)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_shapes(rng, B, Sq, Sk, Hq, Hkv, D, causal, layout, dtype, schedule):
+    run_case(rng, B, Sq, Sk, Hq, Hkv, D, causal, layout, dtype, schedule=schedule)
 
 
 @pytest.mark.parametrize("ratio", [1, 4, 8])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gqa_ratios(rng, ratio, D, causal):
-    run_case(rng, 2, 333, 333, 8, 8 // ratio, D, causal, "bshd", "bfloat16")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gqa_ratios(rng, ratio, D, causal, schedule):
+    run_case(rng, 2, 333, 333, 8, 8 // ratio, D, causal, "bshd", "bfloat16", schedule=schedule)
 
 
-def test_large_scale(rng):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_large_scale(rng, schedule):
     """softmax_scale 1 (scores of standard deviation ~11): the running max moves a lot between tiles."""
-    run_case(rng, 1, 500, 700, 2, 1, 128, False, "bshd", "bfloat16", scale=1.0)
-    run_case(rng, 1, 700, 500, 2, 2, 64, True, "bhsd", "bfloat16", scale=0.9)
+    run_case(rng, 1, 500, 700, 2, 1, 128, False, "bshd", "bfloat16", scale=1.0, schedule=schedule)
+    run_case(rng, 1, 700, 500, 2, 2, 64, True, "bhsd", "bfloat16", scale=0.9, schedule=schedule)
 
 
-def test_no_keys(rng):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_no_keys(rng, schedule):
     q, _ = make(rng, 1, 5, 2, 64, "bshd", "bfloat16")
     k = DeviceArray.empty((1, 0, 2, 64), "bfloat16")
-    out, lse = mkernel.attention(q, k, k, poisoned(q.shape, "bfloat16"), lse=poisoned((1, 2, 5), "float32"))
+    out, lse = mkernel.attention(q, k, k, poisoned(q.shape, "bfloat16"), lse=poisoned((1, 2, 5), "float32"),
+                                 options=mkernel.AttentionOptions(schedule=schedule))
     assert (download(out) == 0).all() and np.isneginf(download(lse)).all()
 
 
-def test_strided_views(rng):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_block_orders(rng, schedule):
+    """Both query-block orders (heavy_first on and off) of each schedule, causal, against the reference."""
+    B, S, Hq, Hkv = 2, 1500, 8, 2
+    for D in (64, 128):
+        q, qv = make(rng, B, S, Hq, D, "bshd", "bfloat16")
+        k, kv = make(rng, B, S, Hkv, D, "bshd", "bfloat16")
+        v, vv = make(rng, B, S, Hkv, D, "bshd", "bfloat16")
+        ro, rl = reference(qv, kv, vv, True, 1 / math.sqrt(D))
+        for hf in (True, False):
+            out, lse = poisoned(q.shape, "bfloat16"), poisoned((B, Hq, S), "float32")
+            mkernel.attention(q, k, v, out, lse=lse, causal=True,
+                              options=mkernel.AttentionOptions(schedule=schedule, heavy_first=hf))
+            assert last_plan().schedule == schedule and last_plan().heavy_first == hf
+            check(out, lse, ro, rl, "bshd", "bfloat16", f"D={D} schedule={schedule} heavy_first={hf}")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_strided_views(rng, schedule):
     """q, k, v sliced out of one packed [B, S, 3, H, D] buffer (sequence stride 3*H*D), out a view of a
     buffer with padded heads (head stride D + 64)."""
     B, S, H, D = 2, 1000, 4, 128
@@ -160,7 +192,7 @@ def test_strided_views(rng):
     obuf = poisoned((B, S, H, D + 64), "bfloat16")
     out = DeviceArray(obuf.ptr, (B, S, H, D), "bfloat16", (S * H * (D + 64), H * (D + 64), D + 64, 1), obuf.device, obuf)
     lse = poisoned((B, H, S), "float32")
-    mkernel.attention(q, k, v, out, lse=lse, causal=True)
+    mkernel.attention(q, k, v, out, lse=lse, causal=True, options=mkernel.AttentionOptions(schedule=schedule))
     ev = [to_bhsd(vals[:, :, i], "bshd") for i in range(3)]
     ro, rl = reference(*ev, True, 1 / math.sqrt(D))
     check(out, lse, ro, rl, "bshd", "bfloat16", "strided views")
@@ -191,7 +223,8 @@ def test_thousand_calls(rng):
     assert p.grid == (8, 8, 2) and p.causal and p.head_dim == 128
 
 
-def test_graph_replay(rng):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_graph_replay(rng, schedule):
     """A call captured into a CUDA graph replays with new data copied into its inputs."""
     from cuda.bindings import driver as cu
 
@@ -204,7 +237,8 @@ def test_graph_replay(rng):
     out, lse = poisoned(q.shape, "float16"), poisoned((B, Hq, S), "float32")
     stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
     ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
-    mkernel.attention(q, k, v, out, lse=lse, causal=True, layout="bhsd", stream=int(stream))
+    mkernel.attention(q, k, v, out, lse=lse, causal=True, layout="bhsd", stream=int(stream),
+                      options=mkernel.AttentionOptions(schedule=schedule))
     graph = ok(cu.cuStreamEndCapture(stream))
     gexec = ok(cu.cuGraphInstantiate(graph, 0))
     for rep in range(3):
