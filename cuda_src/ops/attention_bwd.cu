@@ -605,17 +605,6 @@ struct MkwSmem {
   MK_DEVICE mk_u64* empty(int s) const { return bars() + 1 + MKW_STAGES + s; }
 };
 
-// acc (+)= A B over this warpgroup's k16 steps, A and B 128B-swizzled K-major [rows x D] tiles (S^T, dP^T).
-MK_DEVICE void mkw_gemm_kmajor(float (&acc)[MKW_BM / 2], mk_u32 a, mk_u32 b) {
-#pragma unroll
-  for (int c = 0; c < D_ / 64; ++c) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      MkWgmma<MKW_BM, MKATT_DTYPE, 0>::mma(acc, mk_wgmma_desc_kmajor(a + c * MKW_BN * 128, kk),
-                                           mk_wgmma_desc_kmajor(b + c * MKW_BM * 128, kk), (c | kk) != 0);
-  }
-}
-
 // acc += A B: A from registers (MKW_BM/16 k16 fragments), B a [MKW_BM x D] MN-major tile (dV, dK).
 MK_DEVICE void mkw_gemm_rs(float (&acc)[D_ / 2], const mk_u32 (&a)[MKW_BM / 16][4], mk_u32 b) {
 #pragma unroll
@@ -725,9 +714,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const mk_u32 qa = mk_smem_addr(sm.q(st)), ga = mk_smem_addr(sm.g(st));
     float s[MKW_BM / 2], dp[MKW_BM / 2];
     mk_wgmma_fence();
-    mkw_gemm_kmajor(s, ka + wg * 64 * 128, qa);
+    mk_attn_gemm_kmajor<MKW_BM, MKATT_DTYPE, D_, MKW_BN * 128, MKW_BM * 128>(s, ka + wg * 64 * 128, qa);
     mk_wgmma_commit();
-    mkw_gemm_kmajor(dp, va + wg * 64 * 128, ga);
+    mk_attn_gemm_kmajor<MKW_BM, MKATT_DTYPE, D_, MKW_BN * 128, MKW_BM * 128>(dp, va + wg * 64 * 128, ga);
     mk_wgmma_commit();
 
     // P^T (rows: keys jw + r0 (+8); columns: queries i0 + 8 jj + c0 (+1))

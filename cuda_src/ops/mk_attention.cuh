@@ -31,6 +31,19 @@ MK_DEVICE void mk_attn_load_tile(unsigned char* dst, const MkTensorMap* tm, mk_u
   for (int c = 0; c < D / 64; ++c) mk_attn_tma_load_4d(dst + c * ROWS * 128, tm, bar, 64 * c, row0, head, batch);
 }
 
+// acc (+)= A B^T over a head dim of D: A and B [rows x D] tiles of D/64 K-major chunks (chunk strides
+// A_CHUNK, B_CHUNK bytes), N = B's rows; the first k16 step overwrites acc.  Not fenced or committed.
+template <int N, int DT, int D, int A_CHUNK, int B_CHUNK>
+MK_DEVICE void mk_attn_gemm_kmajor(float (&acc)[N / 2], mk_u32 a, mk_u32 b) {
+#pragma unroll
+  for (int c = 0; c < D / 64; ++c) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      MkWgmma<N, DT, 0>::mma(acc, mk_wgmma_desc_kmajor(a + c * A_CHUNK, kk), mk_wgmma_desc_kmajor(b + c * B_CHUNK, kk),
+                             (c | kk) != 0);
+  }
+}
+
 // ---- wgmma m64nNk16 with A from registers ------------------------------------------------------------
 // D(64xN, fp32) += A(64x16, 4 registers of two 16-bit values per thread) * B(16xN, smem descriptor, MN-major:
 // trans-b = 1).  A's fragment: thread (warp w, lane l) holds rows 16w + l/4 (+8) and columns 2(l%4) (+1)
