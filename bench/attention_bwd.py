@@ -2,7 +2,7 @@
 """mkernel.attention_backward against torch SDPA's backward (flash, cuDNN, efficient backends) on one GPU,
 in the same run.
 
-    python bench/attention_bwd.py [--quick] [--only NAME,...] [--deterministic] [--out DIR]
+    python bench/attention_bwd.py [--quick] [--only NAME,...] [--kernels mma,wgmma] [--deterministic] [--out DIR]
 
 Shapes: [B, H, S, D] bf16 (torch's layout; mkernel reads it as layout="bhsd", zero-copy), S_q = S_k,
 head dims 64 and 128, plain and causal, and a GQA shape (H_q 32, H_kv 8; torch's backends get K/V repeated
@@ -12,8 +12,9 @@ it exists, else from torch's flash forward (``aten._scaled_dot_product_flash_att
 
 Timing: each method's backward alone -- mkernel.attention_backward(q, k, v, out, lse, dout) and, per torch
 backend, ``torch.autograd.grad`` of that backend's forward output (graph retained) -- timed in alternating
-rounds with CUDA events (bench/_common.time_interleaved), median per call.  Before timing, mkernel's dq,
-dk, dv are checked against torch's (relative Frobenius error < 2e-2).
+rounds with CUDA events (bench/_common.time_interleaved), median per call.  ``--kernels``: the main kernels
+timed (AttentionBwdOptions.kernel; default mma), each as its own method "mkernel-<kernel>".  Before timing,
+each mkernel kernel's dq, dk, dv are checked against torch's (relative Frobenius error < 2e-2).
 
 FLOPs: the forward is 4 B H S_q S_k D (two GEMMs); the backward counts 2.5x that (five GEMMs: S = Q K^T
 recomputed, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q), the usual convention of FlashAttention's
@@ -51,6 +52,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--kernels", default="mma", help="comma-separated main kernels to time: mma, wgmma")
     ap.add_argument("--deterministic", action="store_true", help="time mkernel's deterministic mode too")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs"))
     args = ap.parse_args()
@@ -60,7 +62,8 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import mkernel
-    from mkernel.ops.attention_bwd import last_plan
+    from mkernel.ops.attention_bwd import AttentionBwdOptions, last_plan
+    from mkernel.ops.attention_bwd.kernels import KERNELS
 
     torch.cuda.set_device(0)
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -70,6 +73,10 @@ def main():
     if unknown:
         raise SystemExit(f"unknown shapes {unknown}; known: {list(SHAPES)}")
     shapes = {n: SHAPES[n] for n in keep}
+    kernels = [x.strip() for x in args.kernels.split(",") if x.strip()]
+    if not kernels or any(x not in KERNELS for x in kernels):
+        raise SystemExit(f"--kernels: a comma-separated subset of {KERNELS}, got {args.kernels!r}")
+    mk_names = [f"mkernel-{x}" for x in kernels]
     rows, results = [], []
     for name, (B, Hq, Hkv, S, D) in shapes.items():
         for causal in (False, True):
@@ -88,12 +95,14 @@ def main():
             stream = torch.cuda.current_stream()
             fns = {}
 
-            def run_mk(det=False):
+            def run_mk(kernel, det=False):
                 mkernel.attention_backward(q, k, v, out, lse, do, dq, dk, dv, causal=causal, layout="bhsd",
-                                           deterministic=det, stream=stream)
-            fns["mkernel"] = run_mk
-            if args.deterministic:
-                fns["mkernel-det"] = lambda: run_mk(True)
+                                           stream=stream, options=AttentionBwdOptions(deterministic=det,
+                                                                                      kernel=kernel))
+            for x in kernels:
+                fns[f"mkernel-{x}"] = lambda x=x: run_mk(x)
+                if args.deterministic:
+                    fns[f"mkernel-{x}-det"] = lambda x=x: run_mk(x, True)
             ref = None
             for bname, be in backends.items():
                 qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, kr, vr))
@@ -107,32 +116,38 @@ def main():
                 if ref is None:
                     ref = g
                 fns[f"torch-{bname}"] = (lambda o=o, t=(qq, kk, vv): torch.autograd.grad(o, t, do, retain_graph=True))
-            run_mk()
-            torch.cuda.synchronize()
-            errs = {}
-            if ref is not None:
-                rdk = ref[1].view(B, Hkv, grp, S, D).float().sum(2) if grp > 1 else ref[1].float()
-                rdv = ref[2].view(B, Hkv, grp, S, D).float().sum(2) if grp > 1 else ref[2].float()
-                for n, got, r in (("dq", dq, ref[0].float()), ("dk", dk, rdk), ("dv", dv, rdv)):
-                    errs[n] = float((got.float() - r).norm() / r.norm().clamp_min(1e-30))
-                bad = {n: e for n, e in errs.items() if not e < 2e-2}
-                if bad:
-                    print(f"{name} causal={causal}: mkernel differs from torch: {bad}")
+            errs, plans = {}, {}
+            for x in kernels:
+                for g_ in (dq, dk, dv):
+                    g_.fill_(float("nan"))
+                run_mk(x)
+                torch.cuda.synchronize()
+                plans[x] = repr(last_plan())
+                if ref is not None:
+                    rdk = ref[1].view(B, Hkv, grp, S, D).float().sum(2) if grp > 1 else ref[1].float()
+                    rdv = ref[2].view(B, Hkv, grp, S, D).float().sum(2) if grp > 1 else ref[2].float()
+                    for n, got, r in (("dq", dq, ref[0].float()), ("dk", dk, rdk), ("dv", dv, rdv)):
+                        errs[f"{x}-{n}"] = float((got.float() - r).norm() / r.norm().clamp_min(1e-30))
+                    bad = {n: e for n, e in errs.items() if n.startswith(x) and not e < 2e-2}
+                    if bad:
+                        print(f"{name} causal={causal}: mkernel {x} differs from torch: {bad}")
             t = time_interleaved(fns, warmup=3, rounds=7, batch=5)
             fl = flops(B, Hq, S, D, causal)
             res = {"name": name, "B": B, "H_q": Hq, "H_kv": Hkv, "S": S, "D": D, "causal": causal, "errors": errs,
-                   "plan": repr(last_plan()), "ms": {n: t[n]["median_ms"] for n in t},
+                   "plans": plans, "ms": {n: t[n]["median_ms"] for n in t},
                    "tflops": {n: fl / (t[n]["median_ms"] * 1e-3) / 1e12 for n in t}}
             torch_best = min((t[n]["median_ms"] for n in t if n.startswith("torch-")), default=float("nan"))
-            res["vs_best_torch"] = torch_best / t["mkernel"]["median_ms"]
+            res["vs_best_torch"] = {n: torch_best / t[n]["median_ms"] for n in mk_names}
             results.append(res)
             cols = [f"{res['tflops'].get(n, float('nan')):.0f}" for n in
-                    ("mkernel", "torch-flash", "torch-cudnn", "torch-efficient")]
-            rows.append([name, "yes" if causal else "no", *cols, f"{res['vs_best_torch']:.2f}x"])
+                    (*mk_names, "torch-flash", "torch-cudnn", "torch-efficient")]
+            rows.append([name, "yes" if causal else "no", *cols,
+                         *(f"{res['vs_best_torch'][n]:.2f}x" for n in mk_names)])
             print(" | ".join(map(str, rows[-1])), flush=True)
             del fns, ref
             torch.cuda.empty_cache()
-    head = ["shape", "causal", "mkernel TFLOP/s", "flash", "cudnn", "efficient", "vs fastest torch"]
+    head = ["shape", "causal", *(f"{n} TFLOP/s" for n in mk_names), "flash", "cudnn", "efficient",
+            *(f"{n} vs fastest torch" for n in mk_names)]
     text = ("# attention backward on one H200 (bf16)\n\nTFLOP/s = 2.5 x forward FLOPs (4 B H S^2 D) / time; "
             "causal counted at half.\n\n" + markdown_table(head, rows) + "\n")
     out = Path(args.out)

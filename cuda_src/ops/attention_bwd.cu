@@ -14,6 +14,9 @@
 //  * mk_attn_bwd_dq (deterministic mode): one block per (query block, query head, batch) recomputes S and
 //    dP and sums dQ = scale dS K over the KV blocks in order, in registers: no atomics, bit-identical runs.
 //  * mk_attn_bwd_convert: dq = scale * accumulator, in q's dtype and layout.
+//  * mk_attn_bwd_wgmma (MKATT_WGMMA=1, a specialization of its own holding only this kernel): the main
+//    kernel on Hopper's TMA + wgmma path (docs/attention_bwd.md, "wgmma kernel"); pre, convert and the
+//    deterministic dQ kernel come from the MKATT_WGMMA=0 specialization.
 // Softmax scale: P uses exp2(scale log2(e) S - log2(e) lse); the scale of dS is applied once, to dK at
 // the end and to dQ at the conversion.  Masking: key j >= S_k, and (causal) j > i + S_k - S_q; rows of a
 // fully masked query (lse = -inf) and rows past S_q read lse as +inf, so their P is 0.
@@ -36,6 +39,9 @@
 #endif
 #ifndef MKATT_DQ_BK  // dq kernel: KV rows per step
 #define MKATT_DQ_BK 64
+#endif
+#ifndef MKATT_WGMMA  // 1: this specialization holds mk_attn_bwd_wgmma only
+#define MKATT_WGMMA 0
 #endif
 
 typedef mk_type<MKATT_DTYPE>::T mkatt_t;
@@ -218,6 +224,7 @@ MK_DEVICE bool mkatt_warp_row(const MkAttnBwdArgs& a, mk_i64* row, int* b, int* 
   return true;
 }
 
+#if !MKATT_WGMMA
 // ---- preprocess ---------------------------------------------------------------------------------
 
 // One warp per (b, h, i) row: Dsum = sum_d dO * O in fp32, and the row of the dQ accumulator zeroed
@@ -537,3 +544,275 @@ extern "C" __global__ void __launch_bounds__(256) mk_attn_bwd_convert(MkAttnBwdA
   for (int e = 0; e < E; e += 2)
     *reinterpret_cast<mk_u32*>(r + lane * E + e) = mkatt_pack(src[e] * a.scale, src[e + 1] * a.scale);
 }
+#endif  // !MKATT_WGMMA
+
+#if MKATT_WGMMA
+// ---- main kernel on TMA + wgmma (docs/attention_bwd.md, "wgmma kernel") ----------------------------
+//
+// One block of 3 warpgroups per (KV block of 128 rows, KV head, batch).  Warpgroup 0 produces: thread 0
+// loads the K and V tiles once and then Q and dO tiles of 64 query rows through a ring of MKW_STAGES
+// slots (TMA, 128B-swizzled, mk_attention.cuh's layout), warp 1 fills the slot's lse (log2 units) and
+// Dsum rows.  Consumer warpgroup w (1 or 2) owns KV rows [64 (w - 1), 64 w) of the block and keeps their
+// dK, dV in registers over every query head of the KV group and every query block:
+//   S^T = K Q^T and dP^T = V dO^T (wgmma, both operands K-major in shared memory, N = 64 queries),
+//   P^T = exp2(scale log2e S^T - lse2), dS^T = P^T (dP^T - Dsum) in registers, then rounded to the
+//   dtype and reused as A fragments of dV += P^T dO and dK += dS^T Q (wgmma, dO and Q MN-major);
+//   dS^T is also stored to shared memory ([key][query], swizzled) and read back, M-major, as the A
+//   operand of dQ = dS K: D = 128: each warpgroup the 64 head-dim columns 64 (w - 1) .. over all 128 keys
+//   (both halves of dS^T: a 256-thread barrier); D = 64: each warpgroup all columns over its own 64 keys
+//   (wgmma's N-major B must be whole 64-column swizzle atoms).  The fp32 result is added into the dQ
+//   accumulator with red.global.add.v2.f32 (unless deterministic: dq_acc null).
+#include "ops/mk_attention.cuh"
+
+constexpr int MKW_BN = 128;                  // KV rows per block
+constexpr int MKW_BM = 64;                   // query rows per step
+constexpr int MKW_STAGES = 3;                // Q / dO / lse / Dsum ring depth
+constexpr int MKW_KV_BYTES = MKW_BN * D_ * 2;
+constexpr int MKW_QT_BYTES = MKW_BM * D_ * 2;
+constexpr int MKW_DS_BYTES = MKW_BN * MKW_BM * 2;  // dS^T: 128 key rows of 64 queries (128 bytes)
+constexpr int MKW_ROW_BYTES = MKW_BM * 4;          // one slot's lse2 or Dsum
+constexpr int MKW_BAR_BYTES = 128;
+constexpr int MKW_SMEM_BYTES = 1024 + 2 * MKW_KV_BYTES + 2 * MKW_STAGES * MKW_QT_BYTES + 2 * MKW_DS_BYTES +
+                               2 * MKW_STAGES * MKW_ROW_BYTES + MKW_BAR_BYTES;
+// the producer's two loops (TMA, lse / Dsum rows) need more than 40 registers: 48 leaves 224 per consumer
+constexpr int MKW_PRODUCER_REGS = 48;
+constexpr int MKW_CONSUMER_REGS = 224;
+constexpr bool MKW_DQ_SPLIT_N = D_ == 128;  // dQ split by head-dim columns (else by keys), see above
+static_assert(MKW_SMEM_BYTES <= 227 * 1024, "shared memory");
+static_assert((1 + 2 * MKW_STAGES) * 8 <= MKW_BAR_BYTES, "barriers");
+static_assert(MKW_PRODUCER_REGS * 128 + MKW_CONSUMER_REGS * 256 <= 65536, "register file");
+#ifdef MKATT_EXPECT_WGMMA_SMEM  // the host's size (kernels.wgmma_smem), checked by tests/cpu
+static_assert(MKATT_EXPECT_WGMMA_SMEM == MKW_SMEM_BYTES, "wgmma kernel shared memory != kernels.wgmma_smem");
+#endif
+
+struct MkwSmem {
+  unsigned char* base;  // 1024-aligned
+  MK_DEVICE unsigned char* k() const { return base; }
+  MK_DEVICE unsigned char* v() const { return base + MKW_KV_BYTES; }
+  MK_DEVICE unsigned char* q(int s) const { return base + 2 * MKW_KV_BYTES + s * MKW_QT_BYTES; }
+  MK_DEVICE unsigned char* g(int s) const { return base + 2 * MKW_KV_BYTES + (MKW_STAGES + s) * MKW_QT_BYTES; }
+  MK_DEVICE unsigned char* ds(int i) const {
+    return base + 2 * MKW_KV_BYTES + 2 * MKW_STAGES * MKW_QT_BYTES + i * MKW_DS_BYTES;
+  }
+  MK_DEVICE float* lse2(int s) const {
+    return reinterpret_cast<float*>(base + 2 * MKW_KV_BYTES + 2 * MKW_STAGES * MKW_QT_BYTES + 2 * MKW_DS_BYTES) +
+           s * MKW_BM;
+  }
+  MK_DEVICE float* dsum(int s) const { return lse2(MKW_STAGES + s); }
+  MK_DEVICE mk_u64* bars() const { return reinterpret_cast<mk_u64*>(lse2(2 * MKW_STAGES)); }
+  MK_DEVICE mk_u64* kv_full() const { return bars(); }
+  MK_DEVICE mk_u64* full(int s) const { return bars() + 1 + s; }
+  MK_DEVICE mk_u64* empty(int s) const { return bars() + 1 + MKW_STAGES + s; }
+};
+
+// acc += A B: A from registers (MKW_BM/16 k16 fragments), B a [MKW_BM x D] MN-major tile (dV, dK).
+MK_DEVICE void mkw_gemm_rs(float (&acc)[D_ / 2], const mk_u32 (&a)[MKW_BM / 16][4], mk_u32 b) {
+#pragma unroll
+  for (int kk = 0; kk < MKW_BM / 16; ++kk)
+    MkAttnWgmmaRs<D_, MKATT_DTYPE>::mma(acc, a[kk], mk_wgmma_desc_sw128(b + 2048u * kk, MKW_BM * 128, 1024));
+}
+
+// The 4-byte word of a swizzled [row][64 elements] tile holding elements (row, col), (row, col + 1), col even.
+MK_DEVICE mk_u32 mkw_swz(int row, int col) {
+  return (mk_u32)(row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2);
+}
+
+// Grid (ceil(Sk / 128), Hkv, B), 384 threads, MKW_SMEM_BYTES of dynamic shared memory.  Tensor maps
+// {D, S, H, B} with boxes {64, rows, 1, 1}: Q and dO 64 rows, K and V 128 rows (op.py).
+extern "C" __global__ void __launch_bounds__(384, 1)
+    mk_attn_bwd_wgmma(const __grid_constant__ MkTensorMap tmQ, const __grid_constant__ MkTensorMap tmK,
+                      const __grid_constant__ MkTensorMap tmV, const __grid_constant__ MkTensorMap tmG,
+                      const MkAttnBwdArgs a) {
+  extern __shared__ unsigned char mkw_smem_raw[];
+  const MkwSmem sm{reinterpret_cast<unsigned char*>(((unsigned long long)mkw_smem_raw + 1023) & ~1023ull)};
+  const int tid = threadIdx.x;
+  const int j0 = blockIdx.x * MKW_BN, hk = blockIdx.y, b = blockIdx.z;
+  const int group = a.Hq / a.Hkv;
+  const int off = a.Sk - a.Sq;  // causal: query i sees keys j <= i + off
+  const int nqb = (a.Sq + MKW_BM - 1) / MKW_BM;
+  int m_begin = 0;  // causal: the first query block with a query that sees key j0
+  if (a.causal) {
+    const int ifirst = j0 - off;
+    m_begin = ifirst <= 0 ? 0 : (ifirst >= a.Sq ? nqb : ifirst / MKW_BM);
+  }
+  const int per_head = nqb - m_begin;
+  const int items = per_head * group;
+
+  if (tid == 0) {
+    mk_mbar_init(sm.kv_full(), 1);
+    for (int s = 0; s < MKW_STAGES; ++s) {
+      mk_mbar_init(sm.full(s), 1 + 32);  // the TMA thread's expect_tx and warp 1's lanes (lse, Dsum)
+      mk_mbar_init(sm.empty(s), 8);      // lane 0 of every consumer warp
+    }
+    mk_mbar_init_fence();
+  } else if (tid == 32) {
+    mk_tma_prefetch_desc(&tmQ);
+    mk_tma_prefetch_desc(&tmK);
+    mk_tma_prefetch_desc(&tmV);
+    mk_tma_prefetch_desc(&tmG);
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // ================= producer =================
+    mk_setmaxnreg_dec<MKW_PRODUCER_REGS>();
+    if (items == 0) return;
+    if (tid == 0) {
+      mk_mbar_arrive_expect_tx(sm.kv_full(), 2 * MKW_KV_BYTES);
+      mk_attn_load_tile<D_, MKW_BN>(sm.k(), &tmK, sm.kv_full(), j0, hk, b);
+      mk_attn_load_tile<D_, MKW_BN>(sm.v(), &tmV, sm.kv_full(), j0, hk, b);
+      for (int it = 0; it < items; ++it) {
+        const int st = it % MKW_STAGES;
+        const int h = hk * group + it / per_head, i0 = (m_begin + it % per_head) * MKW_BM;
+        mk_mbar_wait(sm.empty(st), ((it / MKW_STAGES) & 1u) ^ 1u);
+        mk_mbar_arrive_expect_tx(sm.full(st), 2 * MKW_QT_BYTES);
+        mk_attn_load_tile<D_, MKW_BM>(sm.q(st), &tmQ, sm.full(st), i0, h, b);
+        mk_attn_load_tile<D_, MKW_BM>(sm.g(st), &tmG, sm.full(st), i0, h, b);
+      }
+    } else if (tid >= 32 && tid < 64) {
+      const int lane = tid - 32;
+      for (int it = 0; it < items; ++it) {
+        const int st = it % MKW_STAGES;
+        const int h = hk * group + it / per_head, i0 = (m_begin + it % per_head) * MKW_BM;
+        mk_mbar_wait(sm.empty(st), ((it / MKW_STAGES) & 1u) ^ 1u);
+#pragma unroll
+        for (int r = lane; r < MKW_BM; r += 32) {
+          const int i = i0 + r;
+          const bool ok = i < a.Sq;
+          sm.lse2(st)[r] = ok ? mkatt_lse2(a.lse[b * a.lse_s[0] + h * a.lse_s[1] + i * a.lse_s[2]]) : MKATT_INF;
+          sm.dsum(st)[r] = ok ? a.dsum[((mk_i64)b * a.Hq + h) * a.Sq + i] : 0.f;
+        }
+        mk_mbar_arrive(sm.full(st));
+      }
+    }
+    return;
+  }
+
+  // ================= consumers =================
+  mk_setmaxnreg_inc<MKW_CONSUMER_REGS>();
+  const int wg = tid / 128 - 1;
+  const bool leader = (tid & 31) == 0;
+  int r0, c0;
+  mk_wgmma_frag_origin(r0, c0);
+  const int jw = j0 + 64 * wg;  // this warpgroup's first KV row
+  const bool kv_edge = jw + 64 > a.Sk;
+  float dk[D_ / 2], dv[D_ / 2];
+#pragma unroll
+  for (int i = 0; i < D_ / 2; ++i) dk[i] = dv[i] = 0.f;
+  const mk_u32 ka = mk_smem_addr(sm.k()), va = mk_smem_addr(sm.v());
+  // dQ = dS K: this warpgroup's k16 steps and offsets into dS^T and K (see the kernel comment)
+  constexpr int DQ_STEPS = MKW_DQ_SPLIT_N ? MKW_BN / 16 : 4;
+  const mk_u32 dq_a_off = MKW_DQ_SPLIT_N ? 0u : (mk_u32)wg * 64 * 128;
+  const mk_u32 dq_b_off = MKW_DQ_SPLIT_N ? (mk_u32)wg * MKW_BN * 128 : (mk_u32)wg * 64 * 128;
+  const int dq_col0 = MKW_DQ_SPLIT_N ? 64 * wg : 0;
+
+  if (items > 0) mk_mbar_wait(sm.kv_full(), 0);
+  for (int it = 0; it < items; ++it) {
+    const int st = it % MKW_STAGES;
+    const int h = hk * group + it / per_head, i0 = (m_begin + it % per_head) * MKW_BM;
+    mk_mbar_wait(sm.full(st), (it / MKW_STAGES) & 1u);
+    const mk_u32 qa = mk_smem_addr(sm.q(st)), ga = mk_smem_addr(sm.g(st));
+    float s[MKW_BM / 2], dp[MKW_BM / 2];
+    mk_wgmma_fence();
+    mk_attn_gemm_kmajor<MKW_BM, MKATT_DTYPE, D_, MKW_BN * 128, MKW_BM * 128>(s, ka + wg * 64 * 128, qa);
+    mk_wgmma_commit();
+    mk_attn_gemm_kmajor<MKW_BM, MKATT_DTYPE, D_, MKW_BN * 128, MKW_BM * 128>(dp, va + wg * 64 * 128, ga);
+    mk_wgmma_commit();
+
+    // P^T (rows: keys jw + r0 (+8); columns: queries i0 + 8 jj + c0 (+1))
+    const float* l2 = sm.lse2(st);
+    const float* dsm = sm.dsum(st);
+    const bool mask = kv_edge || (a.causal && jw + 63 > i0 + off);
+    mk_wgmma_wait<1>();
+    mk_wgmma_fence_regs(s);
+#pragma unroll
+    for (int jj = 0; jj < MKW_BM / 8; ++jj) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * jj + c0 + (e & 1), j = jw + r0 + 8 * (e >> 1);
+        float x = fmaf(s[4 * jj + e], a.scale_log2, -l2[col]);
+        if (mask && (j >= a.Sk || (a.causal && j > i0 + col + off))) x = -MKATT_INF;
+        s[4 * jj + e] = mkatt_exp2(x);
+      }
+    }
+    mk_wgmma_wait<0>();
+    mk_wgmma_fence_regs(dp);
+#pragma unroll
+    for (int jj = 0; jj < MKW_BM / 8; ++jj) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[4 * jj + e] = s[4 * jj + e] * (dp[4 * jj + e] - dsm[8 * jj + c0 + (e & 1)]);
+    }
+    mk_u32 pf[MKW_BM / 16][4], dsf[MKW_BM / 16][4];
+    mk_attn_pack_a<MKATT_DTYPE, MKW_BM>(s, pf);
+    mk_attn_pack_a<MKATT_DTYPE, MKW_BM>(dp, dsf);
+    mk_wgmma_fence();
+    mkw_gemm_rs(dv, pf, ga);
+    mkw_gemm_rs(dk, dsf, qa);
+    mk_wgmma_commit();
+
+    if (a.dq_acc != nullptr) {
+      // dS^T -> shared ([key row][query], swizzled), then dQ = dS K (this warpgroup's part)
+      unsigned char* dsb = sm.ds(it & 1);
+#pragma unroll
+      for (int kk = 0; kk < MKW_BM / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = 64 * wg + r0 + 8 * (i & 1), col = 16 * kk + 8 * (i >> 1) + c0;
+          *reinterpret_cast<mk_u32*>(dsb + mkw_swz(row, col)) = dsf[kk][i];
+        }
+      }
+      mk_fence_proxy_async_smem();
+      if (MKW_DQ_SPLIT_N)
+        mk_named_barrier_sync(1, 256);
+      else
+        mk_named_barrier_sync(2 + wg, 128);
+      const mk_u32 dsa = mk_smem_addr(dsb) + dq_a_off;
+      float dq[32];
+      mk_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < DQ_STEPS; ++kk)
+        MkAttnWgmmaSsTT<MKATT_DTYPE>::mma(dq, mk_wgmma_desc_sw128(dsa + 2048u * kk, MKW_DS_BYTES, 1024),
+                                          mk_wgmma_desc_sw128(ka + dq_b_off + 2048u * kk, MKW_BN * 128, 1024),
+                                          kk != 0);
+      mk_wgmma_commit();
+      mk_wgmma_wait<0>();
+      mk_wgmma_fence_regs(dq);
+      mk_wgmma_fence_regs(dk);
+      mk_wgmma_fence_regs(dv);
+      if (leader) mk_mbar_arrive(sm.empty(st));
+      float* acc = a.dq_acc + (((mk_i64)b * a.Hq + h) * a.Sq) * D_ + dq_col0 + c0;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = i0 + r0 + 8 * e;
+        if (i < a.Sq) {
+          float* row = acc + (mk_i64)i * D_;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj)
+            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(row + 8 * jj), "f"(dq[4 * jj + 2 * e]),
+                         "f"(dq[4 * jj + 2 * e + 1]) : "memory");
+        }
+      }
+    } else {
+      mk_wgmma_wait<0>();
+      mk_wgmma_fence_regs(dk);
+      mk_wgmma_fence_regs(dv);
+      if (leader) mk_mbar_arrive(sm.empty(st));
+    }
+  }
+
+  // epilogue: dK (times the softmax scale), dV; rows past S_k are not written
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int j = jw + r0 + 8 * e;
+    if (j < a.Sk) {
+      mkatt_t* rk = a.dk + b * a.dk_s[0] + (mk_i64)j * a.dk_s[1] + hk * a.dk_s[2] + c0;
+      mkatt_t* rv = a.dv + b * a.dv_s[0] + (mk_i64)j * a.dv_s[1] + hk * a.dv_s[2] + c0;
+#pragma unroll
+      for (int jj = 0; jj < D_ / 8; ++jj) {
+        *reinterpret_cast<mk_u32*>(rk + 8 * jj) = mkatt_pack(dk[4 * jj + 2 * e] * a.scale, dk[4 * jj + 2 * e + 1] * a.scale);
+        *reinterpret_cast<mk_u32*>(rv + 8 * jj) = mkatt_pack(dv[4 * jj + 2 * e], dv[4 * jj + 2 * e + 1]);
+      }
+    }
+  }
+}
+#endif  // MKATT_WGMMA

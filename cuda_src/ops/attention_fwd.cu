@@ -108,13 +108,7 @@ MK_DEVICE void mk_attn_qk(float (&s)[MK_BN / 2], const MkAttnSmem& sm, int wg, i
   const mk_u32 qa = mk_smem_addr(sm.q()) + wg * 64 * 128;
   const mk_u32 ka = mk_smem_addr(sm.k(st));
   mk_wgmma_fence();
-#pragma unroll
-  for (int c = 0; c < MK_D / 64; ++c) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      MkWgmma<MK_BN, MK_ATTN_DT, 0>::mma(s, mk_wgmma_desc_kmajor(qa + c * MK_BM * 128, kk),
-                                         mk_wgmma_desc_kmajor(ka + c * MK_BN * 128, kk), (c | kk) != 0);
-  }
+  mk_attn_gemm_kmajor<MK_BN, MK_ATTN_DT, MK_D, MK_BM * 128, MK_BN * 128>(s, qa, ka);
   mk_wgmma_commit();
 }
 

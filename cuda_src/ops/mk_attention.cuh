@@ -31,6 +31,19 @@ MK_DEVICE void mk_attn_load_tile(unsigned char* dst, const MkTensorMap* tm, mk_u
   for (int c = 0; c < D / 64; ++c) mk_attn_tma_load_4d(dst + c * ROWS * 128, tm, bar, 64 * c, row0, head, batch);
 }
 
+// acc (+)= A B^T over a head dim of D: A and B [rows x D] tiles of D/64 K-major chunks (chunk strides
+// A_CHUNK, B_CHUNK bytes), N = B's rows; the first k16 step overwrites acc.  Not fenced or committed.
+template <int N, int DT, int D, int A_CHUNK, int B_CHUNK>
+MK_DEVICE void mk_attn_gemm_kmajor(float (&acc)[N / 2], mk_u32 a, mk_u32 b) {
+#pragma unroll
+  for (int c = 0; c < D / 64; ++c) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      MkWgmma<N, DT, 0>::mma(acc, mk_wgmma_desc_kmajor(a + c * A_CHUNK, kk), mk_wgmma_desc_kmajor(b + c * B_CHUNK, kk),
+                             (c | kk) != 0);
+  }
+}
+
 // ---- wgmma m64nNk16 with A from registers ------------------------------------------------------------
 // D(64xN, fp32) += A(64x16, 4 registers of two 16-bit values per thread) * B(16xN, smem descriptor, MN-major:
 // trans-b = 1).  A's fragment: thread (warp w, lane l) holds rows 16w + l/4 (+8) and columns 2(l%4) (+1)
@@ -121,3 +134,36 @@ MK_DEVICE float mk_attn_quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+
+// ---- wgmma m64n64k16 with both operands MN-major in shared memory ----------------------------------
+// D(64x64, fp32) (+)= A(64x16) * B(16x64), A stored M-major (tnspA = 1: rows of the tile are the K index,
+// 64 M elements of 128 bytes each, the V-tile layout above) and B N-major.  scale_d = 0: D = A*B.  Used by
+// the backward's dQ = dS K with dS^T staged as [key][query] (docs/attention_bwd.md, "wgmma kernel").
+#define MK_ATTN_WGMMA_SS_TT(TY)                                                                              \
+  MK_DEVICE void mk_attn_wgmma_ss_tt_m64n64k16_##TY(float (&d)[32], mk_u64 da, mk_u64 db, int scale_d) {     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                              \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." #TY "." #TY                                   \
+                 " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "    \
+                 "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n" \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                        \
+                 : "l"(da), "l"(db), "r"(scale_d));                                                          \
+  }
+MK_ATTN_WGMMA_SS_TT(bf16)
+MK_ATTN_WGMMA_SS_TT(f16)
+#undef MK_ATTN_WGMMA_SS_TT
+
+template <int DT> struct MkAttnWgmmaSsTT;
+template <> struct MkAttnWgmmaSsTT<MK_DTYPE_BF16> {
+  static MK_DEVICE void mma(float (&d)[32], mk_u64 da, mk_u64 db, int scale_d) {
+    mk_attn_wgmma_ss_tt_m64n64k16_bf16(d, da, db, scale_d);
+  }
+};
+template <> struct MkAttnWgmmaSsTT<MK_DTYPE_F16> {
+  static MK_DEVICE void mma(float (&d)[32], mk_u64 da, mk_u64 db, int scale_d) {
+    mk_attn_wgmma_ss_tt_m64n64k16_f16(d, da, db, scale_d);
+  }
+};

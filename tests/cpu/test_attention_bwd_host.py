@@ -16,6 +16,7 @@ from mkernel.core import compiler as CP
 from mkernel.core.arrays import DeviceArray
 from mkernel.ops import base as BASE
 from mkernel.ops.attention_bwd import AttentionBwdOptions, BwdArgs, attention_backward
+from mkernel.core import tensormap as TM
 from mkernel.ops.attention_bwd import kernels as K, op as OP
 
 ARCH = "sm_90a"
@@ -24,13 +25,17 @@ KERNELS = ("mk_attn_bwd_pre", "mk_attn_bwd_main", "mk_attn_bwd_dq", "mk_attn_bwd
 
 
 def _with_expectations(d: dict) -> dict:
+    if d.get("MKATT_WGMMA"):
+        return {**d, "MKATT_EXPECT_WGMMA_SMEM": K.wgmma_smem(d["MKATT_D"])}
     return {**d, "MKATT_EXPECT_MAIN_SMEM": K.main_smem(d["MKATT_D"], d["MKATT_BR"]),
             "MKATT_EXPECT_DQ_SMEM": K.dq_smem(d["MKATT_D"])}
 
 
 def test_all_combinations_registered():
-    got = {(d["MKATT_DTYPE"], d["MKATT_D"], d["MKATT_BR"]) for _, d in SPECS}
+    got = {(d["MKATT_DTYPE"], d["MKATT_D"], d["MKATT_BR"]) for _, d in SPECS if not d.get("MKATT_WGMMA")}
     assert got == {(c, dd, br) for c in K.DTYPES.values() for dd in K.HEAD_DIMS for br in K.BLOCK_Q}
+    got = {(d["MKATT_DTYPE"], d["MKATT_D"]) for _, d in SPECS if d.get("MKATT_WGMMA")}
+    assert got == {(c, dd) for c in K.DTYPES.values() for dd in K.HEAD_DIMS}
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +45,17 @@ def compile_cache(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
+    f"wgmma-dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}" if d.get("MKATT_WGMMA") else
     f"dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}-br{d['MKATT_BR']}" for _, d in SPECS])
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
     mod = CP.compile_module(source, _with_expectations(defines), arch=ARCH)
     usage = mod.resource_usage
     threads = {"mk_attn_bwd_pre": 256, "mk_attn_bwd_convert": 256, "mk_attn_bwd_main": 32 * K.WARPS,
-               "mk_attn_bwd_dq": 32 * K.DQ_WARPS}
-    for name in KERNELS:
+               "mk_attn_bwd_dq": 32 * K.DQ_WARPS, K.WGMMA_KERNEL: K.WGMMA_THREADS}
+    names = (K.WGMMA_KERNEL,) if defines.get("MKATT_WGMMA") else KERNELS
+    assert set(usage) == set(names), f"kernels of the specialization: {sorted(usage)}"
+    for name in names:
         assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
         u = usage[name]
         assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, f"{name} spills: {u}"
@@ -59,7 +67,7 @@ def test_compiles_clean(source, defines, compile_cache, monkeypatch):
 
 def test_smem_budget():
     for d in K.HEAD_DIMS:
-        assert K.dq_smem(d) <= 227 * 1024
+        assert K.dq_smem(d) <= 227 * 1024 and K.wgmma_smem(d) <= 227 * 1024
         for br in K.BLOCK_Q:
             assert K.main_smem(d, br) <= 227 * 1024
 
@@ -74,6 +82,7 @@ def test_args_struct_layout():
 
 
 PREPARED: list = []  # kernel names of every prepared launch (one set per bound call)
+MAPS: list = []  # every encoded tensor map
 
 
 class FakeLaunch:
@@ -81,7 +90,7 @@ class FakeLaunch:
         self.log, self.name, self.grid, self.block, self.args, self.smem = log, name, grid, block, args, smem
 
     def submit(self):
-        a = self.args[0]
+        a = self.args[-1]  # (the wgmma kernel's tensor maps come first)
         self.log.append((self.name, self.grid, self.block, self.smem, a.q, a.dq, a.dq_acc))
 
 
@@ -103,6 +112,11 @@ def fake(monkeypatch):
     monkeypatch.setattr(OP, "require_gemm_device", lambda what, device: None)
     monkeypatch.setattr(OP, "current_context", lambda: 1)
     monkeypatch.setattr(BASE, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(TM, "encode_tiled", lambda ptr, dtype, dims, strides, box, **kw: (
+        MAPS.append(dict(ptr=ptr, dims=tuple(dims), strides=tuple(strides), box=tuple(box)))
+        or int(ptr).to_bytes(8, "little") + bytes(120)))
+    monkeypatch.setattr(TM, "_codec", False)
+    MAPS.clear()
     monkeypatch.setattr(DeviceArray, "empty",
                         staticmethod(lambda shape, dtype, device=None: DeviceArray(next(ptrs), shape, dtype, None, 0)))
     BASE._device_states.clear()
@@ -164,6 +178,45 @@ def test_key_reuse_and_repoint(fake):
     assert PREPARED.count("mk_attn_bwd_main") == 1  # one layout: bound once, re-pointed
     main = [e for e in log if e[0] == "mk_attn_bwd_main"]
     assert main[1][4] == q2.ptr and main[1][5] == dq.ptr
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_wgmma_launches_maps_and_repoint(fake, layout):
+    log, ptrs = fake
+    opts = AttentionBwdOptions(kernel="wgmma")
+    q, k, v, o, lse, do = _arrays(ptrs, Sq=77, Sk=300, Hq=8, Hkv=2, D=128, layout=layout)
+    dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=True, layout=layout, options=opts)
+    assert [n for n, *_ in log] == ["mk_attn_bwd_pre", K.WGMMA_KERNEL, "mk_attn_bwd_convert"]
+    _, grid, block, smem, qp, dqp, acc = log[1]
+    assert grid == (3, 2, 2) and block == K.WGMMA_THREADS and smem == K.wgmma_smem(128) and acc
+    assert [(m["ptr"], m["box"]) for m in MAPS] == [(q.ptr, (64, 64, 1, 1)), (do.ptr, (64, 64, 1, 1)),
+                                                    (k.ptr, (64, 128, 1, 1)), (v.ptr, (64, 128, 1, 1))]
+    # dims {D, S, H, B}, byte strides of S, H, B in the layout
+    sq = (8 * 128, 128, 77 * 8 * 128) if layout == "bshd" else (128, 77 * 128, 8 * 77 * 128)
+    assert MAPS[0]["dims"] == (128, 77, 8, 2) and MAPS[0]["strides"] == tuple(2 * x for x in sq)
+    assert MAPS[2]["dims"] == (128, 300, 2, 2)
+    plan = OP.last_plan(0)
+    assert plan.block_q == K.WGMMA_BLOCK_Q and not plan.deterministic
+    # same layout: bound once, the maps re-pointed at the new arrays
+    q2, k2, v2, o2, lse2, do2 = _arrays(ptrs, Sq=77, Sk=300, Hq=8, Hkv=2, D=128, layout=layout)
+    attention_backward(q2, k2, v2, o2, lse2, do2, causal=True, layout=layout, options=opts)
+    assert PREPARED.count(K.WGMMA_KERNEL) == 1 and len(MAPS) == 8  # (no codec: re-encoded at the new address)
+    assert [m["ptr"] for m in MAPS[4:]] == [q2.ptr, k2.ptr, v2.ptr, do2.ptr]
+    assert log[-2][4] == q2.ptr
+
+
+def test_wgmma_deterministic_and_options(fake):
+    log, ptrs = fake
+    q, k, v, o, lse, do = _arrays(ptrs, D=64)
+    attention_backward(q, k, v, o, lse, do, deterministic=True, options=AttentionBwdOptions(kernel="wgmma"))
+    assert [n for n, *_ in log] == ["mk_attn_bwd_pre", K.WGMMA_KERNEL, "mk_attn_bwd_dq"]
+    assert log[1][6] is None  # no accumulator: the wgmma kernel skips dQ
+    plan = OP.last_plan(0)
+    assert plan.deterministic and plan.grid == (1, 2, 2)
+    with pytest.raises(ValueError, match="kernel"):
+        AttentionBwdOptions(kernel="tma").checked()
+    with pytest.raises(ValueError, match="block_q"):
+        AttentionBwdOptions(kernel="wgmma", block_q=32).checked()
 
 
 def test_empty_sequences(fake):

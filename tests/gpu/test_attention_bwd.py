@@ -4,7 +4,8 @@ The forward (O and LSE) is computed here in float64 and fed rounded to the dtype
 so these tests do not depend on the forward kernel.  Fresh random data per test (seed printed), outputs
 NaN-poisoned beforehand, sequence lengths that are not multiples of the tiles (1, 77, 1000, 2049), head dim
 64 / 128, GQA group sizes 1 / 4 / 8, causal with S_q == S_k and S_q != S_k (bottom-right aligned, incl.
-fully masked rows), both layouts, the deterministic mode (bit-identical over 20 runs), CUDA-graph replay.
+fully masked rows), both layouts, the deterministic mode (bit-identical over 20 runs), CUDA-graph replay;
+the correctness cases for both main kernels (AttentionBwdOptions.kernel "mma" and "wgmma").
 
 Tolerance: relative Frobenius error of each gradient <= 2e-2 (bf16) / 4e-3 (fp16), and the largest
 elementwise error <= 8x that times the largest |reference| element.  P and dS are rounded to the dtype
@@ -139,16 +140,29 @@ CASES = [  # dtype, D, B, Sq, Sk, Hq, Hkv, causal, layout, block_q
 ]
 
 
+KERNELS = ("mma", "wgmma")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", CASES, ids=[
     f"{c[0][:4]}-d{c[1]}-b{c[2]}-q{c[3]}-k{c[4]}-h{c[5]}x{c[6]}-{'causal' if c[7] else 'full'}-{c[8]}"
     f"{'-bq%d' % c[9] if c[9] else ''}" for c in CASES])
-def test_gradients(rng, case):
+def test_gradients(rng, case, kernel):
     dtype, D, B, Sq, Sk, Hq, Hkv, causal, layout, bq = case
     p = Problem(rng, dtype, D, B, Sq, Sk, Hq, Hkv, causal, layout)
     for det in (False, True):
-        outs = p.run(options=AttentionBwdOptions(deterministic=det, block_q=bq))
-        p.check(outs, f"deterministic={det}")
+        outs = p.run(options=AttentionBwdOptions(deterministic=det, block_q=bq if kernel == "mma" else None,
+                                                 kernel=kernel))
+        p.check(outs, f"kernel={kernel} deterministic={det}")
         assert last_plan().deterministic is det
+        assert (K.WGMMA_KERNEL in last_plan().kernels) is (kernel == "wgmma" and Sk > 0)
+
+
+def test_wgmma_new_arrays_same_layout(rng):
+    """A second call of the same layout re-points the bound tensor maps at the new arrays."""
+    for rep in range(2):
+        p = Problem(rng, "bfloat16", 128, 2, 300, 517, 8, 2, True, "bshd")
+        p.check(p.run(options=AttentionBwdOptions(kernel="wgmma")), f"wgmma call {rep}")
 
 
 def test_softmax_scale_and_allocated_outputs(rng):
@@ -160,7 +174,8 @@ def test_softmax_scale_and_allocated_outputs(rng):
     p.check({"dq": dq, "dk": dk, "dv": dv}, "allocated outputs")
 
 
-def test_strided_views(rng):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_strided_views(rng, kernel):
     """Inputs and outputs as views into larger buffers (padded heads): strides pass through, nothing is
     written outside the views."""
     B, S, H, D = 1, 333, 4, 64
@@ -171,8 +186,15 @@ def test_strided_views(rng):
         bufs[n] = full
         views[n] = DeviceArray(full.ptr, shape, "bfloat16", full.strides, full.device, full)
     d = p.dev
-    attention_backward(d["q"], d["k"], d["v"], d["out"], d["lse"], d["do"], views["dq"], views["dk"], views["dv"])
-    p.check(views, "strided outputs")
+    ins = {}
+    for n in ("q", "k", "v", "out", "do"):  # inputs as views too (TMA reads them with their strides)
+        full_h = np.full((B, S, H + 2, D), np.nan)  # heads 0 and H + 1: NaN padding a wrong stride would read
+        full_h[:, :, 1:H + 1] = download(d[n])
+        full, _ = upload(full_h, "bfloat16")
+        ins[n] = DeviceArray(full.ptr + D * 2, d[n].shape, "bfloat16", full.strides, full.device, full)
+    attention_backward(ins["q"], ins["k"], ins["v"], ins["out"], d["lse"], ins["do"], views["dq"], views["dk"],
+                       views["dv"], options=AttentionBwdOptions(kernel=kernel))
+    p.check(views, f"strided outputs, kernel={kernel}")
     for n in bufs:
         h = download(bufs[n])
         assert np.isnan(h[:, :, H:]).all(), f"{n}: written outside its view"
@@ -191,7 +213,8 @@ def test_deterministic_bit_identical(rng):
             assert np.array_equal(host[n], first[n]), f"deterministic {n} differs on run {rep}"
 
 
-def test_graph_replay(rng):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_graph_replay(rng, kernel):
     """Both modes captured into a CUDA graph, replayed with new data each time."""
     from cuda.bindings import driver as cu
 
@@ -200,12 +223,13 @@ def test_graph_replay(rng):
     for det in (False, True):
         p = Problem(rng, "float16", 64, 2, 200, 333, 4, 1, True, "bhsd")
         stream = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
-        outs = p.run(stream=int(stream), deterministic=det)  # bind outside the capture
+        opts = AttentionBwdOptions(deterministic=det, kernel=kernel)
+        outs = p.run(stream=int(stream), options=opts)  # bind outside the capture
         ok(cu.cuStreamSynchronize(stream))
         ok(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
         d = p.dev
         attention_backward(d["q"], d["k"], d["v"], d["out"], d["lse"], d["do"], outs["dq"], outs["dk"],
-                           outs["dv"], causal=True, layout="bhsd", deterministic=det, stream=int(stream))
+                           outs["dv"], causal=True, layout="bhsd", options=opts, stream=int(stream))
         graph = ok(cu.cuStreamEndCapture(stream))
         gexec = ok(cu.cuGraphInstantiate(graph, 0))
         for rep in range(3):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ...core.compiler import kernel, register_specialization
 
 __all__ = ["SOURCE", "DTYPES", "HEAD_DIMS", "BLOCK_Q", "DEFAULT_BLOCK_Q", "WARPS", "DQ_WARPS", "DQ_BLOCK_K",
-           "defines", "specializations", "main_smem", "dq_smem", "get"]
+           "KERNELS", "WGMMA_KERNEL", "WGMMA_BLOCK_KV", "WGMMA_BLOCK_Q", "WGMMA_THREADS", "WGMMA_STAGES",
+           "defines", "wgmma_defines", "specializations", "main_smem", "dq_smem", "wgmma_smem", "get"]
 
 SOURCE = "ops/attention_bwd.cu"
 DTYPES = {"bfloat16": 0, "float16": 1}  # MKATT_DTYPE (mk_common.cuh dtype codes)
@@ -16,6 +17,12 @@ WARPS = 8  # main kernel: KV rows per block = 16 x WARPS
 DQ_WARPS = 4  # deterministic dQ kernel: query rows per block = 16 x DQ_WARPS
 DQ_BLOCK_K = 64  # deterministic dQ kernel: KV rows per step
 ROW_KERNEL_ROWS = 8  # mk_attn_bwd_pre / mk_attn_bwd_convert: one warp per row, 256 threads
+KERNELS = ("mma", "wgmma")  # main kernel choices (AttentionBwdOptions.kernel)
+WGMMA_KERNEL = "mk_attn_bwd_wgmma"  # the TMA + wgmma main kernel (its own specialization: MKATT_WGMMA=1)
+WGMMA_BLOCK_KV = 128  # KV rows per block (64 per consumer warpgroup)
+WGMMA_BLOCK_Q = 64  # query rows per step
+WGMMA_THREADS = 384  # a producer and two consumer warpgroups
+WGMMA_STAGES = 3  # Q / dO / lse / Dsum ring slots
 
 
 def defines(dtype: str, d: int, block_q: int) -> dict:
@@ -23,9 +30,15 @@ def defines(dtype: str, d: int, block_q: int) -> dict:
                 MKATT_DQ_WARPS=DQ_WARPS, MKATT_DQ_BK=DQ_BLOCK_K)
 
 
+def wgmma_defines(dtype: str, d: int) -> dict:
+    """The specialization holding only ``mk_attn_bwd_wgmma``."""
+    return dict(MKATT_DTYPE=DTYPES[dtype], MKATT_D=d, MKATT_WGMMA=1)
+
+
 def specializations() -> list[dict]:
-    """Every (dtype, head dim, block_q) the op can launch."""
-    return [defines(t, d, br) for t in DTYPES for d in HEAD_DIMS for br in BLOCK_Q]
+    """Every (dtype, head dim, block_q) of the mma kernels and every (dtype, head dim) of the wgmma kernel."""
+    return ([defines(t, d, br) for t in DTYPES for d in HEAD_DIMS for br in BLOCK_Q]
+            + [wgmma_defines(t, d) for t in DTYPES for d in HEAD_DIMS])
 
 
 for _d in specializations():
@@ -45,6 +58,17 @@ def dq_smem(d: int) -> int:
     return 2 * (2 * 16 * DQ_WARPS * ld + 4 * DQ_BLOCK_K * ld)
 
 
+def wgmma_smem(d: int) -> int:
+    """Bytes of the wgmma kernel's dynamic shared memory (MKW_SMEM_BYTES): 1024 alignment slack, K, V
+    (128 rows), the Q and dO ring (64 rows a slot), two dS^T buffers (128 x 64), the lse / Dsum ring, 128
+    bytes of barriers."""
+    return (1024 + 2 * WGMMA_BLOCK_KV * d * 2 + 2 * WGMMA_STAGES * WGMMA_BLOCK_Q * d * 2
+            + 2 * WGMMA_BLOCK_KV * WGMMA_BLOCK_Q * 2 + 2 * WGMMA_STAGES * WGMMA_BLOCK_Q * 4 + 128)
+
+
 def get(dtype: str, d: int, block_q: int, name: str):
-    """The compiled (or cached) kernel ``name`` of that specialization."""
+    """The compiled (or cached) kernel ``name``: ``mk_attn_bwd_wgmma`` from its own specialization (block_q
+    unused), the others from the (dtype, d, block_q) one."""
+    if name == WGMMA_KERNEL:
+        return kernel(SOURCE, wgmma_defines(dtype, d), name)
     return kernel(SOURCE, defines(dtype, d, block_q), name)

@@ -16,6 +16,7 @@ and binds; later calls re-point the bound launches at the new arrays.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 
 from cuda.bindings import driver as cu
@@ -24,6 +25,7 @@ from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.device import on_device
 from ...core.interop import as_device_array
+from ...core.tensormap import TensorMapArg
 from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once, device_state
 from . import kernels as K
 from .options import AttentionBwdOptions
@@ -95,13 +97,47 @@ def current_context() -> int:
     return int(cu.cuCtxGetCurrent()[1])
 
 
+class _TmaMaps:
+    """The wgmma kernel's tensor maps {D, S, H, B} (boxes {64, rows, 1, 1}, 128B-swizzled): q and dout with
+    64-row boxes, k and v with 128-row boxes; re-pointed at every call's arrays.  S_q = 0 (nothing is
+    read): the q and dout maps cover k (a valid, non-null address)."""
+
+    def __init__(self, c):
+        self._noq = c.dims[1] == 0
+        self.q, self.do = (_tma_map(c.k if self._noq else x, c.layout, K.WGMMA_BLOCK_Q, like=x) for x in (c.q, c.do))
+        self.k, self.v = (_tma_map(x, c.layout, K.WGMMA_BLOCK_KV) for x in (c.k, c.v))
+
+    def bufs(self) -> list:
+        return [self.q.buf, self.k.buf, self.v.buf, self.do.buf]  # the kernel's parameter order
+
+    def point(self, call) -> None:
+        self.q.point(call.k.ptr if self._noq else call.q.ptr)
+        self.k.point(call.k.ptr)
+        self.v.point(call.v.ptr)
+        self.do.point(call.k.ptr if self._noq else call.do.ptr)
+
+
+def _tma_map(base: DeviceArray, layout: str, rows: int, like: DeviceArray | None = None) -> TensorMapArg:
+    """4-D map at ``base``'s address with the shape and strides of ``like`` (default ``base``) in its real
+    layout (extents of 1 get a placeholder stride TMA never steps; S = 0 maps one row, never read)."""
+    x = base if like is None else like
+    b, s, h, d = _dims(x, layout)
+    sb, ss, sh = _strides(x, layout)
+    it = x.dtype.itemsize
+    strides = [st * it if n > 1 else d * it for n, st in ((s, ss), (h, sh), (b, sb))]
+    return TensorMapArg(base.ptr, x.dtype.name, (d, max(s, 1), h, b), strides, (64, rows, 1, 1), swizzle=128)
+
+
 class _Bound(BoundCall):
-    def __init__(self, plan, launches, args: BwdArgs, buffers, ctx: int, device: int):
+    def __init__(self, plan, launches, args: BwdArgs, buffers, ctx: int, device: int, maps=None):
         self.plan, self._launches, self._args = plan, launches, args
         self.buffers = tuple(buffers)
         self._ctx, self._device = ctx, device
+        self._maps = maps
 
     def run(self, stream, call) -> None:
+        if self._maps is not None:
+            self._maps.point(call)
         a = self._args
         a.q, a.k, a.v, a.o, a.dout, a.lse = call.q.ptr, call.k.ptr, call.v.ptr, call.o.ptr, call.do.ptr, call.lse.ptr
         a.dq, a.dk, a.dv = call.dq.ptr, call.dk.ptr, call.dv.ptr
@@ -129,7 +165,7 @@ class _AttnBwd(Op):
         elif not isinstance(options, AttentionBwdOptions):
             raise TypeError(f"{w}: options must be an AttentionBwdOptions, got {type(options).__name__}")
         elif deterministic and not options.deterministic:
-            options = AttentionBwdOptions(deterministic=True, block_q=options.block_q)
+            options = dataclasses.replace(options, deterministic=True)
         c = _Call()
         c.stream, c.layout, c.causal, c.options = s, layout, bool(causal), options
         arrs = []
@@ -216,11 +252,14 @@ class _AttnBwd(Op):
         require_gemm_device(w, c.q.device)
 
     def _block_q(self, c) -> int:
+        """The mma kernels' specialization (the row kernels and the deterministic dQ kernel come from it for
+        both main kernels)."""
         return c.options.block_q or K.DEFAULT_BLOCK_Q[c.dims[5]]
 
     def compile(self, ctx, c):
+        main = K.WGMMA_KERNEL if c.options.kernel == "wgmma" else "mk_attn_bwd_main"
         with on_device(c.q.device):
-            for name in ("mk_attn_bwd_pre", "mk_attn_bwd_main", "mk_attn_bwd_dq", "mk_attn_bwd_convert"):
+            for name in ("mk_attn_bwd_pre", main, "mk_attn_bwd_dq", "mk_attn_bwd_convert"):
                 K.get(c.q.dtype.name, c.dims[5], self._block_q(c), name)
 
     def describe_call(self, c):
@@ -232,12 +271,14 @@ class _AttnBwd(Op):
         B, Sq, Sk, Hq, Hkv, D = c.dims
         det = c.options.deterministic
         bq = self._block_q(c)
+        wg = c.options.kernel == "wgmma"
         names = ["mk_attn_bwd_pre"] if B * Hq * Sq else []
         if Sk:
-            names.append("mk_attn_bwd_main")
+            names.append(K.WGMMA_KERNEL if wg else "mk_attn_bwd_main")
         if B * Hq * Sq:
             names.append("mk_attn_bwd_dq" if det else "mk_attn_bwd_convert")
-        return AttentionBwdPlan(tuple(names), (-(-Sk // (16 * K.WARPS)), Hkv, B), bq, det)
+        rows = K.WGMMA_BLOCK_KV if wg else 16 * K.WARPS
+        return AttentionBwdPlan(tuple(names), (-(-Sk // rows), Hkv, B), K.WGMMA_BLOCK_Q if wg else bq, det)
 
     def bind(self, ctx, c, plan):
         B, Sq, Sk, Hq, Hkv, D = c.dims
@@ -260,19 +301,24 @@ class _AttnBwd(Op):
                 acc = DeviceArray.empty((rows * D,), "float32", device=dev)
                 buffers.append(acc)
                 a.dq_acc = acc.ptr
-            launches = []
+            launches, maps = [], None
             row_grid = -(-rows // K.ROW_KERNEL_ROWS)
+            bq = self._block_q(c)
             for name in plan.kernels:
-                kern = K.get(dt, D, plan.block_q, name)
+                kern = K.get(dt, D, bq, name)
                 if name in ("mk_attn_bwd_pre", "mk_attn_bwd_convert"):
                     launches.append(kern.prepare(row_grid, 32 * K.ROW_KERNEL_ROWS, [a], stream=c.stream))
                 elif name == "mk_attn_bwd_main":
                     launches.append(kern.prepare(plan.grid, 32 * K.WARPS, [a], stream=c.stream,
                                                  smem=K.main_smem(D, plan.block_q)))
+                elif name == K.WGMMA_KERNEL:
+                    maps = _TmaMaps(c)
+                    launches.append(kern.prepare(plan.grid, K.WGMMA_THREADS, [*maps.bufs(), a], stream=c.stream,
+                                                 smem=K.wgmma_smem(D)))
                 else:
                     grid = (-(-Sq // (16 * K.DQ_WARPS)), Hq, B)
                     launches.append(kern.prepare(grid, 32 * K.DQ_WARPS, [a], stream=c.stream, smem=K.dq_smem(D)))
-            return _Bound(plan, launches, a, buffers, int(hctx), dev)
+            return _Bound(plan, launches, a, buffers, int(hctx), dev, maps)
 
 
 _OP = _AttnBwd()
