@@ -29,9 +29,11 @@ def _with_expectations(defines: dict) -> dict:
 
 
 def test_all_specializations_registered():
-    got = {(d["MK_ATTN_DT"], d["MK_ATTN_D"], d["MK_ATTN_CAUSAL"]) for _, d in SPECS}
-    want = {(AK.DTYPE_CODES[t], hd, c) for t in AK.DTYPES for hd in AK.HEAD_DIMS for c in (0, 1)}
-    assert got == want and len(SPECS) == 8
+    got = {(d["MK_ATTN_DT"], d["MK_ATTN_D"], d["MK_ATTN_CAUSAL"], d.get("MK_ATTN_MERGE", 0)) for _, d in SPECS}
+    want = {(AK.DTYPE_CODES[t], hd, c, m) for t in AK.DTYPES for hd in AK.HEAD_DIMS for c in (0, 1) for m in (0, 1)}
+    assert got == want and len(SPECS) == 16
+    # the default forward's defines carry no merge flag (its cubins and cache keys are unchanged)
+    assert "MK_ATTN_MERGE" not in AK.defines("bfloat16", 128, False)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,8 @@ def compile_cache(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
-    f"dt{d['MK_ATTN_DT']}-d{d['MK_ATTN_D']}-causal{d['MK_ATTN_CAUSAL']}" for _, d in SPECS])
+    f"dt{d['MK_ATTN_DT']}-d{d['MK_ATTN_D']}-causal{d['MK_ATTN_CAUSAL']}-merge{d.get('MK_ATTN_MERGE', 0)}"
+    for _, d in SPECS])
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
     mod = CP.compile_module(source, _with_expectations(defines), arch=ARCH)
