@@ -23,7 +23,7 @@ from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once, dev
 from . import kernels as K
 from .options import AttentionOptions
 
-__all__ = ["attention", "last_plan", "AttentionPlan", "LAYOUTS", "check_arrays", "prepare_arrays"]
+__all__ = ["attention", "last_plan", "AttentionPlan", "LAYOUTS", "check_arrays", "check_layout", "prepare_arrays"]
 
 LAYOUTS = ("bshd", "bhsd")
 _MAX_GRID_YZ = 65535  # gridDim.y (query heads) and gridDim.z (batch)
@@ -58,8 +58,7 @@ class _Attention(Op):
 
     def __call__(self, q, k, v, out, lse, causal, softmax_scale, layout, stream, options):
         w = self.what
-        if layout not in LAYOUTS:
-            raise ValueError(f"{w}: layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]), got {layout!r}")
+        check_layout(w, layout)
         if options is None:
             options = _DEFAULT
         elif not isinstance(options, AttentionOptions):
@@ -133,6 +132,12 @@ class _AttentionBound(BoundCall):
                 self._launch()
         else:
             self._launch()
+
+
+def check_layout(w: str, layout: str) -> None:
+    """ValueError unless ``layout`` is one of :data:`LAYOUTS`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"{w}: layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]), got {layout!r}")
 
 
 def prepare_arrays(w: str, q, k, v, out, lse, softmax_scale, layout: str, s: int) -> tuple:

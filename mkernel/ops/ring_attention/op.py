@@ -21,7 +21,7 @@ from ...core.driver import check
 from ...core.streams import Events, copy_async
 from ...dist.signals import OPS, workspace_control
 from ..attention import kernels as AK
-from ..attention.op import LAYOUTS, check_arrays, prepare_arrays
+from ..attention.op import check_arrays, check_layout, prepare_arrays
 from ..base import BoundCall, Op, as_stream, checked_once
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan
@@ -68,12 +68,10 @@ class _RingAttention(Op):
 
     def __call__(self, ctx, q, k, v, out, lse, causal, softmax_scale, layout, stream, options):
         ctx.check()
-        if layout not in LAYOUTS:
-            raise ValueError(f"{WHAT}: layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]), got {layout!r}")
-        if options is None:
-            options = _DEFAULT
-        elif not isinstance(options, RingAttentionOptions):
+        options = _DEFAULT if options is None else options
+        if not isinstance(options, RingAttentionOptions):
             raise TypeError(f"{WHAT}: options must be a RingAttentionOptions, got {type(options).__name__}")
+        check_layout(WHAT, layout)
         s = as_stream(stream)
         Q, Kx, V, O, L, dims, scale = prepare_arrays(WHAT, q, k, v, out, lse, softmax_scale, layout, s)
         call = _Call()

@@ -4,13 +4,12 @@ Host index math (:func:`mkernel.ops.ring_attention.plan.zigzag_indices`) and str
 from __future__ import annotations
 
 import numpy as np
-from cuda.bindings import driver as cu
 
 from ...core.arrays import DeviceArray
 from ...core.device import on_device
-from ...core.driver import check
 from ...core.interop import as_device_array
 from ..base import as_stream
+from ..gemm_comm import copy_2d
 from .plan import zigzag_chunks, zigzag_indices
 
 __all__ = ["zigzag_shard", "zigzag_unshard"]
@@ -39,17 +38,6 @@ def _geometry(shape, seq_dim: int, P: int, what: str) -> tuple[int, int, int, in
     return d, int(np.prod(shape[:d], dtype=np.int64)), S, S // (2 * P)
 
 
-def _copy_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream) -> None:
-    """``height`` rows of ``width`` bytes, strided, device to device (one cuMemcpy2DAsync)."""
-    if width == 0 or height == 0:
-        return
-    p = cu.CUDA_MEMCPY2D()
-    p.srcMemoryType = p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
-    p.srcDevice, p.srcPitch, p.dstDevice, p.dstPitch = src, src_pitch, dst, dst_pitch
-    p.WidthInBytes, p.Height = width, height
-    check(cu.cuMemcpy2DAsync(p, cu.CUstream(stream)))
-
-
 def _device_move(x: DeviceArray, d: int, outer: int, S: int, c: int, pieces, out_len: int, stream) -> DeviceArray:
     """Copy chunk pieces ``(src chunk, dst chunk)`` along dim d of the C-contiguous ``x`` into a new array whose
     dim d has ``out_len`` rows."""
@@ -61,7 +49,7 @@ def _device_move(x: DeviceArray, d: int, outer: int, S: int, c: int, pieces, out
     row = int(np.prod(x.shape[d + 1:], dtype=np.int64)) * x.dtype.itemsize  # bytes of one sequence position
     with on_device(x.device):
         for src_chunk, dst_chunk in pieces:
-            _copy_rows(out.ptr + dst_chunk * c * row, out_len * row, x.ptr + src_chunk * c * row, S * row,
+            copy_2d(out.ptr + dst_chunk * c * row, out_len * row, x.ptr + src_chunk * c * row, S * row,
                        c * row, outer, stream)
     return out
 
