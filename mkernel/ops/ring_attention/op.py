@@ -19,7 +19,7 @@ from ...core.compiler import kernel as compiled_kernel, register_specialization
 from ...core.device import on_device
 from ...core.driver import check
 from ...core.streams import Events, copy_async
-from ...dist.signals import OPS, workspace_control
+from ...dist.signals import workspace_control
 from ..attention import kernels as AK
 from ..attention.op import check_arrays, check_layout, prepare_arrays
 from ..base import BoundCall, Op, as_stream, checked_once
