@@ -2,9 +2,17 @@
 // row log-sum-exp, for one (query block, head, batch) per block (docs/attention.md).
 //
 // Specialization: MK_ATTN_DT (MK_DTYPE_BF16 | MK_DTYPE_F16: q, k, v and out), MK_ATTN_D (64 | 128: head dim),
-// MK_ATTN_CAUSAL (0 | 1).  Layout ([B, S, H, D] or [B, H, S, D]) and strides live in the tensor maps.
+// MK_ATTN_CAUSAL (0 | 1), MK_ATTN_MERGE (0 | 1: the epilogue merges into a running fp32 result, below).
+// Layout ([B, S, H, D] or [B, H, S, D]) and strides live in the tensor maps.
 // Schedule (AttentionOptions.schedule; default: the values below): MK_ATTN_PINGPONG (0 | 1), MK_ATTN_WGS
 // (consumer warpgroups, 2 | 3), MK_ATTN_BN (keys per tile), MK_ATTN_STAGES (K/V ring depth).
+//
+// MK_ATTN_MERGE (ring attention, docs/ring_attention.md "Merge"): the kernel takes a second argument,
+// MkAttnMergeArgs.  Instead of writing O and the LSE it combines its partial result with the running one
+// (acc: fp32 normalized O, lse: natural-log LSE) by the log-sum-exp rule, o = o1 e^(l1-l) + o2 e^(l2-l),
+// l = ln(e^l1 + e^l2), in fp32; rows in [final_lo, final_hi) instead store o in the dtype into out (their
+// last partial).  `first`: no running result yet (acc and lse are not read).  Default schedule only (ring
+// attention launches the default geometry; merge x ping-pong is neither registered nor compiled).
 //
 // Block: 1 + WGS warpgroups.  Warpgroup 0 is the producer (one thread issues TMA: the Q tile once, then K and V
 // tiles through a ring of STAGES slots, K and V on separate barriers so QK^T starts before V lands);
@@ -42,6 +50,9 @@
 #ifndef MK_ATTN_STAGES
 #define MK_ATTN_STAGES (MK_ATTN_D == 64 ? 4 : 2)  // K/V ring depth (what fits next to Q in 227 KiB)
 #endif
+#ifndef MK_ATTN_MERGE
+#define MK_ATTN_MERGE 0
+#endif
 
 constexpr int MK_D = MK_ATTN_D;
 constexpr int MK_WGS = MK_ATTN_WGS;            // consumer warpgroups
@@ -59,6 +70,7 @@ constexpr int MK_PRODUCER_REGS = 24;
 constexpr int MK_CONSUMER_REGS = MK_WGS == 2 ? 240 : 160;
 static_assert(MK_D == 64 || MK_D == 128, "head dim");
 static_assert(MK_WGS == 2 || MK_WGS == 3, "consumer warpgroups");
+static_assert(!(MK_ATTN_MERGE && MK_ATTN_PINGPONG), "the merge epilogue is the default schedule's only");
 static_assert(MK_BN % 16 == 0 && MK_BN <= 256 && (MK_BN * 128) % 1024 == 0, "key tile (TMA box, swizzle atoms)");
 static_assert(MK_SMEM_BYTES <= 227 * 1024, "shared memory");
 static_assert((1 + 4 * MK_STAGES) * 8 <= MK_BAR_BYTES, "barriers");
@@ -80,6 +92,19 @@ struct MkAttnFwdArgs {
   float scale_log2;  // softmax_scale * log2(e)
   int heavy_first;   // 1: blockIdx.x = 0 is the last query block
 };
+
+#if MK_ATTN_MERGE
+// Mirrored by mkernel/ops/attention/kernels.py:AttnMergeArgs (32 bytes).  Rows are the launch's query rows
+// q (0 .. s_q); the running result of row q is row `row0 + q` of acc ([B, H_q, s_acc, D] fp32 contiguous)
+// and of args.lse ([B, H_q, s_acc]).
+struct MkAttnMergeArgs {
+  float* acc;
+  int row0, s_acc;
+  int first;               // 1: no running result yet
+  int final_lo, final_hi;  // rows in [final_lo, final_hi) store o into args.out (dtype) instead of acc
+  int pad;
+};
+#endif
 
 struct MkAttnSmem {
   unsigned char* base;  // 1024-aligned
@@ -195,7 +220,11 @@ MK_DEVICE bool mk_attn_tile_masked(int n0, int m0, const MkAttnFwdArgs& args) {
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_attention_fwd(const __grid_constant__ MkTensorMap tmQ, const __grid_constant__ MkTensorMap tmK,
-                     const __grid_constant__ MkTensorMap tmV, const MkAttnFwdArgs args) {
+                     const __grid_constant__ MkTensorMap tmV, const MkAttnFwdArgs args
+#if MK_ATTN_MERGE
+                     , const MkAttnMergeArgs margs
+#endif
+                     ) {
   extern __shared__ unsigned char mk_smem_raw[];
   const MkAttnSmem sm{reinterpret_cast<unsigned char*>(((unsigned long long)mk_smem_raw + 1023) & ~1023ull)};
   const int num_m = (args.s_q + MK_BM - 1) / MK_BM;
@@ -314,6 +343,48 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     lse[e] = l > 0.f ? (r.m[e] + __log2f(l)) * 0.69314718055994531f : -MK_ATTN_INF;
   }
   MkElt* out = reinterpret_cast<MkElt*>(args.out) + (long long)b * args.out_sb + (long long)h * args.out_sh;
+#if MK_ATTN_MERGE
+  // running result: weights of the old (wa) and new (wn) partials, in log2 units (a -inf LSE weighs 0)
+  const long long bh_row = ((long long)b * args.h_q + h) * margs.s_acc + margs.row0;
+  // the running LSE is read by the quad's four lanes before its first lane overwrites it
+  float la[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    la[e] = (margs.first || row + 8 * e >= args.s_q) ? -MK_ATTN_INF
+                                                     : args.lse[bh_row + row + 8 * e] * 1.4426950408889634f;
+  __syncwarp();
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int q = row + 8 * e;
+    if (q >= args.s_q) continue;
+    const float ln = lse[e] * 1.4426950408889634f;
+    const float mx = fmaxf(la[e], ln);
+    float wa = 0.f, wn = 0.f, lnew = -MK_ATTN_INF;
+    if (mx != -MK_ATTN_INF) {
+      wa = mk_attn_exp2(la[e] - mx);
+      wn = mk_attn_exp2(ln - mx);
+      const float tot = wa + wn;
+      lnew = (mx + __log2f(tot)) * 0.69314718055994531f;
+      wa /= tot;
+      wn = wn / tot * inv[e];
+    }
+    float* arow = margs.acc + (bh_row + q) * MK_D;
+    const bool fin = q >= margs.final_lo && q < margs.final_hi;
+    MkElt* orow = out + (long long)q * args.out_ss;
+#pragma unroll
+    for (int j = 0; j < MK_D / 8; ++j) {
+      float2* ap = reinterpret_cast<float2*>(arow + 8 * j + c0);
+      float2 a = make_float2(0.f, 0.f);
+      if (!margs.first) a = *ap;
+      const float x = fmaf(a.x, wa, r.o[4 * j + 2 * e] * wn), y = fmaf(a.y, wa, r.o[4 * j + 2 * e + 1] * wn);
+      if (fin)
+        *reinterpret_cast<mk_u32*>(orow + 8 * j + c0) = mk_attn_pack2<MK_ATTN_DT>(x, y);
+      else
+        *ap = make_float2(x, y);
+    }
+    if ((tid & 3) == 0) args.lse[bh_row + q] = lnew;
+  }
+#else
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int q = row + 8 * e;
@@ -325,4 +396,5 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
           mk_attn_pack2<MK_ATTN_DT>(r.o[4 * j + 2 * e] * inv[e], r.o[4 * j + 2 * e + 1] * inv[e]);
     if ((tid & 3) == 0) args.lse[((long long)b * args.h_q + h) * args.s_q + q] = lse[e];
   }
+#endif
 }

@@ -26,6 +26,7 @@ OPS = {
     "moe_route": 13,
     "moe_dispatch": 14,
     "moe_combine": 15,
+    "ring_attention": 16,
     "proxy": 20,
     "internode_all_gather": 21,
     "internode_reduce_scatter": 22,

@@ -1,7 +1,8 @@
-"""mkernel.attention on the CPU: every registered attention_fwd.cu specialization (both schedules) compiles for
-sm_90a with no spills, no stack and no ptxas warnings, with the host's launch geometry (static_asserts); the argument
-checks raise before any launch; and the bound launch (tensor maps over both layouts, GQA group, strides,
-scale, grid, re-pointing) checked against fakes of the driver-facing pieces."""
+"""mkernel.attention on the CPU: every registered attention_fwd.cu specialization (both schedules, and the
+default schedule's ring-attention merge kernels) compiles for sm_90a with no spills, no stack and no ptxas
+warnings, with the host's launch geometry (static_asserts); the argument checks raise before any launch; and
+the bound launch (tensor maps over both layouts, GQA group, strides, scale, grid, re-pointing) checked
+against fakes of the driver-facing pieces."""
 from __future__ import annotations
 
 import contextlib
@@ -34,13 +35,19 @@ def _with_expectations(defines: dict) -> dict:
 
 
 def test_all_specializations_registered():
-    got = {(d["MK_ATTN_DT"], d["MK_ATTN_D"], d["MK_ATTN_CAUSAL"], _schedule(d)) for _, d in SPECS}
-    want = {(AK.DTYPE_CODES[t], hd, c, s) for t in AK.DTYPES for hd in AK.HEAD_DIMS for c in (0, 1)
-            for s in AK.SCHEDULES}
-    assert got == want and len(SPECS) == 16
-    # the default schedule is the kernel's built-in geometry: its defines are the three it always had
+    got = {(d["MK_ATTN_DT"], d["MK_ATTN_D"], d["MK_ATTN_CAUSAL"], _schedule(d), d.get("MK_ATTN_MERGE", 0))
+           for _, d in SPECS}
+    # every schedule's plain kernels; the merge kernels (ring attention) of the default schedule only
+    want = {(AK.DTYPE_CODES[t], hd, c, s, m) for t in AK.DTYPES for hd in AK.HEAD_DIMS for c in (0, 1)
+            for s in AK.SCHEDULES for m in ((0, 1) if s == "default" else (0,))}
+    assert got == want and len(SPECS) == 24
+    # the default schedule is the kernel's built-in geometry: its defines are the three it always had (the
+    # default forward's cubins and cache keys are unchanged), plus MK_ATTN_MERGE for the merge kernels
     for _, d in SPECS:
-        assert _schedule(d) == "pingpong" or set(d) == {"MK_ATTN_DT", "MK_ATTN_D", "MK_ATTN_CAUSAL"}
+        assert _schedule(d) == "pingpong" or set(d) - {"MK_ATTN_MERGE"} == {"MK_ATTN_DT", "MK_ATTN_D", "MK_ATTN_CAUSAL"}
+    assert "MK_ATTN_MERGE" not in AK.defines("bfloat16", 128, False)
+    with pytest.raises(ValueError, match="default schedule"):
+        AK.defines("bfloat16", 128, False, "pingpong", merge=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,8 @@ def compile_cache(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
-    f"dt{d['MK_ATTN_DT']}-d{d['MK_ATTN_D']}-causal{d['MK_ATTN_CAUSAL']}-{_schedule(d)}" for _, d in SPECS])
+    f"dt{d['MK_ATTN_DT']}-d{d['MK_ATTN_D']}-causal{d['MK_ATTN_CAUSAL']}-{_schedule(d)}"
+    f"{'-merge' if d.get('MK_ATTN_MERGE') else ''}" for _, d in SPECS])
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
     mod = CP.compile_module(source, _with_expectations(defines), arch=ARCH)

@@ -1,0 +1,287 @@
+"""Ring attention forward across the GPUs of a node, on the op pipeline (mkernel/ops/base.py).
+
+The sequence is sharded over the node's P ranks; each rank keeps its queries and attends, in P steps, to
+every rank's K/V block: step s reads the block of local rank ``(r - s) mod P``, pulled by the copy engines
+from that rank's workspace (its *home* copy of this call's k, v) into one of two receive buffers on the
+context's side stream while the tensor cores work on the previous block.  The attention kernel is
+``mkernel.attention``'s (cuda_src/ops/attention_fwd.cu) in its MK_ATTN_MERGE specialization: its epilogue
+merges each partial result into a running fp32 one by the log-sum-exp rule and writes ``out`` (the dtype)
+on a row's last step.  Causal attention needs zigzag sharding (:func:`mkernel.zigzag_shard`).
+docs/ring_attention.md.
+"""
+from __future__ import annotations
+
+import ctypes
+from cuda.bindings import driver as cu
+
+from ...core.arrays import DeviceArray, contiguous_strides
+from ...core.compiler import kernel as compiled_kernel, register_specialization
+from ...core.device import on_device
+from ...core.driver import check
+from ...core.streams import Events, copy_async
+from ...dist.signals import workspace_control
+from ..attention import kernels as AK
+from ..attention.op import check_arrays, check_layout, prepare_arrays
+from ..base import BoundCall, Op, as_stream, checked_once
+from .options import RingAttentionOptions
+from .plan import RingPlan, make_plan
+
+__all__ = ["ring_attention", "RingPlan", "SOURCE", "VALUE_OFF", "RingLayout", "workspace_layout"]
+
+OP = "ring_attention"
+WHAT = "mkernel.ring_attention"
+SOURCE = "ops/ring_attention.cu"
+VALUE_OFF = 32  # MK_RING_VALUE_OFF
+register_specialization(SOURCE, {})
+
+
+class RingLayout(ctypes.Structure):
+    """Mirror of MkRingLayout in cuda_src/ops/ring_attention.cu."""
+
+    _fields_ = [("consumed_off", ctypes.c_int32), ("flags_off", ctypes.c_int32)]
+
+
+def workspace_layout(P: int, kv_block_bytes: int) -> tuple[RingLayout, int, int]:
+    """``(control layout, data_off, total bytes)`` of the op's symmetric workspace for P local ranks and K/V
+    blocks (K then V) of ``kv_block_bytes``: the control words (at offsets that depend on P only), then
+    three blocks: home, receive buffer 0, receive buffer 1 (each 256-byte aligned)."""
+    consumed_off, flags_off, end = workspace_control(P, 1)
+    data_off = -(-end // 256) * 256
+    blk = -(-kv_block_bytes // 256) * 256
+    return RingLayout(consumed_off, flags_off), data_off, data_off + 3 * blk
+
+
+def _block_stride(kv_block_bytes: int) -> int:
+    return -(-kv_block_bytes // 256) * 256
+
+
+class _Call:
+    __slots__ = ("key", "stream", "q", "k", "v", "out", "lse", "causal", "scale", "layout", "options", "dims", "digest")
+
+
+def _key(x: DeviceArray) -> tuple:
+    return (x.shape, x.strides, x.dtype, x.device, x.ptr % 16, x.readonly)
+
+
+class _RingAttention(Op):
+    name = OP
+
+    def __call__(self, ctx, q, k, v, out, lse, causal, softmax_scale, layout, stream, options):
+        ctx.check()
+        options = _DEFAULT if options is None else options
+        if not isinstance(options, RingAttentionOptions):
+            raise TypeError(f"{WHAT}: options must be a RingAttentionOptions, got {type(options).__name__}")
+        check_layout(WHAT, layout)
+        s = as_stream(stream)
+        Q, Kx, V, O, L, dims, scale = prepare_arrays(WHAT, q, k, v, out, lse, softmax_scale, layout, s)
+        call = _Call()
+        call.stream, call.q, call.k, call.v, call.out, call.lse = s, Q, Kx, V, O, L
+        call.causal, call.scale, call.layout, call.options, call.dims = bool(causal), scale, layout, options, dims
+        call.key = (layout, call.causal, options, s, ctx.workspace_generation, _key(Q), _key(Kx), _key(V), _key(O),
+                    _key(L))
+        B, Sq, _, Hq, _, _ = dims
+        if B == 0 or Sq == 0 or Hq == 0:
+            self.validate(ctx, call)  # (nothing to compute on any rank: equal shapes; the arguments are checked)
+            return (O if out is None else out), (L if lse is None else lse)
+        self.invoke(ctx.op_state(OP), call, ctx)
+        return (O if out is None else out), (L if lse is None else lse)
+
+    def validate(self, ctx, call):
+        checked_once(call.options)
+        check_arrays(WHAT, call.q, call.k, call.v, call.out, call.lse, call.dims, call.layout)
+        B, Sq, Sk, Hq, Hkv, D = call.dims
+        if ctx.num_nodes != 1:
+            raise ValueError(f"{WHAT}: the ring runs inside one node (NVLink); this context spans {ctx.num_nodes} "
+                             "nodes (multi-node ring attention is not implemented: docs/ring_attention.md)")
+        if Sq != Sk:
+            raise ValueError(f"{WHAT}: q and k must hold the same local sequence length (equal shards), got S_q={Sq}, "
+                             f"S_k={Sk}")
+        if call.causal and Sq % 2:
+            raise ValueError(f"{WHAT}: causal attention needs zigzag shards (mkernel.zigzag_shard): an even local "
+                             f"sequence length, got {Sq}")
+        for x, n in ((call.k, "k"), (call.v, "v")):
+            if x.strides != contiguous_strides(x.shape):
+                raise ValueError(f"{WHAT}: {n} must be contiguous in its layout (its block is copied to the peers "
+                                 f"whole), got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
+        if call.q.device != ctx.device:
+            raise ValueError(f"{WHAT}: the arrays are on device {call.q.device}, the context's GPU is {ctx.device}")
+
+    def compile(self, ctx, call):
+        with on_device(ctx.device):
+            dt, D = call.q.dtype.name, call.dims[5]
+            for c in ((False, True) if call.causal else (False,)):
+                AK.get(dt, D, c, merge=True)
+            if ctx.local_size > 1:
+                _control("mk_ring_begin")
+                _control("mk_ring_wait")
+
+    def agree(self, ctx, call):
+        B, Sq, Sk, Hq, Hkv, D = call.dims
+        o = call.options
+        sig = (OP, call.q.dtype.name, B, Sq, Hq, Hkv, D, call.layout, call.causal, round(call.scale, 9),
+               o.heavy_first, o.pull_chunks)
+        return ctx.agree(WHAT, sig, ctx.node_comm)
+
+    def describe_call(self, call):
+        B, Sq, Sk, Hq, Hkv, D = call.dims
+        return (f"B={B} S_local={Sq} H_q={Hq} H_kv={Hkv} D={D} {call.q.dtype.name} layout={call.layout} "
+                f"causal={call.causal}")
+
+    def plan(self, ctx, call, digest):
+        p = make_plan(ctx.local_rank, ctx.local_size, call.dims[1], call.causal, call.k.nbytes * 2)
+        call.digest = digest
+        return p
+
+    def bind(self, ctx, call, plan):
+        return _RingBound(ctx, call, plan, getattr(call, "digest", 0))
+
+
+def _control(name: str):
+    return compiled_kernel(SOURCE, {}, name)
+
+
+class _RingBound(BoundCall):
+    """A ring attention call bound to one layout: the running fp32 output (``acc``), per launch its tensor maps
+    and argument structs, the control launches on the side stream and the pull copies."""
+
+    def __init__(self, ctx, call: _Call, plan: RingPlan, digest: int):
+        B, S, _, Hq, Hkv, D = call.dims
+        self.plan = plan
+        self.P = P = plan.P
+        dt, it = call.q.dtype.name, call.q.dtype.itemsize
+        self.acc = DeviceArray.empty((B, Hq, S, D), "float32", device=ctx.device)
+        self.buffers = (self.acc,)
+        kv_bytes = call.k.nbytes
+        (_, ss, _, _) = AK.bshd(call.q, call.layout)[1]
+        (_, oss, _, _) = AK.bshd(call.out, call.layout)[1]
+        self._q_ss, self._o_ss, self._it = ss, oss, it
+        self.ws = None
+        bufs = ()
+        if P > 1:
+            lay, data_off, total = workspace_layout(P, 2 * kv_bytes)
+            self.ws = ws = ctx.workspace((OP,), total, call.stream, WHAT)
+            blk = _block_stride(2 * kv_bytes)
+            self._home = ws.ptr + data_off
+            self._home_off = data_off
+            bufs = tuple(ws.ptr + data_off + (1 + i) * blk for i in range(2))
+            self._bufs = bufs
+            self._kv_bytes = kv_bytes
+            side = ctx.side_stream()
+            self._side = cu.CUstream(side)
+            self._comm = ctx.comm_args(OP, digest)
+            self._lay = lay
+            self._begin = _control("mk_ring_begin").prepare((1, 1, 1), 32, [self._comm, ctypes.c_void_p(ws.ptr),
+                                                                            ctypes.c_void_p(ws.peer_table), lay],
+                                                            stream=side)
+            self._waits = [None] + [_control("mk_ring_wait").prepare(
+                (1, 1, 1), 32, [self._comm, ctypes.c_void_p(ws.ptr), lay, ctypes.c_int32(src)], stream=side)
+                for src in plan.sources[1:]]
+            # pulls: step s copies the source's home into buffer s % 2, then (its last read of that home)
+            # raises the source's consumed[me] from our value slot
+            me = ctx.local_rank
+            self._pulls = []
+            n = call.options.pull_chunks
+            piece = max(256, -(-(2 * kv_bytes) // n) + 255) // 256 * 256
+            for s, src in enumerate(plan.sources):
+                if s == 0:
+                    self._pulls.append(None)
+                    continue
+                peer_home = ws.peer_ptr(src, data_off)
+                cps = [(bufs[s % 2] + o, peer_home + o, min(piece, 2 * kv_bytes - o))
+                       for o in range(0, 2 * kv_bytes, piece)]
+                cps.append((ws.peer_ptr(src, lay.consumed_off + 8 * me), ws.ptr + VALUE_OFF, 8))
+                self._pulls.append(cps)
+            # the home copy of this call's k, v, then our value slot into every peer's ready[me]
+            self._announce = [(ws.peer_ptr(j, lay.flags_off + 8 * me), ws.ptr + VALUE_OFF, 8)
+                              for j in range(P) if j != me]
+            self._ev = Events("fork", "join", *[f"arrived{s}" for s in range(P)], *[f"done{s}" for s in range(P)])
+        # attention launches, per step
+        self._steps = [[] for _ in range(P)]
+        heavy = int(call.options.heavy_first)
+        for ln in plan.launches:
+            kv_rows = ln.kv_rows
+            if ln.step == 0:
+                kmap = AK.tensor_map(call.k, call.layout, AK.BN, seq=kv_rows)
+                vmap = AK.tensor_map(call.v, call.layout, AK.BN, seq=kv_rows)
+            else:
+                buf = bufs[ln.step % 2]
+                kb = DeviceArray(buf, call.k.shape, call.k.dtype, call.k.strides, device=ctx.device)
+                vb = DeviceArray(buf + kv_bytes, call.k.shape, call.k.dtype, call.k.strides, device=ctx.device)
+                kmap = AK.tensor_map(kb, call.layout, AK.BN, seq=kv_rows)
+                vmap = AK.tensor_map(vb, call.layout, AK.BN, seq=kv_rows)
+            nq = ln.q1 - ln.q0
+            qmap = AK.tensor_map(call.q, call.layout, AK.BM, ptr=call.q.ptr + ln.q0 * ss * it, seq=nq)
+            ost = AK.bshd(call.out, call.layout)[1]
+            args = AK.AttnFwdArgs(call.out.ptr + ln.q0 * oss * it, call.lse.ptr, ost[0], ost[1], ost[2], nq, kv_rows,
+                                  Hq, Hq // Hkv, call.scale * AK.LOG2E, heavy)
+            margs = AK.AttnMergeArgs(self.acc.ptr, ln.q0, S, int(ln.first), ln.final_lo, ln.final_hi, 0)
+            kern = AK.get(dt, D, ln.causal, merge=True)
+            launch = kern.prepare((-(-nq // AK.BM), Hq, B), AK.THREADS, [qmap.buf, kmap.buf, vmap.buf, args, margs],
+                                  stream=call.stream, smem=AK.smem_bytes(D))
+            self._steps[ln.step].append((ln, qmap, kmap if ln.step == 0 else None, vmap if ln.step == 0 else None,
+                                         args, launch))
+
+    def run(self, stream, call) -> None:
+        P, it = self.P, self._it
+        s = cu.CUstream(stream)
+        if P > 1:
+            ev, side = self._ev, self._side
+            check(cu.cuEventRecord(ev.fork, s))
+            check(cu.cuStreamWaitEvent(side, ev.fork, 0))
+            self._begin()
+            copy_async([(self._home, call.k.ptr, self._kv_bytes), (self._home + self._kv_bytes, call.v.ptr,
+                                                                  self._kv_bytes)] + self._announce, side)
+        for step, launches in enumerate(self._steps):
+            if step > 0:
+                self._pull(step, s)
+            for ln, qmap, kmap, vmap, args, launch in launches:
+                qmap.point(call.q.ptr + ln.q0 * self._q_ss * it)
+                if kmap is not None:
+                    kmap.point(call.k.ptr)
+                    vmap.point(call.v.ptr)
+                args.out, args.lse = call.out.ptr + ln.q0 * self._o_ss * it, call.lse.ptr
+                launch()
+            if step + 2 < P:  # (step + 2 pulls into this step's buffer)
+                check(cu.cuEventRecord(getattr(self._ev, f"done{step}"), s))
+        if P > 1:
+            check(cu.cuEventRecord(self._ev.join, self._side))
+            check(cu.cuStreamWaitEvent(s, self._ev.join, 0))
+
+    def _pull(self, step: int, s) -> None:
+        """Bring step ``step``'s block: (side stream) once step - 2 no longer reads its buffer, gate on the
+        source's flag, copy, tell the source; (caller's stream) wait for it."""
+        ev, side = self._ev, self._side
+        if step >= 2:
+            check(cu.cuStreamWaitEvent(side, getattr(ev, f"done{step - 2}"), 0))
+        self._waits[step]()
+        copy_async(self._pulls[step], side)
+        check(cu.cuEventRecord(getattr(ev, f"arrived{step}"), side))
+        check(cu.cuStreamWaitEvent(s, getattr(ev, f"arrived{step}"), 0))
+
+
+_RING = _RingAttention()
+_DEFAULT = RingAttentionOptions()
+
+
+def ring_attention(ctx, q, k, v, out=None, *, lse=None, causal: bool = False, softmax_scale: float | None = None,
+                   layout: str = "bshd", stream=None, options: RingAttentionOptions | None = None):
+    """Ring attention forward over the P ranks of ``ctx``'s node: returns ``(out, lse)`` for this rank's query rows.
+
+    The sequence is sharded over the local ranks in local-rank order, S_local rows each (non-causal:
+    contiguous shards; ``causal=True``: zigzag shards, rank r holding chunks r and 2P-1-r of the 2P equal
+    chunks, :func:`mkernel.zigzag_shard`; S_local even).  q: this rank's ``[B, S_local, H_q, D]``
+    (``layout="bshd"``) or ``[B, H_q, S_local, D]`` (``"bhsd"``); k, v: ``[B, S_local, H_kv, D]`` (resp.
+    ``[B, H_kv, S_local, D]``), contiguous in that layout.  bf16 or fp16 (all alike), D = 64 or 128, H_q a
+    multiple of H_kv; every rank passes the same shapes.  q strides as :func:`mkernel.attention` (TMA).
+
+    out: q's shape and dtype (or None to allocate); lse: contiguous float32 ``[B, H_q, S_local]`` (or None):
+    ``ln(sum_j exp(softmax_scale * q_i . k_j))`` over every key j of the whole sequence that row i sees
+    (causal: global positions j <= i).  softmax_scale: finite > 0, default ``1 / sqrt(D)``.  stream: any
+    stream-like object or raw handle (None: the legacy default stream).  options: :class:`RingAttentionOptions`.
+
+    Every rank makes the same call (checked once per signature on the host, then on the device per call:
+    :class:`mkernel.CommMismatch`).  Asynchronous; every wait is bounded by ``ctx.timeout``
+    (:class:`mkernel.CommTimeout` at ``ctx.check()`` / ``ctx.synchronize()``).  After the first call of a
+    shape (which may allocate the op's workspace), calls can be captured into a CUDA graph.  The plan:
+    ``ctx.last_plan("ring_attention")`` (:class:`RingPlan`)."""
+    return _RING(ctx, q, k, v, out, lse, causal, softmax_scale, layout, stream, options)

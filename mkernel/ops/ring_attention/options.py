@@ -1,0 +1,31 @@
+"""Options of :func:`mkernel.ring_attention` (``options=``): a frozen dataclass, part of every bound-call key."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..base import options_hash
+
+__all__ = ["RingAttentionOptions"]
+
+
+@dataclass(frozen=True)
+class RingAttentionOptions:
+    """Options of :func:`mkernel.ring_attention`.
+
+    ``heavy_first``: the attention kernel's query-block order (:class:`mkernel.AttentionOptions`); it matters
+    for the causal step 0 only.  ``pull_chunks``: each K/V block is pulled from its owner in this many copies
+    (1..8) on the side stream; more pieces let the next step's gate run earlier on nothing, fewer cost fewer
+    copy launches (docs/ring_attention.md, "Transfers")."""
+
+    heavy_first: bool = True
+    pull_chunks: int = 1
+
+    __hash__ = options_hash  # (hashed once: part of every bound-call key)
+
+    def checked(self) -> "RingAttentionOptions":
+        """Self, or a ValueError naming the first field out of range."""
+        if self.heavy_first not in (True, False):
+            raise ValueError(f"RingAttentionOptions.heavy_first must be True or False, got {self.heavy_first!r}")
+        if type(self.pull_chunks) is not int or not 1 <= self.pull_chunks <= 8:
+            raise ValueError(f"RingAttentionOptions.pull_chunks must be an int in 1..8, got {self.pull_chunks!r}")
+        return self

@@ -1,0 +1,190 @@
+"""mkernel.ring_attention on the GPU(s), under mpirun (-np 1 and -np 2; two ranks may share one GPU).
+
+Every rank draws the same global q, k, v (shared seed), takes its shard (contiguous, or zigzag for causal),
+and compares its (out, lse) with a float64 numpy reference of full attention over the whole sequence, its
+rows picked out.  Outputs are NaN-poisoned first; shapes are not multiples of the 128-row tiles.
+Tolerance: |out - ref| <= 2e-2 * (|ref| + 0.05 * max|v|) (bf16 / fp16 inputs, fp32 accumulation and merge,
+one rounding of out); lse within 1e-3 absolute (fp32 with exp2/log2 approximations).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mkernel
+from mkernel.core.arrays import DeviceArray
+from mkernel.core.compiler import precompile_source, registered_specializations
+from mkernel.ops.ring_attention import zigzag_indices
+
+from _util import assert_missing_peer_times_out, download, precompiled_with_long_timeout, upload
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _setup(ctx):
+    """The merge specializations of the attention kernel compiled on local rank 0 too (the others load them)."""
+    if ctx.local_rank == 0:
+        merge = [d for src, d in registered_specializations() if src == "ops/attention_fwd.cu" and d.get("MK_ATTN_MERGE")]
+        try:
+            precompile_source("ops/attention_fwd.cu", merge)
+        except Exception as exc:  # noqa: BLE001  (kernels then compile lazily)
+            print(f"precompile failed, compiling lazily: {exc!r}")
+    yield from precompiled_with_long_timeout(ctx, "ops/ring_attention.cu")
+
+
+def _reference(q, k, v, scale, causal):
+    """float64 attention over the whole sequence; q [B, S, Hq, D], k/v [B, S, Hkv, D] (bshd) ->
+    (out [B, S, Hq, D], lse [B, Hq, S])."""
+    B, S, Hq, D = q.shape
+    g = Hq // k.shape[2]
+    kk = np.repeat(k, g, axis=2)
+    vv = np.repeat(v, g, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, kk) * scale
+    if causal:
+        s = np.where(np.tril(np.ones((S, S), bool))[None, None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    out = np.einsum("bhij,bjhd->bihd", p / l, vv)
+    return out, (m + np.log(l))[..., 0]
+
+
+def _rows(ctx, S, causal):
+    P, r = ctx.local_size, ctx.local_rank
+    if causal:
+        return zigzag_indices(S, P, r)
+    n = S // P
+    return np.arange(r * n, (r + 1) * n)
+
+
+def _to_layout(x, layout):
+    return np.ascontiguousarray(x if layout == "bshd" else x.transpose(0, 2, 1, 3))
+
+
+def _run(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16", calls=1):
+    q = rng.standard_normal((B, S, Hq, D))
+    k = rng.standard_normal((B, S, Hkv, D))
+    v = rng.standard_normal((B, S, Hkv, D))
+    rows = _rows(ctx, S, causal)
+    qd, qx = upload(_to_layout(q[:, rows], layout), dtype)
+    kd, kx = upload(_to_layout(k[:, rows], layout), dtype)
+    vd, vx = upload(_to_layout(v[:, rows], layout), dtype)
+    # the reference from the rounded values every rank holds
+    from mkernel.core.dtypes import bf16_to_f32, f32_to_bf16
+
+    def rnd(x):
+        return bf16_to_f32(f32_to_bf16(x.astype(np.float32))).astype(np.float64) if dtype == "bfloat16" else \
+            x.astype(np.float16).astype(np.float64)
+    scale = 1.0 / np.sqrt(D)
+    ref_o, ref_l = _reference(rnd(q), rnd(k), rnd(v), scale, causal)
+    ref_o, ref_l = ref_o[:, rows], ref_l[:, :, rows]
+    shape = qd.shape
+    for _ in range(calls):
+        out = DeviceArray.empty(shape, dtype).fill_nan()
+        lse = DeviceArray.empty((B, Hq, len(rows)), "float32").fill_nan()
+        mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=causal, layout=layout)
+    ctx.synchronize()
+    got = download(out)
+    if layout == "bhsd":
+        got = got.transpose(0, 2, 1, 3)
+    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={ctx.local_size}"
+    assert not np.isnan(got).any(), f"{what}: unwritten out"
+    tol = 2e-2 * (np.abs(ref_o) + 0.05 * np.abs(v).max())
+    bad = np.abs(got - ref_o) > tol
+    assert not bad.any(), f"{what}: {bad.sum()} elements off, max err {np.abs(got - ref_o).max()}"
+    gl = lse.to_numpy().astype(np.float64)
+    assert np.abs(gl - ref_l).max() < 1e-3, f"{what}: lse max err {np.abs(gl - ref_l).max()}"
+    return ctx.last_plan("ring_attention")
+
+
+CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * P
+    (1, 300, 4, 4, 128, False, "bshd"),
+    (2, 340, 8, 2, 64, True, "bshd"),
+    (1, 400, 8, 1, 128, True, "bhsd"),
+    (1, 261, 4, 2, 64, False, "bhsd"),
+    (2, 192, 8, 8, 128, True, "bshd"),
+    (1, 130, 32, 8, 128, False, "bshd"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}"
+                                             for c in CASES])
+def test_against_float64(ctx, shared_rng, case):
+    B, S_local, Hq, Hkv, D, causal, layout = case
+    S = S_local * ctx.local_size
+    plan = _run(ctx, shared_rng, B, S, Hq, Hkv, D, causal=causal, layout=layout)
+    assert plan.P == ctx.local_size and len(plan.launches) == ctx.local_size
+
+
+def test_float16(ctx, shared_rng):
+    _run(ctx, shared_rng, 1, 2 * ctx.local_size * 150, 4, 2, 128, causal=True, dtype="float16")
+
+
+def test_back_to_back_calls(ctx, shared_rng):
+    """100 calls in a row (the double-buffered receive buffers and the flags cycle); the last is checked."""
+    _run(ctx, shared_rng, 1, 2 * ctx.local_size * 130, 4, 2, 64, causal=False, calls=100)
+    _run(ctx, shared_rng, 1, 2 * ctx.local_size * 130, 4, 2, 64, causal=True, calls=100)
+
+
+def test_graph_capture(ctx, shared_rng):
+    """After a first call, a call is captured into a CUDA graph and replayed on fresh inputs."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.core.driver import check
+
+    B, S, H, D = 1, 2 * ctx.local_size * 140, 4, 128
+    rows = _rows(ctx, S, True)
+    q, k, v = (shared_rng.standard_normal((B, S, H, D)) for _ in range(3))
+    qd, kd, vd = (upload(x[:, rows], "bfloat16")[0] for x in (q, k, v))
+    out = DeviceArray.empty(qd.shape, "bfloat16")
+    lse = DeviceArray.empty((B, H, len(rows)), "float32")
+    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s))
+    ctx.synchronize()
+    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s))
+    g = check(cu.cuStreamEndCapture(s))
+    ge = check(cu.cuGraphInstantiate(g, 0))
+    ref = download(out)
+    for _ in range(3):
+        out.fill_nan()
+        ctx.synchronize()
+        check(cu.cuGraphLaunch(ge, s))
+        ctx.synchronize(int(s))
+        np.testing.assert_array_equal(download(out), ref)
+    check(cu.cuGraphExecDestroy(ge))
+    check(cu.cuGraphDestroy(g))
+    check(cu.cuStreamDestroy(s))
+
+
+def test_bad_inputs_launch_nothing(ctx):
+    B, S, H, D = 1, 64, 4, 128
+    q = DeviceArray.empty((B, S, H, D), "bfloat16")
+    out = DeviceArray.empty((B, S, H, D), "bfloat16").fill_nan()
+    with pytest.raises(ValueError, match="even local"):
+        mkernel.ring_attention(ctx, q[:, :63], q[:, :63], q[:, :63], causal=True)
+    with pytest.raises(ValueError, match="same local sequence"):
+        mkernel.ring_attention(ctx, q, q[:, :32], q[:, :32], out)
+    with pytest.raises(ValueError, match="head dim"):
+        mkernel.ring_attention(ctx, q[..., :96], q[..., :96], q[..., :96])
+    ctx.synchronize()
+    assert np.isnan(download(out)).all(), "a failing call launched something"
+
+
+def test_zigzag_device_helpers(ctx, shared_rng):
+    P, S = max(2, ctx.local_size), 2 * 4 * 5
+    x = shared_rng.standard_normal((2, S, 3, 8)).astype(np.float32)
+    xd = DeviceArray.from_numpy(x)
+    shards = [mkernel.zigzag_shard(xd, (r, P), 1) for r in range(P)]
+    for r, sh in enumerate(shards):
+        np.testing.assert_array_equal(sh.to_numpy(), mkernel.zigzag_shard(x, (r, P), 1))
+    cat = DeviceArray.from_numpy(np.concatenate([s.to_numpy() for s in shards], axis=1))
+    np.testing.assert_array_equal(mkernel.zigzag_unshard(cat, P, 1).to_numpy(), x)
+
+
+def test_zzz_missing_peer_times_out(ctx):
+    if ctx.local_size < 2:
+        pytest.skip("needs 2 ranks")
+    q, _ = upload(np.ones((1, 256, 4, 128)), "bfloat16")
+    assert_missing_peer_times_out(lambda c2: mkernel.ring_attention(c2, q, q, q), "ring_attention")
