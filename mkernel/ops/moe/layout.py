@@ -9,7 +9,7 @@ from ...core.util import ceil_div, round_up
 from ...dist.signals import MAX_CHUNKS, workspace_control
 from .options import MoeOptions
 
-__all__ = ["SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots", "fused_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
+__all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots", "fused_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
            "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS"]
 
 SOURCE = "ops/moe.cu"
