@@ -366,22 +366,7 @@ def test_low_latency_graph_replay_and_back_to_back(ctx, shared_rng):
         check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
         check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
         return xv
-    fill()
-    seq()
-    ctx.synchronize(hs)
-    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
-    seq()
-    g = check(cu.cuStreamEndCapture(s))
-    ge = check(cu.cuGraphInstantiate(g, 0))
-    for _ in range(5):
-        xv = fill()
-        ctx.synchronize()
-        ctx.world.Barrier()
-        check(cu.cuGraphLaunch(ge, s))
-        ctx.synchronize(hs)
-        np.testing.assert_array_equal(download(out), k * xv)
-    check(cu.cuGraphExecDestroy(ge))
-    check(cu.cuGraphDestroy(g))
+    _replay(ctx, s, seq, fill, lambda xv: np.testing.assert_array_equal(download(out), k * xv))
     for it in range(500):
         xv = fill()
         seq()
@@ -432,6 +417,30 @@ def test_back_to_back_changing_routings(ctx, shared_rng):
     ctx.synchronize()
 
 
+def _replay(ctx, s, seq, fill, check_out, n: int = 5):
+    """Run ``seq`` on stream ``s`` once, capture it into a CUDA graph, then ``n`` times: ``fill()`` fresh
+    inputs, replay, ``check_out(fill's result)``."""
+    from cuda.bindings import driver as cu
+    from mkernel.core.driver import check
+
+    fill()
+    seq()
+    ctx.synchronize()
+    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    seq()
+    g = check(cu.cuStreamEndCapture(s))
+    ge = check(cu.cuGraphInstantiate(g, 0))
+    for _ in range(n):
+        v = fill()
+        ctx.synchronize()
+        ctx.world.Barrier()
+        check(cu.cuGraphLaunch(ge, s))
+        ctx.synchronize(int(s))
+        check_out(v)
+    check(cu.cuGraphExecDestroy(ge))
+    check(cu.cuGraphDestroy(g))
+
+
 def test_graph_replay(ctx, shared_rng):
     from cuda.bindings import driver as cu
     from mkernel.core.driver import check
@@ -459,22 +468,7 @@ def test_graph_replay(ctx, shared_rng):
         check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
         check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
         return xv
-    fill()
-    seq()
-    ctx.synchronize()
-    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
-    seq()
-    g = check(cu.cuStreamEndCapture(s))
-    ge = check(cu.cuGraphInstantiate(g, 0))
-    for _ in range(5):
-        xv = fill()
-        ctx.synchronize()
-        ctx.world.Barrier()
-        check(cu.cuGraphLaunch(ge, s))
-        ctx.synchronize(hs)
-        np.testing.assert_array_equal(download(out), k * xv)
-    check(cu.cuGraphExecDestroy(ge))
-    check(cu.cuGraphDestroy(g))
+    _replay(ctx, s, seq, fill, lambda xv: np.testing.assert_array_equal(download(out), k * xv))
 
 
 def test_bad_inputs_raise_before_launch(ctx):

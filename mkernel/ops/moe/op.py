@@ -129,6 +129,16 @@ def _memcpy(dst: int, src: int, n: int, stream: int) -> None:
         check(cu.cuMemcpyAsync(cu.CUdeviceptr(dst), cu.CUdeviceptr(src), n, cu.CUstream(stream)))
 
 
+def _copy_given(R: MoeRouting):
+    """A bound call's ``pre``: the given ids / weights become the routing's own (kept for combine)."""
+    n = R.T * R.k * 4
+
+    def pre(stream, c):
+        _memcpy(c.routing.ids.ptr, c.ids.ptr, n, stream)
+        _memcpy(c.routing.weights.ptr, c.weights.ptr, n, stream)
+    return pre
+
+
 def _cooperative_grid(ctx, k, options: MoeOptions, what: str) -> int:
     if k.max_active_blocks_per_sm(THREADS) < 1:
         raise RuntimeError(f"{what}: the kernel cannot be resident")
@@ -267,13 +277,7 @@ class _Route(Op):
         if R.T:
             g = max(1, min(ceil_div(R.T * R.k, 256), 8 * ctx.sm_count))
             launches.append(slots.prepare(g, 256, [ids, sl, _ptr(tile_cnt), _ptr(base), shape], stream=st))
-        pre = None
-        if call.logits is None:
-            n = R.T * R.k * 4
-
-            def pre(stream, c):  # the given ids / weights become the routing's own (kept for combine)
-                _memcpy(c.routing.ids.ptr, c.ids.ptr, n, stream)
-                _memcpy(c.routing.weights.ptr, c.weights.ptr, n, stream)
+        pre = _copy_given(R) if call.logits is None else None
         return _Launches(p, launches, ptrs, (ws,), pre)
 
 
@@ -484,13 +488,7 @@ class _DispatchLowLatency(Op):
         args = [ctx.comm_args(self.name, p.digest), lg, x, ids, w, sl, offs, o, rmap, _ptr(ws.ptr),
                 _ptr(ws.peer_table), p.layout, shape]
         launch = k.prepare(p.grid, THREADS, args, stream=call.stream, cooperative=True)
-        pre = None
-        if call.logits is None:
-            n = R.T * R.k * 4
-
-            def pre(stream, c):  # the given ids / weights become the routing's own (kept for combine)
-                _memcpy(c.routing.ids.ptr, c.ids.ptr, n, stream)
-                _memcpy(c.routing.weights.ptr, c.weights.ptr, n, stream)
+        pre = _copy_given(R) if call.logits is None else None
         return _Launches(p, [launch], ptrs, (ws,), pre)
 
 
