@@ -5,9 +5,10 @@
 
 Per shape and tokens per rank: (a) torch: all_to_all_single dispatch + per-expert matmul loop + SwiGLU +
 all_to_all_single combine (NCCL; the baseline); (b) ours, unfused pieces timed separately
-(moe_route, moe_dispatch, moe_combine) and (c) the whole mkernel.moe_layer.  The fused layer (dispatch+GEMM,
-one persistent kernel) is not written yet: its column stays "pending".  With ranks sharing one GPU the
-numbers say nothing about NVLink (marked "shared GPU").
+(moe_route, moe_dispatch, moe_combine) and the whole mkernel.moe_layer, (c) ours fused: moe_dispatch_gemm
+alone and the layer with MoeOptions(fused=True); at <= 256 tokens per rank also low-latency mode
+(MoeOptions(mode="low_latency"): routing + dispatch in one kernel, and the layer).  With ranks sharing one
+GPU the numbers say nothing about NVLink (marked "shared GPU").
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def main():
         import torch
         import torch.distributed as dist
     import mkernel
-    from mkernel import DeviceArray, f32_to_bf16
+    from mkernel import DeviceArray, MoeOptions, f32_to_bf16
 
     P, me = ctx.local_size, ctx.local_rank
     shared = len(set(ctx.node_comm.allgather(ctx.device))) < P  # ranks sharing a GPU
@@ -115,7 +116,21 @@ def main():
                        "combine_us": _time(lambda: mkernel.moe_combine(ctx, y, R), ctx, args.iters)}
                 out = DeviceArray.empty((T, H), "bfloat16")
                 res["layer_us"] = _time(lambda: mkernel.moe_layer(ctx, x, wg, wd, lg, k=k, out=out), ctx, args.iters)
-                res["fused_us"] = "pending"
+                fused = MoeOptions(fused=True)
+                h = DeviceArray.empty((R.recv_rows, 2 * F), "bfloat16")
+                res["dispatch_gemm_us"] = _time(lambda: mkernel.moe_dispatch_gemm(ctx, x, R, wg, h, x_recv=xr), ctx,
+                                                args.iters)
+                res["fused_us"] = _time(lambda: mkernel.moe_layer(ctx, x, wg, wd, lg, k=k, out=out, options=fused), ctx,
+                                        args.iters)
+                if T <= 256:
+                    ll = MoeOptions(mode="low_latency")
+                    Rl = mkernel.MoeRouting.empty(ctx, T, k, E, ll)
+                    xl = DeviceArray.empty((Rl.recv_rows, H), "bfloat16")
+                    res["ll_dispatch_us"] = _time(lambda: mkernel.moe_dispatch(ctx, x, Rl, xl, logits=lg, options=ll),
+                                                  ctx, args.iters)
+                    res["ll_combine_us"] = _time(lambda: mkernel.moe_combine(ctx, xl, Rl, options=ll), ctx, args.iters)
+                    res["ll_layer_us"] = _time(lambda: mkernel.moe_layer(ctx, x, wg, wd, lg, k=k, out=out, options=ll),
+                                               ctx, args.iters)
             except Exception as exc:  # noqa: BLE001 -- e.g. out of memory at the largest sizes
                 res = {"shape": name, "T": T, "error": repr(exc)[:200]}
             if torch is not None and "error" not in res:

@@ -24,10 +24,11 @@
 // expands: x_recv[r] = staging[src][t] (its own rows straight from x), recv_map[r] = recv_src[r].
 // Combine (mk_moe_combine, cooperative): every received row r goes back to its owner's staging slot
 // [t * k + j] (own rows stay), then the owner sums out[t] = sum_j w[t][j] * y(t, j) in fp32, j order.
+// Low-latency dispatch (mk_moe_dispatch_ll, cooperative; T <= 256, dropless): routing and dispatch in
+// one kernel, the same slot order, no count exchange: every rank's ids travel with the rows.
 // Buffer reuse: a sender writes into rank d's staging for call e only after d raised consumed >= e-1
 // at the end of its previous kernel (docs/design.md, "Epochs, flags and timeouts").
-#include "core/mk_copy.cuh"
-#include "core/mk_signal.cuh"
+#include "ops/mk_moe.cuh"
 
 #ifndef MK_DTYPE
 #define MK_DTYPE MK_DTYPE_BF16
@@ -47,24 +48,6 @@ typedef mk_type<MK_LOGIT_DTYPE>::T TL;
 #define MOE_MAX_K 32       // top-k (one lane per choice)
 #define MOE_PER_LANE (MOE_MAX_E / 32)
 #define MOE_NEG_INF (-__int_as_float(0x7f800000))
-
-// Byte offsets of a MoE op's symmetric workspace (moe/layout.py MoeLayout).
-struct MoeLayout {
-  mk_u64 consumed_off, flags_off;  // call header, ready[src][block] flags (MAX_CHUNKS per row)
-  mk_u64 counts_off;   // route: int32 counts[2][P][E]; dispatch: int32 recv_src[R_cap]
-  mk_u64 scratch_off;  // route: int32 tile_cnt[ntiles][E], base[E] (this rank only)
-  mk_u64 stage_off;    // dispatch: P x T rows; combine: T * k rows (row_bytes each)
-  mk_u64 row_bytes;    // H * itemsize (a multiple of 16)
-  int flag_stride;
-  int pad;
-};
-
-struct MoeShape {
-  int T, H, k, E, El;  // tokens per rank, hidden, top-k, experts (global), experts per rank
-  int capacity;        // rows kept per expert per receiving rank (<= 0: no limit)
-  int r_cap;           // rows of the receive buffer (x_recv)
-  int softmax_all;     // route from logits: 1 = softmax over all E then top-k renormalised, 0 = softmax over the top-k
-};
 
 // The host's ctypes layouts (moe/layout.py MoeLayout / MoeShape, dist/signals.py MkComm), checked by
 // tests/cpu/test_moe_host.py: MK_EXPECT_MOE_STRUCTS = {sizeof, offsetof each field...} of the three, in the
@@ -92,151 +75,73 @@ static_assert(moe_structs_match(), "moe.cu: MoeLayout / MoeShape / MkComm differ
 #undef MOE_OFF
 #endif
 
-struct MoeWs {
-  char* base;
-  const mk_u64* __restrict__ peers;
-  MoeLayout L;
-  int P, me;
-  MK_DEVICE char* peer(int j) const { return (char*)peers[j]; }
-  MK_DEVICE MkEpochState* epoch_state() const { return (MkEpochState*)base; }
-  MK_DEVICE MkCallHeader header() const { return {(mk_u64*)(base + L.consumed_off), P}; }
-  MK_DEVICE MkCallHeader peer_header(int j) const { return {(mk_u64*)(peer(j) + L.consumed_off), P}; }
-  MK_DEVICE int flag_idx(int src, int b) const { return src * L.flag_stride + b; }
-  MK_DEVICE mk_u64* ready(int src, int b) const { return (mk_u64*)(base + L.flags_off) + flag_idx(src, b); }
-  MK_DEVICE mk_u64* peer_ready(int owner, int src, int b) const {
-    return (mk_u64*)(peer(owner) + L.flags_off) + flag_idx(src, b);
-  }
-};
-
-MK_DEVICE MoeWs moe_ws(const MkComm& c, char* ws, const mk_u64* peers, const MoeLayout& L) {
-  return MoeWs{ws, peers, L, c.local_size, c.local_rank};
-}
-
-// A grid's warps as one pool: this thread's lane, the pool size, this warp's index in it.
-struct MoeWarps {
-  int lane, warps, gw;
-  MK_DEVICE MoeWarps()
-      : lane(threadIdx.x & 31), warps((int)(gridDim.x * (blockDim.x >> 5))),
-        gw((int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))) {}
-};
-
-// Call number; block 0's first warp announces the call's signature to every peer.
-MK_DEVICE mk_u64 moe_begin(const MkComm& c, const MoeWs& w) {
-  const mk_u64 e = mk_epoch_begin(w.epoch_state());
-  if (blockIdx.x == 0 && threadIdx.x < 32)
-    mk_announce_call(c, [&](int j) { return w.peer_header(j); }, e, threadIdx.x, 32);
-  return e;
-}
-
-// The last block to finish tells every peer that this rank consumed what it sent, then bumps the epoch.
-MK_DEVICE void moe_finish(const MoeWs& w, mk_u64 e) {
-  if (mk_epoch_arrive(w.epoch_state(), gridDim.x)) {
-    for (int j = threadIdx.x; j < w.P; j += blockDim.x)
-      if (j != w.me) mk_signal_set(w.peer_header(j).consumed(w.me), e);
-    __syncthreads();
-    mk_epoch_commit(w.epoch_state(), e);
-  }
-}
-
-// Whole block: every peer consumed our data of the previous call (we may overwrite its staging).
-MK_DEVICE bool moe_wait_consumed(const MkComm& c, const MoeWs& w, mk_u64 e) {
-  int ok = 1;
-  for (int j = threadIdx.x; j < w.P; j += blockDim.x)
-    if (j != w.me) ok &= mk_wait_geq(c, w.header().consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
-  return __syncthreads_and(ok) != 0;
-}
-
-// Whole block: raise ready[me][blockIdx] = e at every rank in [0, P) (self too when `self`).
-MK_DEVICE void moe_raise_ready(const MoeWs& w, mk_u64 e, bool self) {
-  __syncthreads();
-  for (int j = threadIdx.x; j < w.P; j += blockDim.x)
-    if (self || j != w.me) mk_signal_set(w.peer_ready(j, w.me, blockIdx.x), e);
-}
-
-// Whole block: every rank's (every block's) ready flag of call e is up and every peer makes our call.
-MK_DEVICE bool moe_wait_ready(const MkComm& c, const MoeWs& w, mk_u64 e, bool self) {
-  int ok = 1;
-  const int n = w.P * (int)gridDim.x;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int src = i / gridDim.x, b = i % gridDim.x;
-    if (src == w.me && !self) continue;
-    if (b == 0 && src != w.me) ok &= mk_same_call(c, w.header(), e, src);
-    if (ok) ok &= mk_wait_geq(c, w.ready(src, b), e, MK_LOCAL_PEER(src), w.flag_idx(src, b));
-  }
-  return __syncthreads_and(ok) != 0;
-}
-
-MK_DEVICE int warp_sum(int v) {
+// One warp: top-k of token t's logits [E] -> ids[t][0..k), weights[t][0..k) (fp32): k rounds of warp
+// argmax, ties to the lower expert index; softmax over the k chosen (softmax_all: over all E).
+MK_DEVICE void moe_topk_token(const TL* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights,
+                               int t, const MoeShape& s) {
+  const int lane = threadIdx.x & 31, E = s.E, k = s.k;
+  float v[MOE_PER_LANE];
+  float mx = MOE_NEG_INF;
 #pragma unroll
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+  for (int q = 0; q < MOE_PER_LANE; ++q) {
+    const int e = q * 32 + lane;
+    v[q] = e < E ? mk_to_f32(logits[(mk_u64)t * E + e]) : MOE_NEG_INF;
+    mx = fmaxf(mx, v[q]);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float denom = 0.f;  // softmax over all experts (used when softmax_all)
+#pragma unroll
+  for (int q = 0; q < MOE_PER_LANE; ++q)
+    if (q * 32 + lane < E) denom += __expf(v[q] - mx);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, o);
+  float my_val = 0.f;
+  int my_id = 0;
+  for (int j = 0; j < k; ++j) {  // k rounds of warp argmax, lowest index on ties
+    float bv = MOE_NEG_INF;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int q = 0; q < MOE_PER_LANE; ++q) {
+      const int e = q * 32 + lane;
+      if (e < E && (v[q] > bv || (v[q] == bv && e < bi))) { bv = v[q]; bi = e; }
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+#pragma unroll
+    for (int q = 0; q < MOE_PER_LANE; ++q)
+      if (q * 32 + lane == bi) v[q] = MOE_NEG_INF;
+    if (lane == j) { my_val = bv; my_id = bi; }
+  }
+  // weights: softmax over the top-k (= softmax over all E, renormalised over the top-k)
+  const float p = lane < k ? __expf(my_val - mx) : 0.f;
+  float psum = p;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
+  if (lane < k) {
+    ids[(mk_u64)t * k + lane] = my_id;
+    weights[(mk_u64)t * k + lane] = s.softmax_all ? p / denom : p / psum;
+  }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Routing, launch 1: grid = ceil(T / 256), block 256.  logits [T, E] (or nullptr: ids / weights given)
-// -> ids [T, k], weights [T, k] (fp32); slots[t][j] = position of (t, j) among the tile's pairs of
-// its expert (rewritten by mk_moe_route_slots); tile_cnt[tile][e] = the tile's pairs of expert e.
-// Top-k ties go to the lower expert index.  An id outside [0, E) is dropped (slot -1 in the end).
-extern "C" __global__ void __launch_bounds__(MOE_TILE, 1)
-mk_moe_route_tiles(const TL* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights,
-                   int* __restrict__ slots, int* __restrict__ tile_cnt, MoeShape s) {
-  __shared__ int cnt[MOE_TILE / 32][MOE_MAX_E];
+
+// Whole block (MOE_TILE threads): the position of each pair (t, j) of tokens [t_tile, t_tile + MOE_TILE)
+// among the tile's pairs of its expert, in (t, j) order -- a warp walks its 32 tokens in order,
+// __match_any_sync orders a repeated expert inside a token by j -- into pos[t][j] (-1: an id outside
+// [0, E)), and the tile's count per expert into tile_cnt[e].  ids, pos: [T, k]; cnt: shared scratch.
+MK_DEVICE void moe_tile_positions(const int* ids, int* pos, int* __restrict__ tile_cnt, int t_tile, const MoeShape& s,
+                                  int (*cnt)[MOE_MAX_E]) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, E = s.E, k = s.k;
   for (int e = lane; e < E; e += 32) cnt[warp][e] = 0;
   __syncwarp();
-  const int t0 = blockIdx.x * MOE_TILE + warp * 32;
+  const int t0 = t_tile + warp * 32;
   for (int i = 0; i < 32; ++i) {
     const int t = t0 + i;
     if (t >= s.T) break;
-    if (logits != nullptr) {
-      float v[MOE_PER_LANE];
-      float mx = MOE_NEG_INF;
-#pragma unroll
-      for (int q = 0; q < MOE_PER_LANE; ++q) {
-        const int e = q * 32 + lane;
-        v[q] = e < E ? mk_to_f32(logits[(mk_u64)t * E + e]) : MOE_NEG_INF;
-        mx = fmaxf(mx, v[q]);
-      }
-#pragma unroll
-      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      float denom = 0.f;  // softmax over all experts (used when softmax_all)
-#pragma unroll
-      for (int q = 0; q < MOE_PER_LANE; ++q)
-        if (q * 32 + lane < E) denom += __expf(v[q] - mx);
-#pragma unroll
-      for (int o = 16; o; o >>= 1) denom += __shfl_xor_sync(0xffffffffu, denom, o);
-      float my_val = 0.f;
-      int my_id = 0;
-      for (int j = 0; j < k; ++j) {  // k rounds of warp argmax, lowest index on ties
-        float bv = MOE_NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int q = 0; q < MOE_PER_LANE; ++q) {
-          const int e = q * 32 + lane;
-          if (e < E && (v[q] > bv || (v[q] == bv && e < bi))) { bv = v[q]; bi = e; }
-        }
-#pragma unroll
-        for (int o = 16; o; o >>= 1) {
-          const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-          const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-          if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-#pragma unroll
-        for (int q = 0; q < MOE_PER_LANE; ++q)
-          if (q * 32 + lane == bi) v[q] = MOE_NEG_INF;
-        if (lane == j) { my_val = bv; my_id = bi; }
-      }
-      // weights: softmax over the top-k (= softmax over all E, renormalised over the top-k)
-      const float p = lane < k ? __expf(my_val - mx) : 0.f;
-      float psum = p;
-#pragma unroll
-      for (int o = 16; o; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
-      if (lane < k) {
-        ids[(mk_u64)t * k + lane] = my_id;
-        weights[(mk_u64)t * k + lane] = s.softmax_all ? p / denom : p / psum;
-      }
-    }
-    __syncwarp();
     // position among the tile's pairs of the same expert (this warp's part; warps combined below)
     int e = -1;
     if (lane < k) {
@@ -244,15 +149,12 @@ mk_moe_route_tiles(const TL* __restrict__ logits, int* __restrict__ ids, float* 
       if (e < 0 || e >= E) e = -1;
     }
     const unsigned same = __match_any_sync(0xffffffffu, e);
-    int pos = 0;
-    if (e >= 0) {
-      const int before = __popc(same & ((1u << lane) - 1u));
-      pos = cnt[warp][e] + before;
-    }
+    int p = 0;
+    if (e >= 0) p = cnt[warp][e] + __popc(same & ((1u << lane) - 1u));
     __syncwarp();
     if (e >= 0 && (same & ((1u << lane) - 1u)) == 0) cnt[warp][e] += __popc(same);
     __syncwarp();
-    if (lane < k) slots[(mk_u64)t * k + lane] = e >= 0 ? pos : -1;
+    if (lane < k) pos[(mk_u64)t * k + lane] = e >= 0 ? p : -1;
   }
   __syncthreads();
   // warps' counts -> exclusive prefix over warps (in place) and the tile's total
@@ -264,7 +166,7 @@ mk_moe_route_tiles(const TL* __restrict__ logits, int* __restrict__ ids, float* 
       cnt[q][e] = run;
       run += n;
     }
-    tile_cnt[(mk_u64)blockIdx.x * E + e] = run;
+    tile_cnt[e] = run;
   }
   __syncthreads();
   for (int i = 0; i < 32; ++i) {
@@ -272,26 +174,28 @@ mk_moe_route_tiles(const TL* __restrict__ logits, int* __restrict__ ids, float* 
     if (t >= s.T) break;
     if (lane < k) {
       const mk_u64 o = (mk_u64)t * k + lane;
-      const int p = slots[o];
-      const int e = ids[o];
-      if (p >= 0) slots[o] = p + cnt[warp][e];
+      const int p = pos[o];
+      if (p >= 0) pos[o] = p + cnt[warp][ids[o]];
     }
   }
 }
 
-// Block-wide inclusive scan of one int per thread (blockDim <= 1024).
-MK_DEVICE int block_scan(int v, int* sh) {
-  sh[threadIdx.x] = v;
-  __syncthreads();
-  for (int o = 1; o < (int)blockDim.x; o <<= 1) {
-    const int a = threadIdx.x >= (unsigned)o ? sh[threadIdx.x - o] : 0;
-    __syncthreads();
-    sh[threadIdx.x] += a;
-    __syncthreads();
+// ---------------------------------------------------------------------------------------------
+// Routing, launch 1: grid = ceil(T / 256), block 256.  logits [T, E] (or nullptr: ids / weights given)
+// -> ids [T, k], weights [T, k] (fp32); slots[t][j] = position of (t, j) among the tile's pairs of
+// its expert (rewritten by mk_moe_route_slots); tile_cnt[tile][e] = the tile's pairs of expert e.
+// Top-k ties go to the lower expert index.  An id outside [0, E) is dropped (slot -1 in the end).
+extern "C" __global__ void __launch_bounds__(MOE_TILE, 1)
+mk_moe_route_tiles(const TL* __restrict__ logits, int* __restrict__ ids, float* __restrict__ weights,
+                   int* __restrict__ slots, int* __restrict__ tile_cnt, MoeShape s) {
+  __shared__ int cnt[MOE_TILE / 32][MOE_MAX_E];
+  const int t_tile = blockIdx.x * MOE_TILE;
+  if (logits != nullptr) {  // each warp its 32 tokens of the tile (the ones it reads back below)
+    const int t0 = t_tile + (threadIdx.x >> 5) * 32;
+    for (int i = 0; i < 32 && t0 + i < s.T; ++i) moe_topk_token(logits, ids, weights, t0 + i, s);
+    __syncwarp();
   }
-  const int r = sh[threadIdx.x];
-  __syncthreads();
-  return r;
+  moe_tile_positions(ids, slots, tile_cnt + (mk_u64)blockIdx.x * s.E, t_tile, s, cnt);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -423,6 +327,114 @@ mk_moe_dispatch(MkComm c, const char* __restrict__ x, const int* __restrict__ id
     const int src = (int)(v / Tk), t = (int)((v % Tk) / k);
     const char* from = src == me ? x + (mk_u64)t * RB : w.base + L.stage_off + ((mk_u64)src * s.T + t) * RB;
     mk_copy(x_recv + (mk_u64)r * RB, from, RB, lane, 32);
+  }
+  moe_finish(w, ep);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Low-latency dispatch (cooperative; blocks of MOE_TILE threads, grid >= P; T <= MOE_TILE; dropless):
+// routing and dispatch in one kernel, with the slot order of the throughput path (docs/moe.md,
+// "Low-latency mode").  Workspace (moe/layout.py low_latency_layout): ids_all [P][T][k] int32 (row s
+// written by rank s), this rank's scratch pos [P][T][k] and cnt [P][E] int32, staging rows [P][T].
+//   (1) a warp per token: top-k (logits; else ids / weights were copied in), the token's ids row into
+//       every rank's ids_all[me], its row once into the staging [me][t] of every other rank it goes to;
+//   (2) ready[me][block] at every rank, wait for every rank's blocks (every rank's ids are here);
+//   (3) block s < P: the positions of source s's pairs among its pairs of each expert (one routing
+//       tile: moe_tile_positions) and its counts per expert, then the local flag ready[me][grid + s];
+//   (4) every block, once the P local flags are up: each expert's start in its owner's buffer (prefix
+//       over the owner's experts of the counts of every source), this rank's expert_offsets and slots,
+//       and the expansion x_recv[r] = staging[s][t] (own rows from x), recv_map[r], for every pair of
+//       every source that chose one of this rank's experts.
+extern "C" __global__ void __launch_bounds__(MOE_TILE, 1)
+mk_moe_dispatch_ll(MkComm c, const TL* __restrict__ logits, const char* __restrict__ x, int* __restrict__ ids,
+                   float* __restrict__ weights, int* __restrict__ slots, int* __restrict__ expert_offsets,
+                   char* __restrict__ x_recv, int* __restrict__ recv_map, char* ws, const mk_u64* __restrict__ peers,
+                   MoeLayout L, MoeShape s) {
+  __shared__ int cnt[MOE_TILE / 32][MOE_MAX_E];  // (3): positions; (4): start[e] in cnt[0]
+  const MoeWs w = moe_ws(c, ws, peers, L);
+  const mk_u64 ep = moe_begin(c, w);
+  const MoeWarps pool;
+  const int lane = pool.lane, warps = pool.warps, gw = pool.gw, k = s.k, me = w.me, P = w.P, E = s.E;
+  const mk_u64 RB = L.row_bytes, Tk = (mk_u64)s.T * k;
+  const int G = (int)gridDim.x;
+  int* ids_all = (int*)(w.base + L.counts_off);
+  int* pos_all = (int*)(w.base + L.scratch_off);
+  int* cnt_all = pos_all + (mk_u64)P * Tk;
+  if (!moe_wait_consumed(c, w, ep)) return;
+  // (1)
+  for (int t = gw; t < s.T; t += warps) {  // (warp-uniform)
+    if (logits != nullptr) {
+      moe_topk_token(logits, ids, weights, t, s);
+      __syncwarp();
+    }
+    int d = -1;
+    if (lane < k) {
+      const int e = ids[(mk_u64)t * k + lane];
+      if (e >= 0 && e < E) d = e / s.El;
+      for (int j = 0; j < P; ++j) ((int*)(w.peer(j) + L.counts_off))[(mk_u64)me * Tk + (mk_u64)t * k + lane] = e;
+    }
+    unsigned todo = __ballot_sync(0xffffffffu, d >= 0 && d != me);
+    while (todo) {
+      const int dst = __shfl_sync(0xffffffffu, d, __ffs(todo) - 1);
+      todo &= ~__ballot_sync(0xffffffffu, d == dst);
+      mk_copy(w.peer(dst) + L.stage_off + ((mk_u64)me * s.T + t) * RB, x + (mk_u64)t * RB, RB, lane, 32);
+    }
+  }
+  // (2)
+  moe_raise_ready(w, ep, true);
+  if (!moe_wait_ready(c, w, ep, true)) return;
+  // (3)
+  if ((int)blockIdx.x < P) {
+    const int src = blockIdx.x;
+    moe_tile_positions(ids_all + (mk_u64)src * Tk, pos_all + (mk_u64)src * Tk, cnt_all + (mk_u64)src * E, 0, s, cnt);
+    __syncthreads();
+    if (threadIdx.x == 0) mk_signal_set(w.ready(me, G + src), ep);
+  }
+  // (4)
+  int ok = 1;
+  if ((int)threadIdx.x < P)
+    ok = mk_wait_geq(c, w.ready(me, G + threadIdx.x), ep, MK_LOCAL_PEER(me), w.flag_idx(me, G + threadIdx.x));
+  if (!__syncthreads_and(ok)) return;
+  int* start = cnt[0];
+  if ((int)threadIdx.x < P) {  // thread d: the starts of owner d's experts (a prefix over them)
+    int run = 0;
+    for (int e = threadIdx.x * s.El; e < (int)(threadIdx.x + 1) * s.El; ++e) {
+      start[e] = run;
+      for (int j = 0; j < P; ++j) run += __ldcg(cnt_all + (mk_u64)j * E + e);
+    }
+    if ((int)threadIdx.x == me && blockIdx.x == 0) expert_offsets[s.El] = min(run, s.r_cap);
+  }
+  __syncthreads();
+  if (blockIdx.x == 0)
+    for (int l = threadIdx.x; l < s.El; l += blockDim.x) expert_offsets[l] = min(start[me * s.El + l], s.r_cap);
+  // the row of source src's pair i (expert e) in e's owner's buffer; -1 past its r_cap rows (only
+  // possible with repeated given ids: otherwise r_cap = P * T * min(k, El) holds every pair)
+  auto row_of = [&](int src, mk_u64 i, int e) {
+    int r = start[e] + __ldcg(pos_all + (mk_u64)src * Tk + i);
+    for (int j = 0; j < src; ++j) r += __ldcg(cnt_all + (mk_u64)j * E + e);
+    return r < s.r_cap ? r : -1;
+  };
+  for (mk_u64 i = (mk_u64)blockIdx.x * blockDim.x + threadIdx.x; i < Tk; i += (mk_u64)G * blockDim.x) {
+    const int e = __ldcg(ids + i);
+    slots[i] = (e >= 0 && e < E) ? row_of(me, i, e) : -1;
+  }
+  for (int q = gw; q < P * s.T; q += warps) {  // (warp-uniform) a warp per (source, token)
+    const int src = q / s.T, t = q % s.T;
+    const mk_u64 i = (mk_u64)t * k + lane;
+    int r = -1;
+    if (lane < k) {
+      const int e = __ldcg(ids_all + (mk_u64)src * Tk + i);
+      if (e >= 0 && e < E && e / s.El == me) r = row_of(src, i, e);
+    }
+    const char* from = src == me ? x + (mk_u64)t * RB : w.base + L.stage_off + ((mk_u64)src * s.T + t) * RB;
+    unsigned todo = __ballot_sync(0xffffffffu, r >= 0);
+    while (todo) {
+      const int j = __ffs(todo) - 1;
+      todo &= todo - 1;
+      const int rj = __shfl_sync(0xffffffffu, r, j);
+      if (lane == 0) recv_map[rj] = (int)((mk_u64)src * Tk + (mk_u64)t * k + j);
+      mk_copy(x_recv + (mk_u64)rj * RB, from, RB, lane, 32);
+    }
   }
   moe_finish(w, ep);
 }

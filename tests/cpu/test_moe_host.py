@@ -17,7 +17,8 @@ from mkernel.ops.moe import reference as ref
 ARCH = "sm_90a"
 SPECS = [(s, d) for s, d in CP.registered_specializations() if s == ML.SOURCE]
 KERNELS = ("mk_moe_route_tiles", "mk_moe_route_exchange", "mk_moe_route_slots", "mk_moe_dispatch", "mk_moe_combine",
-           "mk_moe_swiglu")
+           "mk_moe_swiglu", "mk_moe_dispatch_ll")
+FUSED_SPECS = [(s, d) for s, d in CP.registered_specializations() if s == ML.FUSED_SOURCE]
 LIMITS = {"mk_moe_route_exchange": ML.EXCHANGE_THREADS, "mk_moe_route_tiles": ML.TILE}
 
 
@@ -154,3 +155,93 @@ def test_combine_and_layer_reference_agree():
     b = ref.layer_reference(xs, ids, ws, [l["slots"] for l in lay], wg, wd)
     for d in range(P):
         np.testing.assert_allclose(a[d], b[d], rtol=1e-12, atol=1e-12)
+
+
+# ---- the fused dispatch + GEMM kernel and low-latency mode ------------------------------------------
+def test_fused_specializations_registered():
+    from mkernel.ops import gemm as G
+    from mkernel.ops.moe.options import FUSED_CONFIGS
+
+    want = {(G.DTYPE_CODES[dt], c) for dt in G.IN_DTYPES for c in FUSED_CONFIGS}
+    assert {(d["MK_GEMM_IN"], d["MK_GEMM_CONFIG"]) for _, d in FUSED_SPECS} == want
+
+
+@pytest.mark.parametrize("source,defines", FUSED_SPECS, ids=[
+    f"in{d['MK_GEMM_IN']}-cfg{d['MK_GEMM_CONFIG']}" for _, d in FUSED_SPECS])
+def test_fused_compiles_clean(source, defines):
+    """mk_moe_dispatch_gemm: no spills, no stack, no ptxas warnings, registers within one block per SM."""
+    from mkernel.ops import gemm as G
+
+    mod = CP.compile_module(source, defines, arch=ARCH)
+    u = mod.resource_usage["mk_moe_dispatch_gemm"]
+    assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 and u.get("stack", 0) == 0, u
+    assert u["registers"] * G.CONFIGS[defines["MK_GEMM_CONFIG"]].threads <= 65536, u
+    warnings = [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)]
+    assert not warnings, "ptxas warnings:\n" + "\n".join(warnings)
+
+
+@pytest.mark.parametrize("bad", [dict(mode="fast"), dict(mode="low_latency", fused=True),
+                                 dict(mode="low_latency", expert_capacity=4), dict(mode="low_latency", recv_rows=8),
+                                 dict(mode="low_latency", capacity_factor=1.5), dict(fused=1), dict(comm_blocks=-1),
+                                 dict(comm_blocks=True), dict(gemm_config=0), dict(gemm_config=6)])
+def test_bad_new_options(bad):
+    with pytest.raises(ValueError):
+        MoeOptions(**bad).checked()
+
+
+def test_good_new_options():
+    for o in (MoeOptions(mode="low_latency"), MoeOptions(fused=True, comm_blocks=4, gemm_config=2)):
+        assert o.checked() is o
+
+
+@pytest.mark.parametrize("bm", [64, 128])
+def test_arrival_counter_indices_unique_and_in_range(bm):
+    """idx(l, b) = l + o[l] // bm + b over every row block of every expert: distinct and below
+    arrived_slots (random, empty and full experts; offsets clamped to r_cap as the routing clamps them)."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        El = int(rng.integers(1, 9))
+        r_cap = int(rng.integers(1, 1200))
+        sizes = rng.integers(0, 400, El) * (rng.random(El) < 0.7)
+        o = np.minimum(np.concatenate([[0], np.cumsum(sizes)]), r_cap)
+        seen = set()
+        for l in range(El):
+            n = int(o[l + 1] - o[l])
+            for b in range(-(-n // bm)):
+                i = l + int(o[l]) // bm + b
+                assert i not in seen
+                seen.add(i)
+                assert i < ML.arrived_slots(El, r_cap, bm)
+
+
+def test_fused_grid_within_the_share():
+    for sms in (2, 3, 66, 132):
+        for cb in (0, 1, 5, 1000):
+            comm, workers = ML.fused_grid(sms, MoeOptions(comm_blocks=cb))
+            assert comm >= 1 and workers >= 1 and comm + workers == sms
+    assert ML.fused_grid(132, MoeOptions()) == (16, 116)
+    assert ML.fused_config(4096, MoeOptions()) == 3 and ML.fused_config(256, MoeOptions()) == 2
+    assert ML.fused_config(4096, MoeOptions(gemm_config=1)) == 1
+
+
+@pytest.mark.parametrize("P", [1, 2, 8])
+def test_low_latency_layout(P):
+    """Regions in order and disjoint; control words where every other MoE workspace has them; the grid
+    holds a layout block per source and its local flags (grid + P) fit the flag row."""
+    T, k, E, rb = 256, 8, 64 * P, 7168 * 2
+    L, total = ML.low_latency_layout(P, T, k, E, rb)
+    c, f, end = workspace_control(P, P)
+    assert (L.consumed_off, L.flags_off) == (c, f) and L.counts_off >= end
+    assert L.scratch_off >= L.counts_off + 4 * P * T * k
+    assert L.stage_off >= L.scratch_off + 4 * (P * T * k + P * E)
+    assert total == L.stage_off + P * T * rb and L.stage_off % 16 == 0
+    for sms in (P, 66, 132):
+        for blocks in (0, 1, 4096):
+            g = ML.low_latency_grid(P, T, sms, blocks)
+            assert P <= g <= max(P, sms) and g + P <= ML.MAX_CHUNKS
+
+
+def test_moe_gemm_args_size():
+    """MoeGemmArgs mirrors moe_gemm.cu's struct (the kernel static_asserts 112 bytes)."""
+    assert ctypes.sizeof(ML.MoeGemmArgs) == 112
+    assert ML.MoeGemmArgs.ldc.offset == 80 and ML.MoeGemmArgs.N.offset == 88

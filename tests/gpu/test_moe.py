@@ -193,9 +193,18 @@ def test_capacity_drops_deterministically(ctx, shared_rng):
     _check_layout(R, ids, E, me, capacity=37)
 
 
+LAYER_PATHS = {"unfused": MoeOptions(), "fused": MoeOptions(fused=True),
+               "low_latency": MoeOptions(mode="low_latency")}
+
+
+@pytest.mark.parametrize("path", list(LAYER_PATHS))
 @pytest.mark.parametrize("T,k,E_local,H,F", [(300, 2, 4, 256, 128), (129, 8, 8, 512, 256)])
-def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F):
+def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
+    """The layer on each path (unfused, fused dispatch + gate/up GEMM, low-latency dispatch) against float64."""
     P, me = ctx.local_size, ctx.local_rank
+    opts = LAYER_PATHS[path]
+    if path == "low_latency" and T > 256:
+        pytest.skip("low-latency mode takes <= 256 tokens per rank")
     E = E_local * P
     logits = [shared_rng.standard_normal((T, E)).astype(np.float32) for _ in range(P)]
     xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
@@ -203,7 +212,7 @@ def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F):
     wds = [upload(shared_rng.standard_normal((E_local, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
     out = poisoned((T, H), "bfloat16")
     o, R = mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k,
-                             out=out)
+                             out=out, options=opts)
     ctx.synchronize()
     ids = [ref.topk_reference(l, k)[0] for l in logits]
     wts = [ref.topk_reference(l, k)[1] for l in logits]
@@ -216,6 +225,175 @@ def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F):
     err = np.abs(got - want).max()
     assert not np.isnan(got).any()
     assert err <= 2.0 ** -5 * np.abs(want).max(), err
+
+
+@pytest.mark.parametrize("T,k,E_local,mode,H,F2", [(1000, 8, 4, "random", 256, 264), (333, 1, 3, "random", 136, 128),
+                                                   (517, 2, 4, "one_expert", 512, 520), (300, 2, 2, "rank0_only", 64, 96),
+                                                   (0, 2, 2, "random", 128, 128), (70, 8, 8, "random", 192, 4096)])
+def test_dispatch_gemm_against_float64(ctx, shared_rng, T, k, E_local, mode, H, F2):
+    """mkernel.moe_dispatch_gemm: x_recv and recv_map exactly as moe_dispatch's, h = x_recv @ w[l].T within
+    bf16 rounding of an fp32 sum (2**-7 of the row scale); shapes not multiples of the 128-row blocks."""
+    P, me = ctx.local_size, ctx.local_rank
+    E = E_local * P
+    if k > E:
+        pytest.skip("k > E")
+    R, ids, ws = _route_given(ctx, shared_rng, T, k, E, mode)
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    wg, wgv = upload(shared_rng.standard_normal((E_local, F2, H)) / np.sqrt(H), "bfloat16")
+    xr = poisoned((R.recv_rows, H), "bfloat16")
+    h = poisoned((R.recv_rows, F2), "bfloat16")
+    got_h, got_xr = mkernel.moe_dispatch_gemm(ctx, xs[me][0], R, wg, h, x_recv=xr)
+    _sync_stage(ctx, "moe_dispatch_gemm (mk_moe_dispatch_gemm)")
+    assert got_h is h and got_xr is xr
+    lay = _check_layout(R, ids, E, me)
+    o = lay[me]["expert_offsets"]
+    n = int(o[-1])
+    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
+    xrv = ref.dispatch_reference([x[1] for x in xs], lay, k)[me]
+    np.testing.assert_array_equal(download(xr)[:n], xrv)
+    want = np.zeros((n, F2))
+    for l in range(E_local):
+        want[o[l]:o[l + 1]] = xrv[o[l]:o[l + 1]].astype(np.float64) @ wgv[l].astype(np.float64).T
+    got = download(h)[:n]
+    assert not np.isnan(got).any()
+    if n:
+        assert np.abs(got - want).max() <= 2.0 ** -7 * np.abs(want).max() + 1e-6
+
+
+def test_dispatch_gemm_back_to_back(ctx, shared_rng):
+    """200 fused calls with changing routings (arrival counters re-zeroed, epochs and staging handshakes
+    across calls); every 50th checked."""
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E_local, H, F2 = 150, 2, 3, 128, 256
+    E = E_local * P
+    R = mkernel.MoeRouting.empty(ctx, T, k, E)
+    h = DeviceArray.empty((R.recv_rows, F2), "bfloat16")
+    wg, wgv = upload(shared_rng.standard_normal((E_local, F2, H)) / np.sqrt(H), "bfloat16")
+    ones = DeviceArray.from_numpy(np.ones((T, k), np.float32))
+    for it in range(200):
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+        mkernel.moe_route(ctx, topk_ids=DeviceArray.from_numpy(ids[me]), topk_weights=ones, num_experts=E, out=R)
+        _, xr = mkernel.moe_dispatch_gemm(ctx, xs[me][0], R, wg, h)
+        if it % 50 == 0:
+            ctx.synchronize()
+            lay = ref.layout_reference(ids, E)
+            n = int(lay[me]["expert_offsets"][-1])
+            np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+    ctx.synchronize()
+
+
+LL = MoeOptions(mode="low_latency")
+
+
+@pytest.mark.parametrize("T,k,E_local,mode", [(256, 8, 4, "random"), (128, 8, 32, "random"), (77, 1, 3, "random"),
+                                              (200, 2, 4, "one_expert"), (100, 2, 2, "rank0_only"), (0, 2, 2, "random")])
+def test_low_latency_dispatch_given_ids(ctx, shared_rng, T, k, E_local, mode):
+    """Low-latency dispatch (routing + dispatch in one kernel): the routing, x_recv and recv_map equal the
+    throughput path's reference exactly; combine on its routing as in throughput mode."""
+    P, me = ctx.local_size, ctx.local_rank
+    E = E_local * P
+    if k > E:
+        pytest.skip("k > E")
+    ids = _ids(shared_rng, P, T, k, E, mode)
+    ws = [shared_rng.random((T, k)).astype(np.float32) for _ in range(P)]
+    H = 136
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    R = mkernel.MoeRouting.empty(ctx, T, k, E, LL)
+    xr = poisoned((R.recv_rows, H), "bfloat16")
+    mkernel.moe_dispatch(ctx, xs[me][0], R, xr, topk_ids=DeviceArray.from_numpy(ids[me]),
+                         topk_weights=DeviceArray.from_numpy(ws[me]), options=LL)
+    _sync_stage(ctx, "moe_dispatch low-latency (mk_moe_dispatch_ll)")
+    lay = _check_layout(R, ids, E, me)
+    n = int(lay[me]["expert_offsets"][-1])
+    np.testing.assert_array_equal(R.ids.to_numpy(), ids[me])
+    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
+    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+    ys = [upload(shared_rng.standard_normal((R.recv_rows, H)), "bfloat16") for _ in range(P)]
+    out = poisoned((T, H), "float32")
+    mkernel.moe_combine(ctx, ys[me][0], R, out, options=LL)
+    ctx.synchronize()
+    want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
+    got = download(out)
+    assert got.shape == want.shape and not np.isnan(got).any()
+    if T:
+        assert np.abs(got - want).max() <= 2.0 ** -20 * (np.abs(want).max() + k * np.abs(ys[0][1]).max()) + 1e-6
+
+
+@pytest.mark.parametrize("ldt", ["float32", "bfloat16"])
+def test_low_latency_routes_from_logits(ctx, shared_rng, ldt):
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E, H = 128, 8, 16 * P, 7168
+    logits = [upload(shared_rng.standard_normal((T, E)), ldt) for _ in range(P)]
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    R = mkernel.MoeRouting.empty(ctx, T, k, E, LL)
+    xr = mkernel.moe_dispatch(ctx, xs[me][0], R, logits=logits[me][0], options=LL)
+    ctx.synchronize()
+    ids, w = ref.topk_reference(logits[me][1], k)
+    np.testing.assert_array_equal(R.ids.to_numpy(), ids)
+    np.testing.assert_allclose(R.weights.to_numpy(), w, rtol=1e-5, atol=1e-6)
+    all_ids = [ref.topk_reference(l[1], k)[0] for l in logits]
+    lay = _check_layout(R, all_ids, E, me)
+    n = int(lay[me]["expert_offsets"][-1])
+    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+
+
+def test_low_latency_graph_replay_and_back_to_back(ctx, shared_rng):
+    """Low-latency dispatch + combine captured once into a CUDA graph, replayed with fresh ids and rows;
+    then 500 eager calls with changing routings (every 100th checked)."""
+    from cuda.bindings import driver as cu
+    from mkernel.core.driver import check
+
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E, H = 128, 2, 4 * P, 128
+    R = mkernel.MoeRouting.empty(ctx, T, k, E, LL)
+    xr = DeviceArray.empty((R.recv_rows, H), "bfloat16")
+    out = DeviceArray.empty((T, H), "float32")
+    ids_d = DeviceArray.empty((T, k), "int32")
+    w_d = DeviceArray.from_numpy(np.ones((T, k), np.float32))
+    x_d = DeviceArray.empty((T, H), "bfloat16")
+    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    hs = int(s)
+
+    def seq():
+        mkernel.moe_dispatch(ctx, x_d, R, xr, topk_ids=ids_d, topk_weights=w_d, stream=hs, options=LL)
+        mkernel.moe_combine(ctx, xr, R, out, stream=hs, options=LL)
+
+    def fill():
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        x, xv = upload(shared_rng.standard_normal((T, H)), "bfloat16")
+        src = DeviceArray.from_numpy(ids[me])
+        check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
+        check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
+        return xv
+    _replay(ctx, s, seq, fill, lambda xv: np.testing.assert_array_equal(download(out), k * xv))
+    for it in range(500):
+        xv = fill()
+        seq()
+        if it % 100 == 0:
+            ctx.synchronize(hs)
+            np.testing.assert_array_equal(download(out), k * xv)
+    ctx.synchronize(hs)
+
+
+def test_new_paths_bad_inputs(ctx):
+    P = ctx.local_size
+    E = 4 * P
+    with pytest.raises(ValueError, match="at most 256"):
+        mkernel.MoeRouting.empty(ctx, 300, 2, E, LL)
+    R = mkernel.MoeRouting.empty(ctx, 10, 2, E, LL)
+    x = DeviceArray.empty((10, 64), "bfloat16")
+    with pytest.raises(ValueError, match="low-latency mode routes"):
+        mkernel.moe_dispatch(ctx, x, R, options=LL)
+    with pytest.raises(ValueError, match="low-latency mode routes inside"):
+        mkernel.moe_route(ctx, DeviceArray.empty((10, E), "float32"), k=2, options=LL)
+    with pytest.raises(ValueError, match="throughput-mode path"):
+        mkernel.moe_dispatch_gemm(ctx, x, R, DeviceArray.empty((E // P, 64, 64), "bfloat16"), options=LL)
+    Rt = mkernel.MoeRouting.empty(ctx, 10, 2, E)
+    with pytest.raises(ValueError):  # w_gate_up's H differs from x's
+        mkernel.moe_dispatch_gemm(ctx, x, Rt, DeviceArray.empty((E // P, 64, 32), "bfloat16"))
+    with pytest.raises(ValueError, match="low-latency mode"):
+        mkernel.moe_dispatch(ctx, x, Rt, logits=DeviceArray.empty((10, E), "float32"))
 
 
 def test_back_to_back_changing_routings(ctx, shared_rng):
@@ -237,6 +415,30 @@ def test_back_to_back_changing_routings(ctx, shared_rng):
             ctx.synchronize()
             np.testing.assert_array_equal(download(out), k * xv)
     ctx.synchronize()
+
+
+def _replay(ctx, s, seq, fill, check_out, n: int = 5):
+    """Run ``seq`` on stream ``s`` once, capture it into a CUDA graph, then ``n`` times: ``fill()`` fresh
+    inputs, replay, ``check_out(fill's result)``."""
+    from cuda.bindings import driver as cu
+    from mkernel.core.driver import check
+
+    fill()
+    seq()
+    ctx.synchronize()
+    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    seq()
+    g = check(cu.cuStreamEndCapture(s))
+    ge = check(cu.cuGraphInstantiate(g, 0))
+    for _ in range(n):
+        v = fill()
+        ctx.synchronize()
+        ctx.world.Barrier()
+        check(cu.cuGraphLaunch(ge, s))
+        ctx.synchronize(int(s))
+        check_out(v)
+    check(cu.cuGraphExecDestroy(ge))
+    check(cu.cuGraphDestroy(g))
 
 
 def test_graph_replay(ctx, shared_rng):
@@ -266,22 +468,7 @@ def test_graph_replay(ctx, shared_rng):
         check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
         check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
         return xv
-    fill()
-    seq()
-    ctx.synchronize()
-    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
-    seq()
-    g = check(cu.cuStreamEndCapture(s))
-    ge = check(cu.cuGraphInstantiate(g, 0))
-    for _ in range(5):
-        xv = fill()
-        ctx.synchronize()
-        ctx.world.Barrier()
-        check(cu.cuGraphLaunch(ge, s))
-        ctx.synchronize(hs)
-        np.testing.assert_array_equal(download(out), k * xv)
-    check(cu.cuGraphExecDestroy(ge))
-    check(cu.cuGraphDestroy(g))
+    _replay(ctx, s, seq, fill, lambda xv: np.testing.assert_array_equal(download(out), k * xv))
 
 
 def test_bad_inputs_raise_before_launch(ctx):

@@ -1,8 +1,10 @@
 """MoE expert parallelism on one node: routing, dispatch, combine and the layer: docs/moe.md."""
 from .layout import MoeLayout, MoeShape
-from .op import MoePlan, MoeRouting, moe_combine, moe_dispatch, moe_layer, moe_route
+from .op import MoePlan, MoeRouting, moe_combine, moe_dispatch, moe_route
+from .fused import moe_dispatch_gemm
+from .layer import moe_layer
 from .options import MoeOptions
 from . import reference
 
-__all__ = ["moe_route", "moe_dispatch", "moe_combine", "moe_layer", "MoeRouting", "MoeOptions", "MoePlan",
+__all__ = ["moe_route", "moe_dispatch", "moe_combine", "moe_layer", "moe_dispatch_gemm", "MoeRouting", "MoeOptions", "MoePlan",
            "MoeLayout", "MoeShape", "reference"]

@@ -9,10 +9,11 @@ from ...core.util import ceil_div, round_up
 from ...dist.signals import MAX_CHUNKS, workspace_control
 from .options import MoeOptions
 
-__all__ = ["SOURCE", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
-           "make_shape", "route_layout", "dispatch_layout", "combine_layout", "kernel_defines", "SPECIALIZATIONS"]
+__all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots", "fused_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
+           "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS"]
 
 SOURCE = "ops/moe.cu"
+FUSED_SOURCE = "ops/moe_gemm.cu"  # dispatch + gate/up grouped GEMM (compiled with the GEMM's config defines)
 TILE = 256          # tokens per routing tile (moe.cu MOE_TILE)
 MAX_EXPERTS = 1024  # moe.cu MOE_MAX_E
 MAX_K = 32          # moe.cu MOE_MAX_K (one lane per choice)
@@ -104,6 +105,24 @@ def dispatch_layout(P: int, T: int, row_bytes: int, r_cap: int) -> tuple[MoeLayo
     return L, L.stage_off + P * T * row_bytes
 
 
+def low_latency_layout(P: int, T: int, k: int, E: int, row_bytes: int) -> tuple[MoeLayout, int]:
+    """(layout, bytes) of the low-latency dispatch workspace: control, int32 ids_all[P][T][k] (row s written
+    by rank s), this rank's scratch int32 pos[P][T][k] and cnt[P][E], staging rows [P][T] of ``row_bytes``."""
+    L, off = _control(P)
+    L.counts_off = off
+    L.scratch_off = round_up(off + 4 * P * T * k, 256)
+    L.stage_off = round_up(L.scratch_off + 4 * (P * T * k + P * E), 256)
+    L.row_bytes = row_bytes
+    return L, L.stage_off + P * T * row_bytes
+
+
+def low_latency_grid(P: int, T: int, resident_sms: int, blocks: int) -> int:
+    """Blocks of the low-latency dispatch: ``blocks`` or one per 8 (source, token) warps of the expansion,
+    at least P (block s < P lays out source s), at most this rank's SM share."""
+    g = blocks or ceil_div(max(1, P * T), THREADS // 32)
+    return max(P, min(g, resident_sms, MAX_CHUNKS - P))
+
+
 def combine_layout(P: int, T: int, k: int, row_bytes: int) -> tuple[MoeLayout, int]:
     """(layout, bytes) of the combine workspace: control, staging rows [T * k] of ``row_bytes`` (row
     t * k + j: the expert output of this rank's pair (t, j), written by the rank holding the expert)."""
@@ -111,3 +130,40 @@ def combine_layout(P: int, T: int, k: int, row_bytes: int) -> tuple[MoeLayout, i
     L.counts_off = L.scratch_off = L.stage_off = off
     L.row_bytes = row_bytes
     return L, L.stage_off + T * k * row_bytes
+
+
+class MoeGemmArgs(ctypes.Structure):
+    """``struct MoeGemmArgs`` of moe_gemm.cu (112 bytes)."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("slots", ctypes.c_void_p),
+                ("offs", ctypes.c_void_p), ("x_recv", ctypes.c_void_p), ("recv_map", ctypes.c_void_p),
+                ("c", ctypes.c_void_p), ("ws", ctypes.c_void_p), ("peers", ctypes.c_void_p),
+                ("arrived", ctypes.c_void_p), ("ldc", ctypes.c_int64), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
+                ("n_comm", ctypes.c_int32), ("group_m", ctypes.c_int32), ("c_vec_ok", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(MoeGemmArgs) == 112
+
+
+def arrived_slots(El: int, r_cap: int, bm: int) -> int:
+    """Arrival counters of the fused kernel: one per (local expert l, row block b) at index
+    ``l + o[l] // bm + b`` (moe_gemm.cu), all below ``El + r_cap // bm + 1``."""
+    return El + r_cap // bm + 1
+
+
+def fused_config(N: int, options: MoeOptions) -> int:
+    """The fused kernel's GEMM tile config: ``options.gemm_config``, else 128 x 256 tiles (config 3) for
+    N = 2F > 256, 128 x 128 (config 2) below."""
+    if options.gemm_config is not None:
+        return options.gemm_config
+    return 3 if N > 256 else 2
+
+
+def fused_grid(resident_sms: int, options: MoeOptions) -> tuple[int, int]:
+    """(communication blocks, GEMM workers) of the fused kernel within this rank's share of the SMs: one
+    block per SM; ``options.comm_blocks`` or an eighth of the share (at least 1) communicate, and at least
+    one block is a GEMM worker (``resident_sms`` >= 2)."""
+    n = resident_sms
+    comm = min(options.comm_blocks or max(1, n // 8), n - 1)
+    return comm, n - comm

@@ -19,23 +19,23 @@ from ...core.driver import check
 from ...core.interop import as_device_array, require
 from ...core.util import ceil_div
 from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once
-from ..gemm import grouped_gemm
 from .layout import (EXCHANGE_THREADS, MAX_EXPERTS, MAX_K, SOURCE, SPECIALIZATIONS, THREADS, TILE, combine_layout,
-                     dispatch_layout, kernel_defines, make_shape, route_layout)
-from .options import MoeOptions
+                     dispatch_layout, kernel_defines, low_latency_grid, low_latency_layout, make_shape, route_layout)
+from .options import LOW_LATENCY_MAX_TOKENS, MoeOptions
 
-__all__ = ["MoeRouting", "MoePlan", "moe_route", "moe_dispatch", "moe_combine", "moe_layer"]
+__all__ = ["MoeRouting", "MoePlan", "moe_route", "moe_dispatch", "moe_combine", "moe_options", "one_node",
+           "routing_arg", "DATA_DTYPES", "DTYPEDTYPE_CODES"]
 
 for _d, _o, _l in SPECIALIZATIONS:
     register_specialization(SOURCE, {"MK_DTYPE": _d, "MK_OUT_DTYPE": _o, "MK_LOGIT_DTYPE": _l})
 
 _DEFAULT = MoeOptions()
-_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
+DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
 DATA_DTYPES = ("bfloat16", "float16", "float32")
 LOGIT_DTYPES = ("bfloat16", "float32")
 
 
-def _options(options, what: str) -> MoeOptions:
+def moe_options(options, what: str) -> MoeOptions:
     o = _DEFAULT if options is None else options
     if o is not _DEFAULT:
         if not isinstance(o, MoeOptions):
@@ -44,7 +44,7 @@ def _options(options, what: str) -> MoeOptions:
     return o
 
 
-def _one_node(ctx, what: str) -> None:
+def one_node(ctx, what: str) -> None:
     if ctx.num_nodes != 1:
         raise ValueError(f"{what}: expert parallelism across nodes is not implemented yet (this context has "
                          f"{ctx.num_nodes} nodes); docs/moe.md")
@@ -65,10 +65,13 @@ class MoeRouting:
     :meth:`empty` to reuse across calls (``out=``; needed inside CUDA-graph captures)."""
 
     def __init__(self, ctx, T: int, k: int, E: int, options: MoeOptions | None = None):
-        opts = _options(options, "mkernel.MoeRouting")
+        opts = moe_options(options, "mkernel.MoeRouting")
         P = ctx.local_size
         self.T, self.k, self.E, self.P = int(T), int(k), int(E), P
-        _check_sizes("mkernel.MoeRouting", P, self.T, self.k, self.E)
+        check_sizes("mkernel.MoeRouting", P, self.T, self.k, self.E)
+        if opts.mode == "low_latency" and self.T > LOW_LATENCY_MAX_TOKENS:
+            raise ValueError(f"mkernel.MoeRouting: low-latency mode takes at most {LOW_LATENCY_MAX_TOKENS} tokens per "
+                             f"rank, got T={self.T}")
         shape = make_shape(P, self.T, 0, self.k, self.E, opts)
         self.E_local, self.capacity, self.recv_rows = shape.El, shape.capacity, shape.r_cap
         self.options = opts
@@ -86,14 +89,15 @@ class MoeRouting:
 
     @property
     def _key(self) -> tuple:
-        return (self.T, self.k, self.E, self.P, self.capacity, self.recv_rows, self.options.softmax, self.ids.device)
+        return (self.T, self.k, self.E, self.P, self.capacity, self.recv_rows, self.options.softmax, self.options.mode,
+                self.ids.device)
 
     def __repr__(self):
         return (f"MoeRouting(T={self.T}, k={self.k}, E={self.E}, P={self.P}, capacity={self.capacity}, "
                 f"recv_rows={self.recv_rows})")
 
 
-def _check_sizes(what: str, P: int, T: int, k: int, E: int) -> None:
+def check_sizes(what: str, P: int, T: int, k: int, E: int) -> None:
     if not 0 < E <= MAX_EXPERTS or E % P:
         raise ValueError(f"{what}: the number of experts ({E}) must be in [1, {MAX_EXPERTS}] and a multiple of the "
                          f"number of local ranks ({P})")
@@ -125,6 +129,16 @@ def _memcpy(dst: int, src: int, n: int, stream: int) -> None:
         check(cu.cuMemcpyAsync(cu.CUdeviceptr(dst), cu.CUdeviceptr(src), n, cu.CUstream(stream)))
 
 
+def _copy_given(R: MoeRouting):
+    """A bound call's ``pre``: the given ids / weights become the routing's own (kept for combine)."""
+    n = R.T * R.k * 4
+
+    def pre(stream, c):
+        _memcpy(c.routing.ids.ptr, c.ids.ptr, n, stream)
+        _memcpy(c.routing.weights.ptr, c.weights.ptr, n, stream)
+    return pre
+
+
 def _cooperative_grid(ctx, k, options: MoeOptions, what: str) -> int:
     if k.max_active_blocks_per_sm(THREADS) < 1:
         raise RuntimeError(f"{what}: the kernel cannot be resident")
@@ -148,7 +162,7 @@ class _Launches(BoundCall):
 
 
 class _Call:
-    __slots__ = ("key", "stream", "logits", "ids", "weights", "routing", "x", "o", "options", "sig")
+    __slots__ = ("key", "stream", "logits", "ids", "weights", "routing", "x", "o", "options", "sig", "grid")
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,7 +175,10 @@ class _Route(Op):
     def __call__(self, ctx, logits, topk_ids, topk_weights, k, num_experts, out, stream, options):
         ctx.check()
         s = as_stream(stream)
-        opts = _options(options, self.what)
+        opts = moe_options(options, self.what)
+        if opts.mode == "low_latency" or (isinstance(out, MoeRouting) and out.options.mode == "low_latency"):
+            raise ValueError(f"{self.what}: low-latency mode routes inside mkernel.moe_dispatch (pass logits or "
+                             f"topk_ids / topk_weights there)")
         call = _Call()
         call.stream, call.options = s, opts
         if logits is not None:
@@ -190,7 +207,7 @@ class _Route(Op):
                 raise ValueError(f"{self.what}: k={k} but topk_ids has {kk} columns")
             k, E = kk, int(num_experts)
             mode = ("given", I.dtype.name, I.shape, I.strides, W.dtype.name, W.shape, W.strides)
-        _check_sizes(self.what, ctx.local_size, T, int(k), E)
+        check_sizes(self.what, ctx.local_size, T, int(k), E)
         if out is None:
             out = MoeRouting(ctx, T, int(k), E, opts)
         elif not isinstance(out, MoeRouting):
@@ -201,7 +218,7 @@ class _Route(Op):
         return out
 
     def validate(self, ctx, call):
-        _one_node(ctx, self.what)
+        one_node(ctx, self.what)
         R = call.routing
         if call.logits is not None:
             require(call.logits, f"{self.what}: logits", dtypes=LOGIT_DTYPES, device=ctx.device)
@@ -219,7 +236,7 @@ class _Route(Op):
             raise ValueError(f"{self.what}: out was made with other options ({R.options}) than this call's")
 
     def _kernels(self, call):
-        d = kernel_defines(0, 0, _CODES[call.logits.dtype.name] if call.logits is not None else 2)
+        d = kernel_defines(0, 0, DTYPE_CODES[call.logits.dtype.name] if call.logits is not None else 2)
         return [kernel(SOURCE, d, n) for n in ("mk_moe_route_tiles", "mk_moe_route_exchange", "mk_moe_route_slots")]
 
     def compile(self, ctx, call):
@@ -260,20 +277,14 @@ class _Route(Op):
         if R.T:
             g = max(1, min(ceil_div(R.T * R.k, 256), 8 * ctx.sm_count))
             launches.append(slots.prepare(g, 256, [ids, sl, _ptr(tile_cnt), _ptr(base), shape], stream=st))
-        pre = None
-        if call.logits is None:
-            n = R.T * R.k * 4
-
-            def pre(stream, c):  # the given ids / weights become the routing's own (kept for combine)
-                _memcpy(c.routing.ids.ptr, c.ids.ptr, n, stream)
-                _memcpy(c.routing.weights.ptr, c.weights.ptr, n, stream)
+        pre = _copy_given(R) if call.logits is None else None
         return _Launches(p, launches, ptrs, (ws,), pre)
 
 
 # --------------------------------------------------------------------------------------------
 # dispatch and combine
 # --------------------------------------------------------------------------------------------
-def _routing_arg(what: str, routing, ctx) -> MoeRouting:
+def routing_arg(what: str, routing, ctx) -> MoeRouting:
     if not isinstance(routing, MoeRouting):
         raise TypeError(f"{what}: routing must be the MoeRouting of mkernel.moe_route, got {type(routing).__name__}")
     if routing.P != ctx.local_size or routing.ids.device != ctx.device:
@@ -290,8 +301,8 @@ class _Exchange(Op):
     def __call__(self, ctx, x, routing, out, out_dtype, stream, options):
         ctx.check()
         s = as_stream(stream)
-        opts = _options(options, self.what)
-        R = _routing_arg(self.what, routing, ctx)
+        opts = moe_options(options, self.what)
+        R = routing_arg(self.what, routing, ctx)
         X = as_device_array(x, name=f"{self.name}: {self.x_name}", stream=s)
         if X.ndim != 2:
             raise ValueError(f"{self.what}: {self.x_name} must be 2-D, got shape {tuple(X.shape)}")
@@ -314,7 +325,7 @@ class _Exchange(Op):
         return result
 
     def validate(self, ctx, call):
-        _one_node(ctx, self.what)
+        one_node(ctx, self.what)
         R, X, O = call.routing, call.x, call.o
         dts = DATA_DTYPES if self.name == "moe_dispatch" else ("bfloat16", "float16", "float32")
         rows_in = R.T if self.name == "moe_dispatch" else R.recv_rows
@@ -334,7 +345,7 @@ class _Exchange(Op):
     def _defines(self, call):
         if self.name == "moe_dispatch":
             return kernel_defines(0, 0, 2)
-        return kernel_defines(_CODES[call.x.dtype.name], _CODES[call.o.dtype.name], 2)
+        return kernel_defines(DTYPE_CODES[call.x.dtype.name], DTYPE_CODES[call.o.dtype.name], 2)
 
     def compile(self, ctx, call):
         kernel(SOURCE, self._defines(call), "mk_" + self.name)
@@ -376,6 +387,111 @@ class _Exchange(Op):
         return _Launches(p, [launch], ptrs, (ws,))
 
 
+class _DispatchLowLatency(Op):
+    """Low-latency mode: routing and dispatch in one cooperative kernel (mk_moe_dispatch_ll), buffers of
+    fixed size (the routing's, made at creation), no host-side size anywhere (docs/moe.md)."""
+
+    name = "moe_dispatch_ll"
+    what = "mkernel.moe_dispatch"
+
+    def __call__(self, ctx, x, routing, out, logits, topk_ids, topk_weights, stream, options):
+        ctx.check()
+        s = as_stream(stream)
+        opts = moe_options(options, self.what)
+        R = routing
+        X = as_device_array(x, name="moe_dispatch: x", stream=s)
+        if X.ndim != 2:
+            raise ValueError(f"{self.what}: x must be 2-D, got shape {tuple(X.shape)}")
+        O = result = DeviceArray.empty((R.recv_rows, X.shape[1]), X.dtype.name, device=ctx.device) if out is None \
+            else as_device_array(out, name="moe_dispatch: out", stream=s)
+        if out is not None:
+            result = out
+        call = _Call()
+        call.stream, call.x, call.o, call.routing, call.options = s, X, O, R, opts
+        if (logits is None) == (topk_ids is None and topk_weights is None):
+            raise ValueError(f"{self.what}: low-latency mode routes here: pass logits, or topk_ids and topk_weights")
+        if logits is not None:
+            call.logits = as_device_array(logits, name="moe_dispatch: logits", stream=s)
+            call.ids = call.weights = None
+            src = (call.logits.dtype.name, call.logits.shape, call.logits.strides)
+        else:
+            if topk_ids is None or topk_weights is None:
+                raise ValueError(f"{self.what}: pass both topk_ids and topk_weights")
+            call.logits = None
+            call.ids = as_device_array(topk_ids, name="moe_dispatch: topk_ids", stream=s)
+            call.weights = as_device_array(topk_weights, name="moe_dispatch: topk_weights", stream=s)
+            src = ("given", call.ids.dtype.name, call.ids.shape, call.ids.strides, call.weights.dtype.name,
+                   call.weights.shape, call.weights.strides)
+        check_no_overlap(self.what, ((O, "out", X, "x"),))
+        call.key = (X.shape, X.strides, X.dtype, X.device, O.shape, O.strides, O.dtype, O.device, O.readonly,
+                    X.ptr % 16 == 0, O.ptr % 16 == 0, src, R._key, s, opts, ctx.workspace_generation)
+        self.invoke(ctx.op_state(self.name), call, ctx)
+        return result
+
+    def validate(self, ctx, call):
+        one_node(ctx, self.what)
+        R, X, O = call.routing, call.x, call.o
+        if call.options != R.options:
+            raise ValueError(f"{self.what}: the routing was made with other options ({R.options}) than this call's")
+        require(X, f"{self.what}: x", dtypes=DATA_DTYPES, device=ctx.device, shape=(R.T, None), align=16)
+        H = X.shape[1]
+        if (H * X.dtype.itemsize) % 16:
+            raise ValueError(f"{self.what}: rows of x must be a multiple of 16 bytes (H={H} {X.dtype.name})")
+        require(O, f"{self.what}: out", dtypes=(X.dtype.name,), device=ctx.device, shape=(R.recv_rows, H), align=16,
+                writable=True)
+        if call.logits is not None:
+            require(call.logits, f"{self.what}: logits", dtypes=LOGIT_DTYPES, device=ctx.device, shape=(R.T, R.E))
+            if not call.logits.is_contiguous():
+                raise ValueError(f"{self.what}: logits must be C-contiguous")
+        else:
+            require(call.ids, f"{self.what}: topk_ids", dtypes=("int32",), device=ctx.device, shape=(R.T, R.k))
+            require(call.weights, f"{self.what}: topk_weights", dtypes=("float32",), device=ctx.device,
+                    shape=(R.T, R.k))
+            if not (call.ids.is_contiguous() and call.weights.is_contiguous()):
+                raise ValueError(f"{self.what}: topk_ids and topk_weights must be C-contiguous")
+        if ctx.resident_sms < ctx.local_size:
+            raise RuntimeError(f"{self.what}: low-latency mode needs >= {ctx.local_size} SMs of this rank's share")
+
+    def _kernel(self, call):
+        lc = DTYPE_CODES[call.logits.dtype.name] if call.logits is not None else 2
+        return kernel(SOURCE, kernel_defines(0, 0, lc), "mk_moe_dispatch_ll")
+
+    def compile(self, ctx, call):
+        if self._kernel(call).max_active_blocks_per_sm(THREADS) < 1:
+            raise RuntimeError(f"{self.what}: the low-latency kernel cannot be resident")
+
+    def agree(self, ctx, call):
+        R, X = call.routing, call.x
+        src = call.logits.dtype.name if call.logits is not None else "given"
+        return ctx.agree(self.what, ("low_latency", src, X.dtype.name, X.shape[1], R.T, R.k, R.E, R.recv_rows,
+                                     repr(call.options), ctx.resident_sms), ctx.world)
+
+    def describe_call(self, call):
+        return f"low-latency {call.x.dtype.name}{list(call.x.shape)} {call.routing!r}"
+
+    def plan(self, ctx, call, digest):
+        R, X = call.routing, call.x
+        L, total = low_latency_layout(ctx.local_size, R.T, R.k, R.E, X.shape[1] * X.dtype.itemsize)
+        g = low_latency_grid(ctx.local_size, R.T, ctx.resident_sms, call.options.blocks)
+        return MoePlan(self.name, g, R.recv_rows, digest, L, total)
+
+    def bind(self, ctx, call, p: MoePlan) -> BoundCall:
+        R = call.routing
+        k = self._kernel(call)
+        ws = ctx.workspace((self.name,), p.ws_bytes, call.stream, self.what)
+        shape = make_shape(ctx.local_size, R.T, call.x.shape[1], R.k, R.E, R.options)
+        lg, x, ids, w, sl, offs, o, rmap = (_ptr() for _ in range(8))
+        ptrs = [(lambda c: c.logits.ptr if c.logits is not None else 0, lg), (lambda c: c.x.ptr, x),
+                (lambda c: c.routing.ids.ptr, ids), (lambda c: c.routing.weights.ptr, w),
+                (lambda c: c.routing.slots.ptr, sl), (lambda c: c.routing.expert_offsets.ptr, offs),
+                (lambda c: c.o.ptr, o), (lambda c: c.routing.recv_map.ptr, rmap)]
+        args = [ctx.comm_args(self.name, p.digest), lg, x, ids, w, sl, offs, o, rmap, _ptr(ws.ptr),
+                _ptr(ws.peer_table), p.layout, shape]
+        launch = k.prepare(p.grid, THREADS, args, stream=call.stream, cooperative=True)
+        pre = _copy_given(R) if call.logits is None else None
+        return _Launches(p, [launch], ptrs, (ws,), pre)
+
+
 class _Dispatch(_Exchange):
     x_name = "x"
 
@@ -384,128 +500,10 @@ class _Combine(_Exchange):
     x_name = "y_recv"
 
 
-# --------------------------------------------------------------------------------------------
-# the layer (unfused composition)
-# --------------------------------------------------------------------------------------------
-class _LayerBound(BoundCall):
-    """route -> dispatch -> grouped GEMM (gate/up) -> SwiGLU -> grouped GEMM (down) -> combine on one stream;
-    the intermediate buffers belong to this bound call."""
-
-    def __init__(self, ctx, call, plan):
-        self.plan, self._ctx = plan, ctx
-        X = call.x
-        T, H = X.shape
-        wg, wd = call.sig
-        El, F2 = wg.shape[0], wg.shape[1]
-        F = F2 // 2
-        dev, dt = ctx.device, X.dtype.name
-        self.routing = MoeRouting(ctx, T, call.routing.k, call.routing.E, call.options)
-        rr = self.routing.recv_rows
-        self._x_recv = DeviceArray.empty((rr, H), dt, device=dev)
-        self._h = DeviceArray.empty((rr, F2), dt, device=dev)
-        self._act = DeviceArray.empty((rr, F), dt, device=dev)
-        self._y = DeviceArray.empty((rr, H), dt, device=dev)
-        self.buffers = (self._x_recv, self._h, self._act, self._y)
-        c = _CODES[dt]
-        sw = kernel(SOURCE, kernel_defines(c, c, 2), "mk_moe_swiglu")
-        self._h_arg, self._a_arg = _ptr(self._h.ptr), _ptr(self._act.ptr)
-        rows = self.routing.expert_offsets.ptr + 4 * El
-        g = max(1, min(ceil_div(rr * F // 8, 256), 8 * ctx.sm_count))
-        self._swiglu = sw.prepare(g, 256, [self._h_arg, self._a_arg, _ptr(rows), ctypes.c_int32(rr),
-                                           ctypes.c_int32(F)], stream=call.stream)
-
-    def run(self, stream, call):
-        ctx, R, opts = self._ctx, self.routing, call.options
-        if call.logits is not None:
-            moe_route(ctx, call.logits, k=R.k, out=R, stream=stream, options=opts)
-        else:
-            moe_route(ctx, topk_ids=call.ids, topk_weights=call.weights, num_experts=R.E, out=R, stream=stream,
-                      options=opts)
-        moe_dispatch(ctx, call.x, R, self._x_recv, stream=stream, options=opts)
-        wg, wd = call.sig
-        grouped_gemm(self._x_recv, wg, R.expert_offsets, out=self._h, b_layout="nk", stream=stream)
-        self._swiglu.submit()
-        grouped_gemm(self._act, wd, R.expert_offsets, out=self._y, b_layout="nk", stream=stream)
-        moe_combine(ctx, self._y, R, call.o, stream=stream, options=opts)
-
-
-@dataclass(frozen=True)
-class _RoutingSpec:
-    k: int
-    E: int
-
-
-class _Layer(Op):
-    name = "moe_layer"
-    what = "mkernel.moe_layer"
-
-    def __call__(self, ctx, x, w_gate_up, w_down, logits, topk_ids, topk_weights, k, out, stream, options):
-        ctx.check()
-        s = as_stream(stream)
-        opts = _options(options, self.what)
-        X = as_device_array(x, name="moe_layer: x", stream=s)
-        WG = as_device_array(w_gate_up, name="moe_layer: w_gate_up", stream=s)
-        WD = as_device_array(w_down, name="moe_layer: w_down", stream=s)
-        call = _Call()
-        call.stream, call.x, call.options, call.sig = s, X, opts, (WG, WD)
-        if WG.ndim != 3:
-            raise ValueError(f"{self.what}: w_gate_up must be [E_local, 2F, H], got shape {tuple(WG.shape)}")
-        E = WG.shape[0] * ctx.local_size
-        if logits is not None:
-            call.logits = as_device_array(logits, name="moe_layer: logits", stream=s)
-            call.ids = call.weights = None
-            if k is None:
-                raise ValueError(f"{self.what}: k is required with logits")
-            src = (call.logits.dtype, call.logits.shape, call.logits.strides)
-        else:
-            if topk_ids is None or topk_weights is None:
-                raise ValueError(f"{self.what}: pass logits (and k), or topk_ids and topk_weights")
-            call.logits = None
-            call.ids = as_device_array(topk_ids, name="moe_layer: topk_ids", stream=s)
-            call.weights = as_device_array(topk_weights, name="moe_layer: topk_weights", stream=s)
-            if call.ids.ndim != 2:
-                raise ValueError(f"{self.what}: topk_ids must be [T, k], got shape {tuple(call.ids.shape)}")
-            k = call.ids.shape[1]
-            src = ("given", call.ids.shape)
-        call.routing = _RoutingSpec(int(k), E)
-        T = X.shape[0] if X.ndim == 2 else 0
-        if out is None:
-            O = result = DeviceArray.empty((T, X.shape[-1]), X.dtype, device=ctx.device)
-        else:
-            O = as_device_array(out, name="moe_layer: out", stream=s)
-            result = out
-        call.o = O
-        call.key = (X.shape, X.strides, X.dtype, WG.shape, WG.strides, WG.dtype, WD.shape, WD.strides, WD.dtype,
-                    O.shape, O.dtype, src, int(k), s, opts, ctx.workspace_generation)
-        bound = self.invoke(ctx.op_state(self.name), call, ctx)
-        return result, bound.routing
-
-    def validate(self, ctx, call):
-        _one_node(ctx, self.what)
-        X, (WG, WD) = call.x, call.sig
-        require(X, f"{self.what}: x", dtypes=("bfloat16", "float16"), ndim=2, device=ctx.device)
-        T, H = X.shape
-        El, F2 = WG.shape[0], WG.shape[1]
-        require(WG, f"{self.what}: w_gate_up", dtypes=(X.dtype.name,), shape=(El, F2, H), device=ctx.device)
-        if F2 % 16 or F2 == 0:
-            raise ValueError(f"{self.what}: w_gate_up's second dim (2F = {F2}) must be a positive multiple of 16")
-        require(WD, f"{self.what}: w_down", dtypes=(X.dtype.name,), shape=(El, H, F2 // 2), device=ctx.device)
-        _check_sizes(self.what, ctx.local_size, T, call.routing.k, call.routing.E)
-
-    def plan(self, ctx, call, digest):
-        return MoePlan(self.name)
-
-    def describe_call(self, call):
-        return f"x {call.x.dtype.name}{list(call.x.shape)} w_gate_up {list(call.sig[0].shape)} k={call.routing.k}"
-
-    def bind(self, ctx, call, plan):
-        return _LayerBound(ctx, call, plan)
-
-
 _ROUTE = _Route()
 _DISPATCH = _Dispatch("moe_dispatch")
+_DISPATCH_LL = _DispatchLowLatency()
 _COMBINE = _Combine("moe_combine")
-_LAYER = _Layer()
 
 
 def moe_route(ctx, logits=None, *, topk_ids=None, topk_weights=None, k: int | None = None,
@@ -522,14 +520,26 @@ def moe_route(ctx, logits=None, *, topk_ids=None, topk_weights=None, k: int | No
     return _ROUTE(ctx, logits, topk_ids, topk_weights, k, num_experts, out, stream, options)
 
 
-def moe_dispatch(ctx, x, routing: MoeRouting, x_recv=None, *, stream=None, options: MoeOptions | None = None):
+def moe_dispatch(ctx, x, routing: MoeRouting, x_recv=None, *, logits=None, topk_ids=None, topk_weights=None,
+                 stream=None, options: MoeOptions | None = None):
     """Send every token row once to each rank holding one of its experts; returns ``x_recv``.
+
+    Low-latency mode (``routing`` made by :meth:`MoeRouting.empty` with ``MoeOptions(mode="low_latency")``,
+    T <= 256, the same ``options`` here): this call also routes -- pass ``logits [T, E]`` (bf16 / fp32) or
+    ``topk_ids`` int32 / ``topk_weights`` float32 ``[T, k]`` -- in one kernel, filling every field of
+    ``routing`` as :func:`moe_route` would (the same slot order); CUDA-graph capturable after one call.
 
     ``x``: ``[T, H]`` bf16 / fp16 / fp32, C-contiguous, rows a multiple of 16 bytes; ``routing``: this call's
     :func:`moe_route` result.  ``x_recv``: ``[routing.recv_rows, H]`` of x's dtype (allocated when None):
     rows ``[o[l], o[l+1])`` (``o = routing.expert_offsets``, on the device) are local expert l's, grouped by
     source rank then token; rows past ``o[E_local]`` are not written.  Fills ``routing.recv_map``."""
-    return _DISPATCH(ctx, x, routing, x_recv, None, stream, options)
+    R = routing_arg("mkernel.moe_dispatch", routing, ctx)
+    if R.options.mode == "low_latency":
+        return _DISPATCH_LL(ctx, x, R, x_recv, logits, topk_ids, topk_weights, stream, options)
+    if logits is not None or topk_ids is not None or topk_weights is not None:
+        raise ValueError("mkernel.moe_dispatch: logits / topk_ids / topk_weights are for low-latency mode; in "
+                         "throughput mode route with mkernel.moe_route first")
+    return _DISPATCH(ctx, x, R, x_recv, None, stream, options)
 
 
 def moe_combine(ctx, y_recv, routing: MoeRouting, out=None, *, out_dtype: str | None = None, stream=None,
@@ -541,16 +551,3 @@ def moe_combine(ctx, y_recv, routing: MoeRouting, out=None, *, out_dtype: str | 
     None, ``out_dtype``).  The sum runs in fp32 in j order (bit-reproducible, no atomics); dropped pairs add
     nothing.  Returns ``out``."""
     return _COMBINE(ctx, y_recv, routing, out, out_dtype, stream, options)
-
-
-def moe_layer(ctx, x, w_gate_up, w_down, logits=None, *, topk_ids=None, topk_weights=None, k: int | None = None,
-              out=None, stream=None, options: MoeOptions | None = None):
-    """A whole MoE layer: route -> dispatch -> grouped GEMM (gate / up) -> SwiGLU -> grouped GEMM (down) ->
-    combine, on ``stream``, no host synchronization (unfused: docs/moe.md).
-
-    ``x``: ``[T, H]`` bf16 / fp16; ``w_gate_up``: this rank's experts ``[E_local, 2F, H]`` (gate rows
-    ``[0, F)``, up rows ``[F, 2F)``); ``w_down``: ``[E_local, H, F]``; routing from ``logits [T, E]`` with
-    ``k`` or from ``topk_ids`` / ``topk_weights`` (E = E_local * P).  Returns ``(out [T, H], routing)``:
-    the routing is the dispatch map (:class:`MoeRouting`), owned by the op and rewritten by the next call
-    of the same shapes."""
-    return _LAYER(ctx, x, w_gate_up, w_down, logits, topk_ids, topk_weights, k, out, stream, options)

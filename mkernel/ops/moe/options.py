@@ -9,9 +9,12 @@ from dataclasses import dataclass
 
 from ..base import options_hash
 
-__all__ = ["MoeOptions", "SOFTMAX_MODES"]
+__all__ = ["MoeOptions", "SOFTMAX_MODES", "MODES", "FUSED_CONFIGS", "LOW_LATENCY_MAX_TOKENS"]
 
 SOFTMAX_MODES = ("topk", "all")
+MODES = ("throughput", "low_latency")
+FUSED_CONFIGS = (1, 2, 3, 4, 5)  # GEMM tile configs of the fused kernel (cooperative, unclustered: docs/gemm.md)
+LOW_LATENCY_MAX_TOKENS = 256  # tokens per rank in low-latency mode (moe.cu MOE_TILE: one routing tile)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,13 @@ class MoeOptions:
     (None: the worst case ``P * T * min(k, E_local)``, or ``E_local * capacity`` when smaller); pairs that
     would land beyond it are dropped.  ``blocks``: blocks of the dispatch and combine kernels (0: one
     per SM).
+
+    ``mode``: "throughput" (route, then dispatch: docs/moe.md) or "low_latency" (<= 256 tokens per rank,
+    dropless: :func:`mkernel.moe_dispatch` routes and dispatches in one kernel with fixed-size buffers;
+    docs/moe.md "Low-latency mode").  ``fused``: :func:`mkernel.moe_layer` runs the dispatch fused with
+    the gate/up grouped GEMM (:func:`mkernel.moe_dispatch_gemm`; throughput mode only).  ``comm_blocks``:
+    communication blocks of the fused kernel (0: chosen from the SM share); ``gemm_config``: its GEMM tile
+    config (None: chosen; one of ``FUSED_CONFIGS``).
     """
 
     softmax: str = "topk"
@@ -34,6 +44,10 @@ class MoeOptions:
     capacity_factor: float | None = None
     recv_rows: int | None = None
     blocks: int = 0
+    mode: str = "throughput"
+    fused: bool = False
+    comm_blocks: int = 0
+    gemm_config: int | None = None
 
     __hash__ = options_hash
 
@@ -52,4 +66,19 @@ class MoeOptions:
             raise ValueError("MoeOptions: give expert_capacity or capacity_factor, not both")
         if not isinstance(self.blocks, int) or isinstance(self.blocks, bool) or not 0 <= self.blocks <= 1024:
             raise ValueError(f"MoeOptions.blocks must be an int in [0, 1024], got {self.blocks!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"MoeOptions.mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"MoeOptions.fused must be a bool, got {self.fused!r}")
+        if self.mode == "low_latency":
+            if self.fused:
+                raise ValueError("MoeOptions: fused=True is a throughput-mode path (mode='throughput')")
+            if self.expert_capacity is not None or self.capacity_factor is not None or self.recv_rows is not None:
+                raise ValueError("MoeOptions: low-latency mode is dropless with fixed buffers: no expert_capacity, "
+                                 "capacity_factor or recv_rows")
+        c = self.comm_blocks
+        if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c <= 1024:
+            raise ValueError(f"MoeOptions.comm_blocks must be an int in [0, 1024], got {c!r}")
+        if self.gemm_config is not None and self.gemm_config not in FUSED_CONFIGS:
+            raise ValueError(f"MoeOptions.gemm_config must be None or one of {FUSED_CONFIGS}, got {self.gemm_config!r}")
         return self

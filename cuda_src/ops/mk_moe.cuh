@@ -1,0 +1,121 @@
+// mk_moe.cuh - what the MoE kernels share (moe.cu, moe_gemm.cu): the workspace layout and shape structs
+// (mirrored by mkernel/ops/moe/layout.py), the workspace view, and the call's flag protocol (docs/moe.md,
+// "Signals, waits, reuse").
+#pragma once
+#include "core/mk_copy.cuh"
+#include "core/mk_signal.cuh"
+
+// Byte offsets of a MoE op's symmetric workspace (moe/layout.py MoeLayout).
+struct MoeLayout {
+  mk_u64 consumed_off, flags_off;  // call header, ready[src][block] flags (MAX_CHUNKS per row)
+  mk_u64 counts_off;   // route: int32 counts[2][P][E]; dispatch: int32 recv_src[R_cap]
+  mk_u64 scratch_off;  // route: int32 tile_cnt[ntiles][E], base[E] (this rank only)
+  mk_u64 stage_off;    // dispatch: P x T rows; combine: T * k rows (row_bytes each)
+  mk_u64 row_bytes;    // H * itemsize (a multiple of 16)
+  int flag_stride;
+  int pad;
+};
+
+struct MoeShape {
+  int T, H, k, E, El;  // tokens per rank, hidden, top-k, experts (global), experts per rank
+  int capacity;        // rows kept per expert per receiving rank (<= 0: no limit)
+  int r_cap;           // rows of the receive buffer (x_recv)
+  int softmax_all;     // route from logits: 1 = softmax over all E then top-k renormalised, 0 = softmax over the top-k
+};
+
+struct MoeWs {
+  char* base;
+  const mk_u64* __restrict__ peers;
+  MoeLayout L;
+  int P, me;
+  MK_DEVICE char* peer(int j) const { return (char*)peers[j]; }
+  MK_DEVICE MkEpochState* epoch_state() const { return (MkEpochState*)base; }
+  MK_DEVICE MkCallHeader header() const { return {(mk_u64*)(base + L.consumed_off), P}; }
+  MK_DEVICE MkCallHeader peer_header(int j) const { return {(mk_u64*)(peer(j) + L.consumed_off), P}; }
+  MK_DEVICE int flag_idx(int src, int b) const { return src * L.flag_stride + b; }
+  MK_DEVICE mk_u64* ready(int src, int b) const { return (mk_u64*)(base + L.flags_off) + flag_idx(src, b); }
+  MK_DEVICE mk_u64* peer_ready(int owner, int src, int b) const {
+    return (mk_u64*)(peer(owner) + L.flags_off) + flag_idx(src, b);
+  }
+};
+
+MK_DEVICE MoeWs moe_ws(const MkComm& c, char* ws, const mk_u64* peers, const MoeLayout& L) {
+  return MoeWs{ws, peers, L, c.local_size, c.local_rank};
+}
+
+// A grid's warps as one pool: this thread's lane, the pool size, this warp's index in it.
+struct MoeWarps {
+  int lane, warps, gw;
+  MK_DEVICE MoeWarps()
+      : lane(threadIdx.x & 31), warps((int)(gridDim.x * (blockDim.x >> 5))),
+        gw((int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5))) {}
+};
+
+// Call number; block 0's first warp announces the call's signature to every peer.
+MK_DEVICE mk_u64 moe_begin(const MkComm& c, const MoeWs& w) {
+  const mk_u64 e = mk_epoch_begin(w.epoch_state());
+  if (blockIdx.x == 0 && threadIdx.x < 32)
+    mk_announce_call(c, [&](int j) { return w.peer_header(j); }, e, threadIdx.x, 32);
+  return e;
+}
+
+// The last block to finish tells every peer that this rank consumed what it sent, then bumps the epoch.
+MK_DEVICE void moe_finish(const MoeWs& w, mk_u64 e) {
+  if (mk_epoch_arrive(w.epoch_state(), gridDim.x)) {
+    for (int j = threadIdx.x; j < w.P; j += blockDim.x)
+      if (j != w.me) mk_signal_set(w.peer_header(j).consumed(w.me), e);
+    __syncthreads();
+    mk_epoch_commit(w.epoch_state(), e);
+  }
+}
+
+// Whole block: every peer consumed our data of the previous call (we may overwrite its staging).
+MK_DEVICE bool moe_wait_consumed(const MkComm& c, const MoeWs& w, mk_u64 e) {
+  int ok = 1;
+  for (int j = threadIdx.x; j < w.P; j += blockDim.x)
+    if (j != w.me) ok &= mk_wait_geq(c, w.header().consumed(j), e - 1, MK_LOCAL_PEER(j), -1 - j);
+  return __syncthreads_and(ok) != 0;
+}
+
+// Whole block: raise ready[me][blockIdx] = e at every rank in [0, P) (self too when `self`).
+MK_DEVICE void moe_raise_ready(const MoeWs& w, mk_u64 e, bool self) {
+  __syncthreads();
+  for (int j = threadIdx.x; j < w.P; j += blockDim.x)
+    if (self || j != w.me) mk_signal_set(w.peer_ready(j, w.me, blockIdx.x), e);
+}
+
+// Whole block: every rank's ready flags of call e from blocks [0, nblocks) are up (nblocks < 0: the
+// grid) and every peer makes our call.
+MK_DEVICE bool moe_wait_ready(const MkComm& c, const MoeWs& w, mk_u64 e, bool self, int nblocks = -1) {
+  int ok = 1;
+  const int nb = nblocks < 0 ? (int)gridDim.x : nblocks;
+  const int n = w.P * nb;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int src = i / nb, b = i % nb;
+    if (src == w.me && !self) continue;
+    if (b == 0 && src != w.me) ok &= mk_same_call(c, w.header(), e, src);
+    if (ok) ok &= mk_wait_geq(c, w.ready(src, b), e, MK_LOCAL_PEER(src), w.flag_idx(src, b));
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+MK_DEVICE int warp_sum(int v) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block-wide inclusive scan of one int per thread (blockDim <= 1024).
+MK_DEVICE int block_scan(int v, int* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int o = 1; o < (int)blockDim.x; o <<= 1) {
+    const int a = threadIdx.x >= (unsigned)o ? sh[threadIdx.x - o] : 0;
+    __syncthreads();
+    sh[threadIdx.x] += a;
+    __syncthreads();
+  }
+  const int r = sh[threadIdx.x];
+  __syncthreads();
+  return r;
+}

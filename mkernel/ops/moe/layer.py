@@ -1,0 +1,167 @@
+"""The whole MoE layer (:func:`moe_layer`): route -> dispatch -> gate/up grouped GEMM -> SwiGLU -> down
+grouped GEMM -> combine, composed from the MoE ops on one stream (docs/moe.md, "Layer")."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from ...core.arrays import DeviceArray
+from ...core.compiler import kernel
+from ...core.interop import as_device_array, require
+from ...core.util import ceil_div
+from ..base import BoundCall, Op, as_stream
+from ..gemm import grouped_gemm
+from .fused import moe_dispatch_gemm
+from .layout import SOURCE, kernel_defines
+from .op import (DTYPE_CODES, MoePlan, MoeRouting, check_sizes, moe_combine, moe_dispatch, moe_options, moe_route,
+                 one_node)
+from .options import MoeOptions
+
+__all__ = ["moe_layer"]
+
+
+def _ptr(v: int = 0):
+    return ctypes.c_uint64(v)
+
+
+class _LayerBound(BoundCall):
+    """route -> dispatch -> grouped GEMM (gate/up) -> SwiGLU -> grouped GEMM (down) -> combine on one stream
+    (``options.fused``: dispatch and the gate/up GEMM in one kernel; low-latency mode: routing and dispatch
+    in one kernel); the intermediate buffers belong to this bound call."""
+
+    def __init__(self, ctx, call, plan):
+        self.plan, self._ctx = plan, ctx
+        X = call.x
+        T, H = X.shape
+        wg, wd = call.sig
+        El, F2 = wg.shape[0], wg.shape[1]
+        F = F2 // 2
+        dev, dt = ctx.device, X.dtype.name
+        self.routing = MoeRouting(ctx, T, call.routing.k, call.routing.E, call.options)
+        rr = self.routing.recv_rows
+        self._x_recv = DeviceArray.empty((rr, H), dt, device=dev)
+        self._h = DeviceArray.empty((rr, F2), dt, device=dev)
+        self._act = DeviceArray.empty((rr, F), dt, device=dev)
+        self._y = DeviceArray.empty((rr, H), dt, device=dev)
+        self.buffers = (self._x_recv, self._h, self._act, self._y)
+        c = DTYPE_CODES[dt]
+        sw = kernel(SOURCE, kernel_defines(c, c, 2), "mk_moe_swiglu")
+        self._h_arg, self._a_arg = _ptr(self._h.ptr), _ptr(self._act.ptr)
+        rows = self.routing.expert_offsets.ptr + 4 * El
+        g = max(1, min(ceil_div(rr * F // 8, 256), 8 * ctx.sm_count))
+        self._swiglu = sw.prepare(g, 256, [self._h_arg, self._a_arg, _ptr(rows), ctypes.c_int32(rr),
+                                           ctypes.c_int32(F)], stream=call.stream)
+
+    def run(self, stream, call):
+        ctx, R, opts = self._ctx, self.routing, call.options
+        wg, wd = call.sig
+        if opts.mode == "low_latency":
+            moe_dispatch(ctx, call.x, R, self._x_recv, logits=call.logits, topk_ids=call.ids,
+                         topk_weights=call.weights, stream=stream, options=opts)
+        else:
+            if call.logits is not None:
+                moe_route(ctx, call.logits, k=R.k, out=R, stream=stream, options=opts)
+            else:
+                moe_route(ctx, topk_ids=call.ids, topk_weights=call.weights, num_experts=R.E, out=R, stream=stream,
+                          options=opts)
+            if not opts.fused:
+                moe_dispatch(ctx, call.x, R, self._x_recv, stream=stream, options=opts)
+        if opts.fused:
+            moe_dispatch_gemm(ctx, call.x, R, wg, self._h, x_recv=self._x_recv, stream=stream, options=opts)
+        else:
+            grouped_gemm(self._x_recv, wg, R.expert_offsets, out=self._h, b_layout="nk", stream=stream)
+        self._swiglu.submit()
+        grouped_gemm(self._act, wd, R.expert_offsets, out=self._y, b_layout="nk", stream=stream)
+        moe_combine(ctx, self._y, R, call.o, stream=stream, options=opts)
+
+
+@dataclass(frozen=True)
+class _RoutingSpec:
+    k: int
+    E: int
+
+
+class _Layer(Op):
+    name = "moe_layer"
+    what = "mkernel.moe_layer"
+
+    def __call__(self, ctx, x, w_gate_up, w_down, logits, topk_ids, topk_weights, k, out, stream, options):
+        ctx.check()
+        s = as_stream(stream)
+        opts = moe_options(options, self.what)
+        X = as_device_array(x, name="moe_layer: x", stream=s)
+        WG = as_device_array(w_gate_up, name="moe_layer: w_gate_up", stream=s)
+        WD = as_device_array(w_down, name="moe_layer: w_down", stream=s)
+        call = _Call()
+        call.stream, call.x, call.options, call.sig = s, X, opts, (WG, WD)
+        if WG.ndim != 3:
+            raise ValueError(f"{self.what}: w_gate_up must be [E_local, 2F, H], got shape {tuple(WG.shape)}")
+        E = WG.shape[0] * ctx.local_size
+        if logits is not None:
+            call.logits = as_device_array(logits, name="moe_layer: logits", stream=s)
+            call.ids = call.weights = None
+            if k is None:
+                raise ValueError(f"{self.what}: k is required with logits")
+            src = (call.logits.dtype, call.logits.shape, call.logits.strides)
+        else:
+            if topk_ids is None or topk_weights is None:
+                raise ValueError(f"{self.what}: pass logits (and k), or topk_ids and topk_weights")
+            call.logits = None
+            call.ids = as_device_array(topk_ids, name="moe_layer: topk_ids", stream=s)
+            call.weights = as_device_array(topk_weights, name="moe_layer: topk_weights", stream=s)
+            if call.ids.ndim != 2:
+                raise ValueError(f"{self.what}: topk_ids must be [T, k], got shape {tuple(call.ids.shape)}")
+            k = call.ids.shape[1]
+            src = ("given", call.ids.shape)
+        call.routing = _RoutingSpec(int(k), E)
+        T = X.shape[0] if X.ndim == 2 else 0
+        if out is None:
+            O = result = DeviceArray.empty((T, X.shape[-1]), X.dtype, device=ctx.device)
+        else:
+            O = as_device_array(out, name="moe_layer: out", stream=s)
+            result = out
+        call.o = O
+        call.key = (X.shape, X.strides, X.dtype, WG.shape, WG.strides, WG.dtype, WD.shape, WD.strides, WD.dtype,
+                    O.shape, O.dtype, src, int(k), s, opts, ctx.workspace_generation)
+        bound = self.invoke(ctx.op_state(self.name), call, ctx)
+        return result, bound.routing
+
+    def validate(self, ctx, call):
+        one_node(ctx, self.what)
+        X, (WG, WD) = call.x, call.sig
+        require(X, f"{self.what}: x", dtypes=("bfloat16", "float16"), ndim=2, device=ctx.device)
+        T, H = X.shape
+        El, F2 = WG.shape[0], WG.shape[1]
+        require(WG, f"{self.what}: w_gate_up", dtypes=(X.dtype.name,), shape=(El, F2, H), device=ctx.device)
+        if F2 % 16 or F2 == 0:
+            raise ValueError(f"{self.what}: w_gate_up's second dim (2F = {F2}) must be a positive multiple of 16")
+        require(WD, f"{self.what}: w_down", dtypes=(X.dtype.name,), shape=(El, H, F2 // 2), device=ctx.device)
+        check_sizes(self.what, ctx.local_size, T, call.routing.k, call.routing.E)
+
+    def plan(self, ctx, call, digest):
+        return MoePlan(self.name)
+
+    def describe_call(self, call):
+        return f"x {call.x.dtype.name}{list(call.x.shape)} w_gate_up {list(call.sig[0].shape)} k={call.routing.k}"
+
+    def bind(self, ctx, call, plan):
+        return _LayerBound(ctx, call, plan)
+
+
+
+_LAYER = _Layer()
+
+
+def moe_layer(ctx, x, w_gate_up, w_down, logits=None, *, topk_ids=None, topk_weights=None, k: int | None = None,
+              out=None, stream=None, options: MoeOptions | None = None):
+    """A whole MoE layer: route -> dispatch -> grouped GEMM (gate / up) -> SwiGLU -> grouped GEMM (down) ->
+    combine, on ``stream``, no host synchronization (docs/moe.md, "Layer").  ``options.fused``: the dispatch
+    and the gate/up GEMM run as one kernel (:func:`moe_dispatch_gemm`); ``options.mode="low_latency"``
+    (T <= 256): routing and dispatch run as one kernel.
+
+    ``x``: ``[T, H]`` bf16 / fp16; ``w_gate_up``: this rank's experts ``[E_local, 2F, H]`` (gate rows
+    ``[0, F)``, up rows ``[F, 2F)``); ``w_down``: ``[E_local, H, F]``; routing from ``logits [T, E]`` with
+    ``k`` or from ``topk_ids`` / ``topk_weights`` (E = E_local * P).  Returns ``(out [T, H], routing)``:
+    the routing is the dispatch map (:class:`MoeRouting`), owned by the op and rewritten by the next call
+    of the same shapes."""
+    return _LAYER(ctx, x, w_gate_up, w_down, logits, topk_ids, topk_weights, k, out, stream, options)
