@@ -341,31 +341,13 @@ def test_low_latency_routes_from_logits(ctx, shared_rng, ldt):
 def test_low_latency_graph_replay_and_back_to_back(ctx, shared_rng):
     """Low-latency dispatch + combine captured once into a CUDA graph, replayed with fresh ids and rows;
     then 500 eager calls with changing routings (every 100th checked)."""
-    from cuda.bindings import driver as cu
-    from mkernel.core.driver import check
-
-    P, me = ctx.local_size, ctx.local_rank
-    T, k, E, H = 128, 2, 4 * P, 128
-    R = mkernel.MoeRouting.empty(ctx, T, k, E, LL)
-    xr = DeviceArray.empty((R.recv_rows, H), "bfloat16")
-    out = DeviceArray.empty((T, H), "float32")
-    ids_d = DeviceArray.empty((T, k), "int32")
-    w_d = DeviceArray.from_numpy(np.ones((T, k), np.float32))
-    x_d = DeviceArray.empty((T, H), "bfloat16")
-    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    T, k, E, H = 128, 2, 4 * ctx.local_size, 128
+    R, xr, out, ids_d, w_d, x_d, s, fill = _graph_buffers(ctx, shared_rng, T, k, E, H, LL)
     hs = int(s)
 
     def seq():
         mkernel.moe_dispatch(ctx, x_d, R, xr, topk_ids=ids_d, topk_weights=w_d, stream=hs, options=LL)
         mkernel.moe_combine(ctx, xr, R, out, stream=hs, options=LL)
-
-    def fill():
-        ids = _ids(shared_rng, P, T, k, E, "random")
-        x, xv = upload(shared_rng.standard_normal((T, H)), "bfloat16")
-        src = DeviceArray.from_numpy(ids[me])
-        check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
-        check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
-        return xv
     _replay(ctx, s, seq, fill, lambda xv: np.testing.assert_array_equal(download(out), k * xv))
     for it in range(500):
         xv = fill()
@@ -417,6 +399,33 @@ def test_back_to_back_changing_routings(ctx, shared_rng):
     ctx.synchronize()
 
 
+def _graph_buffers(ctx, shared_rng, T, k, E, H, options=None):
+    """A captured route/dispatch/combine sequence's fixed buffers -- ``(R, xr, out, ids_d, w_d, x_d, s,
+    fill)``: the routing under ``options``, the received rows, the combined output, the device ids and unit
+    weights, the input rows, a non-blocking stream -- and ``fill()``, which copies fresh random ids and rows
+    into ``ids_d`` and ``x_d`` and returns the rows' values."""
+    from cuda.bindings import driver as cu
+    from mkernel.core.driver import check
+
+    P, me = ctx.local_size, ctx.local_rank
+    R = mkernel.MoeRouting.empty(ctx, T, k, E, options)
+    xr = DeviceArray.empty((R.recv_rows, H), "bfloat16")
+    out = DeviceArray.empty((T, H), "float32")
+    ids_d = DeviceArray.empty((T, k), "int32")
+    w_d = DeviceArray.from_numpy(np.ones((T, k), np.float32))
+    x_d = DeviceArray.empty((T, H), "bfloat16")
+    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
+    def fill():
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        x, xv = upload(shared_rng.standard_normal((T, H)), "bfloat16")
+        src = DeviceArray.from_numpy(ids[me])  # (kept alive until the copy is done)
+        check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
+        check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
+        return xv
+    return R, xr, out, ids_d, w_d, x_d, s, fill
+
+
 def _replay(ctx, s, seq, fill, check_out, n: int = 5):
     """Run ``seq`` on stream ``s`` once, capture it into a CUDA graph, then ``n`` times: ``fill()`` fresh
     inputs, replay, ``check_out(fill's result)``."""
@@ -442,32 +451,14 @@ def _replay(ctx, s, seq, fill, check_out, n: int = 5):
 
 
 def test_graph_replay(ctx, shared_rng):
-    from cuda.bindings import driver as cu
-    from mkernel.core.driver import check
-
-    P, me = ctx.local_size, ctx.local_rank
-    T, k, E, H = 200, 2, 4 * P, 128
-    R = mkernel.MoeRouting.empty(ctx, T, k, E)
-    xr = DeviceArray.empty((R.recv_rows, H), "bfloat16")
-    out = DeviceArray.empty((T, H), "float32")
-    ids_d = DeviceArray.empty((T, k), "int32")
-    w_d = DeviceArray.from_numpy(np.ones((T, k), np.float32))
-    x_d = DeviceArray.empty((T, H), "bfloat16")
-    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    T, k, E, H = 200, 2, 4 * ctx.local_size, 128
+    R, xr, out, ids_d, w_d, x_d, s, fill = _graph_buffers(ctx, shared_rng, T, k, E, H)
     hs = int(s)
 
     def seq():
         mkernel.moe_route(ctx, topk_ids=ids_d, topk_weights=w_d, num_experts=E, out=R, stream=hs)
         mkernel.moe_dispatch(ctx, x_d, R, xr, stream=hs)
         mkernel.moe_combine(ctx, xr, R, out, stream=hs)
-
-    def fill():
-        ids = _ids(shared_rng, P, T, k, E, "random")
-        x, xv = upload(shared_rng.standard_normal((T, H)), "bfloat16")
-        src = DeviceArray.from_numpy(ids[me])  # (kept alive until the copy is done)
-        check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
-        check(cu.cuMemcpyDtoD(x_d.ptr, x.ptr, x_d.nbytes))
-        return xv
     _replay(ctx, s, seq, fill, lambda xv: np.testing.assert_array_equal(download(out), k * xv))
 
 
