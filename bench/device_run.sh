@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One GPU-machine call that validates everything and measures every benchmark, for machines that
-# return only a few files: writes to DIR (default $OUT, else ./device_run) at most 7 files --
-# suite.txt, bench_log.txt and the benchmarks' JSON (gemm, collectives, AllGather+GEMM in two
-# halves).  Rebuild docs/ from them on any machine:
+# GPU-machine calls that validate everything and measure every benchmark, for machines that return only
+# a few files: writes to DIR (default $OUT, else ./device_run) -- suite.txt, bench_log.txt and the
+# benchmarks' JSON.  PART picks what runs, so each part fits one call of the device tool (10 minutes):
+#   bench1  one-GPU benchmarks: GEMM, attention forward, attention backward        (~3 min)
+#   bench2  multi-GPU benchmarks (needs 2+ GPUs): collectives, AllGather+GEMM in two halves,
+#           GEMM+ReduceScatter, GEMM+AllReduce, MoE                                  (~8 min on 2x H200)
+#   suite   tests/run_gpu.sh (every GPU test)
+#   all     the three in order (default; more than one call's limit)
+# Rebuild docs/ from the JSON on any machine:
 #   python bench/gemm.py --replot DIR/gemm/gemm_bench.json
 #   python bench/collectives.py --replot DIR/coll/collectives_bench.json
 #   python bench/ag_gemm.py --merge DIR/ag1/ag_gemm_bench.json DIR/ag2/ag_gemm_bench.json
+#   python bench/gemm_rs.py --merge DIR/rs/gemm_rs_bench.json;  python bench/gemm_ar.py --merge DIR/ar/gemm_ar_bench.json
 # (The debugging aids in tools/ and the probes in experiments/ are run by hand, not here.)
-# Usage: bash bench/device_run.sh [DIR]      (about 5 minutes on 2x H200; benchmarks first: a fresh
-# machine's first compiles then land in the GEMM bench's compile-time column)
+# Usage: bash bench/device_run.sh [DIR] [PART]
 set -u
 cd "$(dirname "$0")/.."
 DIR=${1:-${OUT:-device_run}}
@@ -21,15 +26,28 @@ NGPU=$(python -c "from cuda.bindings import driver as cu; cu.cuInit(0); print(cu
 LOG="$DIR/bench_log.txt"
 : > "$LOG"
 step() { echo "=== $*" | tee -a "$LOG"; "$@" >> "$LOG" 2>&1; echo "=== rc=$?" | tee -a "$LOG"; }
-step timeout 300 python bench/gemm.py --out "$DIR/gemm"
-if [ "$NGPU" -ge 2 ]; then
-  step timeout 300 "${MPIRUN[@]}" -np "$NGPU" python bench/collectives.py --out "$DIR/coll"
-  step timeout 300 "${MPIRUN[@]}" -np "$NGPU" python bench/ag_gemm.py --max-m 8192 --out "$DIR/ag1"
-  step timeout 300 "${MPIRUN[@]}" -np "$NGPU" python bench/ag_gemm.py --min-m 16384 --out "$DIR/ag2"
+PART=${2:-all}
+rc=0
+if [ "$PART" = bench1 ] || [ "$PART" = all ]; then
+  step timeout 300 python bench/gemm.py --out "$DIR/gemm"
+  step timeout 150 python bench/attention.py --out "$DIR/attn"
+  step timeout 120 python bench/attention_bwd.py --deterministic --out "$DIR/attn_bwd"
 fi
-rm -f "$DIR"/*/*.png "$DIR"/*/*.md
-grep -aE "at or above|large-size" "$LOG"
-bash tests/run_gpu.sh --timeout=150 > "$DIR/suite.txt" 2>&1
-rc=$?
-grep -aE "passed|failed|=== GPU" "$DIR/suite.txt" | tail -8
+if { [ "$PART" = bench2 ] || [ "$PART" = all ]; } && [ "$NGPU" -ge 2 ]; then
+  step timeout 120 "${MPIRUN[@]}" -np "$NGPU" python bench/collectives.py --out "$DIR/coll"
+  step timeout 120 "${MPIRUN[@]}" -np "$NGPU" python bench/ag_gemm.py --max-m 8192 --out "$DIR/ag1"
+  step timeout 120 "${MPIRUN[@]}" -np "$NGPU" python bench/ag_gemm.py --min-m 16384 --out "$DIR/ag2"
+  step timeout 90 "${MPIRUN[@]}" -np "$NGPU" python bench/gemm_rs.py --out "$DIR/rs"
+  step timeout 90 "${MPIRUN[@]}" -np "$NGPU" python bench/gemm_ar.py --out "$DIR/ar"
+  step timeout 60 "${MPIRUN[@]}" -np "$NGPU" python bench/moe.py --json "$DIR/moe_bench.json"
+fi
+if [ "$PART" != suite ]; then
+  rm -f "$DIR"/*/*.png "$DIR"/*/*.md
+  grep -aE "at or above|large-size|rc=[1-9]" "$LOG"
+fi
+if [ "$PART" = suite ] || [ "$PART" = all ]; then
+  bash tests/run_gpu.sh --timeout=150 > "$DIR/suite.txt" 2>&1
+  rc=$?
+  grep -aE "passed|failed|=== GPU" "$DIR/suite.txt" | tail -8
+fi
 exit $rc

@@ -12,6 +12,7 @@ synchronized between rounds only.  Rows:
   tensors <= 1.5x torch's, DeviceArrays <= 10 us;
 * each collective (torch tensors) vs torch.distributed (NCCL) on the same tensors -- target: <= NCCL's
   (with one rank NCCL still runs its launch path);
+* attention (torch tensors, B=1 S=1024 H=32/8 D=128 causal) vs ``torch.nn.functional.scaled_dot_product_attention``;
 * ag_gemm with torch tensors (several ranks) -- target: <= 40 us;
 * eager wall time per call of the decode shapes (M = 1, 3, 8, 24, weights [N, K]): N back-to-back calls
   then one synchronize, ours and cuBLAS's (host and GPU both count).
@@ -137,6 +138,21 @@ def main():
         record(f"reduce_scatter {C.fmt_bytes(nbytes)}", mk, th, "<= NCCL")
         del x, out, g, r, xs
 
+    # ---- attention (one GPU's op; torch's SDPA allocates its output, ours writes given out / lse)
+    if not args.no_torch:
+        import torch.nn.functional as F
+
+        B, S, Hq, Hkv, D = 1, 1024, 32, 8, 128
+        q, k, v = pool((B, S, Hq, D)), pool((B, S, Hkv, D)), pool((B, S, Hkv, D))
+        o, lse = pool((B, S, Hq, D)), pool((B, Hq, S), torch.float32)
+        mk = per_call_us(lambda i: mkernel.attention(q[i % POOL], k[i % POOL], v[i % POOL], o[i % POOL],
+                                                     lse=lse[i % POOL], causal=True, stream=s), comm)
+        th = per_call_us(lambda i: F.scaled_dot_product_attention(
+            q[i % POOL].transpose(1, 2), k[i % POOL].transpose(1, 2), v[i % POOL].transpose(1, 2), is_causal=True,
+            enable_gqa=True), comm)
+        record(f"attention B={B} S={S} H={Hq}/{Hkv} D={D} causal (torch tensors)", mk, th, "<= torch SDPA")
+        del q, k, v, o, lse
+
     # ---- ag_gemm (several local ranks)
     if ctx.local_size > 1:
         for m_r, N, K in [(128, 5120, 8192), (1024, 5120, 8192)]:
@@ -162,13 +178,17 @@ def main():
         out.mkdir(parents=True, exist_ok=True)
         C.write_json(out / "host_overhead.json", dict(ranks=P, rows=rows, decode_eager=decode,
                                                       device=torch.cuda.get_device_name(dev)))
-        (out / "host_overhead.md").write_text(
+        md = out / "host_overhead.md"
+        notes = ""  # (the hand-written "## Notes" section of an earlier report is kept)
+        if md.exists() and "\n## Notes" in md.read_text():
+            notes = "\n" + md.read_text()[md.read_text().index("\n## Notes") + 1:]
+        md.write_text(
             f"# Host time per eager call ({P} rank(s), {torch.cuda.get_device_name(dev)})\n\n"
             "Made by `bench/host_overhead.py`: host microseconds to submit one call, every call with other "
             "arrays than the last (16 distinct torch tensors per operand in rotation), median of 7 rounds of "
             f"{N_CALLS} calls; the max over ranks.\n\n" + table +
             "\n\nEager wall time per call of the decode shapes (200 back-to-back calls + one synchronize):\n\n"
-            + dtable + "\n")
+            + dtable + "\n" + notes)
     C.shutdown(ctx)
 
 

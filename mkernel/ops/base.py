@@ -180,11 +180,17 @@ def byte_span(x) -> tuple[int, int]:
 def check_no_overlap(what: str, pairs) -> None:
     """Raise ValueError for the first ``(written, name, read, name)`` of ``pairs`` whose arrays share memory
     (None entries are skipped): a kernel reads its inputs while it writes its outputs."""
+    spans: dict = {}  # (each array's span once: an array takes part in several pairs)
     for w, wn, r, rn in pairs:
         if w is None or r is None:
             continue
-        w0, w1 = byte_span(w)
-        r0, r1 = byte_span(r)
+        sw = spans.get(id(w))
+        if sw is None:
+            sw = spans[id(w)] = byte_span(w)
+        sr = spans.get(id(r))
+        if sr is None:
+            sr = spans[id(r)] = byte_span(r)
+        (w0, w1), (r0, r1) = sw, sr
         if w0 < r1 and r0 < w1:
             raise ValueError(f"{what}: {wn} overlaps {rn} (bytes 0x{w0:x}-0x{w1:x} and 0x{r0:x}-0x{r1:x}); the "
                              "kernel reads its inputs while it writes its outputs")
