@@ -155,6 +155,7 @@ class _Call:
 # routing
 # --------------------------------------------------------------------------------------------
 class _Route(Op):
+    generation_keyed = True
     name = "moe_route"
     what = "mkernel.moe_route"
 
@@ -283,6 +284,7 @@ def _routing_arg(what: str, routing, ctx) -> MoeRouting:
 
 class _Exchange(Op):
     """Dispatch and combine: one cooperative kernel each, same bound-call shape."""
+    generation_keyed = True
 
     def __init__(self, name: str):
         self.name, self.what = name, "mkernel." + name
@@ -436,6 +438,7 @@ class _RoutingSpec:
 
 
 class _Layer(Op):
+    generation_keyed = True
     name = "moe_layer"
     what = "mkernel.moe_layer"
 
