@@ -90,6 +90,9 @@ class Op:
     runs the pipeline for a prepared call (whose ``key`` and ``stream`` attributes it reads)."""
 
     name = "op"
+    #: the call's key ends with ``ctx.workspace_generation`` (bound calls keep workspace pointers): a bind that
+    #: grows a workspace files its bound call under the new generation, so the next call finds it
+    generation_keyed = False
 
     def validate(self, ctx, call) -> None:
         """Every check of the arguments (first call of a key)."""
@@ -118,7 +121,10 @@ class Op:
             self.compile(ctx, call)
             digest = self.agree(ctx, call)
             bound = self.bind(ctx, call, self.plan(ctx, call, digest))
-            state.put(call.key, bound)
+            key = call.key
+            if self.generation_keyed:
+                key = key[:-1] + (ctx.workspace_generation,)
+            state.put(key, bound)
             plan_line(self.name, getattr(ctx, "rank", None), lambda: self.describe_call(call), bound.plan)
         state.last_plan = bound.plan
         bound(call.stream, call)

@@ -497,3 +497,27 @@ def test_ranks_sharing_a_gpu_plan_for_their_share_of_the_sms(env, path):
     p = ctx.last_plan("ag_gemm")
     assert p.path == path and p.comm_sms + p.workers <= 66 and p.gather_blocks <= 66, p.describe()
     assert all(e["grid"] <= 66 for e in prepared(log) if e["prepared"].startswith(("mk_ag_gemm", "mk_ag_gather")))
+
+
+def test_a_bind_that_grows_a_workspace_files_its_call_under_the_new_generation(env, monkeypatch):
+    """The first call of a layout allocates the op's workspace (the context's workspace generation moves):
+    the bound call is filed under the new generation, so the second call re-points it instead of binding
+    again (and holding a second set of launches); a later growth still rebinds."""
+    ctx, log = env
+    grown = ctx.workspace
+
+    def workspace(key, nbytes, stream=None, what=""):
+        if (key, nbytes) not in ctx.workspaces:
+            ctx.workspace_generation += 1
+        return grown(key, nbytes, stream, what)
+
+    monkeypatch.setattr(ctx, "workspace", workspace)
+    Mr, K, N = 2048, 8192, 5120
+    a, b, o = arr((Mr, K)), arr((N, K)), arr((2 * Mr, N))
+    call(ctx, a, b, o, b_layout="nk")
+    n = len(prepared(log))
+    call(ctx, arr((Mr, K)), b, arr((2 * Mr, N)), b_layout="nk")
+    assert len(prepared(log)) == n and len(ctx.op_state("ag_gemm").calls) == 1
+    ctx.workspace_generation += 1  # (another op's workspace grew)
+    call(ctx, a, b, o, b_layout="nk")
+    assert len(prepared(log)) > n

@@ -411,6 +411,7 @@ def _has_workspace(ms, K: int) -> bool:
 
 
 class AgGemm(Op):
+    generation_keyed = True
     name = OP
 
     # ---- per call ---------------------------------------------------------------------------

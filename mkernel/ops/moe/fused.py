@@ -102,6 +102,7 @@ class _FusedBound(BoundCall):
 
 
 class _DispatchGemm(Op):
+    generation_keyed = True
     name = "moe_dispatch_gemm"
     what = "mkernel.moe_dispatch_gemm"
 

@@ -82,6 +82,7 @@ class _RoutingSpec:
 
 
 class _Layer(Op):
+    generation_keyed = True
     name = "moe_layer"
     what = "mkernel.moe_layer"
 

@@ -169,6 +169,7 @@ class _Call:
 # routing
 # --------------------------------------------------------------------------------------------
 class _Route(Op):
+    generation_keyed = True
     name = "moe_route"
     what = "mkernel.moe_route"
 
@@ -294,6 +295,7 @@ def routing_arg(what: str, routing, ctx) -> MoeRouting:
 
 class _Exchange(Op):
     """Dispatch and combine: one cooperative kernel each, same bound-call shape."""
+    generation_keyed = True
 
     def __init__(self, name: str):
         self.name, self.what = name, "mkernel." + name
@@ -390,6 +392,7 @@ class _Exchange(Op):
 class _DispatchLowLatency(Op):
     """Low-latency mode: routing and dispatch in one cooperative kernel (mk_moe_dispatch_ll), buffers of
     fixed size (the routing's, made at creation), no host-side size anywhere (docs/moe.md)."""
+    generation_keyed = True
 
     name = "moe_dispatch_ll"
     what = "mkernel.moe_dispatch"

@@ -64,6 +64,7 @@ def _key(x: DeviceArray) -> tuple:
 
 
 class _RingAttention(Op):
+    generation_keyed = True
     name = OP
 
     def __call__(self, ctx, q, k, v, out, lse, causal, softmax_scale, layout, stream, options):
@@ -77,8 +78,8 @@ class _RingAttention(Op):
         call = _Call()
         call.stream, call.q, call.k, call.v, call.out, call.lse = s, Q, Kx, V, O, L
         call.causal, call.scale, call.layout, call.options, call.dims = bool(causal), scale, layout, options, dims
-        call.key = (layout, call.causal, options, s, ctx.workspace_generation, _key(Q), _key(Kx), _key(V), _key(O),
-                    _key(L))
+        call.key = (layout, call.causal, options, s, _key(Q), _key(Kx), _key(V), _key(O), _key(L),
+                    ctx.workspace_generation)
         B, Sq, _, Hq, _, _ = dims
         if B == 0 or Sq == 0 or Hq == 0:
             self.validate(ctx, call)  # (nothing to compute on any rank: equal shapes; the arguments are checked)
