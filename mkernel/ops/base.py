@@ -114,6 +114,15 @@ class Op:
         """The call's shapes and dtypes for the plan log line ("" when the plan says it all)."""
         return ""
 
+    def invoke_bound(self, state: OpState, call) -> BoundCall | None:
+        """Run the bound call of ``call.key`` on ``call`` and return it, or None where the key has none yet (an
+        op's entry may try this before its checks: a key names a layout that was checked when it was bound)."""
+        bound = state.get(call.key)
+        if bound is not None:
+            state.last_plan = bound.plan
+            bound(call.stream, call)
+        return bound
+
     def invoke(self, state: OpState, call, ctx=None) -> BoundCall:
         bound = state.get(call.key)
         if bound is None:

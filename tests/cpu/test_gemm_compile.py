@@ -916,3 +916,20 @@ def test_deterministic_plans_never_split(fake):
     assert _args(launches[-1]).splits == 1
     with pytest.raises(ValueError, match="deterministic"):
         G.gemm(a, b, options=G.GemmOptions(deterministic=True, splits=2))
+
+
+def test_a_bound_layout_skips_the_checks_but_not_the_overlap_check(fake, monkeypatch):
+    """A call whose layout (shapes, strides, dtypes, options, stream, out) is bound already runs its bound call
+    without the shape checks (they ran when it was bound); the overlap of out with a or b is checked every call."""
+    launches, maps, empty = fake
+    a, b, o = empty((64, 256), "bfloat16"), empty((256, 128), "bfloat16"), empty((64, 128), "bfloat16")
+    G.gemm(a, b, o)
+    monkeypatch.setattr(GA, "check_arrays", lambda *x, **k: pytest.fail("checked again"))
+    G.gemm(empty((64, 256), "bfloat16"), b, empty((64, 128), "bfloat16"))
+    assert len(launches) == 2
+    base = empty((64 * 256 + 64 * 128,), "bfloat16")
+    a2 = DeviceArray(base.ptr, (64, 256), "bfloat16", None, 0)
+    o2 = DeviceArray(base.ptr + 2 * 64 * 256 - 2 * 128, (64, 128), "bfloat16", None, 0)  # (its first row is a's last)
+    with pytest.raises(ValueError, match="overlaps"):
+        G.gemm(a2, b, o2)
+    assert len(launches) == 2
