@@ -197,10 +197,11 @@ def report(results, meta, out_dir: Path) -> str:
                      _f(r.get("ll_dispatch_gbs"), ".0f"), _f(best_tf, ".1f"), pair("layer"), pair("fused"),
                      pair("ll_layer"), _us(r.get("torch_host_ms")) + " / " + _us(r.get("layer_host_ms")),
                      t["bw"], t["ll"], t["vs_a"], t["vs_b"]])
-    title = f"# MoE expert-parallel benchmark ({meta['P']} ranks, {meta['gpu']}" + (f"; {SHARED}" if shared else "") + ")"
+    title = f"# MoE expert-parallel benchmark ({meta['P']} ranks, {meta['gpu']}{'; ' + SHARED if shared else ''})"
     md = [title, "",
           f"{meta['date']}, torch {meta['torch']}, NCCL {meta['nccl']}, {'--quick, ' if meta.get('quick') else ''}"
-          f"{meta['elapsed_s']:.0f} s{' (cut short)' if meta.get('partial') else ''}; torch grouped GEMM: {meta.get('grouped_mm', '?')}.", "",
+          f"{meta['elapsed_s']:.0f} s{' (cut short)' if meta.get('partial') else ''}; torch grouped GEMM: "
+          f"{meta.get('grouped_mm', '?')}.", "",
           "Targets (issue 38, on 2x H200; met / missed / pending per row, '-' where one does not apply):", ""]
     md += [f"* {t}" for t in TARGETS]
     md += ["",
@@ -232,8 +233,8 @@ def plot(results, path: Path, meta) -> None:
     C.plot_by_m(rs, path, title, [("torch", "(a) torch+NCCL", "s--"), ("pieces", "(b) our pieces", "^--"),
                                   ("layer", "moe_layer", "o-"), ("fused", "moe_layer fused", "D-"),
                                   ("ll_layer", "moe_layer low-latency", "v-")],
-                ylabel="layer latency (us)", value=lambda r, k: None if not _ok(r.get(k + "_ms")) else r[k + "_ms"] * 1e3,
-                xlabel="tokens per rank", logy=True)
+                ylabel="layer latency (us)", xlabel="tokens per rank", logy=True,
+                value=lambda r, k: r[k + "_ms"] * 1e3 if _ok(r.get(k + "_ms")) else None)
 
 
 # ------------------------------------------------------------------------------------ GPU side
