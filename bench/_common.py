@@ -3,7 +3,8 @@ probes in ``experiments/`` and the tools in ``tools/``, which put ``bench/`` on 
 
 * :func:`setup_env`: NCCL / torch environment (no NVLink multicast); call before importing torch.
 * :func:`bootstrap`: ``mkernel.init()`` + ``torch.cuda.set_device(ctx.device)`` + ``torch.distributed``
-  (NCCL) with rank / world size from MPI, ``MASTER_ADDR=127.0.0.1`` and a free port picked by rank 0.
+  (NCCL) with rank / world size from MPI, ``MASTER_ADDR=127.0.0.1`` and a free port picked by rank 0;
+  :func:`start_ranks`: bootstrap, the imports and a rank-0 print, with the one-node warning.
 * :func:`time_stats`: CUDA-event timing of back-to-back calls on torch's current
   stream, median over batches, with an MPI barrier before every batch.
 * :func:`max_over_ranks`, :func:`all_ranks_ok`: cross-rank reductions over an mpi4py communicator.
@@ -11,7 +12,7 @@ probes in ``experiments/`` and the tools in ``tools/``, which put ``bench/`` on 
   method run once and checked against the reference, the ones that ran on every rank timed in alternating
   rounds, GPU and host time per call recorded as the max over ranks.
 * :func:`markdown_table`, :func:`write_json`, :func:`plot_panels`, :func:`plot_by_m`, :func:`write_report`,
-  :func:`merge_results`, :func:`fmt_bytes`, :func:`fmt_or_na`: output.
+  :func:`final_report`, :func:`merge_results`, :func:`fmt_bytes`, :func:`fmt_or_na`: output.
 
 torch, mpi4py and matplotlib are imported inside the functions that need them, so this module
 imports with the standard library alone.
@@ -80,6 +81,22 @@ def bootstrap(nccl: bool = True):
     if nccl:
         init_torch_distributed(ctx.world, ctx.device)
     return ctx
+
+
+def start_ranks(what: str):
+    """:func:`bootstrap` on every rank, then torch, torch.distributed and mkernel imported: ``(ctx, torch, dist,
+    mkernel, say)`` (``say``: print on world rank 0), with a warning when the ranks span several nodes
+    (``what`` spans the ranks of a node, NCCL the world)."""
+    ctx = bootstrap()
+    import torch
+    import torch.distributed as dist
+
+    import mkernel
+
+    say = lambda *a: rank0_print(ctx.world, *a)  # noqa: E731
+    if ctx.size != ctx.local_size:
+        say(f"WARNING: run on one node: {what} spans the ranks of a node, NCCL the world")
+    return ctx, torch, dist, mkernel, say
 
 
 def shutdown(ctx) -> None:
@@ -478,6 +495,20 @@ def write_report(out_dir, stem: str, text: str, meta: dict, results: list, plot=
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     return text
+
+
+def final_report(report, out_dir, stem: str, meta: dict, results: list) -> None:
+    """Rank 0 at the end of a run: print ``report(results, meta, out_dir)`` (which writes ``<stem>.md/.png/.json``);
+    if it fails, the traceback and the JSON alone (the measurements are kept)."""
+    import traceback
+
+    out_dir = Path(out_dir)
+    try:
+        print("\n" + report(results, meta, out_dir), flush=True)
+        print(f"wrote {out_dir}/{stem}.md / .png / .json", flush=True)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        write_json(out_dir / f"{stem}.json", {"meta": meta, "results": results})
 
 
 def merge_results(files) -> tuple[dict, list]:

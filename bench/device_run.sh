@@ -4,7 +4,7 @@
 # benchmarks' JSON.  PART picks what runs, so each part fits one call of the device tool (10 minutes):
 #   bench1  one-GPU benchmarks: GEMM, attention forward, attention backward        (~3 min)
 #   bench2  multi-GPU benchmarks (needs 2+ GPUs): collectives, AllGather+GEMM in two halves,
-#           GEMM+ReduceScatter, GEMM+AllReduce, MoE                                  (~8 min on 2x H200)
+#           GEMM+ReduceScatter, GEMM+AllReduce, MoE                                  (~9 min on 2x H200)
 #   suite   tests/run_gpu.sh (every GPU test)
 #   all     the three in order (default; more than one call's limit)
 # Rebuild docs/ from the JSON on any machine:
@@ -12,6 +12,7 @@
 #   python bench/collectives.py --replot DIR/coll/collectives_bench.json
 #   python bench/ag_gemm.py --merge DIR/ag1/ag_gemm_bench.json DIR/ag2/ag_gemm_bench.json
 #   python bench/gemm_rs.py --merge DIR/rs/gemm_rs_bench.json;  python bench/gemm_ar.py --merge DIR/ar/gemm_ar_bench.json
+#   python bench/moe.py --replot DIR/moe/moe_bench.json
 # (The debugging aids in tools/ and the probes in experiments/ are run by hand, not here.)
 # Usage: bash bench/device_run.sh [DIR] [PART]
 set -u
@@ -39,7 +40,7 @@ if { [ "$PART" = bench2 ] || [ "$PART" = all ]; } && [ "$NGPU" -ge 2 ]; then
   step timeout 120 "${MPIRUN[@]}" -np "$NGPU" python bench/ag_gemm.py --min-m 16384 --out "$DIR/ag2"
   step timeout 90 "${MPIRUN[@]}" -np "$NGPU" python bench/gemm_rs.py --out "$DIR/rs"
   step timeout 90 "${MPIRUN[@]}" -np "$NGPU" python bench/gemm_ar.py --out "$DIR/ar"
-  step timeout 60 "${MPIRUN[@]}" -np "$NGPU" python bench/moe.py --json "$DIR/moe_bench.json"
+  step timeout 150 "${MPIRUN[@]}" -np "$NGPU" python bench/moe.py --quick --out "$DIR/moe"
 fi
 if [ "$PART" != suite ]; then
   rm -f "$DIR"/*/*.png "$DIR"/*/*.md
