@@ -495,3 +495,93 @@ def test_missing_peer_times_out(ctx):
     def call(c2):
         mkernel.moe_route(c2, DeviceArray.from_numpy(np.zeros((T, E), np.float32)), k=1)
     assert_missing_peer_times_out(call, "moe_route")
+
+
+# --------------------------------------------------------------------------------------------
+# across nodes (docs/moe.md "Across nodes"): run with
+#   mpirun -np 2 -x MKERNEL_RANKS_PER_NODE=1 python -m pytest -m internode tests/gpu/test_moe.py
+# P = the world size; every rank on another node is reached through the proxy.
+# --------------------------------------------------------------------------------------------
+def _needs_nodes(ctx):
+    if ctx.num_nodes < 2:
+        pytest.skip("needs >= 2 (emulated) nodes: MKERNEL_RANKS_PER_NODE")
+
+
+@pytest.mark.internode
+@pytest.mark.parametrize("T,k,E_local,mode,capacity", [(1000, 8, 4, "random", 0), (333, 1, 3, "random", 0),
+                                                       (517, 2, 4, "one_expert", 0), (300, 2, 2, "rank0_only", 0),
+                                                       (0, 2, 2, "random", 0), (70, 8, 8, "random", 0),
+                                                       (257, 4, 4, "random", 40)])
+def test_internode_route_dispatch_combine(ctx, shared_rng, T, k, E_local, mode, capacity):
+    """Routing metadata exactly as the float64 layout reference (the one-node slot order), the proxy's
+    slot ranges too; dispatch bit-exact; combine within fp32 accumulation; outputs NaN-poisoned first."""
+    _needs_nodes(ctx)
+    P, me = ctx.size, ctx.rank
+    E = E_local * P
+    if k > E:
+        pytest.skip("k > E")
+    opts = MoeOptions(expert_capacity=capacity) if capacity else None
+    ids = _ids(shared_rng, P, T, k, E, mode)
+    ws = [shared_rng.random((T, k)).astype(np.float32) for _ in range(P)]
+    R = mkernel.moe_route(ctx, topk_ids=DeviceArray.from_numpy(ids[me]), topk_weights=DeviceArray.from_numpy(ws[me]),
+                          num_experts=E, options=opts)
+    H = 136
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    xr = poisoned((R.recv_rows, H), "bfloat16")
+    mkernel.moe_dispatch(ctx, xs[me][0], R, xr, options=opts)
+    ctx.synchronize()
+    lay = ref.layout_reference(ids, E, capacity, R.recv_rows)
+    np.testing.assert_array_equal(R.slots.to_numpy(), lay[me]["slots"])
+    np.testing.assert_array_equal(R.expert_offsets.to_numpy(), lay[me]["expert_offsets"])
+    sr = ref.send_ranges_reference(lay[me]["slots"], ids[me], E)
+    got_sr = R.send_ranges.to_numpy().astype(np.int64)
+    np.testing.assert_array_equal(got_sr[:, 1], sr[:, 1])
+    np.testing.assert_array_equal(got_sr[sr[:, 1] > 0, 0], sr[sr[:, 1] > 0, 0])
+    np.testing.assert_array_equal(R.src_offsets.to_numpy(), ref.src_offsets_reference(lay[me], P, T, k))
+    n = int(lay[me]["expert_offsets"][-1])
+    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
+    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+    ys = [upload(shared_rng.standard_normal((R.recv_rows, H)), "bfloat16") for _ in range(P)]
+    out = poisoned((T, H), "float32")
+    mkernel.moe_combine(ctx, ys[me][0], R, out, options=opts)
+    ctx.synchronize()
+    want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
+    got = download(out)
+    assert got.shape == want.shape and not np.isnan(got).any()
+    if T:
+        assert np.abs(got - want).max() <= 2.0 ** -20 * (np.abs(want).max() + k * np.abs(ys[0][1]).max()) + 1e-6
+
+
+@pytest.mark.internode
+def test_internode_back_to_back_changing_routings(ctx, shared_rng):
+    """50 calls, routing and sizes changing, no host sync between them; each call's result kept and checked."""
+    _needs_nodes(ctx)
+    P, me, H, k = ctx.size, ctx.rank, 64, 2
+    E = 2 * P
+    runs = []
+    for i in range(50):
+        T = int(shared_rng.integers(1, 200))
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        ws = [shared_rng.random((T, k)).astype(np.float32) for _ in range(P)]
+        R = mkernel.moe_route(ctx, topk_ids=DeviceArray.from_numpy(ids[me]),
+                              topk_weights=DeviceArray.from_numpy(ws[me]), num_experts=E)
+        xs = [upload(shared_rng.standard_normal((T, H)), "float32") for _ in range(P)]
+        xr = poisoned((R.recv_rows, H), "float32")
+        mkernel.moe_dispatch(ctx, xs[me][0], R, xr)
+        out = poisoned((T, H), "float32")
+        mkernel.moe_combine(ctx, xr, R, out)  # y = x: out[t] = sum_j w[t][j] * x[t] over kept pairs
+        runs.append((T, ids, ws, xs, out))
+    ctx.synchronize()
+    for T, ids, ws, xs, out in runs:
+        want = xs[me][1] * ws[me].astype(np.float64).sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(download(out), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.internode
+def test_internode_missing_peer_times_out(ctx):
+    _needs_nodes(ctx)
+    T, E = 64, 2 * ctx.size
+
+    def call(c2):
+        mkernel.moe_route(c2, DeviceArray.from_numpy(np.zeros((T, E), np.float32)), k=1)
+    assert_missing_peer_times_out(call, "moe_route")

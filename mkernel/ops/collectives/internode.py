@@ -30,7 +30,7 @@ from ...dist.signals import MK_ERR_PROXY
 from ...errors import CommError
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "InterLayout", "check_layout", "layout", "call_word",
-           "call_offset"]
+           "call_offset", "ProxyState", "proxy_state"]
 
 _SOURCE = "ops/internode.cu"
 _THREADS = 512
@@ -88,7 +88,7 @@ def _layout(ctx, nslots: int, nflags: int, slot_bytes: int) -> tuple[InterLayout
     return layout(ctx.local_size, ctx.num_nodes, nslots, nflags, slot_bytes)
 
 
-class _State:
+class ProxyState:
     """Workspace + proxy of one op on one context (re-made together when the workspace must grow)."""
 
     def __init__(self, ctx, op: str, nbytes: int):
@@ -123,7 +123,10 @@ class _State:
             self.proxy.close()
 
 
-def _state(ctx, op: str, nbytes: int) -> _State:
+def proxy_state(ctx, op: str, nbytes: int) -> ProxyState:
+    """The workspace of inter-node ``op`` (at least ``nbytes``, zeroed when made) registered as window 0 of
+    the op's own proxy; re-made (collectively, after a device sync) when it must grow.  Every rank calls it
+    at the same call (the op's agreed sizes)."""
     data = ctx.op_state("internode_" + op).data
     st = data.get("proxy")
     if st is not None and st.ws.nbytes >= nbytes and not st.closed:
@@ -131,7 +134,7 @@ def _state(ctx, op: str, nbytes: int) -> _State:
     if st is not None:
         ctx.synchronize()
         st.close()
-    st = data["proxy"] = _State(ctx, op, nbytes)
+    st = data["proxy"] = ProxyState(ctx, op, nbytes)
     return st
 
 
@@ -157,7 +160,7 @@ def all_gather(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) -> Non
     check_layout(ctx)
     P = ctx.size
     Lo, total = _layout(ctx, P, P, x.nbytes)
-    st = _state(ctx, "all_gather", total)
+    st = proxy_state(ctx, "all_gather", total)
     k = _kernel("mk_inter_all_gather", 0)
     args = [ctx.comm_args("internode_all_gather", sig), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
             ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes), ctypes.c_uint64(st.ws.ptr),
@@ -172,7 +175,7 @@ def reduce_scatter(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) ->
     L, N = ctx.local_size, ctx.num_nodes
     n = o.size
     Lo, total = _layout(ctx, L * N + 2 * N, L * N + N, n * x.dtype.itemsize)
-    st = _state(ctx, "reduce_scatter", total)
+    st = proxy_state(ctx, "reduce_scatter", total)
     k = _kernel("mk_inter_reduce_scatter", x.dtype.code)
     args = [ctx.comm_args("internode_reduce_scatter", sig), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
             ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(st.ws.ptr),

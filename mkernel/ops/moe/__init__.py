@@ -3,6 +3,7 @@ from .layout import MoeLayout, MoeShape
 from .op import MoePlan, MoeRouting, moe_combine, moe_dispatch, moe_route
 from .fused import moe_dispatch_gemm
 from .layer import moe_layer
+from . import internode  # the inter-node ops (registers them with op.ACROSS_NODES)
 from .options import MoeOptions
 from . import reference
 

@@ -10,7 +10,9 @@ from ...dist.signals import MAX_CHUNKS, workspace_control
 from .options import MoeOptions
 
 __all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots", "fused_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
-           "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS"]
+           "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS",
+           "INTERNODE_SOURCE", "INTERNODE_GRID", "MoeXLayout", "x_route_layout", "x_dispatch_layout",
+           "x_combine_layout"]
 
 SOURCE = "ops/moe.cu"
 FUSED_SOURCE = "ops/moe_gemm.cu"  # dispatch + gate/up grouped GEMM (compiled with the GEMM's config defines)
@@ -167,3 +169,65 @@ def fused_grid(resident_sms: int, options: MoeOptions) -> tuple[int, int]:
     n = resident_sms
     comm = min(options.comm_blocks or max(1, n // 8), n - 1)
     return comm, n - comm
+
+
+# --------------------------------------------------------------------------------------------
+# across nodes (cuda_src/ops/moe_internode.cu; docs/moe.md "Across nodes")
+# --------------------------------------------------------------------------------------------
+INTERNODE_SOURCE = "ops/moe_internode.cu"
+INTERNODE_GRID = 32  # blocks of the dispatch / combine kernels: fixed per context (one grid barrier per call)
+
+
+class MoeXLayout(ctypes.Structure):
+    """``struct MoeXLayout`` of moe_internode.cu: byte offsets into an op's workspace (window 0 of its
+    proxy): control words, then the op's regions a..e."""
+
+    _fields_ = [("consumed_off", ctypes.c_uint64), ("calls_off", ctypes.c_uint64), ("ready_off", ctypes.c_uint64),
+                ("bar_off", ctypes.c_uint64), ("a_off", ctypes.c_uint64), ("b_off", ctypes.c_uint64),
+                ("c_off", ctypes.c_uint64), ("d_off", ctypes.c_uint64), ("e_off", ctypes.c_uint64),
+                ("row_bytes", ctypes.c_uint64), ("L", ctypes.c_int32), ("N", ctypes.c_int32)]
+
+
+def _x_regions(L: int, N: int, sizes: list[int], row_bytes: int = 0) -> tuple[MoeXLayout, int]:
+    """Control words at offsets that depend on L and N only (docs/design.md, "Control words never move"),
+    then the regions of ``sizes`` bytes, each 256-aligned."""
+    P = L * N
+    X = MoeXLayout()
+    X.bar_off = 64
+    X.consumed_off = 128
+    X.calls_off = X.consumed_off + 8 * P
+    X.ready_off = X.calls_off + 16 * P
+    off = round_up(X.ready_off + 8 * P, 256)
+    names = ("a_off", "b_off", "c_off", "d_off", "e_off")
+    for i, name in enumerate(names):
+        setattr(X, name, off)
+        off = round_up(off + (sizes[i] if i < len(sizes) else 0), 256)
+    X.row_bytes = row_bytes
+    X.L, X.N = L, N
+    return X, off
+
+
+def x_route_layout(L: int, N: int, T: int, E: int) -> tuple[MoeXLayout, int]:
+    """(layout, bytes) of the routing workspace across nodes: a = int32 counts[2][P][E] (row s written by
+    rank s), b = int32 this rank's counts [E] (the proxy's source), c = scratch: int32
+    tile_cnt[ceil(T / TILE)][E], base[2 E] (this rank's, as route_layout)."""
+    P = L * N
+    return _x_regions(L, N, [2 * P * E * 4, E * 4, (ceil_div(max(T, 1), TILE) * E + 2 * E) * 4])
+
+
+def x_dispatch_layout(L: int, N: int, T: int, row_bytes: int, r_cap: int) -> tuple[MoeXLayout, int]:
+    """(layout, bytes) of the dispatch workspace across nodes: a = int32 in_src[r_cap], b = rows [P][T]
+    (from this node's ranks), c = rows [r_cap] (from remote ranks, at the slot), d = rows [P][r_cap] and
+    e = int32 [P][r_cap] (ours for each remote rank, at its slot: the proxy's sources)."""
+    P = L * N
+    return _x_regions(L, N, [4 * r_cap, P * T * row_bytes, r_cap * row_bytes, P * r_cap * row_bytes, 4 * P * r_cap],
+                      row_bytes)
+
+
+def x_combine_layout(L: int, N: int, T: int, k: int, row_bytes: int, r_cap: int) -> tuple[MoeXLayout, int]:
+    """(layout, bytes) of the combine workspace across nodes: a unused, b = rows [T * k] (from this node's
+    ranks, at t * k + j), c = rows [P][r_cap] (rank d's rows for this rank, at d's slot), d = rows [r_cap]
+    (this rank's rows for remote owners, at the row: the proxy's source)."""
+    P = L * N
+    return _x_regions(L, N, [0, T * k * row_bytes, P * r_cap * row_bytes, r_cap * row_bytes], row_bytes)
+

@@ -24,7 +24,7 @@ from .layout import (EXCHANGE_THREADS, MAX_EXPERTS, MAX_K, SOURCE, SPECIALIZATIO
 from .options import LOW_LATENCY_MAX_TOKENS, MoeOptions
 
 __all__ = ["MoeRouting", "MoePlan", "moe_route", "moe_dispatch", "moe_combine", "moe_options", "one_node",
-           "routing_arg", "DATA_DTYPES", "DTYPEDTYPE_CODES"]
+           "routing_arg", "DATA_DTYPES", "ACROSS_NODES", "check_sizes", "DTYPEDTYPE_CODES"]
 
 for _d, _o, _l in SPECIALIZATIONS:
     register_specialization(SOURCE, {"MK_DTYPE": _d, "MK_OUT_DTYPE": _o, "MK_LOGIT_DTYPE": _l})
@@ -59,14 +59,19 @@ class MoeRouting:
     * ``expert_offsets`` int32 ``[E_local + 1]``: this rank's receive layout -- local expert l's rows are
       ``[o[l], o[l+1])`` of ``x_recv``; ``o[E_local]`` rows were received;
     * ``recv_map`` int32 ``[recv_rows]``: after :func:`moe_dispatch`, ``s * T * k + t * k + j`` of received
-      row r (source rank s, its token t, choice j); rows past ``o[E_local]`` are not written.
+      row r (source rank s, its token t, choice j); rows past ``o[E_local]`` are not written;
+    * across nodes only (else None): ``send_ranges`` int32 ``[E, 2]`` and ``src_offsets`` int32
+      ``[E_local, P + 1]``, the slot ranges the proxy moves (docs/moe.md, "Across nodes").
+
+    P is the world size (every rank of the context, on every node); global expert e is on world rank
+    ``e // E_local``.
 
     ``T, k, E, P, E_local, capacity`` (0: none), ``recv_rows`` (rows of the receive buffer).  Make one with
     :meth:`empty` to reuse across calls (``out=``; needed inside CUDA-graph captures)."""
 
     def __init__(self, ctx, T: int, k: int, E: int, options: MoeOptions | None = None):
         opts = moe_options(options, "mkernel.MoeRouting")
-        P = ctx.local_size
+        P = ctx.size
         self.T, self.k, self.E, self.P = int(T), int(k), int(E), P
         check_sizes("mkernel.MoeRouting", P, self.T, self.k, self.E)
         if opts.mode == "low_latency" and self.T > LOW_LATENCY_MAX_TOKENS:
@@ -81,6 +86,13 @@ class MoeRouting:
         self.slots = DeviceArray.empty((T, k), "int32", device=dev)
         self.expert_offsets = DeviceArray.empty((self.E_local + 1,), "int32", device=dev)
         self.recv_map = DeviceArray.empty((self.recv_rows,), "int32", device=dev)
+        # across nodes (docs/moe.md "Across nodes"): the contiguous slot ranges the proxy moves --
+        # send_ranges [E, 2] (first row, rows) of this rank's pairs of each expert in its owner's buffer,
+        # src_offsets [E_local, P + 1]: first row of each source's rows of each local expert (end last)
+        self.send_ranges = self.src_offsets = None
+        if ctx.num_nodes > 1:
+            self.send_ranges = DeviceArray.empty((E, 2), "int32", device=dev)
+            self.src_offsets = DeviceArray.empty((self.E_local, P + 1), "int32", device=dev)
 
     @classmethod
     def empty(cls, ctx, T: int, k: int, num_experts: int, options: MoeOptions | None = None) -> "MoeRouting":
@@ -173,6 +185,9 @@ class _Route(Op):
     name = "moe_route"
     what = "mkernel.moe_route"
 
+    def nodes(self, ctx):
+        one_node(ctx, self.what)
+
     def __call__(self, ctx, logits, topk_ids, topk_weights, k, num_experts, out, stream, options):
         ctx.check()
         s = as_stream(stream)
@@ -208,7 +223,7 @@ class _Route(Op):
                 raise ValueError(f"{self.what}: k={k} but topk_ids has {kk} columns")
             k, E = kk, int(num_experts)
             mode = ("given", I.dtype.name, I.shape, I.strides, W.dtype.name, W.shape, W.strides)
-        check_sizes(self.what, ctx.local_size, T, int(k), E)
+        check_sizes(self.what, ctx.size, T, int(k), E)
         if out is None:
             out = MoeRouting(ctx, T, int(k), E, opts)
         elif not isinstance(out, MoeRouting):
@@ -219,7 +234,7 @@ class _Route(Op):
         return out
 
     def validate(self, ctx, call):
-        one_node(ctx, self.what)
+        self.nodes(ctx)
         R = call.routing
         if call.logits is not None:
             require(call.logits, f"{self.what}: logits", dtypes=LOGIT_DTYPES, device=ctx.device)
@@ -230,9 +245,9 @@ class _Route(Op):
             require(call.weights, f"{self.what}: topk_weights", dtypes=("float32",), device=ctx.device,
                     shape=tuple(call.ids.shape))
             (T, k), E = call.ids.shape, R.E
-        if (R.T, R.k, R.E, R.P) != (T, k, E, ctx.local_size) or R.ids.device != ctx.device:
+        if (R.T, R.k, R.E, R.P) != (T, k, E, ctx.size) or R.ids.device != ctx.device:
             raise ValueError(f"{self.what}: out is {R!r} on cuda:{R.ids.device}; this call needs T={T}, k={k}, "
-                             f"E={E}, P={ctx.local_size} on cuda:{ctx.device}")
+                             f"E={E}, P={ctx.size} on cuda:{ctx.device}")
         if R.options != call.options:
             raise ValueError(f"{self.what}: out was made with other options ({R.options}) than this call's")
 
@@ -258,11 +273,10 @@ class _Route(Op):
 
     def bind(self, ctx, call, p: MoePlan) -> BoundCall:
         R = call.routing
-        tiles, exch, slots = self._kernels(call)
-        ws = ctx.workspace(("moe_route",), p.ws_bytes, call.stream, self.what)
-        L = p.layout
-        shape = make_shape(ctx.local_size, R.T, 0, R.k, R.E, call.options)
-        tile_cnt = ws.ptr + L.scratch_off
+        tiles, _, slots = self._kernels(call)
+        ws, keep, scratch_off = self.route_workspace(ctx, call, p)
+        shape = make_shape(ctx.size, R.T, 0, R.k, R.E, call.options)
+        tile_cnt = ws.ptr + scratch_off
         base = tile_cnt + ceil_div(R.T, TILE) * R.E * 4
         lg, ids, w, sl, offs = _ptr(), _ptr(), _ptr(), _ptr(), _ptr()
         ptrs = [(lambda c: c.logits.ptr if c.logits is not None else 0, lg), (lambda c: c.routing.ids.ptr, ids),
@@ -272,14 +286,24 @@ class _Route(Op):
         launches = []
         if R.T:
             launches.append(tiles.prepare(p.grid, TILE, [lg, ids, w, sl, _ptr(tile_cnt), shape], stream=st))
-        launches.append(exch.prepare(1, EXCHANGE_THREADS, [ctx.comm_args(self.name, p.digest), _ptr(tile_cnt),
-                                                            ctypes.c_int32(p.grid), offs, _ptr(base), _ptr(ws.ptr),
-                                                            _ptr(ws.peer_table), L, shape], stream=st))
+        launches.append(self.exchange_launch(ctx, call, p, ws, keep, [_ptr(tile_cnt), ctypes.c_int32(p.grid), offs,
+                                                                      _ptr(base)], ptrs, shape))
         if R.T:
             g = max(1, min(ceil_div(R.T * R.k, 256), 8 * ctx.sm_count))
             launches.append(slots.prepare(g, 256, [ids, sl, _ptr(tile_cnt), _ptr(base), shape], stream=st))
         pre = _copy_given(R) if call.logits is None else None
-        return _Launches(p, launches, ptrs, (ws,), pre)
+        return _Launches(p, launches, ptrs, keep, pre)
+
+    def route_workspace(self, ctx, call, p):
+        """(workspace, what the bound call keeps alive, byte offset of the tile_cnt / base scratch)."""
+        ws = ctx.workspace(("moe_route",), p.ws_bytes, call.stream, self.what)
+        return ws, (ws,), p.layout.scratch_off
+
+    def exchange_launch(self, ctx, call, p, ws, keep, mid, ptrs, shape):
+        """The prepared launch of the count exchange; ``mid``: (tile_cnt, ntiles, expert_offsets, base)."""
+        exch = self._kernels(call)[1]
+        return exch.prepare(1, EXCHANGE_THREADS, [ctx.comm_args(self.name, p.digest)] + mid +
+                            [_ptr(ws.ptr), _ptr(ws.peer_table), p.layout, shape], stream=call.stream)
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +312,7 @@ class _Route(Op):
 def routing_arg(what: str, routing, ctx) -> MoeRouting:
     if not isinstance(routing, MoeRouting):
         raise TypeError(f"{what}: routing must be the MoeRouting of mkernel.moe_route, got {type(routing).__name__}")
-    if routing.P != ctx.local_size or routing.ids.device != ctx.device:
+    if routing.P != ctx.size or routing.ids.device != ctx.device:
         raise ValueError(f"{what}: routing was made for {routing.P} ranks on cuda:{routing.ids.device}")
     return routing
 
@@ -299,6 +323,9 @@ class _Exchange(Op):
 
     def __init__(self, name: str):
         self.name, self.what = name, "mkernel." + name
+
+    def nodes(self, ctx):
+        one_node(ctx, self.what)
 
     def __call__(self, ctx, x, routing, out, out_dtype, stream, options):
         ctx.check()
@@ -327,7 +354,7 @@ class _Exchange(Op):
         return result
 
     def validate(self, ctx, call):
-        one_node(ctx, self.what)
+        self.nodes(ctx)
         R, X, O = call.routing, call.x, call.o
         dts = DATA_DTYPES if self.name == "moe_dispatch" else ("bfloat16", "float16", "float32")
         rows_in = R.T if self.name == "moe_dispatch" else R.recv_rows
@@ -503,6 +530,15 @@ class _Combine(_Exchange):
     x_name = "y_recv"
 
 
+# The ops of the inter-node path (mkernel/ops/moe/internode.py fills this when the package is imported):
+# "route", "dispatch", "combine" -> op objects taking the same arguments as the one-node ones.
+ACROSS_NODES: dict = {}
+
+
+def _across(ctx, what: str, default):
+    return ACROSS_NODES[what] if ctx.num_nodes > 1 else default
+
+
 _ROUTE = _Route()
 _DISPATCH = _Dispatch("moe_dispatch")
 _DISPATCH_LL = _DispatchLowLatency()
@@ -520,7 +556,7 @@ def moe_route(ctx, logits=None, *, topk_ids=None, topk_weights=None, k: int | No
     rank) and at most 1024; ``k <= 32``; T the same on every rank.  The per-expert counts are exchanged
     between the ranks on the device (bounded waits); nothing is read on the host.  Returns a
     :class:`MoeRouting` (``out`` when given, from :meth:`MoeRouting.empty`)."""
-    return _ROUTE(ctx, logits, topk_ids, topk_weights, k, num_experts, out, stream, options)
+    return _across(ctx, "route", _ROUTE)(ctx, logits, topk_ids, topk_weights, k, num_experts, out, stream, options)
 
 
 def moe_dispatch(ctx, x, routing: MoeRouting, x_recv=None, *, logits=None, topk_ids=None, topk_weights=None,
@@ -542,7 +578,7 @@ def moe_dispatch(ctx, x, routing: MoeRouting, x_recv=None, *, logits=None, topk_
     if logits is not None or topk_ids is not None or topk_weights is not None:
         raise ValueError("mkernel.moe_dispatch: logits / topk_ids / topk_weights are for low-latency mode; in "
                          "throughput mode route with mkernel.moe_route first")
-    return _DISPATCH(ctx, x, R, x_recv, None, stream, options)
+    return _across(ctx, "dispatch", _DISPATCH)(ctx, x, R, x_recv, None, stream, options)
 
 
 def moe_combine(ctx, y_recv, routing: MoeRouting, out=None, *, out_dtype: str | None = None, stream=None,
@@ -553,4 +589,4 @@ def moe_combine(ctx, y_recv, routing: MoeRouting, out=None, *, out_dtype: str | 
     :func:`moe_dispatch` that used ``routing``; ``out``: ``[T, H]`` of y's dtype or float32 (allocated when
     None, ``out_dtype``).  The sum runs in fp32 in j order (bit-reproducible, no atomics); dropped pairs add
     nothing.  Returns ``out``."""
-    return _COMBINE(ctx, y_recv, routing, out, out_dtype, stream, options)
+    return _across(ctx, "combine", _COMBINE)(ctx, y_recv, routing, out, out_dtype, stream, options)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["topk_reference", "layout_reference", "dispatch_reference", "combine_reference", "layer_reference"]
+__all__ = ["topk_reference", "layout_reference", "dispatch_reference", "combine_reference", "layer_reference",
+           "send_ranges_reference", "src_offsets_reference"]
 
 
 def topk_reference(logits, k: int, softmax: str = "topk"):
@@ -108,3 +109,30 @@ def layer_reference(xs: list, ids: list, weights: list, slots: list, w_gate_up: 
             np.add.at(o, t, weights[s][t, j][:, None] * y)
         res.append(o)
     return res
+
+
+def send_ranges_reference(slots, ids, E: int):
+    """``[E, 2]`` int64 of one rank (``slots``, ``ids``: its ``[T, k]``): (first row, rows) of its kept pairs of
+    each expert in the owner's receive buffer (the route kernel's ``send_ranges``; (0, 0) when none -- the
+    kernel writes the start row then).  The rows are contiguous (asserted): one proxy WRITE per expert."""
+    out = np.zeros((E, 2), np.int64)
+    for e in range(E):
+        rows = np.sort(slots[(ids == e) & (slots >= 0)])
+        if rows.size:
+            assert np.array_equal(rows, np.arange(rows[0], rows[0] + rows.size)), f"expert {e}: rows not contiguous"
+            out[e] = rows[0], rows.size
+    return out
+
+
+def src_offsets_reference(layout: dict, P: int, T: int, k: int):
+    """``[E_local, P + 1]`` int64 of one rank's ``layout`` (an entry of :func:`layout_reference`): the first
+    row of source s's rows of local expert l (s = P: the expert's end) -- the route kernel's ``src_offsets``,
+    the contiguous row ranges combine sends back to each source."""
+    o, src = layout["expert_offsets"], np.asarray(layout["recv_src"]) // (T * k)
+    El = len(o) - 1
+    out = np.zeros((El, P + 1), np.int64)
+    for l in range(El):
+        seg = src[o[l]:o[l + 1]]
+        assert np.all(np.diff(seg) >= 0), "rows of an expert not grouped by source"
+        out[l] = [o[l] + int(np.sum(seg < s)) for s in range(P + 1)]
+    return out

@@ -1,0 +1,421 @@
+// moe_internode.cu - MoE routing exchange, dispatch and combine across nodes (docs/moe.md, "Across nodes").
+//
+// P = L * N world ranks, node-major (world rank = node * L + local rank); E experts, El = E / P per rank,
+// global expert e on world rank e / El.  A rank on this node is reached by NVLink stores (peers[], indexed
+// by local rank), a rank on another node through this rank's CPU proxy (mk_proxy.cuh): the kernel writes
+// what a remote rank gets into a staging region of its own workspace (the proxy's window 0), in the
+// destination's slot order, then posts WRITE commands of contiguous slot ranges and a FLAG.  The proxy
+// sets the flag only after the data (docs/internode.md, "Ordering").  The slot order is the one-node path's
+// (moe.cu), so the results are bit-identical to one node's.
+//
+// Workspace (MoeXLayout; window 0 of the op's proxy; the same layout on every rank):
+//   [0]             MkEpochState;   [bar_off] u64 grid barrier (local)
+//   [consumed_off]  u64 consumed[P]: world rank r finished reading what we wrote into it (call number)
+//   [calls_off]     u64 calls[P][2]: rank r's announcement (e << 32 | sig) of its call e (internode.cu)
+//   [ready_off]     u64 ready[P]: rank r's data of call e is here (value e)
+//   [a..e_off]      op regions (below)
+// A writer waits consumed[dst] >= e - 1 before writing into dst (route: parity slots, no wait needed);
+// the last block of a call waits until the proxy read every command it pushed, then raises consumed[me]
+// at every rank.  Every wait is bounded (mk_wait_geq) and names the world rank waited on.
+#include "ops/mk_moe.cuh"
+#include "core/mk_proxy.cuh"
+
+#define MOE_MAX_E 1024  // experts (moe/layout.py MAX_EXPERTS; thread e of the exchange = expert e)
+
+struct MoeXLayout {
+  mk_u64 consumed_off, calls_off, ready_off, bar_off;
+  mk_u64 a_off, b_off, c_off, d_off, e_off;  // op regions
+  mk_u64 row_bytes;
+  int L, N;  // ranks per node, nodes
+};
+
+// Host ctypes layout (moe/layout.py MoeXLayout), checked by tests/cpu/test_moe_internode.py.
+#ifdef MK_EXPECT_MOEX_LAYOUT
+#define MOEX_OFF(f) ((unsigned long long)__builtin_offsetof(MoeXLayout, f))
+constexpr unsigned long long moex_expected[] = MK_EXPECT_MOEX_LAYOUT;
+constexpr unsigned long long moex_device[] = {
+    sizeof(MoeXLayout), MOEX_OFF(consumed_off), MOEX_OFF(calls_off), MOEX_OFF(ready_off), MOEX_OFF(bar_off),
+    MOEX_OFF(a_off), MOEX_OFF(b_off), MOEX_OFF(c_off), MOEX_OFF(d_off), MOEX_OFF(e_off), MOEX_OFF(row_bytes),
+    MOEX_OFF(L), MOEX_OFF(N)};
+constexpr bool moex_match() {
+  if (sizeof(moex_expected) != sizeof(moex_device)) return false;
+  for (unsigned i = 0; i < sizeof(moex_device) / sizeof(moex_device[0]); ++i)
+    if (moex_expected[i] != moex_device[i]) return false;
+  return true;
+}
+static_assert(moex_match(), "moe_internode.cu: MoeXLayout differs from the host's ctypes struct");
+#undef MOEX_OFF
+#endif
+
+struct XWs {
+  char* base;
+  const mk_u64* __restrict__ peers;  // local rank -> workspace as mapped here
+  MoeXLayout X;
+  int me, n, P;
+  MK_DEVICE bool local(int r) const { return r / X.L == n; }
+  // rank r's workspace at byte `off` (r on this node)
+  MK_DEVICE char* at(int r, mk_u64 off) const { return (r == me ? base : (char*)peers[r % X.L]) + off; }
+  MK_DEVICE MkEpochState* st() const { return (MkEpochState*)base; }
+  MK_DEVICE mk_u64 consumed_off(int r) const { return X.consumed_off + 8ull * r; }
+  MK_DEVICE mk_u64 call_off(int r, mk_u64 e) const { return X.calls_off + 16ull * r + 8ull * (e & 1); }
+  MK_DEVICE mk_u64 ready_off(int r) const { return X.ready_off + 8ull * r; }
+  MK_DEVICE mk_u64* word(mk_u64 off) const { return (mk_u64*)(base + off); }
+};
+
+MK_DEVICE XWs make_xws(const MkComm& c, char* ws, const mk_u64* peers, const MoeXLayout& X) {
+  return XWs{ws, peers, X, c.rank, c.node, X.L * X.N};
+}
+
+// One thread: the u64 at `off` of rank r's workspace := v (NVLink store, or a proxy FLAG).
+MK_DEVICE bool x_set(const MkComm& c, const XWs& w, const MkProxy& p, int r, mk_u64 off, mk_u64 v) {
+  if (w.local(r)) {
+    mk_signal_set((mk_u64*)w.at(r, off), v);
+    return true;
+  }
+  return mk_proxy_push(c, p, MK_PROXY_OP_FLAG, r, 0, 0, 0, 0, 0, off, v) != MK_PROXY_NO_FLAG;
+}
+
+// Every block first: block 0's thread 0 announces (call, signature) to every rank; block-uniform verdict.
+MK_DEVICE bool x_open(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 e) {
+  int ok = 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const mk_u64 word = (e << 32) | (mk_u64)c.sig;
+    for (int r = 0; r < w.P && ok; ++r)
+      if (r != w.me) ok = x_set(c, w, p, r, w.call_off(w.me, e), word);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// Whole block: every other rank consumed what we wrote in call e - 1.
+MK_DEVICE bool x_wait_consumed(const MkComm& c, const XWs& w, mk_u64 e) {
+  int ok = 1;
+  for (int r = threadIdx.x; r < w.P; r += blockDim.x)
+    if (r != w.me) ok &= mk_wait_geq(c, w.word(w.consumed_off(r)), e - 1, r, -1 - r);
+  return __syncthreads_and(ok) != 0;
+}
+
+// Whole block: every other rank's data of call e is here and that rank made this very call (its announced
+// signature is ours; another one is MK_ERR_MISMATCH naming it).
+MK_DEVICE bool x_wait_ready(const MkComm& c, const XWs& w, mk_u64 e) {
+  int ok = 1;
+  for (int r = threadIdx.x; r < w.P; r += blockDim.x) {
+    if (r == w.me) continue;
+    if (!(ok = ok && mk_wait_geq(c, w.word(w.ready_off(r)), e, r, r))) break;
+    const int fi = -1000 - r;
+    if (!(ok = mk_wait_geq(c, w.word(w.call_off(r, e)), e << 32, r, fi))) break;
+    const mk_u64 got = mk_ld_acquire(w.word(w.call_off(r, e)));
+    if (got != ((e << 32) | (mk_u64)c.sig)) {
+      mk_report(c, MK_ERR_MISMATCH, r, fi, c.sig, got & 0xffffffffull, 0);
+      ok = 0;
+    }
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// Whole grid: every block's stores of call e (local, NVLink) are done and visible system-wide (the proxy
+// reads the staging next).  One barrier per call; the grid is fixed per workspace (moe/internode.py).
+MK_DEVICE bool x_grid_sync(const MkComm& c, const XWs& w, mk_u64 e) {
+  __syncthreads();
+  int ok = 1;
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    mk_u64* bar = w.word(w.X.bar_off);
+    atomicAdd(bar, 1ull);
+    ok = mk_wait_geq(c, bar, e * (mk_u64)gridDim.x, -1, -101);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// End of call (every block): the last one waits until the proxy read every command we pushed, raises
+// consumed[me] = e at every rank, and commits the epoch.
+MK_DEVICE void x_finish(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 e) {
+  if (mk_epoch_arrive(w.st(), gridDim.x)) {
+    if (threadIdx.x == 0) {
+      const mk_u64 head = *((volatile mk_u64*)p.head);
+      if (head > 0 && !mk_proxy_wait_done(c, p, head - 1)) return;
+      for (int r = 0; r < w.P; ++r)
+        if (r != w.me && !x_set(c, w, p, r, w.consumed_off(w.me), e)) return;
+    }
+    __syncthreads();
+    mk_epoch_commit(w.st(), e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Routing exchange across nodes (one block of MOE_MAX_E threads; thread e = global expert e): as
+// mk_moe_route_exchange of moe.cu over the P world ranks.  Regions: a = int32 counts[2][P][E] (row s
+// written by rank s, parity e & 1), b = int32 my counts [E] (the proxy's source).  Outputs besides
+// expert_offsets / base (moe.cu): send_ranges[e] = (first row, rows) of this rank's kept pairs of expert
+// e in its owner's receive buffer; src_offsets[l][s] (l < El, s <= P) = first row of source s's rows of
+// local expert l (s = P: the end).
+extern "C" __global__ void __launch_bounds__(MOE_MAX_E, 1)
+mk_moe_x_route_exchange(MkComm c, MkProxy p, int* __restrict__ tile_cnt, int ntiles, int* __restrict__ expert_offsets,
+                        int* __restrict__ base, int* __restrict__ send_ranges, int* __restrict__ src_offsets, char* ws,
+                        const mk_u64* __restrict__ peers, MoeXLayout X, MoeShape s) {
+  __shared__ int sh[MOE_MAX_E];
+  const XWs w = make_xws(c, ws, peers, X);
+  const mk_u64 ep = mk_epoch_begin(w.st());
+  const int e = threadIdx.x, E = s.E, P = w.P, me = w.me, El = s.El;
+  const bool on = e < E;
+  if (!x_open(c, w, p, ep)) return;
+  int mine = 0;
+  if (on)
+    for (int q = 0; q < ntiles; ++q) {
+      const int n = tile_cnt[(mk_u64)q * E + e];
+      tile_cnt[(mk_u64)q * E + e] = mine;
+      mine += n;
+    }
+  const int par = (int)(ep & 1);
+  const mk_u64 row_off = X.a_off + ((mk_u64)par * P + me) * E * 4;  // counts[par][me][.]
+  if (on) {
+    ((int*)(w.base + X.b_off))[e] = mine;
+    for (int r = 0; r < P; ++r)
+      if (w.local(r)) ((int*)w.at(r, row_off))[e] = mine;
+  }
+  __syncthreads();
+  int ok = 1;
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    for (int r = 0; r < P && ok; ++r) {
+      if (r == me) continue;
+      if (w.local(r)) mk_signal_set((mk_u64*)w.at(r, w.ready_off(me)), ep);
+      else
+        ok = mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.b_off, row_off, (mk_u64)E * 4, 0, w.ready_off(me), ep) !=
+             MK_PROXY_NO_FLAG;
+    }
+  }
+  if (!__syncthreads_and(ok)) return;
+  if (!x_wait_ready(c, w, ep)) return;
+  const int* cnts = (const int*)(w.base + X.a_off) + (mk_u64)par * P * E;
+  const int cap = s.capacity > 0 ? s.capacity : 0x7fffffff;
+  int total = 0, before_me = 0;
+  if (on)
+    for (int j = 0; j < P; ++j) {
+      const int n = __ldcg(cnts + (mk_u64)j * E + e);
+      if (j < me) before_me += n;
+      total += n;
+    }
+  const int kept = on ? min(total, cap) : 0;
+  const int incl = block_scan(kept, sh);
+  const int owner_first = on ? (e / El) * El : 0;
+  sh[threadIdx.x] = incl - kept;
+  __syncthreads();
+  const int start = on ? sh[threadIdx.x] - sh[owner_first] : 0;
+  if (on) {
+    const int b = start + before_me;
+    base[e] = b;
+    base[E + e] = cap - before_me;
+    send_ranges[2 * e] = b;
+    send_ranges[2 * e + 1] = max(0, min(mine, min(cap - before_me, s.r_cap - b)));
+    if (e / El == me) {
+      const int l = e - me * El;
+      expert_offsets[l] = min(start, s.r_cap);
+      if (l == El - 1) expert_offsets[El] = min(start + kept, s.r_cap);
+      int cum = 0;
+      for (int j = 0; j <= P; ++j) {
+        src_offsets[l * (P + 1) + j] = min(start + min(cum, kept), s.r_cap);
+        if (j < P) cum += __ldcg(cnts + (mk_u64)j * E + e);
+      }
+    }
+  }
+  __syncthreads();
+  x_finish(c, w, p, ep);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch across nodes (cooperative, fixed grid, blocks of 256 threads, a warp per token / row).
+// Regions: a = int32 in_src[r_cap] (recv_src of every received row, written by its sender), b = rows
+// [P][T] (rank s's token t, from NVLink senders), c = rows [r_cap] (remote senders' rows at their slot),
+// d = rows [P][r_cap] (ours for remote rank r, at the slot: the proxy's source), e = int32 [P][r_cap]
+// (in_src values for remote rank r, likewise).
+//   1. a warp per token: to this node's ranks the row once per destination rank (as moe.cu); to a remote
+//      rank the row into d[r][slot] for each kept pair (and its in_src value into e[r][slot]);
+//   2. grid barrier; block 0: ready[me] at this node's ranks; per remote rank r and expert of r, WRITE the
+//      contiguous slot range send_ranges[e] of rows and of in_src values, then FLAG ready[me];
+//   3. wait for every rank's ready flag and call; expand x_recv[r] from x, b or c by in_src[r].
+extern "C" __global__ void __launch_bounds__(256, 1)
+mk_moe_x_dispatch(MkComm c, MkProxy p, const char* __restrict__ x, const int* __restrict__ ids,
+                  const int* __restrict__ slots, const int* __restrict__ send_ranges,
+                  const int* __restrict__ expert_offsets, char* __restrict__ x_recv, int* __restrict__ recv_map,
+                  char* ws, const mk_u64* __restrict__ peers, MoeXLayout X, MoeShape s) {
+  const XWs w = make_xws(c, ws, peers, X);
+  const mk_u64 ep = mk_epoch_begin(w.st());
+  const MoeWarps pool;
+  const int lane = pool.lane, warps = pool.warps, gw = pool.gw, k = s.k, me = w.me, P = w.P, El = s.El;
+  const mk_u64 RB = X.row_bytes, Tk = (mk_u64)s.T * k, RC = (mk_u64)s.r_cap;
+  if (!x_open(c, w, p, ep)) return;
+  if (!x_wait_consumed(c, w, ep)) return;
+  for (int t = gw; t < s.T; t += warps) {  // (warp-uniform)
+    int d = -1, slot = -1;
+    if (lane < k) {
+      slot = slots[(mk_u64)t * k + lane];
+      if (slot >= 0) d = ids[(mk_u64)t * k + lane] / El;
+    }
+    const bool near = slot >= 0 && w.local(d);
+    if (slot >= 0) {
+      const int v = (int)((mk_u64)me * Tk + (mk_u64)t * k + lane);
+      if (near) ((int*)w.at(d, X.a_off))[slot] = v;
+      else ((int*)(w.base + X.e_off))[(mk_u64)d * RC + slot] = v;
+    }
+    unsigned todo = __ballot_sync(0xffffffffu, near && d != me);
+    while (todo) {
+      const int dst = __shfl_sync(0xffffffffu, d, __ffs(todo) - 1);
+      todo &= ~__ballot_sync(0xffffffffu, near && d == dst);
+      mk_copy(w.at(dst, X.b_off + ((mk_u64)me * s.T + t) * RB), x + (mk_u64)t * RB, RB, lane, 32);
+    }
+    unsigned far = __ballot_sync(0xffffffffu, slot >= 0 && !near);
+    while (far) {
+      const int j = __ffs(far) - 1;
+      far &= far - 1;
+      const int dj = __shfl_sync(0xffffffffu, d, j), sj = __shfl_sync(0xffffffffu, slot, j);
+      mk_copy(w.base + X.d_off + ((mk_u64)dj * RC + sj) * RB, x + (mk_u64)t * RB, RB, lane, 32);
+    }
+  }
+  if (!x_grid_sync(c, w, ep)) return;
+  int ok = 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    for (int r = 0; r < P && ok; ++r) {
+      if (r == me) continue;
+      if (w.local(r)) {
+        mk_signal_set((mk_u64*)w.at(r, w.ready_off(me)), ep);
+        continue;
+      }
+      for (int e = r * El; e < (r + 1) * El && ok; ++e) {
+        const mk_u64 first = (mk_u64)send_ranges[2 * e], n = (mk_u64)send_ranges[2 * e + 1];
+        if (n == 0) continue;
+        ok = mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.d_off + ((mk_u64)r * RC + first) * RB,
+                           X.c_off + first * RB, n * RB, 0, MK_PROXY_NO_FLAG, 0) != MK_PROXY_NO_FLAG &&
+             mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.e_off + ((mk_u64)r * RC + first) * 4,
+                           X.a_off + first * 4, n * 4, 0, MK_PROXY_NO_FLAG, 0) != MK_PROXY_NO_FLAG;
+      }
+      if (ok) ok = x_set(c, w, p, r, w.ready_off(me), ep);
+    }
+  }
+  if (!__syncthreads_and(ok)) return;
+  if (!x_wait_ready(c, w, ep)) return;
+  const int R = min(__ldcg(expert_offsets + El), s.r_cap);
+  const int* in_src = (const int*)(w.base + X.a_off);
+  for (int r = gw; r < R; r += warps) {
+    const int v = __ldcg(in_src + r);
+    if (lane == 0) recv_map[r] = v;
+    if (v < 0 || (mk_u64)v >= (mk_u64)P * Tk) continue;  // (never, with a consistent routing: no wild read)
+    const int src = (int)(v / Tk), t = (int)((v % Tk) / k);
+    const char* from = src == me       ? x + (mk_u64)t * RB
+                       : w.local(src) ? w.base + X.b_off + ((mk_u64)src * s.T + t) * RB
+                                      : w.base + X.c_off + (mk_u64)r * RB;
+    mk_copy(x_recv + (mk_u64)r * RB, from, RB, lane, 32);
+  }
+  x_finish(c, w, p, ep);
+}
+
+// V consecutive fp32 values -> V elements of TO_ (16 or 32 bytes at o, aligned to that, else scalar stores).
+template <typename TO_, int V>
+MK_DEVICE void moex_store(TO_* o, const float* acc) {
+  if constexpr (V * sizeof(TO_) == 16) {
+    ((int4*)o)[0] = mk_pack<TO_>(acc);
+  } else if constexpr (V * sizeof(TO_) == 32) {
+    ((int4*)o)[0] = mk_pack<TO_>(acc);
+    ((int4*)o)[1] = mk_pack<TO_>(acc + mk_vec<TO_>::N);
+  } else {
+#pragma unroll
+    for (int q = 0; q < V; ++q) o[q] = mk_from_f32<TO_>(acc[q]);
+  }
+}
+
+#ifndef MK_DTYPE
+#define MK_DTYPE MK_DTYPE_BF16
+#endif
+#ifndef MK_OUT_DTYPE
+#define MK_OUT_DTYPE MK_DTYPE
+#endif
+typedef mk_type<MK_DTYPE>::T T;
+typedef mk_type<MK_OUT_DTYPE>::T TO;
+
+// ---------------------------------------------------------------------------------------------
+// Combine across nodes (cooperative, fixed grid, blocks of 256 threads).  Regions: b = rows [T * k]
+// (y(t, j) from this node's ranks, at t * k + j), c = rows [P][r_cap] (rank d's rows for us, at d's
+// slot), d = rows [r_cap] (our rows for remote owners, at the row: the proxy's source).
+//   1. a warp per received row r: owner on this node -> its b[t * k + j] (NVLink); remote -> our d[r];
+//   2. grid barrier; block 0: ready[me] at this node's ranks; per remote owner s and local expert l, WRITE
+//      rows [src_offsets[l][s], src_offsets[l][s + 1]) of d to s's c[me][same rows], then FLAG ready[me];
+//   3. wait for every rank; out[t] = sum_j w[t][j] * y(t, j) in fp32, j order (as moe.cu: bit-identical).
+extern "C" __global__ void __launch_bounds__(256, 1)
+mk_moe_x_combine(MkComm c, MkProxy p, const T* __restrict__ y, const int* __restrict__ ids,
+                 const float* __restrict__ weights, const int* __restrict__ slots,
+                 const int* __restrict__ expert_offsets, const int* __restrict__ src_offsets,
+                 const int* __restrict__ recv_map, TO* __restrict__ out, char* ws, const mk_u64* __restrict__ peers,
+                 MoeXLayout X, MoeShape s) {
+  const XWs w = make_xws(c, ws, peers, X);
+  const mk_u64 ep = mk_epoch_begin(w.st());
+  const MoeWarps pool;
+  const int lane = pool.lane, warps = pool.warps, gw = pool.gw, k = s.k, me = w.me, P = w.P, El = s.El;
+  const mk_u64 RB = X.row_bytes, Tk = (mk_u64)s.T * k, RC = (mk_u64)s.r_cap;
+  if (!x_open(c, w, p, ep)) return;
+  if (!x_wait_consumed(c, w, ep)) return;
+  const int R = min(__ldcg(expert_offsets + El), s.r_cap);
+  for (int r = gw; r < R; r += warps) {
+    const int v = __ldcg(recv_map + r);
+    if (v < 0 || (mk_u64)v >= (mk_u64)P * Tk) continue;  // (never, with a consistent routing: no wild store)
+    const int src = (int)(v / Tk);
+    if (src == me) continue;
+    char* to = w.local(src) ? w.at(src, X.b_off + (mk_u64)(v % Tk) * RB) : w.base + X.d_off + (mk_u64)r * RB;
+    mk_copy(to, (const char*)y + (mk_u64)r * RB, RB, lane, 32);
+  }
+  if (!x_grid_sync(c, w, ep)) return;
+  int ok = 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    for (int r = 0; r < P && ok; ++r) {
+      if (r == me) continue;
+      if (w.local(r)) {
+        mk_signal_set((mk_u64*)w.at(r, w.ready_off(me)), ep);
+        continue;
+      }
+      for (int l = 0; l < El && ok; ++l) {
+        const mk_u64 a = (mk_u64)src_offsets[l * (P + 1) + r], b = (mk_u64)src_offsets[l * (P + 1) + r + 1];
+        if (b <= a) continue;
+        ok = mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.d_off + a * RB, X.c_off + ((mk_u64)me * RC + a) * RB,
+                           (b - a) * RB, 0, MK_PROXY_NO_FLAG, 0) != MK_PROXY_NO_FLAG;
+      }
+      if (ok) ok = x_set(c, w, p, r, w.ready_off(me), ep);
+    }
+  }
+  if (!__syncthreads_and(ok)) return;
+  if (!x_wait_ready(c, w, ep)) return;
+  // a 16-byte vector per lane, the same trip count on every lane (full-mask shuffles: docs/moe.md)
+  constexpr int V = mk_vec<T>::N;
+  const int H = s.H, nv = H / V;
+  for (int t = gw; t < s.T; t += warps) {  // (warp-uniform)
+    int slot = -1, d = -1;
+    float wt = 0.f;
+    if (lane < k) {
+      const mk_u64 o = (mk_u64)t * k + lane;
+      slot = slots[o];
+      if (slot >= 0) {
+        d = ids[o] / El;
+        wt = weights[o];
+      }
+    }
+    for (int i0 = 0; i0 < nv; i0 += 32) {
+      const int i = i0 + lane;
+      const bool act = i < nv;
+      float acc[V];
+#pragma unroll
+      for (int q = 0; q < V; ++q) acc[q] = 0.f;
+      for (int j = 0; j < k; ++j) {
+        const int sj = __shfl_sync(0xffffffffu, slot, j);
+        const int dj = __shfl_sync(0xffffffffu, d, j);
+        const float wj = __shfl_sync(0xffffffffu, wt, j);
+        if (sj < 0 || !act) continue;
+        const T* row = dj == me       ? y + (mk_u64)sj * H
+                       : w.local(dj) ? (const T*)(w.base + X.b_off + ((mk_u64)t * k + j) * RB)
+                                     : (const T*)(w.base + X.c_off + ((mk_u64)dj * RC + sj) * RB);
+        float f[V];
+        mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
+#pragma unroll
+        for (int q = 0; q < V; ++q) acc[q] = fmaf(wj, f[q], acc[q]);
+      }
+      if (act) moex_store<TO, V>(out + (mk_u64)t * H + (mk_u64)i * V, acc);
+    }
+  }
+  x_finish(c, w, p, ep);
+}
