@@ -337,7 +337,7 @@ def test_an_exception_in_the_proxy_thread_reaches_ctx_check(monkeypatch):
     ctx.world = TwoRanks()
     ctx.topology = types.SimpleNamespace(close=lambda: None)
     ctx.workspace = lambda key, nbytes: types.SimpleNamespace(ptr=0, nbytes=nbytes, freed=False)
-    st = internode._State(ctx, "all_gather", 1 << 16)  # the real wiring: on_error, add_check, add_closer
+    st = internode.ProxyState(ctx, "all_gather", 1 << 16)  # the real wiring: on_error, add_check, add_closer
     ctx.check()
     st.proxy.producer().push(1, 1, 0, 0, 0, 64, 0, 0, 1)  # a WRITE to rank 1: the post raises
     t0 = time.monotonic()
@@ -376,7 +376,7 @@ def test_a_failed_proxy_set_up_fails_the_context(monkeypatch):
     ctx.world = object()
     ctx.workspace = lambda key, nbytes: types.SimpleNamespace(ptr=0, nbytes=nbytes)
     with pytest.raises(CommTimeout):
-        internode._State(ctx, "all_gather", 4096)
+        internode.ProxyState(ctx, "all_gather", 4096)
     with pytest.raises(CommTimeout, match="inter-node transport set-up"):
         ctx.check()
     assert ctx.failure() is not None
