@@ -31,7 +31,7 @@ from . import kernels as K
 from .options import AttentionBwdOptions
 
 __all__ = ["attention_backward", "BwdArgs", "PartSumArgs", "AttentionBwdPlan", "LAYOUTS", "last_plan",
-           "current_context", "layout_dims", "layout_strides", "check_arrays"]
+           "current_context", "layout_dims", "layout_strides", "check_arrays", "prepare_arrays"]
 
 LAYOUTS = ("bshd", "bhsd")
 _GRID_YZ_MAX = 65535
@@ -145,6 +145,43 @@ def check_arrays(w: str, c) -> None:
             raise ValueError(f"{w}: {n} is on cuda:{x.device}, q on cuda:{c.q.device}")
 
 
+def prepare_arrays(w: str, c, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale) -> None:
+    """The arrays of an attention backward call as DeviceArrays on ``c`` (q, k, v, o, lse, do, and dq, dk, dv,
+    allocated contiguous when None), its ``dims`` (B, S_q, S_k, H_q, H_kv, D) and ``scale``; ``c.layout``
+    and ``c.stream`` set before.  Raises (naming ``w``) on a missing input, a non-4-D one, a non-finite
+    scale, or outputs overlapping the inputs or each other."""
+    arrs = []
+    for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout")):
+        if x is None:
+            raise TypeError(f"{w}: {n} is required")
+        arrs.append(as_device_array(x, name=f"{w.removeprefix('mkernel.')}: {n}", stream=c.stream))
+    c.q, c.k, c.v, c.o, c.lse, c.do = arrs
+    for x, n in ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout")):
+        if x.ndim != 4:
+            raise ValueError(f"{w}: {n} must be 4-D ({'[B, S, H, D]' if c.layout == 'bshd' else '[B, H, S, D]'} "
+                             f"for layout={c.layout!r}), got shape {x.shape}")
+    B, Sq, Hq, D = layout_dims(c.q, c.layout)
+    _, Sk, Hkv, _ = layout_dims(c.k, c.layout)
+    c.dims = (B, Sq, Sk, Hq, Hkv, D)
+    if softmax_scale is None:
+        c.scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    else:
+        c.scale = float(softmax_scale)
+        if not math.isfinite(c.scale):
+            raise ValueError(f"{w}: softmax_scale must be finite, got {softmax_scale!r}")
+    res = []
+    for g, n, like in ((dq, "dq", c.q), (dk, "dk", c.k), (dv, "dv", c.v)):
+        if g is None:
+            res.append(DeviceArray.empty(like.shape, like.dtype.name, device=like.device))
+        else:
+            res.append(as_device_array(g, name=f"{w.removeprefix('mkernel.')}: {n}", stream=c.stream))
+    c.dq, c.dk, c.dv = res
+    outs = ((c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv"))
+    ins = ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.lse, "lse"), (c.do, "dout"))
+    check_no_overlap(w, [(o, on, i, n) for o, on in outs for i, n in ins]
+                     + [(c.dq, "dq", c.dk, "dk"), (c.dq, "dq", c.dv, "dv"), (c.dk, "dk", c.dv, "dv")])
+
+
 class _Call:
     __slots__ = ("key", "stream", "q", "k", "v", "o", "do", "lse", "dq", "dk", "dv", "layout", "causal", "scale",
                  "options", "dims", "state")
@@ -226,36 +263,8 @@ class _AttnBwd(Op):
             options = dataclasses.replace(options, deterministic=True)
         c = _Call()
         c.stream, c.layout, c.causal, c.options = s, layout, bool(causal), options
-        arrs = []
-        for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout")):
-            if x is None:
-                raise TypeError(f"{w}: {n} is required")
-            arrs.append(as_device_array(x, name=f"attention_backward: {n}", stream=s))
-        c.q, c.k, c.v, c.o, c.lse, c.do = arrs
-        for x, n in ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout")):
-            if x.ndim != 4:
-                raise ValueError(f"{w}: {n} must be 4-D ({'[B, S, H, D]' if layout == 'bshd' else '[B, H, S, D]'} "
-                                 f"for layout={layout!r}), got shape {x.shape}")
-        B, Sq, Hq, D = layout_dims(c.q, layout)
-        _, Sk, Hkv, _ = layout_dims(c.k, layout)
-        c.dims = (B, Sq, Sk, Hq, Hkv, D)
-        if softmax_scale is None:
-            c.scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-        else:
-            c.scale = float(softmax_scale)
-            if not math.isfinite(c.scale):
-                raise ValueError(f"{w}: softmax_scale must be finite, got {softmax_scale!r}")
-        res = []
-        for g, n, like in ((dq, "dq", c.q), (dk, "dk", c.k), (dv, "dv", c.v)):
-            if g is None:
-                res.append(DeviceArray.empty(like.shape, like.dtype.name, device=like.device))
-            else:
-                res.append(as_device_array(g, name=f"attention_backward: {n}", stream=s))
-        c.dq, c.dk, c.dv = res
-        outs = ((c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv"))
-        ins = ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.lse, "lse"), (c.do, "dout"))
-        check_no_overlap(w, [(o, on, i, n) for o, on in outs for i, n in ins]
-                         + [(c.dq, "dq", c.dk, "dk"), (c.dq, "dq", c.dv, "dv"), (c.dk, "dk", c.dv, "dv")])
+        prepare_arrays(w, c, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale)
+        B, Sq, Sk, Hq, Hkv, D = c.dims
         c.state = ctx.op_state(self.name) if ctx is not None else device_state(self.name, c.q.device)
         c.key = (layout, c.causal, c.scale, options, s, ctx is not None,
                  *[(x.shape, x.strides, x.dtype.name, x.device, x.ptr % 16, x.readonly)

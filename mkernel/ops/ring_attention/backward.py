@@ -17,18 +17,17 @@ import math
 
 from cuda.bindings import driver as cu
 
-from ...core.arrays import DeviceArray, contiguous_strides
+from ...core.arrays import DeviceArray
 from ...core.archs import require_gemm_device
 from ...core.compiler import kernel as compiled_kernel
 from ...core.device import on_device
 from ...core.driver import check
-from ...core.interop import as_device_array
 from ...core.streams import Events, copy_async
 from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..attention_bwd import kernels as BK
-from ..attention_bwd.op import BwdArgs, LAYOUTS, PartSumArgs, check_arrays, layout_dims, layout_strides
-from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once
-from .op import SOURCE, VALUE_OFF, RingLayout
+from ..attention_bwd.op import BwdArgs, LAYOUTS, PartSumArgs, check_arrays, layout_strides, prepare_arrays
+from ..base import BoundCall, Op, as_stream, checked_once
+from .op import SOURCE, VALUE_OFF, RingLayout, check_ring
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan, source_rank
 
@@ -106,31 +105,10 @@ class _RingAttentionBwd(Op):
         s = as_stream(stream)
         c = _Call()
         c.stream, c.layout, c.causal, c.options = s, layout, bool(causal), options
-        arrs = []
-        for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout")):
-            if x is None:
-                raise TypeError(f"{WHAT}: {n} is required")
-            arrs.append(as_device_array(x, name=f"ring_attention_backward: {n}", stream=s))
-        c.q, c.k, c.v, c.o, c.lse, c.do = arrs
-        for x, n in ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout")):
-            if x.ndim != 4:
-                raise ValueError(f"{WHAT}: {n} must be 4-D ({'[B, S, H, D]' if layout == 'bshd' else '[B, H, S, D]'}"
-                                 f" for layout={layout!r}), got shape {x.shape}")
-        B, Sq, Hq, D = layout_dims(c.q, layout)
-        _, Sk, Hkv, _ = layout_dims(c.k, layout)
-        c.dims = (B, Sq, Sk, Hq, Hkv, D)
-        c.scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-        if not (math.isfinite(c.scale) and c.scale > 0):
+        prepare_arrays(WHAT, c, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale)
+        if not c.scale > 0:
             raise ValueError(f"{WHAT}: softmax_scale must be finite and > 0, got {softmax_scale!r}")
-        res = []
-        for g, n, like in ((dq, "dq", c.q), (dk, "dk", c.k), (dv, "dv", c.v)):
-            res.append(DeviceArray.empty(like.shape, like.dtype.name, device=like.device) if g is None
-                       else as_device_array(g, name=f"ring_attention_backward: {n}", stream=s))
-        c.dq, c.dk, c.dv = res
-        outs = ((c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv"))
-        ins = ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.lse, "lse"), (c.do, "dout"))
-        check_no_overlap(WHAT, [(o, on, i, n) for o, on in outs for i, n in ins]
-                         + [(c.dq, "dq", c.dk, "dk"), (c.dq, "dq", c.dv, "dv"), (c.dk, "dk", c.dv, "dv")])
+        B, Sq, Sk, Hq, Hkv, D = c.dims
         c.key = (layout, c.causal, c.scale, options, s,
                  *[_key(x) for x in (c.q, c.k, c.v, c.o, c.lse, c.do, c.dq, c.dk, c.dv)], ctx.workspace_generation)
         result = (dq if dq is not None else c.dq, dk if dk is not None else c.dk, dv if dv is not None else c.dv)
@@ -143,24 +121,9 @@ class _RingAttentionBwd(Op):
     def validate(self, ctx, c):
         checked_once(c.options)
         check_arrays(WHAT, c)
-        B, Sq, Sk, Hq, Hkv, D = c.dims
-        if ctx.num_nodes != 1:
-            raise ValueError(f"{WHAT}: the ring runs inside one node (NVLink); this context spans {ctx.num_nodes} "
-                             "nodes (multi-node ring attention is not implemented: docs/ring_attention.md)")
+        check_ring(WHAT, ctx, c.dims, c.causal, c.q, c.k, c.v)
         if ctx.local_size > BK.MAX_PARTS:
             raise ValueError(f"{WHAT}: at most {BK.MAX_PARTS} local ranks, got {ctx.local_size}")
-        if Sq != Sk:
-            raise ValueError(f"{WHAT}: q and k must hold the same local sequence length (equal shards), got S_q={Sq}, "
-                             f"S_k={Sk}")
-        if c.causal and Sq % 2:
-            raise ValueError(f"{WHAT}: causal attention needs zigzag shards (mkernel.zigzag_shard): an even local "
-                             f"sequence length, got {Sq}")
-        for x, n in ((c.k, "k"), (c.v, "v")):
-            if x.strides != contiguous_strides(x.shape):
-                raise ValueError(f"{WHAT}: {n} must be contiguous in its layout (its block is copied to the peers "
-                                 f"whole), got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
-        if c.q.device != ctx.device:
-            raise ValueError(f"{WHAT}: the arrays are on device {c.q.device}, the context's GPU is {ctx.device}")
         require_gemm_device(WHAT, c.q.device)
 
     def compile(self, ctx, c):
