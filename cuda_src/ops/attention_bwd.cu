@@ -17,6 +17,11 @@
 //  * mk_attn_bwd_wgmma (MKATT_WGMMA=1, a specialization of its own holding only this kernel): the main
 //    kernel on Hopper's TMA + wgmma path (docs/attention_bwd.md, "wgmma kernel"); pre, convert and the
 //    deterministic dQ kernel come from the MKATT_WGMMA=0 specialization.
+//  * MKATT_PARTIAL=1 (ring attention's backward, docs/ring_attention.md "Backward"; a specialization
+//    holding mk_attn_bwd_main and mk_attn_bwd_part_sum only): the main kernel writes scale * dK and dV as
+//    fp32 partials to part_k / part_v ([S_k, B, H_kv, D], seq-major so a prefix of rows is a prefix of
+//    memory) instead of the dtype, and reads Dsum / adds dQ at row pitch acc_pitch (a launch covers a
+//    window of the accumulator's rows); mk_attn_bwd_part_sum sums P such partials in a fixed order.
 // Softmax scale: P uses exp2(scale log2(e) S - log2(e) lse); the scale of dS is applied once, to dK at
 // the end and to dQ at the conversion.  Masking: key j >= S_k, and (causal) j > i + S_k - S_q; rows of a
 // fully masked query (lse = -inf) and rows past S_q read lse as +inf, so their P is 0.
@@ -42,6 +47,9 @@
 #endif
 #ifndef MKATT_WGMMA  // 1: this specialization holds mk_attn_bwd_wgmma only
 #define MKATT_WGMMA 0
+#endif
+#ifndef MKATT_PARTIAL  // 1: mk_attn_bwd_main writes fp32 dK / dV partials; plus mk_attn_bwd_part_sum
+#define MKATT_PARTIAL 0
 #endif
 
 typedef mk_type<MKATT_DTYPE>::T mkatt_t;
@@ -80,8 +88,12 @@ struct MkAttnBwdArgs {
   int causal;
   float scale;        // softmax scale
   float scale_log2;   // scale * log2(e)
+  float* part_k;      // MKATT_PARTIAL: fp32 scale * dK partial [S_k, B, H_kv, D] (else unused)
+  float* part_v;      // MKATT_PARTIAL: fp32 dV partial, same layout
+  int acc_pitch;      // MKATT_PARTIAL: rows per (b, h) of dsum and dq_acc (else S_q is)
+  int pad_;
 };
-static_assert(sizeof(MkAttnBwdArgs) == 336, "MkAttnBwdArgs must match BwdArgs (op.py)");
+static_assert(sizeof(MkAttnBwdArgs) == 360, "MkAttnBwdArgs must match BwdArgs (op.py)");
 
 // ---- small device helpers ---------------------------------------------------------------------
 
@@ -225,6 +237,16 @@ MK_DEVICE bool mkatt_warp_row(const MkAttnBwdArgs& a, mk_i64* row, int* b, int* 
 }
 
 #if !MKATT_WGMMA
+// Row pitch of dsum and dq_acc per (b, h): S_q, or (MKATT_PARTIAL) the launch's window's acc_pitch.
+MK_DEVICE mk_i64 mkatt_acc_pitch(const MkAttnBwdArgs& a) {
+#if MKATT_PARTIAL
+  return a.acc_pitch;
+#else
+  return a.Sq;
+#endif
+}
+
+#if !MKATT_PARTIAL
 // ---- preprocess ---------------------------------------------------------------------------------
 
 // One warp per (b, h, i) row: Dsum = sum_d dO * O in fp32, and the row of the dQ accumulator zeroed
@@ -249,6 +271,8 @@ extern "C" __global__ void __launch_bounds__(256) mk_attn_bwd_pre(MkAttnBwdArgs 
   }
 }
 
+#endif  // !MKATT_PARTIAL
+
 // ---- main kernel: dK, dV (and dQ by atomics) ----------------------------------------------------
 
 struct MkAttnMainSmem {
@@ -270,7 +294,7 @@ MK_DEVICE void mkatt_main_load(const MkAttnBwdArgs& a, MkAttnMainSmem& sm, int b
     const int i = i0 + tid;
     const bool ok = i < a.Sq;
     sm.lse2[buf][tid] = ok ? mkatt_lse2(a.lse[b * a.lse_s[0] + h * a.lse_s[1] + i * a.lse_s[2]]) : MKATT_INF;
-    sm.dsum[buf][tid] = ok ? a.dsum[((mk_i64)b * a.Hq + h) * a.Sq + i] : 0.f;
+    sm.dsum[buf][tid] = ok ? a.dsum[((mk_i64)b * a.Hq + h) * mkatt_acc_pitch(a) + i] : 0.f;
   }
 }
 
@@ -382,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(NT_, 1) mk_attn_bwd_main(MkAttnBwdA
           mkatt_mma(q[2 * np + 1], af, bf[2], bf[3]);
         }
       }
-      float* acc = a.dq_acc + (((mk_i64)b * a.Hq + h) * a.Sq) * D_;
+      float* acc = a.dq_acc + (((mk_i64)b * a.Hq + h) * mkatt_acc_pitch(a)) * D_;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = i0 + rt * 16 + g + hh * 8;
@@ -404,6 +428,16 @@ extern "C" __global__ void __launch_bounds__(NT_, 1) mk_attn_bwd_main(MkAttnBwdA
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int j = jw + g + hh * 8;
+#if MKATT_PARTIAL
+    if (j < a.Sk) {
+      const mk_i64 row = (((mk_i64)j * a.B + b) * a.Hkv + hk) * D_ + 2 * t;
+#pragma unroll
+      for (int n = 0; n < D_ / 8; ++n) {
+        *reinterpret_cast<float2*>(a.part_k + row + n * 8) = make_float2(dk[n][2 * hh] * a.scale, dk[n][2 * hh + 1] * a.scale);
+        *reinterpret_cast<float2*>(a.part_v + row + n * 8) = make_float2(dv[n][2 * hh], dv[n][2 * hh + 1]);
+      }
+    }
+#else
     if (j < a.Sk) {
       mkatt_t* rk = a.dk + b * a.dk_s[0] + (mk_i64)j * a.dk_s[1] + hk * a.dk_s[2] + 2 * t;
       mkatt_t* rv = a.dv + b * a.dv_s[0] + (mk_i64)j * a.dv_s[1] + hk * a.dv_s[2] + 2 * t;
@@ -413,6 +447,7 @@ extern "C" __global__ void __launch_bounds__(NT_, 1) mk_attn_bwd_main(MkAttnBwdA
         *reinterpret_cast<mk_u32*>(rv + n * 8) = mkatt_pack(dv[n][2 * hh], dv[n][2 * hh + 1]);
       }
     }
+#endif
   }
 }
 
@@ -420,6 +455,51 @@ extern "C" __global__ void __launch_bounds__(NT_, 1) mk_attn_bwd_main(MkAttnBwdA
 static_assert(sizeof(MkAttnMainSmem) == MKATT_EXPECT_MAIN_SMEM, "main kernel shared memory != kernels.main_smem");
 #endif
 
+#if MKATT_PARTIAL
+// ---- ring backward: the fixed-order sum of dK / dV partials --------------------------------------
+
+#define MKATT_MAX_PARTS 8  // local ranks of a node; mirrored in mkernel/ops/attention_bwd/op.py
+
+// Mirror of PartSumArgs (op.py).  Source i's partial: part_k[i], part_v[i] ([S, B, H_kv, D] fp32, only its
+// first rows[i] rows written: the rest count as zeros).  dk, dv: the outputs, element strides (batch,
+// seq, head) like MkAttnBwdArgs.
+struct MkAttnPartSumArgs {
+  const float* part_k[MKATT_MAX_PARTS];
+  const float* part_v[MKATT_MAX_PARTS];
+  mkatt_t* dk;
+  mkatt_t* dv;
+  mk_i64 dk_s[3], dv_s[3];
+  int rows[MKATT_MAX_PARTS];
+  int P, B, Hkv, S;
+};
+static_assert(sizeof(MkAttnPartSumArgs) == 240, "MkAttnPartSumArgs must match PartSumArgs (op.py)");
+
+// dk = sum_i part_k[i], dv = sum_i part_v[i], i = 0 .. P-1 in that order (fp32; the same rounding on every
+// run and rank: deterministic), in the dtype.  One thread per 4 consecutive elements of a row; the
+// partials may be peers' memory (NVLink loads, not cached: each is read once).  Grid ceil(S B H_kv D / 4
+// / 256) x 256 threads.
+extern "C" __global__ void __launch_bounds__(256) mk_attn_bwd_part_sum(MkAttnPartSumArgs a) {
+  const mk_i64 q = (mk_i64)blockIdx.x * 256 + threadIdx.x;
+  const mk_i64 rows = (mk_i64)a.S * a.B * a.Hkv;
+  if (q >= rows * (D_ / 4)) return;
+  const mk_i64 r = q / (D_ / 4);
+  const int col = (int)(q % (D_ / 4)) * 4;
+  const int j = (int)(r / ((mk_i64)a.B * a.Hkv));
+  const int b = (int)((r / a.Hkv) % a.B), hk = (int)(r % a.Hkv);
+  float4 sk = make_float4(0.f, 0.f, 0.f, 0.f), sv = sk;
+  for (int i = 0; i < a.P; ++i) {
+    if (j >= a.rows[i]) continue;
+    const float4 xk = __ldcv(reinterpret_cast<const float4*>(a.part_k[i] + r * D_ + col));
+    const float4 xv = __ldcv(reinterpret_cast<const float4*>(a.part_v[i] + r * D_ + col));
+    sk.x += xk.x; sk.y += xk.y; sk.z += xk.z; sk.w += xk.w;
+    sv.x += xv.x; sv.y += xv.y; sv.z += xv.z; sv.w += xv.w;
+  }
+  mkatt_t* ok = a.dk + b * a.dk_s[0] + (mk_i64)j * a.dk_s[1] + hk * a.dk_s[2] + col;
+  mkatt_t* ov = a.dv + b * a.dv_s[0] + (mk_i64)j * a.dv_s[1] + hk * a.dv_s[2] + col;
+  *reinterpret_cast<uint2*>(ok) = make_uint2(mkatt_pack(sk.x, sk.y), mkatt_pack(sk.z, sk.w));
+  *reinterpret_cast<uint2*>(ov) = make_uint2(mkatt_pack(sv.x, sv.y), mkatt_pack(sv.z, sv.w));
+}
+#else
 // ---- deterministic dQ ---------------------------------------------------------------------------
 
 struct MkAttnDqSmem {
@@ -544,6 +624,7 @@ extern "C" __global__ void __launch_bounds__(256) mk_attn_bwd_convert(MkAttnBwdA
   for (int e = 0; e < E; e += 2)
     *reinterpret_cast<mk_u32*>(r + lane * E + e) = mkatt_pack(src[e] * a.scale, src[e + 1] * a.scale);
 }
+#endif  // MKATT_PARTIAL
 #endif  // !MKATT_WGMMA
 
 #if MKATT_WGMMA

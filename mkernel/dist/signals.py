@@ -27,6 +27,7 @@ OPS = {
     "moe_dispatch": 14,
     "moe_combine": 15,
     "ring_attention": 16,
+    "ring_attention_backward": 17,
     "proxy": 20,
     "internode_all_gather": 21,
     "internode_reduce_scatter": 22,

@@ -32,10 +32,13 @@ def _with_expectations(d: dict) -> dict:
 
 
 def test_all_combinations_registered():
-    got = {(d["MKATT_DTYPE"], d["MKATT_D"], d["MKATT_BR"]) for _, d in SPECS if not d.get("MKATT_WGMMA")}
+    got = {(d["MKATT_DTYPE"], d["MKATT_D"], d["MKATT_BR"]) for _, d in SPECS
+           if not d.get("MKATT_WGMMA") and not d.get("MKATT_PARTIAL")}
     assert got == {(c, dd, br) for c in K.DTYPES.values() for dd in K.HEAD_DIMS for br in K.BLOCK_Q}
     got = {(d["MKATT_DTYPE"], d["MKATT_D"]) for _, d in SPECS if d.get("MKATT_WGMMA")}
     assert got == {(c, dd) for c in K.DTYPES.values() for dd in K.HEAD_DIMS}
+    got = {(d["MKATT_DTYPE"], d["MKATT_D"], d["MKATT_BR"]) for _, d in SPECS if d.get("MKATT_PARTIAL")}
+    assert got == {(c, dd, K.DEFAULT_BLOCK_Q[dd]) for c in K.DTYPES.values() for dd in K.HEAD_DIMS}
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +49,16 @@ def compile_cache(request, tmp_path_factory):
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
     f"wgmma-dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}" if d.get("MKATT_WGMMA") else
+    f"partial-dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}" if d.get("MKATT_PARTIAL") else
     f"dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}-br{d['MKATT_BR']}" for _, d in SPECS])
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
     mod = CP.compile_module(source, _with_expectations(defines), arch=ARCH)
     usage = mod.resource_usage
     threads = {"mk_attn_bwd_pre": 256, "mk_attn_bwd_convert": 256, "mk_attn_bwd_main": 32 * K.WARPS,
-               "mk_attn_bwd_dq": 32 * K.DQ_WARPS, K.WGMMA_KERNEL: K.WGMMA_THREADS}
-    names = (K.WGMMA_KERNEL,) if defines.get("MKATT_WGMMA") else KERNELS
+               "mk_attn_bwd_dq": 32 * K.DQ_WARPS, K.WGMMA_KERNEL: K.WGMMA_THREADS, "mk_attn_bwd_part_sum": 256}
+    names = ((K.WGMMA_KERNEL,) if defines.get("MKATT_WGMMA") else K.PARTIAL_KERNELS if defines.get("MKATT_PARTIAL")
+             else KERNELS)
     assert set(usage) == set(names), f"kernels of the specialization: {sorted(usage)}"
     for name in names:
         assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
@@ -73,7 +78,8 @@ def test_smem_budget():
 
 
 def test_args_struct_layout():
-    assert ctypes.sizeof(BwdArgs) == 336  # static_assert in attention_bwd.cu
+    assert ctypes.sizeof(BwdArgs) == 360  # static_assert in attention_bwd.cu
+    assert ctypes.sizeof(OP.PartSumArgs) == 240  # static_assert in attention_bwd.cu (MKATT_PARTIAL)
     assert BwdArgs.q_s.offset == 11 * 8 and BwdArgs.B.offset == 11 * 8 + 27 * 8
 
 

@@ -199,3 +199,123 @@ def test_bad_inputs_raise_before_launch(ctx):
     ctx.num_nodes = 2
     with pytest.raises(ValueError, match="inside one node"):
         mkernel.ring_attention(ctx, q, k, v)
+
+
+# ------------------------------------------------------------------ backward
+from mkernel.ops.ring_attention import backward as RB  # noqa: E402
+
+
+def _attn_grads(q, k, v, do, scale, mask, lse, dsum):
+    """float64 backward of one (query rows, key rows) pair with the global lse and Dsum: (dq, dk, dv);
+    q, do [Sq, D], k, v [Sk, D], mask [Sq, Sk] (True: visible)."""
+    s = q @ k.T * scale
+    p = np.where(mask, np.exp(s - lse[:, None]), 0.0)
+    dv = p.T @ do
+    ds = p * (do @ v.T - dsum[:, None])
+    return scale * ds @ k, scale * ds.T @ q, dv
+
+
+@pytest.mark.parametrize("P,causal", list(itertools.product([1, 2, 3, 4], [False, True])))
+def test_backward_schedule_gives_the_full_gradients(P, causal):
+    """The backward's decomposition in float64: every rank's launches (plan rows, key rows, mask) with the
+    global lse, dQ accumulated over the steps, each block's partials summed by its owner over the rows
+    partial_rows says -- equal to the gradients of full attention over the whole sequence."""
+    rng = np.random.default_rng(P + 10 * causal)
+    S_loc, D = 6, 4
+    S = S_loc * P
+    q, k, v, do = (rng.standard_normal((S, D)) for _ in range(4))
+    scale = 0.7
+    full = np.tril(np.ones((S, S), bool)) if causal else np.ones((S, S), bool)
+    s = np.where(full, q @ k.T * scale, -np.inf)
+    lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
+    p = np.exp(s - lse[:, None])
+    o = p @ v
+    dsum = (do * o).sum(1)
+    want = _attn_grads(q, k, v, do, scale, full, lse, dsum)
+    rows = [zigzag_indices(S, P, r) if causal else np.arange(r * S_loc, (r + 1) * S_loc) for r in range(P)]
+    dq = [np.zeros((S_loc, D)) for _ in range(P)]
+    parts = {}  # (owner, src) -> (dk partial, dv partial) of the owner's S_loc rows
+    for r in range(P):
+        plan = make_plan(r, P, S_loc, causal)
+        for ln in plan.launches:
+            j = plan.sources[ln.step]
+            qi, kj = rows[r][ln.q0:ln.q1], rows[j][:ln.kv_rows]
+            nq, nk = ln.q1 - ln.q0, ln.kv_rows
+            mask = (np.arange(nk)[None, :] <= np.arange(nq)[:, None] + nk - nq) if ln.causal else np.ones((nq, nk), bool)
+            gq, gk, gv = _attn_grads(q[qi], k[kj], v[kj], do[qi], scale, mask, lse[qi], dsum[qi])
+            dq[r][ln.q0:ln.q1] += gq
+            pk, pv = np.full((S_loc, D), np.nan), np.full((S_loc, D), np.nan)  # unwritten rows: never read
+            pk[:nk], pv[:nk] = gk, gv
+            assert RB.partial_step(j, r, P) == ln.step and RB.partial_rows(j, r, P, S_loc, causal) == nk
+            parts[(j, r)] = (pk, pv)
+    for j in range(P):
+        dk, dv = np.zeros((S_loc, D)), np.zeros((S_loc, D))
+        for i in range(P):  # local-rank order, as mk_attn_bwd_part_sum
+            n = RB.partial_rows(j, i, P, S_loc, causal)
+            dk[:n] += parts[(j, i)][0][:n]
+            dv[:n] += parts[(j, i)][1][:n]
+        np.testing.assert_allclose(dk, want[1][rows[j]], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(dv, want[2][rows[j]], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(dq[j], want[0][rows[j]], rtol=1e-10, atol=1e-12)
+
+
+def test_backward_workspace_layout():
+    a = RB.backward_workspace_layout(4, 1 << 20, 3 << 20)
+    b = RB.backward_workspace_layout(4, 5 << 20, 7 << 20)
+    assert (a.home.consumed_off, a.home.flags_off, a.parts.flags_off, a.data_off) == \
+        (b.home.consumed_off, b.home.flags_off, b.parts.flags_off, b.data_off)  # control words never move
+    assert a.parts.consumed_off == a.home.consumed_off and a.parts.flags_off > a.home.flags_off
+    assert a.parts.flags_off + 8 * 4 <= a.data_off and a.data_off % 256 == 0 and a.part_off % 256 == 0
+    assert a.part_off == a.data_off + 3 * a.kv_stride and a.total == a.part_off + 4 * a.part_stride
+    assert RO.VALUE_OFF + 8 <= a.home.consumed_off
+
+
+def _bwd_args(B=1, S=64, Hq=4, Hkv=2, D=128, dt="bfloat16"):
+    q, k, v = _arr((B, S, Hq, D), dt), _arr((B, S, Hkv, D), dt), _arr((B, S, Hkv, D), dt)
+    return q, k, v, _arr((B, S, Hq, D), dt), _arr((B, Hq, S), "float32"), _arr((B, S, Hq, D), dt)
+
+
+def test_backward_bad_inputs_raise_before_launch(ctx, monkeypatch):
+    monkeypatch.setattr(RB, "require_gemm_device", lambda what, device: None)
+    monkeypatch.setattr(RB._RingAttentionBwd, "compile", lambda self, ctx, call: pytest.fail("compiled bad input"))
+    f = mkernel.ring_attention_backward
+    q, k, v, o, lse, do = _bwd_args()
+    with pytest.raises(ValueError, match="same local sequence"):
+        f(ctx, q, _arr((1, 32, 2, 128)), _arr((1, 32, 2, 128)), o, lse, do)
+    a = _bwd_args(S=63)
+    with pytest.raises(ValueError, match="even local"):
+        f(ctx, *a, causal=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        f(ctx, q, _arr((1, 64, 2, 128), strides=(64 * 4 * 128, 4 * 128, 128, 1)), v, o, lse, do)
+    with pytest.raises(ValueError, match="head dim"):
+        f(ctx, *_bwd_args(D=96))
+    with pytest.raises(ValueError, match="multiple"):
+        f(ctx, *_bwd_args(Hq=3))
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        f(ctx, *_bwd_args(dt="float32"))
+    with pytest.raises(ValueError, match="lse"):
+        f(ctx, q, k, v, o, _arr((1, 4, 32), "float32"), do)
+    with pytest.raises(ValueError, match="dk has shape"):
+        f(ctx, q, k, v, o, lse, do, dk=_arr((1, 64, 4, 128)))
+    with pytest.raises(ValueError, match="layout"):
+        f(ctx, q, k, v, o, lse, do, layout="sbhd")
+    with pytest.raises(TypeError, match="RingAttentionOptions"):
+        f(ctx, q, k, v, o, lse, do, options=mkernel.AttentionBwdOptions())
+    with pytest.raises(ValueError, match="softmax_scale"):
+        f(ctx, q, k, v, o, lse, do, softmax_scale=0.0)
+    with pytest.raises(TypeError, match="dout is required"):
+        f(ctx, q, k, v, o, lse, None)
+    with pytest.raises(ValueError, match="overlap"):
+        f(ctx, q, k, v, o, lse, do, dq=q)
+    ctx.num_nodes = 2
+    with pytest.raises(ValueError, match="inside one node"):
+        f(ctx, q, k, v, o, lse, do)
+
+
+def test_backward_partial_kernels_compile_clean():
+    from mkernel.ops.attention_bwd import kernels as BK
+
+    for dt in BK.DTYPES:
+        for d in BK.HEAD_DIMS:
+            assert (BK.SOURCE, BK.partial_defines(dt, d)) in CP.registered_specializations()
+    # (the no-spill compile of every partial specialization: tests/cpu/test_attention_bwd_host.py)

@@ -30,6 +30,14 @@ def _setup(ctx):
             precompile_source("ops/attention_fwd.cu", merge)
         except Exception as exc:  # noqa: BLE001  (kernels then compile lazily)
             print(f"precompile failed, compiling lazily: {exc!r}")
+    if ctx.local_rank == 0:
+        from mkernel.ops.attention_bwd import kernels as BK
+
+        try:  # the backward's partial kernels and the default specialization's pre / convert kernels
+            precompile_source(BK.SOURCE, [BK.partial_defines(t, d) for t in BK.DTYPES for d in BK.HEAD_DIMS]
+                              + [BK.defines(t, d, BK.DEFAULT_BLOCK_Q[d]) for t in BK.DTYPES for d in BK.HEAD_DIMS])
+        except Exception as exc:  # noqa: BLE001
+            print(f"precompile failed, compiling lazily: {exc!r}")
     yield from precompiled_with_long_timeout(ctx, "ops/ring_attention.cu")
 
 
@@ -188,3 +196,88 @@ def test_zzz_missing_peer_times_out(ctx):
         pytest.skip("needs 2 ranks")
     q, _ = upload(np.ones((1, 256, 4, 128)), "bfloat16")
     assert_missing_peer_times_out(lambda c2: mkernel.ring_attention(c2, q, q, q), "ring_attention")
+
+
+# ------------------------------------------------------------------ backward
+def _reference_grads(q, k, v, do, scale, causal):
+    """float64 gradients (dq, dk, dv) of full attention over the whole sequence (bshd), with (out, lse)."""
+    B, S, Hq, D = q.shape
+    g = Hq // k.shape[2]
+    kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, kk) * scale
+    if causal:
+        s = np.where(np.tril(np.ones((S, S), bool))[None, None], s, -np.inf)
+    lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    p = np.exp(s - lse[..., None])
+    out = np.einsum("bhij,bjhd->bihd", p, vv)
+    dv = np.einsum("bhij,bihd->bjhd", p, do)
+    dp = np.einsum("bihd,bjhd->bhij", do, vv)
+    ds = p * (dp - np.einsum("bihd,bihd->bhi", do, out)[..., None])
+    dq = np.einsum("bhij,bjhd->bihd", ds, kk) * scale
+    dk = np.einsum("bhij,bihd->bjhd", ds, q) * scale
+    Hkv = k.shape[2]
+    return out, lse, dq, dk.reshape(B, S, Hkv, g, D).sum(3), dv.reshape(B, S, Hkv, g, D).sum(3)
+
+
+def _run_bwd(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16", calls=1):
+    """Every rank: its rows of q, k, v, dout and of the float64 forward's out / lse (rounded to the dtype /
+    float32) in; its rows of dq, dk, dv out (NaN-poisoned first), against the float64 gradients of full
+    attention.  Tolerance: relative Frobenius error <= 2e-2 and max error <= 8e-2 of max |ref| per tensor
+    (bf16 / fp16 inputs and P, dS rounded to the dtype for the tensor cores, fp32 accumulation)."""
+    q, k, v, do = (rng.standard_normal((B, S, h, D)) for h in (Hq, Hkv, Hkv, Hq))
+    rows = _rows(ctx, S, causal)
+    ups = [upload(_to_layout(x[:, rows], layout), dtype) for x in (q, k, v, do)]
+    (qd, _), (kd, _), (vd, _), (dod, _) = ups
+    scale = 1.0 / np.sqrt(D)
+    # the reference from the rounded values every rank holds
+    rq, rk, rv, rdo = (np.empty_like(x) for x in (q, k, v, do))
+    for r in range(ctx.local_size):
+        idx = zigzag_indices(S, ctx.local_size, r) if causal else np.arange(r * (S // ctx.local_size),
+                                                                            (r + 1) * (S // ctx.local_size))
+        for dst, src in ((rq, q), (rk, k), (rv, v), (rdo, do)):
+            dst[:, idx] = upload(src[:, idx], dtype)[1]
+    ref_o, ref_l, gq, gk, gv = _reference_grads(rq, rk, rv, rdo, scale, causal)
+    od, _ = upload(_to_layout(ref_o[:, rows], layout), dtype)
+    lse = DeviceArray.from_numpy(np.ascontiguousarray(ref_l[:, :, rows]).astype(np.float32))
+    for _ in range(calls):
+        dq, dk, dv = (DeviceArray.empty(x.shape, dtype).fill_nan() for x in (qd, kd, vd))
+        mkernel.ring_attention_backward(ctx, qd, kd, vd, od, lse, dod, dq, dk, dv, causal=causal, layout=layout)
+    ctx.synchronize()
+    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={ctx.local_size}"
+    for name, got, ref in (("dq", dq, gq), ("dk", dk, gk), ("dv", dv, gv)):
+        g = download(got)
+        if layout == "bhsd":
+            g = g.transpose(0, 2, 1, 3)
+        ref = ref[:, rows]
+        assert not np.isnan(g).any(), f"{what} {name}: NaN (unwritten) at {np.argwhere(np.isnan(g))[:4].tolist()}"
+        err = np.linalg.norm(g - ref) / np.linalg.norm(ref)
+        assert err <= 2e-2, f"{what} {name}: relative Frobenius error {err:.3e}"
+        worst = np.abs(g - ref).max() / np.abs(ref).max()
+        assert worst <= 8e-2, f"{what} {name}: max error {worst:.3e} of max |ref|"
+    return download(dk), download(dv)
+
+
+BWD_CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * P
+    (1, 300, 4, 4, 128, False, "bshd"),
+    (2, 340, 8, 2, 64, True, "bshd"),
+    (1, 262, 8, 1, 128, True, "bhsd"),
+]
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=[
+    f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}" for c in BWD_CASES])
+def test_backward_against_float64(ctx, shared_rng, case):
+    B, S_local, Hq, Hkv, D, causal, layout = case
+    _run_bwd(ctx, shared_rng, B, S_local * ctx.local_size, Hq, Hkv, D, causal=causal, layout=layout)
+    assert ctx.last_plan("ring_attention_backward").P == ctx.local_size
+
+
+def test_backward_back_to_back_and_deterministic(ctx):
+    """20 calls in a row (flags, partial buffers and receive buffers cycle), fp16; dk, dv bit-identical
+    between two runs on the same inputs (the fixed-order sum)."""
+    a = _run_bwd(ctx, np.random.default_rng(7), 1, 2 * ctx.local_size * 150, 4, 2, 64, causal=True,
+                 dtype="float16", calls=20)
+    b = _run_bwd(ctx, np.random.default_rng(7), 1, 2 * ctx.local_size * 150, 4, 2, 64, causal=True,
+                 dtype="float16", calls=1)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])

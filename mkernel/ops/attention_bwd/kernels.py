@@ -5,8 +5,8 @@ from __future__ import annotations
 from ...core.compiler import kernel, register_specialization
 
 __all__ = ["SOURCE", "DTYPES", "HEAD_DIMS", "BLOCK_Q", "DEFAULT_BLOCK_Q", "WARPS", "DQ_WARPS", "DQ_BLOCK_K",
-           "KERNELS", "WGMMA_KERNEL", "WGMMA_BLOCK_KV", "WGMMA_BLOCK_Q", "WGMMA_THREADS", "WGMMA_STAGES",
-           "defines", "wgmma_defines", "specializations", "main_smem", "dq_smem", "wgmma_smem", "get"]
+           "KERNELS", "WGMMA_KERNEL", "PARTIAL_KERNELS", "MAX_PARTS", "partial_defines", "WGMMA_BLOCK_KV", "WGMMA_BLOCK_Q", "WGMMA_THREADS", "WGMMA_STAGES",
+           "defines", "wgmma_defines", "get_partial", "specializations", "main_smem", "dq_smem", "wgmma_smem", "get"]
 
 SOURCE = "ops/attention_bwd.cu"
 DTYPES = {"bfloat16": 0, "float16": 1}  # MKATT_DTYPE (mk_common.cuh dtype codes)
@@ -35,10 +35,22 @@ def wgmma_defines(dtype: str, d: int) -> dict:
     return dict(MKATT_DTYPE=DTYPES[dtype], MKATT_D=d, MKATT_WGMMA=1)
 
 
+PARTIAL_KERNELS = ("mk_attn_bwd_main", "mk_attn_bwd_part_sum")  # the MKATT_PARTIAL specialization's kernels
+MAX_PARTS = 8  # MKATT_MAX_PARTS: partials one mk_attn_bwd_part_sum adds (the local ranks of a node)
+
+
+def partial_defines(dtype: str, d: int) -> dict:
+    """The ring backward's specialization (MKATT_PARTIAL=1, the default query block): the main kernel writing
+    fp32 dK / dV partials, and their fixed-order sum (docs/ring_attention.md, "Backward")."""
+    return {**defines(dtype, d, DEFAULT_BLOCK_Q[d]), "MKATT_PARTIAL": 1}
+
+
 def specializations() -> list[dict]:
-    """Every (dtype, head dim, block_q) of the mma kernels and every (dtype, head dim) of the wgmma kernel."""
+    """Every (dtype, head dim, block_q) of the mma kernels, every (dtype, head dim) of the wgmma kernel and
+    of the ring backward's partial kernels."""
     return ([defines(t, d, br) for t in DTYPES for d in HEAD_DIMS for br in BLOCK_Q]
-            + [wgmma_defines(t, d) for t in DTYPES for d in HEAD_DIMS])
+            + [wgmma_defines(t, d) for t in DTYPES for d in HEAD_DIMS]
+            + [partial_defines(t, d) for t in DTYPES for d in HEAD_DIMS])
 
 
 for _d in specializations():
@@ -64,6 +76,11 @@ def wgmma_smem(d: int) -> int:
     bytes of barriers."""
     return (1024 + 2 * WGMMA_BLOCK_KV * d * 2 + 2 * WGMMA_STAGES * WGMMA_BLOCK_Q * d * 2
             + 2 * WGMMA_BLOCK_KV * WGMMA_BLOCK_Q * 2 + 2 * WGMMA_STAGES * WGMMA_BLOCK_Q * 4 + 128)
+
+
+def get_partial(dtype: str, d: int, name: str):
+    """The compiled (or cached) kernel ``name`` of :func:`partial_defines` (one of PARTIAL_KERNELS)."""
+    return kernel(SOURCE, partial_defines(dtype, d), name)
 
 
 def get(dtype: str, d: int, block_q: int, name: str):

@@ -30,7 +30,8 @@ from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once, dev
 from . import kernels as K
 from .options import AttentionBwdOptions
 
-__all__ = ["attention_backward", "BwdArgs", "AttentionBwdPlan", "LAYOUTS", "last_plan", "current_context"]
+__all__ = ["attention_backward", "BwdArgs", "PartSumArgs", "AttentionBwdPlan", "LAYOUTS", "last_plan",
+           "current_context", "layout_dims", "layout_strides", "check_arrays", "prepare_arrays"]
 
 LAYOUTS = ("bshd", "bhsd")
 _GRID_YZ_MAX = 65535
@@ -44,7 +45,20 @@ class BwdArgs(ctypes.Structure):
                 + [(n, ctypes.c_int64 * 3) for n in ("q_s", "k_s", "v_s", "o_s", "do_s", "dq_s", "dk_s", "dv_s",
                                                      "lse_s")]
                 + [(n, ctypes.c_int32) for n in ("B", "Hq", "Hkv", "Sq", "Sk", "causal")]
-                + [("scale", ctypes.c_float), ("scale_log2", ctypes.c_float)])
+                + [("scale", ctypes.c_float), ("scale_log2", ctypes.c_float)]
+                + [("part_k", ctypes.c_void_p), ("part_v", ctypes.c_void_p), ("acc_pitch", ctypes.c_int32),
+                   ("pad_", ctypes.c_int32)])
+
+
+class PartSumArgs(ctypes.Structure):
+    """``MkAttnPartSumArgs`` of attention_bwd.cu (MKATT_PARTIAL): up to ``kernels.MAX_PARTS`` fp32 dK / dV
+    partials ([S, B, H_kv, D], the first ``rows[i]`` rows of source i written), summed in source order into
+    dk, dv (element strides (batch, seq, head))."""
+
+    _fields_ = [("part_k", ctypes.c_void_p * K.MAX_PARTS), ("part_v", ctypes.c_void_p * K.MAX_PARTS),
+                ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p), ("dk_s", ctypes.c_int64 * 3),
+                ("dv_s", ctypes.c_int64 * 3), ("rows", ctypes.c_int32 * K.MAX_PARTS)] + [
+                (n, ctypes.c_int32) for n in ("P", "B", "Hkv", "S")]
 
 
 class AttentionBwdPlan:
@@ -62,13 +76,13 @@ class AttentionBwdPlan:
                 f"deterministic={self.deterministic})")
 
 
-def _dims(x: DeviceArray, layout: str) -> tuple[int, int, int, int]:
+def layout_dims(x: DeviceArray, layout: str) -> tuple[int, int, int, int]:
     """(batch, seq, heads, head dim) of a 4-D ``x`` in ``layout``."""
     b, a1, a2, d = x.shape
     return (b, a1, a2, d) if layout == "bshd" else (b, a2, a1, d)
 
 
-def _strides(x: DeviceArray, layout: str) -> tuple[int, int, int]:
+def layout_strides(x: DeviceArray, layout: str) -> tuple[int, int, int]:
     """(batch, seq, head) element strides of ``x`` in ``layout``."""
     s0, s1, s2, _ = x.strides
     return (s0, s1, s2) if layout == "bshd" else (s0, s2, s1)
@@ -85,6 +99,87 @@ def _check_rows(what: str, name: str, x: DeviceArray) -> None:
         if n > 1 and s % 8:
             raise ValueError(f"{what}: {name}'s strides (in elements) must be multiples of 8 (16 bytes), got "
                              f"{x.strides}")
+
+
+def check_arrays(w: str, c) -> None:
+    """The array checks of :func:`attention_backward` (dtypes, shapes, head dim, rows, devices, writable
+    outputs); ``c`` has q, k, v, o, lse, do, dq, dk, dv (DeviceArrays), ``dims`` ((B, S_q, S_k, H_q, H_kv,
+    D)) and ``layout``.  Raises ValueError / TypeError naming ``w``."""
+    B, Sq, Sk, Hq, Hkv, D = c.dims
+    dt = c.q.dtype.name
+    if dt not in K.DTYPES:
+        raise TypeError(f"{w}: q must be bfloat16 or float16, got {dt}")
+    for x, n in ((c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout"), (c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv")):
+        if x.dtype.name != dt:
+            raise TypeError(f"{w}: {n} is {x.dtype.name}, q is {dt} (every array but lse has q's dtype)")
+    if c.lse.dtype.name != "float32":
+        raise TypeError(f"{w}: lse must be float32, got {c.lse.dtype.name}")
+    if D not in K.HEAD_DIMS:
+        raise ValueError(f"{w}: head dim {D} not supported (one of {K.HEAD_DIMS})")
+    want = {"q": c.q.shape, "out": c.q.shape, "dout": c.q.shape, "dq": c.q.shape, "k": c.k.shape,
+            "v": c.k.shape, "dk": c.k.shape, "dv": c.k.shape}
+    lay = "[B, S, H, D]" if c.layout == "bshd" else "[B, H, S, D]"
+    if layout_dims(c.k, c.layout)[0] != B or layout_dims(c.k, c.layout)[3] != D:
+        raise ValueError(f"{w}: k {c.k.shape} does not match q {c.q.shape} in batch or head dim ({lay})")
+    for x, n in ((c.v, "v"), (c.o, "out"), (c.do, "dout"), (c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv")):
+        if tuple(x.shape) != tuple(want[n]):
+            raise ValueError(f"{w}: {n} has shape {x.shape}, expected {tuple(want[n])} ({lay}, layout="
+                             f"{c.layout!r})")
+    if tuple(c.lse.shape) != (B, Hq, Sq):
+        raise ValueError(f"{w}: lse has shape {c.lse.shape}, expected [B, H_q, S_q] = {(B, Hq, Sq)}")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"{w}: q's heads ({Hq}) must be a multiple of k/v's ({Hkv})")
+    if B > _GRID_YZ_MAX or Hq > _GRID_YZ_MAX:
+        raise ValueError(f"{w}: batch {B} and heads {Hq} must be at most {_GRID_YZ_MAX}")
+    if max(Sq, Sk) >= 2 ** 31 - 256:
+        raise ValueError(f"{w}: sequence lengths must be below 2^31 - 256")
+    for x, n in ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout"), (c.dq, "dq"), (c.dk, "dk"),
+                 (c.dv, "dv")):
+        _check_rows(w, n, x)
+    for x, n in ((c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv")):
+        if x.readonly:
+            raise ValueError(f"{w}: {n} is read-only memory but the op writes it")
+    for x, n in ((c.k, "k"), (c.v, "v"), (c.o, "out"), (c.lse, "lse"), (c.do, "dout"), (c.dq, "dq"),
+                 (c.dk, "dk"), (c.dv, "dv")):
+        if x.device != c.q.device:
+            raise ValueError(f"{w}: {n} is on cuda:{x.device}, q on cuda:{c.q.device}")
+
+
+def prepare_arrays(w: str, c, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale) -> None:
+    """The arrays of an attention backward call as DeviceArrays on ``c`` (q, k, v, o, lse, do, and dq, dk, dv,
+    allocated contiguous when None), its ``dims`` (B, S_q, S_k, H_q, H_kv, D) and ``scale``; ``c.layout``
+    and ``c.stream`` set before.  Raises (naming ``w``) on a missing input, a non-4-D one, a non-finite
+    scale, or outputs overlapping the inputs or each other."""
+    arrs = []
+    for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout")):
+        if x is None:
+            raise TypeError(f"{w}: {n} is required")
+        arrs.append(as_device_array(x, name=f"{w.removeprefix('mkernel.')}: {n}", stream=c.stream))
+    c.q, c.k, c.v, c.o, c.lse, c.do = arrs
+    for x, n in ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout")):
+        if x.ndim != 4:
+            raise ValueError(f"{w}: {n} must be 4-D ({'[B, S, H, D]' if c.layout == 'bshd' else '[B, H, S, D]'} "
+                             f"for layout={c.layout!r}), got shape {x.shape}")
+    B, Sq, Hq, D = layout_dims(c.q, c.layout)
+    _, Sk, Hkv, _ = layout_dims(c.k, c.layout)
+    c.dims = (B, Sq, Sk, Hq, Hkv, D)
+    if softmax_scale is None:
+        c.scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    else:
+        c.scale = float(softmax_scale)
+        if not math.isfinite(c.scale):
+            raise ValueError(f"{w}: softmax_scale must be finite, got {softmax_scale!r}")
+    res = []
+    for g, n, like in ((dq, "dq", c.q), (dk, "dk", c.k), (dv, "dv", c.v)):
+        if g is None:
+            res.append(DeviceArray.empty(like.shape, like.dtype.name, device=like.device))
+        else:
+            res.append(as_device_array(g, name=f"{w.removeprefix('mkernel.')}: {n}", stream=c.stream))
+    c.dq, c.dk, c.dv = res
+    outs = ((c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv"))
+    ins = ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.lse, "lse"), (c.do, "dout"))
+    check_no_overlap(w, [(o, on, i, n) for o, on in outs for i, n in ins]
+                     + [(c.dq, "dq", c.dk, "dk"), (c.dq, "dq", c.dv, "dv"), (c.dk, "dk", c.dv, "dv")])
 
 
 class _Call:
@@ -121,8 +216,8 @@ def _tma_map(base: DeviceArray, layout: str, rows: int, like: DeviceArray | None
     """4-D map at ``base``'s address with the shape and strides of ``like`` (default ``base``) in its real
     layout (extents of 1 get a placeholder stride TMA never steps; S = 0 maps one row, never read)."""
     x = base if like is None else like
-    b, s, h, d = _dims(x, layout)
-    sb, ss, sh = _strides(x, layout)
+    b, s, h, d = layout_dims(x, layout)
+    sb, ss, sh = layout_strides(x, layout)
     it = x.dtype.itemsize
     strides = [st * it if n > 1 else d * it for n, st in ((s, ss), (h, sh), (b, sb))]
     return TensorMapArg(base.ptr, x.dtype.name, (d, max(s, 1), h, b), strides, (64, rows, 1, 1), swizzle=128)
@@ -168,36 +263,8 @@ class _AttnBwd(Op):
             options = dataclasses.replace(options, deterministic=True)
         c = _Call()
         c.stream, c.layout, c.causal, c.options = s, layout, bool(causal), options
-        arrs = []
-        for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (dout, "dout")):
-            if x is None:
-                raise TypeError(f"{w}: {n} is required")
-            arrs.append(as_device_array(x, name=f"attention_backward: {n}", stream=s))
-        c.q, c.k, c.v, c.o, c.lse, c.do = arrs
-        for x, n in ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout")):
-            if x.ndim != 4:
-                raise ValueError(f"{w}: {n} must be 4-D ({'[B, S, H, D]' if layout == 'bshd' else '[B, H, S, D]'} "
-                                 f"for layout={layout!r}), got shape {x.shape}")
-        B, Sq, Hq, D = _dims(c.q, layout)
-        _, Sk, Hkv, _ = _dims(c.k, layout)
-        c.dims = (B, Sq, Sk, Hq, Hkv, D)
-        if softmax_scale is None:
-            c.scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-        else:
-            c.scale = float(softmax_scale)
-            if not math.isfinite(c.scale):
-                raise ValueError(f"{w}: softmax_scale must be finite, got {softmax_scale!r}")
-        res = []
-        for g, n, like in ((dq, "dq", c.q), (dk, "dk", c.k), (dv, "dv", c.v)):
-            if g is None:
-                res.append(DeviceArray.empty(like.shape, like.dtype.name, device=like.device))
-            else:
-                res.append(as_device_array(g, name=f"attention_backward: {n}", stream=s))
-        c.dq, c.dk, c.dv = res
-        outs = ((c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv"))
-        ins = ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.lse, "lse"), (c.do, "dout"))
-        check_no_overlap(w, [(o, on, i, n) for o, on in outs for i, n in ins]
-                         + [(c.dq, "dq", c.dk, "dk"), (c.dq, "dq", c.dv, "dv"), (c.dk, "dk", c.dv, "dv")])
+        prepare_arrays(w, c, q, k, v, out, lse, dout, dq, dk, dv, softmax_scale)
+        B, Sq, Sk, Hq, Hkv, D = c.dims
         c.state = ctx.op_state(self.name) if ctx is not None else device_state(self.name, c.q.device)
         c.key = (layout, c.causal, c.scale, options, s, ctx is not None,
                  *[(x.shape, x.strides, x.dtype.name, x.device, x.ptr % 16, x.readonly)
@@ -209,44 +276,7 @@ class _AttnBwd(Op):
     def validate(self, ctx, c):
         w = self.what
         checked_once(c.options)
-        B, Sq, Sk, Hq, Hkv, D = c.dims
-        dt = c.q.dtype.name
-        if dt not in K.DTYPES:
-            raise TypeError(f"{w}: q must be bfloat16 or float16, got {dt}")
-        for x, n in ((c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout"), (c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv")):
-            if x.dtype.name != dt:
-                raise TypeError(f"{w}: {n} is {x.dtype.name}, q is {dt} (every array but lse has q's dtype)")
-        if c.lse.dtype.name != "float32":
-            raise TypeError(f"{w}: lse must be float32, got {c.lse.dtype.name}")
-        if D not in K.HEAD_DIMS:
-            raise ValueError(f"{w}: head dim {D} not supported (one of {K.HEAD_DIMS})")
-        want = {"q": c.q.shape, "out": c.q.shape, "dout": c.q.shape, "dq": c.q.shape, "k": c.k.shape,
-                "v": c.k.shape, "dk": c.k.shape, "dv": c.k.shape}
-        lay = "[B, S, H, D]" if c.layout == "bshd" else "[B, H, S, D]"
-        if _dims(c.k, c.layout)[0] != B or _dims(c.k, c.layout)[3] != D:
-            raise ValueError(f"{w}: k {c.k.shape} does not match q {c.q.shape} in batch or head dim ({lay})")
-        for x, n in ((c.v, "v"), (c.o, "out"), (c.do, "dout"), (c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv")):
-            if tuple(x.shape) != tuple(want[n]):
-                raise ValueError(f"{w}: {n} has shape {x.shape}, expected {tuple(want[n])} ({lay}, layout="
-                                 f"{c.layout!r})")
-        if tuple(c.lse.shape) != (B, Hq, Sq):
-            raise ValueError(f"{w}: lse has shape {c.lse.shape}, expected [B, H_q, S_q] = {(B, Hq, Sq)}")
-        if Hkv < 1 or Hq % Hkv:
-            raise ValueError(f"{w}: q's heads ({Hq}) must be a multiple of k/v's ({Hkv})")
-        if B > _GRID_YZ_MAX or Hq > _GRID_YZ_MAX:
-            raise ValueError(f"{w}: batch {B} and heads {Hq} must be at most {_GRID_YZ_MAX}")
-        if max(Sq, Sk) >= 2 ** 31 - 256:
-            raise ValueError(f"{w}: sequence lengths must be below 2^31 - 256")
-        for x, n in ((c.q, "q"), (c.k, "k"), (c.v, "v"), (c.o, "out"), (c.do, "dout"), (c.dq, "dq"), (c.dk, "dk"),
-                     (c.dv, "dv")):
-            _check_rows(w, n, x)
-        for x, n in ((c.dq, "dq"), (c.dk, "dk"), (c.dv, "dv")):
-            if x.readonly:
-                raise ValueError(f"{w}: {n} is read-only memory but the op writes it")
-        for x, n in ((c.k, "k"), (c.v, "v"), (c.o, "out"), (c.lse, "lse"), (c.do, "dout"), (c.dq, "dq"),
-                     (c.dk, "dk"), (c.dv, "dv")):
-            if x.device != c.q.device:
-                raise ValueError(f"{w}: {n} is on cuda:{x.device}, q on cuda:{c.q.device}")
+        check_arrays(w, c)
         if ctx is not None and getattr(ctx, "device", c.q.device) != c.q.device:
             raise ValueError(f"{w}: the arrays are on cuda:{c.q.device}, the context's device is cuda:{ctx.device}")
         require_gemm_device(w, c.q.device)
@@ -288,7 +318,7 @@ class _AttnBwd(Op):
             a = BwdArgs()
             for name, x in (("q_s", c.q), ("k_s", c.k), ("v_s", c.v), ("o_s", c.o), ("do_s", c.do), ("dq_s", c.dq),
                             ("dk_s", c.dk), ("dv_s", c.dv)):
-                getattr(a, name)[:] = _strides(x, c.layout)
+                getattr(a, name)[:] = layout_strides(x, c.layout)
             a.lse_s[:] = c.lse.strides
             a.B, a.Hq, a.Hkv, a.Sq, a.Sk, a.causal = B, Hq, Hkv, Sq, Sk, int(c.causal)
             a.scale, a.scale_log2 = c.scale, c.scale * math.log2(math.e)

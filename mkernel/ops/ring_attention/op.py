@@ -26,7 +26,7 @@ from ..base import BoundCall, Op, as_stream, checked_once
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan
 
-__all__ = ["ring_attention", "RingPlan", "SOURCE", "VALUE_OFF", "RingLayout", "workspace_layout"]
+__all__ = ["ring_attention", "RingPlan", "SOURCE", "VALUE_OFF", "RingLayout", "workspace_layout", "check_ring"]
 
 OP = "ring_attention"
 WHAT = "mkernel.ring_attention"
@@ -63,6 +63,27 @@ def _key(x: DeviceArray) -> tuple:
     return (x.shape, x.strides, x.dtype, x.device, x.ptr % 16, x.readonly)
 
 
+def check_ring(what: str, ctx, dims: tuple, causal: bool, q, k, v) -> None:
+    """The ring's own checks (forward and backward): one node, equal shards (S_q = S_k), causal zigzag shards
+    (S_local even), k and v contiguous (copied whole), the arrays on the context's GPU."""
+    B, Sq, Sk, Hq, Hkv, D = dims
+    if ctx.num_nodes != 1:
+        raise ValueError(f"{what}: the ring runs inside one node (NVLink); this context spans {ctx.num_nodes} "
+                         "nodes (multi-node ring attention is not implemented: docs/ring_attention.md)")
+    if Sq != Sk:
+        raise ValueError(f"{what}: q and k must hold the same local sequence length (equal shards), got S_q={Sq}, "
+                         f"S_k={Sk}")
+    if causal and Sq % 2:
+        raise ValueError(f"{what}: causal attention needs zigzag shards (mkernel.zigzag_shard): an even local "
+                         f"sequence length, got {Sq}")
+    for x, n in ((k, "k"), (v, "v")):
+        if x.strides != contiguous_strides(x.shape):
+            raise ValueError(f"{what}: {n} must be contiguous in its layout (its block is copied to the peers "
+                             f"whole), got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
+    if q.device != ctx.device:
+        raise ValueError(f"{what}: the arrays are on device {q.device}, the context's GPU is {ctx.device}")
+
+
 class _RingAttention(Op):
     generation_keyed = True
     name = OP
@@ -90,22 +111,7 @@ class _RingAttention(Op):
     def validate(self, ctx, call):
         checked_once(call.options)
         check_arrays(WHAT, call.q, call.k, call.v, call.out, call.lse, call.dims, call.layout)
-        B, Sq, Sk, Hq, Hkv, D = call.dims
-        if ctx.num_nodes != 1:
-            raise ValueError(f"{WHAT}: the ring runs inside one node (NVLink); this context spans {ctx.num_nodes} "
-                             "nodes (multi-node ring attention is not implemented: docs/ring_attention.md)")
-        if Sq != Sk:
-            raise ValueError(f"{WHAT}: q and k must hold the same local sequence length (equal shards), got S_q={Sq}, "
-                             f"S_k={Sk}")
-        if call.causal and Sq % 2:
-            raise ValueError(f"{WHAT}: causal attention needs zigzag shards (mkernel.zigzag_shard): an even local "
-                             f"sequence length, got {Sq}")
-        for x, n in ((call.k, "k"), (call.v, "v")):
-            if x.strides != contiguous_strides(x.shape):
-                raise ValueError(f"{WHAT}: {n} must be contiguous in its layout (its block is copied to the peers "
-                                 f"whole), got strides {tuple(x.strides)} for shape {tuple(x.shape)}")
-        if call.q.device != ctx.device:
-            raise ValueError(f"{WHAT}: the arrays are on device {call.q.device}, the context's GPU is {ctx.device}")
+        check_ring(WHAT, ctx, call.dims, call.causal, call.q, call.k, call.v)
 
     def compile(self, ctx, call):
         with on_device(ctx.device):
