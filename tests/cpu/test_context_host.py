@@ -263,7 +263,7 @@ def test_internode_proxy_gets_the_context_timeout(monkeypatch):
 
     monkeypatch.setattr(P, "Proxy", FakeProxy)
     monkeypatch.setattr(W, "GpuWindow", lambda ptr, nbytes: object())
-    I._State(FakeCtx(), "all_gather", 4096)
+    I.ProxyState(FakeCtx(), "all_gather", 4096)
     assert made.get("timeout") == 12.5
 
 
