@@ -26,3 +26,20 @@ def fill(tmp_path_factory, specs, arch: str):
         except Exception:  # noqa: BLE001 -- the failing spec's own test compiles it and reports why
             pass
     return d
+
+
+def assert_clean(mod, kernels, threads) -> None:
+    """``mod`` (a compiled module) has every kernel of ``kernels`` in its ptxas report, none spills or uses a
+    stack frame, each fits its block (``threads(name)`` threads) in the register file, and ptxas warned of
+    nothing."""
+    import re
+
+    usage = mod.resource_usage
+    for name in kernels:
+        assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
+    for fn, u in usage.items():
+        assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, f"{fn} spills: {u}"
+        assert u.get("stack", 0) == 0, f"{fn} uses a stack frame: {u}"
+        assert u["registers"] * threads(fn) <= 65536, f"{fn}: {u['registers']} registers"
+    warnings = [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)]
+    assert not warnings, "ptxas warnings:\n" + "\n".join(warnings)

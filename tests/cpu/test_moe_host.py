@@ -8,6 +8,8 @@ import re
 import numpy as np
 import pytest
 
+import _compile_cache
+
 from mkernel.core import compiler as CP
 from mkernel.dist.signals import workspace_control
 from mkernel.ops.moe import MoeOptions
@@ -30,15 +32,7 @@ def test_specializations_registered():
     f"d{d['MK_DTYPE']}-o{d['MK_OUT_DTYPE']}-l{d['MK_LOGIT_DTYPE']}" for _, d in SPECS])
 def test_compiles_clean(source, defines):
     mod = CP.compile_module(source, defines, arch=ARCH)
-    usage = mod.resource_usage
-    for name in KERNELS:
-        assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
-    for fn, u in usage.items():
-        assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, f"{fn} spills: {u}"
-        assert u.get("stack", 0) == 0, f"{fn} uses a stack frame: {u}"
-        assert u["registers"] * LIMITS.get(fn, ML.THREADS) <= 65536, f"{fn}: {u['registers']} registers"
-    warnings = [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)]
-    assert not warnings, "ptxas warnings:\n" + "\n".join(warnings)
+    _compile_cache.assert_clean(mod, KERNELS, lambda fn: LIMITS.get(fn, ML.THREADS))
 
 
 def _struct_figures(*structs) -> str:

@@ -5,10 +5,11 @@ adversarial routings, against the float64 layout reference -- no GPU needed."""
 from __future__ import annotations
 
 import ctypes
-import re
 
 import numpy as np
 import pytest
+
+import _compile_cache
 
 from mkernel.core import compiler as CP
 from mkernel.ops.moe import layout as ML
@@ -35,15 +36,7 @@ def _specs():
 @pytest.mark.parametrize("defines", _specs(), ids=lambda d: f"d{d['MK_DTYPE']}-o{d['MK_OUT_DTYPE']}")
 def test_compiles_clean(defines):
     mod = CP.compile_module(ML.INTERNODE_SOURCE, defines, arch=ARCH)
-    usage = mod.resource_usage
-    for name in KERNELS:
-        assert name in usage, f"{name} missing from the ptxas report:\n{mod.log}"
-    for fn, u in usage.items():
-        assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, f"{fn} spills: {u}"
-        assert u.get("stack", 0) == 0, f"{fn} uses a stack frame: {u}"
-        assert u["registers"] * LIMITS.get(fn, ML.THREADS) <= 65536, f"{fn}: {u['registers']} registers"
-    warnings = [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)]
-    assert not warnings, "ptxas warnings:\n" + "\n".join(warnings)
+    _compile_cache.assert_clean(mod, KERNELS, lambda fn: LIMITS.get(fn, ML.THREADS))
 
 
 def _figures(S) -> str:
