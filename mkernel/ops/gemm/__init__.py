@@ -24,8 +24,8 @@ from .options import GemmOptions
 from .plan import GemmPlan, describe
 from . import gemv  # noqa: F401 (registers the decode-shaped kernel's specializations)
 from .configs import CONFIGS, DTYPE_CODES, GROUP_M, IN_DTYPES, OUT_DTYPES, TileConfig, defines
-from .heuristic import (TAIL_SPLIT_MIN_GAIN, auto_plan, choose_config, config_cost, load_bound, max_splits_for,
-                        misaligned_rows, scheduler_units, split_cost, split_plan, tile_count, workers)
+from .heuristic import (SMALL_M, SWAP_MAX_M, TAIL_SPLIT_MIN_GAIN, auto_plan, choose_config, config_cost, load_bound,
+                        max_splits_for, misaligned_rows, scheduler_units, split_cost, split_plan, tile_count, workers)
 from .operands import (ClearBeforeFirstUse, OperandArg, a_arg, a_operand, array_key, b_arg, b_operand, c_arg, c_map,
                        check_arrays, check_operands, layout_key, out_layout_key, point_out, split_workspace)
 
@@ -34,7 +34,7 @@ __all__ = [
     # planning API
     "TileConfig", "CONFIGS", "DTYPE_CODES", "IN_DTYPES", "OUT_DTYPES", "GROUP_M", "defines",
     "choose_config", "config_cost", "auto_plan", "split_plan", "split_cost", "max_splits_for", "tile_count",
-    "scheduler_units", "workers", "misaligned_rows", "load_bound", "TAIL_SPLIT_MIN_GAIN",
+    "scheduler_units", "workers", "misaligned_rows", "load_bound", "TAIL_SPLIT_MIN_GAIN", "SMALL_M", "SWAP_MAX_M",
     "check_operands", "check_arrays", "a_operand", "b_operand", "c_map", "point_out", "array_key", "out_layout_key",
     "OperandArg", "a_arg", "b_arg", "c_arg", "layout_key",
     "split_workspace", "ClearBeforeFirstUse",

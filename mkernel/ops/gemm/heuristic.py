@@ -19,7 +19,7 @@ from .configs import (AUTO_CANDIDATES, CONFIGS, DECODE_SWAP_CONFIGS, LEGACY_CAND
 __all__ = ["choose_config", "config_cost", "workers", "tile_count", "scheduler_units", "grid_size",
            "max_splits", "max_splits_for", "choose_splits", "split_plan", "split_cost", "auto_plan",
            "orient_and_plan", "swap_candidates", "load_bound", "misaligned_rows", "phantom_row_half",
-           "pdl_auto", "use_pdl", "CLUSTER4_FIT", "TAIL_SPLIT_MIN_GAIN"]
+           "pdl_auto", "use_pdl", "CLUSTER4_FIT", "TAIL_SPLIT_MIN_GAIN", "SMALL_M", "SWAP_MAX_M"]
 
 # Epilogue cost in K-equivalents.  Register epilogue: a 128 x 256 bf16 tile's stores take about as long as
 # 256 more K of main loop (measured on kv_b, K = 512); ping-pong hides it but at the end.  TMA-store

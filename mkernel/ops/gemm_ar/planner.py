@@ -39,12 +39,11 @@ __all__ = ["ArPlan", "plan", "with_digest", "latency_choice", "bandwidth_config"
            "unfused_time", "SMALL_M", "TRANSPOSE_MAX_M"]
 
 _ISZ = {"bfloat16": 2, "float16": 2, "float32": 4}
-# M at or below which a config's small-M efficiency applies (mkernel.gemm's heuristic: one band of rows
-# streams B, docs/journal/gemm.md entry 14).
-SMALL_M = 128
-# Decode-shaped B "nk" calls the latency path may compute transposed (mkernel.gemm's swap_candidates:
-# config 53 up to 16 rows, 54 up to 32).
-TRANSPOSE_MAX_M = 32
+# M at or below which a config's small-M efficiency applies, and the decode-shaped B "nk" calls the latency
+# path may compute transposed: the GEMM heuristic's own bounds (docs/gemm.md, "Configurations" and
+# "Transposed (swapped) plans").
+SMALL_M = G.SMALL_M
+TRANSPOSE_MAX_M = G.SWAP_MAX_M
 
 
 @dataclass(frozen=True)
