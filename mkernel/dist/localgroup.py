@@ -21,6 +21,7 @@ import time
 from ..errors import CommError
 from .group import Group
 from .hostwait import group_allgather
+from .wire import recv_exact
 
 __all__ = ["LocalGroup", "local_group", "MAX_MESSAGE", "CONNECT_SECONDS"]
 
@@ -30,15 +31,8 @@ _LEN = struct.Struct("<Q")
 _IDX = struct.Struct("<i")
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = s.recv_into(view[got:])
-        if k == 0:
-            raise CommError("mkernel: a rank of this host's group closed its connection (did it exit?)")
-        got += k
-    return bytes(buf)
+def _closed() -> CommError:
+    return CommError("mkernel: a rank of this host's group closed its connection (did it exit?)")
 
 
 def _send(s: socket.socket, data: bytes) -> None:
@@ -48,10 +42,10 @@ def _send(s: socket.socket, data: bytes) -> None:
 
 
 def _recv(s: socket.socket) -> bytes:
-    (n,) = _LEN.unpack(_recv_exact(s, _LEN.size))
+    (n,) = _LEN.unpack(recv_exact(s, _LEN.size, _closed))
     if n > MAX_MESSAGE:
         raise CommError(f"mkernel: a rank of this host's group announced a {n}-byte message (limit {MAX_MESSAGE})")
-    return _recv_exact(s, n)
+    return recv_exact(s, n, _closed)
 
 
 def _pack(items: list[bytes]) -> bytes:
@@ -121,7 +115,7 @@ def _accept(srv: socket.socket, size: int, deadline: float) -> list:
             continue
         try:
             conn.settimeout(max(0.1, deadline - time.monotonic()))
-            (idx,) = _IDX.unpack(_recv_exact(conn, _IDX.size))
+            (idx,) = _IDX.unpack(recv_exact(conn, _IDX.size, _closed))
             ok = _same_user(conn) and 0 < idx < size and idx not in peers
         except (OSError, CommError, struct.error):
             ok = False

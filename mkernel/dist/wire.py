@@ -5,7 +5,8 @@ communicators over a non-MPI bootstrap (:mod:`.group`), the inter-node transport
 Plain values are None, bool, int, float (finite), str, bytes, tuple, list and dict (keys of any of these
 types).  The encoding is JSON in which every other object is a one-key tag (``{"b": base64}`` bytes,
 ``{"t": [...]}`` tuple, ``{"d": [[key, value], ...]}`` dict), so whatever a peer sends decodes to plain data
-and nothing else (never pickle: unpickling received bytes runs code).
+and nothing else (never pickle: unpickling received bytes runs code).  :func:`recv_exact` / :func:`recv_into_exact`
+read a known number of bytes from a stream socket, for every socket protocol of the package.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 import math
 import operator
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "decode", "recv_exact", "recv_into_exact"]
 
 
 def _tag(obj):
@@ -78,3 +79,20 @@ def decode(data: bytes):
 
 def _no_constant(name):
     raise ValueError(f"{name} is not allowed")
+
+
+def recv_into_exact(sock, view: memoryview, closed=lambda: ConnectionResetError("connection closed")) -> None:
+    """Fill ``view`` from stream socket ``sock``; the peer closing first raises ``closed()``."""
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise closed()
+        got += k
+
+
+def recv_exact(sock, n: int, closed=lambda: ConnectionResetError("connection closed")) -> bytes:
+    """The next ``n`` bytes of stream socket ``sock``; the peer closing first raises ``closed()``."""
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf), closed)
+    return bytes(buf)

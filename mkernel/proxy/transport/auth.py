@@ -31,6 +31,7 @@ import socket
 import struct
 import time
 
+from ...dist.wire import recv_exact
 from ...errors import CommError
 
 __all__ = ["SECRET_BYTES", "NONCE_BYTES", "MAC_BYTES", "new_secret", "accept_peers", "connect_peer"]
@@ -55,14 +56,8 @@ def _mac(secret: bytes, label: bytes, side: bytes, nonce_l: bytes, nonce_c: byte
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed during the handshake")
-        buf += chunk
-    return bytes(buf)
+def _closed() -> ConnectionError:
+    return ConnectionError("connection closed during the handshake")
 
 
 class _Pending:
@@ -177,10 +172,10 @@ def connect_peer(addr, secret: bytes, label: bytes, my_rank: int, peer_rank: int
     listener failed to prove it knows the secret)."""
     s = socket.create_connection(addr, timeout=timeout)
     try:
-        nonce_l = _recv_exact(s, NONCE_BYTES)
+        nonce_l = recv_exact(s, NONCE_BYTES, _closed)
         nonce_c = secrets.token_bytes(NONCE_BYTES)
         s.sendall(_RANK.pack(my_rank) + nonce_c + _mac(secret, label, b"C", nonce_l, nonce_c, my_rank, peer_rank))
-        mac_l = _recv_exact(s, MAC_BYTES)
+        mac_l = recv_exact(s, MAC_BYTES, _closed)
         if not hmac.compare_digest(mac_l, _mac(secret, label, b"L", nonce_l, nonce_c, my_rank, peer_rank)):
             raise CommError(f"rank {my_rank}: the listener at {addr} (rank {peer_rank}) failed to authenticate",
                             {"peer": peer_rank})

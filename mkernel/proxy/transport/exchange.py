@@ -28,7 +28,7 @@ import time
 
 from ...dist.agreement import Agreement
 from ...dist.timeouts import validate_timeout
-from ...dist.wire import decode, encode
+from ...dist.wire import decode, encode, recv_exact
 from ...errors import CommError
 from .auth import accept_peers, connect_peer
 
@@ -83,15 +83,8 @@ class MpiExchanger(Exchanger):
         self.host.barrier(self.WHAT, self.comm)
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = s.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("exchange: peer closed the connection")
-        got += k
-    return bytes(buf)
+def _closed() -> ConnectionError:
+    return ConnectionError("exchange: peer closed the connection")
 
 
 def _send_obj(s: socket.socket, obj) -> None:
@@ -102,11 +95,11 @@ def _send_obj(s: socket.socket, obj) -> None:
 
 
 def _recv_obj(s: socket.socket, who: str):
-    (n,) = _LEN.unpack(_recv_exact(s, _LEN.size))
+    (n,) = _LEN.unpack(recv_exact(s, _LEN.size, _closed))
     if n > MAX_MESSAGE:
         raise CommError(f"exchange: {who} announced a {n}-byte message (limit {MAX_MESSAGE})")
     try:
-        return decode(_recv_exact(s, n))
+        return decode(recv_exact(s, n, _closed))
     except ValueError as exc:
         raise CommError(f"exchange: {who} sent a malformed message: {exc}") from None
 

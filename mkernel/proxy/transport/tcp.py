@@ -40,6 +40,7 @@ import time
 
 import numpy as np
 
+from ...dist.wire import recv_into_exact
 from ...errors import CommError
 from . import PeerBatch, Transport
 from .auth import SECRET_BYTES, accept_peers, connect_peer, new_secret
@@ -70,15 +71,6 @@ def _sendall_iov(sock: socket.socket, bufs: list) -> None:
             else:
                 bufs[i] = bufs[i][sent:]
                 sent = 0
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionResetError("connection closed")
-        got += k
 
 
 def _messages(data: list, flags: list):
@@ -325,7 +317,7 @@ class TcpTransport(Transport):
     def _rx_one(self, s: socket.socket, peer: int) -> bool:
         hdr = bytearray(_HDR.size)
         try:
-            _recv_into(s, memoryview(hdr))
+            recv_into_exact(s, memoryview(hdr))
             kind, nd, nf, reserved = _HDR.unpack(hdr)
             if kind == KIND_BYE and nd == nf == reserved == 0:
                 self._byes.add(peer)
@@ -335,14 +327,14 @@ class TcpTransport(Transport):
             if nd + nf > MAX_RECORDS:
                 raise self._malformed(peer, f"{nd} data + {nf} flag records (at most {MAX_RECORDS})")
             desc = np.empty(nd + nf, _DESC)
-            _recv_into(s, memoryview(desc).cast("B"))
+            recv_into_exact(s, memoryview(desc).cast("B"))
             data, flags = desc[:nd], desc[nd:]
             self._check_records(peer, data, flags)
             data_l = list(zip(data["win"].tolist(), data["off"].tolist(), data["n"].tolist()))
             total = sum(n for _, _, n in data_l)
             if total and total <= _SMALL:  # one recv, then scatter
                 buf = self._scratch[:total]
-                _recv_into(s, memoryview(buf))
+                recv_into_exact(s, memoryview(buf))
                 pos = 0
                 for w, off, n in data_l:
                     self.windows[w].write(off, buf[pos:pos + n])
@@ -366,13 +358,13 @@ class TcpTransport(Transport):
     def _rx_large(self, s, win, off, n):
         win.check_range(off, n)
         if win.kind == "host":
-            _recv_into(s, memoryview(win.host_view()[off:off + n]))
+            recv_into_exact(s, memoryview(win.host_view()[off:off + n]))
             return
         st = win.rx_staging()  # not win.staging(): the proxy thread reads through that one meanwhile
         pos = 0
         while pos < n:
             m = min(len(st), n - pos)
-            _recv_into(s, memoryview(st[:m]))
+            recv_into_exact(s, memoryview(st[:m]))
             win.write_from_rx_staging(off + pos, m)
             pos += m
 
