@@ -119,3 +119,61 @@ MK_DEVICE int block_scan(int v, int* sh) {
   __syncthreads();
   return r;
 }
+
+// V consecutive fp32 values -> V elements of TO_ at `o` (one or two 16-byte stores when V * sizeof(TO_) is
+// 16 or 32 bytes; o aligned to that; else scalar stores).
+template <typename TO_, int V>
+MK_DEVICE void moe_store(TO_* o, const float* acc) {
+  if constexpr (V * sizeof(TO_) == 16) {
+    ((int4*)o)[0] = mk_pack<TO_>(acc);
+  } else if constexpr (V * sizeof(TO_) == 32) {
+    ((int4*)o)[0] = mk_pack<TO_>(acc);
+    ((int4*)o)[1] = mk_pack<TO_>(acc + mk_vec<TO_>::N);
+  } else {
+#pragma unroll
+    for (int q = 0; q < V; ++q) o[q] = mk_from_f32<TO_>(acc[q]);
+  }
+}
+
+// One warp combines token t: out[t] = sum over j < k, in j order, of weights[t][j] * row_of(j, d_j, slot_j)
+// in fp32 (dropped pairs, slot < 0, add nothing); d_j = ids[t][j] / El owns the pair's expert.  A 16-byte
+// vector of the row per lane (H * sizeof(T) a multiple of 16).  The vector loop has the same trip count on
+// every lane and every lane runs every shuffle: a full-mask __shfl_sync in divergent code is undefined and
+// deadlocks the warp at the next barrier, where no bounded wait can end it (docs/moe.md).
+template <typename T, typename TO, typename RowOf>
+MK_DEVICE void moe_combine_token(mk_u64 t, int k, int H, int El, int lane, const int* __restrict__ slots,
+                                 const int* __restrict__ ids, const float* __restrict__ weights, TO* __restrict__ out,
+                                 RowOf row_of) {
+  constexpr int V = mk_vec<T>::N;
+  const int nv = H / V;
+  int slot = -1, d = -1;
+  float wt = 0.f;
+  if (lane < k) {
+    const mk_u64 o = t * k + lane;
+    slot = slots[o];
+    if (slot >= 0) {
+      d = ids[o] / El;
+      wt = weights[o];
+    }
+  }
+  for (int i0 = 0; i0 < nv; i0 += 32) {  // (warp-uniform trip count)
+    const int i = i0 + lane;
+    const bool act = i < nv;
+    float acc[V];
+#pragma unroll
+    for (int q = 0; q < V; ++q) acc[q] = 0.f;
+    for (int j = 0; j < k; ++j) {  // (warp-uniform: every lane shuffles)
+      const int sj = __shfl_sync(0xffffffffu, slot, j);
+      const int dj = __shfl_sync(0xffffffffu, d, j);
+      const float wj = __shfl_sync(0xffffffffu, wt, j);
+      if (sj < 0 || !act) continue;
+      const T* row = row_of(j, dj, sj);
+      float f[V];
+      mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
+#pragma unroll
+      for (int q = 0; q < V; ++q) acc[q] = fmaf(wj, f[q], acc[q]);
+    }
+    if (act) moe_store<TO, V>(out + t * H + (mk_u64)i * V, acc);
+  }
+}
+

@@ -439,21 +439,6 @@ mk_moe_dispatch_ll(MkComm c, const TL* __restrict__ logits, const char* __restri
   moe_finish(w, ep);
 }
 
-// V consecutive fp32 values -> V elements of TO_ at `o` (one or two 16-byte stores when V * sizeof(TO_) is
-// 16 or 32 bytes; o aligned to that).
-template <typename TO_, int V>
-MK_DEVICE void moe_store(TO_* o, const float* acc) {
-  if constexpr (V * sizeof(TO_) == 16) {
-    ((int4*)o)[0] = mk_pack<TO_>(acc);
-  } else if constexpr (V * sizeof(TO_) == 32) {
-    ((int4*)o)[0] = mk_pack<TO_>(acc);
-    ((int4*)o)[1] = mk_pack<TO_>(acc + mk_vec<TO_>::N);
-  } else {
-#pragma unroll
-    for (int q = 0; q < V; ++q) o[q] = mk_from_f32<TO_>(acc[q]);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Combine (cooperative; blocks of 256 threads).  y [r_cap, H] (T, rows in the receive order of the
 // dispatch that made recv_map) -> out [T, H] (TO): out[t] = sum over j of weights[t][j] * y(t, j), fp32,
@@ -478,46 +463,10 @@ mk_moe_combine(MkComm c, const T* __restrict__ y, const int* __restrict__ ids, c
   }
   moe_raise_ready(w, ep, false);
   if (!moe_wait_ready(c, w, ep, false)) return;
-  // A 16-byte vector of y per lane: V elements (8 for bf16 / fp16, 4 for fp32; H * sizeof(T) is a multiple
-  // of 16, so nv * V == H exactly).  The vector loop runs the same trip count on every lane (lanes past nv
-  // only take part in the shuffles): a __shfl_sync(0xffffffff) under `for (i = lane; i < nv; i += 32)` with
-  // nv % 32 != 0 (H = 136 bf16: 17 vectors) is a divergent full-mask shuffle -- undefined behaviour, and the
-  // warp deadlocks (lanes 0..16 in the shuffle, lanes 17..31 at the next __syncthreads) with no bounded
-  // wait involved: the kernel never ends.
-  constexpr int V = mk_vec<T>::N;
-  const int H = s.H, nv = H / V;
-  for (int t = gw; t < s.T; t += warps) {  // (warp-uniform)
-    int slot = -1, d = -1;
-    float wt = 0.f;
-    if (lane < k) {
-      const mk_u64 o = (mk_u64)t * k + lane;
-      slot = slots[o];
-      if (slot >= 0) {
-        d = ids[o] / s.El;
-        wt = weights[o];
-      }
-    }
-    for (int i0 = 0; i0 < nv; i0 += 32) {  // (warp-uniform trip count)
-      const int i = i0 + lane;
-      const bool act = i < nv;
-      float acc[V];
-#pragma unroll
-      for (int q = 0; q < V; ++q) acc[q] = 0.f;
-      for (int j = 0; j < k; ++j) {  // (warp-uniform: every lane shuffles)
-        const int sj = __shfl_sync(0xffffffffu, slot, j);
-        const int dj = __shfl_sync(0xffffffffu, d, j);
-        const float wj = __shfl_sync(0xffffffffu, wt, j);
-        if (sj < 0 || !act) continue;
-        const T* row = dj == me ? y + (mk_u64)sj * H
-                                : (const T*)(w.base + L.stage_off + ((mk_u64)t * k + j) * RB);
-        float f[V];
-        mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
-#pragma unroll
-        for (int q = 0; q < V; ++q) acc[q] = fmaf(wj, f[q], acc[q]);
-      }
-      if (act) moe_store<TO, V>(out + (mk_u64)t * H + (mk_u64)i * V, acc);
-    }
-  }
+  for (int t = gw; t < s.T; t += warps)  // (warp-uniform)
+    moe_combine_token<T, TO>(t, k, s.H, s.El, lane, slots, ids, weights, out, [&](int j, int dj, int sj) {
+      return dj == me ? y + (mk_u64)sj * s.H : (const T*)(w.base + L.stage_off + ((mk_u64)t * k + j) * RB);
+    });
   moe_finish(w, ep);
 }
 

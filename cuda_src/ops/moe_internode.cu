@@ -308,20 +308,6 @@ mk_moe_x_dispatch(MkComm c, MkProxy p, const char* __restrict__ x, const int* __
   x_finish(c, w, p, ep);
 }
 
-// V consecutive fp32 values -> V elements of TO_ (16 or 32 bytes at o, aligned to that, else scalar stores).
-template <typename TO_, int V>
-MK_DEVICE void moex_store(TO_* o, const float* acc) {
-  if constexpr (V * sizeof(TO_) == 16) {
-    ((int4*)o)[0] = mk_pack<TO_>(acc);
-  } else if constexpr (V * sizeof(TO_) == 32) {
-    ((int4*)o)[0] = mk_pack<TO_>(acc);
-    ((int4*)o)[1] = mk_pack<TO_>(acc + mk_vec<TO_>::N);
-  } else {
-#pragma unroll
-    for (int q = 0; q < V; ++q) o[q] = mk_from_f32<TO_>(acc[q]);
-  }
-}
-
 #ifndef MK_DTYPE
 #define MK_DTYPE MK_DTYPE_BF16
 #endif
@@ -382,40 +368,11 @@ mk_moe_x_combine(MkComm c, MkProxy p, const T* __restrict__ y, const int* __rest
   if (!__syncthreads_and(ok)) return;
   if (!x_wait_ready(c, w, ep)) return;
   // a 16-byte vector per lane, the same trip count on every lane (full-mask shuffles: docs/moe.md)
-  constexpr int V = mk_vec<T>::N;
-  const int H = s.H, nv = H / V;
-  for (int t = gw; t < s.T; t += warps) {  // (warp-uniform)
-    int slot = -1, d = -1;
-    float wt = 0.f;
-    if (lane < k) {
-      const mk_u64 o = (mk_u64)t * k + lane;
-      slot = slots[o];
-      if (slot >= 0) {
-        d = ids[o] / El;
-        wt = weights[o];
-      }
-    }
-    for (int i0 = 0; i0 < nv; i0 += 32) {
-      const int i = i0 + lane;
-      const bool act = i < nv;
-      float acc[V];
-#pragma unroll
-      for (int q = 0; q < V; ++q) acc[q] = 0.f;
-      for (int j = 0; j < k; ++j) {
-        const int sj = __shfl_sync(0xffffffffu, slot, j);
-        const int dj = __shfl_sync(0xffffffffu, d, j);
-        const float wj = __shfl_sync(0xffffffffu, wt, j);
-        if (sj < 0 || !act) continue;
-        const T* row = dj == me       ? y + (mk_u64)sj * H
-                       : w.local(dj) ? (const T*)(w.base + X.b_off + ((mk_u64)t * k + j) * RB)
-                                     : (const T*)(w.base + X.c_off + ((mk_u64)dj * RC + sj) * RB);
-        float f[V];
-        mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
-#pragma unroll
-        for (int q = 0; q < V; ++q) acc[q] = fmaf(wj, f[q], acc[q]);
-      }
-      if (act) moex_store<TO, V>(out + (mk_u64)t * H + (mk_u64)i * V, acc);
-    }
-  }
+  for (int t = gw; t < s.T; t += warps)  // (warp-uniform)
+    moe_combine_token<T, TO>(t, k, s.H, El, lane, slots, ids, weights, out, [&](int j, int dj, int sj) {
+      return dj == me       ? y + (mk_u64)sj * s.H
+             : w.local(dj) ? (const T*)(w.base + X.b_off + ((mk_u64)t * k + j) * RB)
+                           : (const T*)(w.base + X.c_off + ((mk_u64)dj * RC + sj) * RB);
+    });
   x_finish(c, w, p, ep);
 }
