@@ -206,6 +206,6 @@ def check_no_overlap(what: str, pairs) -> None:
         if sr is None:
             sr = spans[id(r)] = byte_span(r)
         (w0, w1), (r0, r1) = sw, sr
-        if w0 < r1 and r0 < w1:
+        if w0 < r1 and r0 < w1 and w0 < w1 and r0 < r1:  # (an empty array touches no byte)
             raise ValueError(f"{what}: {wn} overlaps {rn} (bytes 0x{w0:x}-0x{w1:x} and 0x{r0:x}-0x{r1:x}); the "
                              "kernel reads its inputs while it writes its outputs")

@@ -31,12 +31,12 @@ from ..core.interop import as_device_array, require
 from ..core.tensormap import tma_compatible
 from ..core.util import round_up
 from ..dist.signals import MAX_CHUNKS
-from .base import BoundCall, byte_span
+from .base import BoundCall
 from . import gemm as G  # the GEMM package's public planning API
 
 __all__ = ["MAXP", "FLAG_ROWS_PER_SOURCE", "FLAGS_PER_SOURCE", "LAYOUTS", "RsLayout", "GatherLayout", "OwnerRows",
            "row_offsets", "owner_tiles", "raster", "Tile", "tile_order", "units_of_worker", "copy_2d", "TmaOperand", "FnBound",
-           "FusedBound", "resident_kernel", "exchange_ks", "parse_operands", "make_out", "overlaps",
+           "FusedBound", "resident_kernel", "exchange_ks", "parse_operands", "make_out",
            "validate_operands", "gemm_options"]
 
 MAXP = 16  # local ranks (the kernels keep the owner in 4 bits of the tile id)
@@ -175,14 +175,6 @@ def make_out(what: str, out, out_dtype, A: DeviceArray, shape: tuple, device: in
         O = DeviceArray.empty(shape, out_dtype or A.dtype.name, device=device)
         return O, O
     return as_device_array(out, name=f"{what}: out", stream=stream), out
-
-
-def overlaps(x: DeviceArray, y: DeviceArray) -> bool:
-    """Whether the bytes ``x`` and ``y`` touch intersect."""
-    if x.size == 0 or y.size == 0:
-        return False
-    (a0, a1), (b0, b1) = byte_span(x), byte_span(y)
-    return a0 < b1 and b0 < a1
 
 
 def validate_operands(ctx, call, what: str, out_shape: tuple, out_desc: str) -> None:

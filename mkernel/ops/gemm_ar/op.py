@@ -21,11 +21,11 @@ from dataclasses import replace
 from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.tensormap import TensorMapArg  # noqa: F401  (used through _DEV: the CPU tests replace it)
-from ..base import BoundCall, Op, as_stream, checked_once
+from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once
 from ..collectives import all_reduce
 from ..gemm import gemm
 from .. import gemm as G  # the GEMM package's public planning API
-from ..gemm_comm import (FnBound, FusedBound, OwnerRows, copy_2d, exchange_ks, gemm_options, make_out, overlaps,
+from ..gemm_comm import (FnBound, FusedBound, OwnerRows, copy_2d, exchange_ks, gemm_options, make_out,
                          parse_operands, resident_kernel, row_offsets, validate_operands)
 from .layout import SOURCE, ArArgs, kernel_defines
 from .options import GemmArOptions
@@ -123,9 +123,7 @@ class GemmAllReduce(Op):
             checked_once(opts)
         A, B, M, K, N = parse_operands(WHAT, a, b, b_layout, s)
         O, result = make_out(WHAT, out, out_dtype, A, (M, N), ctx.device, s)
-        for X, nm in ((A, "a"), (B, "b")):
-            if overlaps(O, X):
-                raise ValueError(f"{WHAT}: out overlaps {nm}")
+        check_no_overlap(WHAT, ((O, "out", A, "a"), (O, "out", B, "b")))
         call = _Call()
         call.stream, call.a, call.b, call.o = s, A, B, O
         call.b_layout, call.out_dtype, call.deterministic, call.options = b_layout, out_dtype, bool(deterministic), opts

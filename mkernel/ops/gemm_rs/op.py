@@ -21,11 +21,11 @@ from dataclasses import replace
 from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.tensormap import TensorMapArg  # noqa: F401  (used through _DEV: the CPU tests replace it)
-from ..base import BoundCall, Op, as_stream, checked_once
+from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once
 from ..collectives import reduce_scatter
 from ..gemm import gemm
 from .. import gemm as G  # the GEMM package's public planning API
-from ..gemm_comm import (FnBound, FusedBound, copy_2d, exchange_ks, gemm_options, make_out, overlaps, parse_operands,
+from ..gemm_comm import (FnBound, FusedBound, copy_2d, exchange_ks, gemm_options, make_out, parse_operands,
                          resident_kernel, validate_operands)
 from .layout import SOURCE, OwnerRows, RsArgs, kernel_defines, row_offsets, split_rows
 from .options import GemmRsOptions
@@ -136,9 +136,7 @@ class GemmReduceScatter(Op):
             except ValueError as exc:
                 raise ValueError(f"{WHAT}: options.{exc}") from None
         O, result = make_out(WHAT, out, out_dtype, A, (m_sizes[me], N), ctx.device, s)
-        for X, nm in ((A, "a"), (B, "b")):
-            if overlaps(O, X):
-                raise ValueError(f"{WHAT}: out overlaps {nm}")
+        check_no_overlap(WHAT, ((O, "out", A, "a"), (O, "out", B, "b")))
         call = _Call()
         call.stream, call.a, call.b, call.o = s, A, B, O
         call.b_layout, call.out_dtype, call.deterministic, call.options = b_layout, out_dtype, bool(deterministic), opts
