@@ -118,10 +118,7 @@ class Op:
         """Run the bound call of ``call.key`` on ``call`` and return it, or None where the key has none yet (an
         op's entry may try this before its checks: a key names a layout that was checked when it was bound)."""
         bound = state.get(call.key)
-        if bound is not None:
-            state.last_plan = bound.plan
-            bound(call.stream, call)
-        return bound
+        return None if bound is None else _run(state, bound, call)
 
     def invoke(self, state: OpState, call, ctx=None) -> BoundCall:
         bound = state.get(call.key)
@@ -135,9 +132,13 @@ class Op:
                 key = key[:-1] + (ctx.workspace_generation,)
             state.put(key, bound)
             plan_line(self.name, getattr(ctx, "rank", None), lambda: self.describe_call(call), bound.plan)
-        state.last_plan = bound.plan
-        bound(call.stream, call)
-        return bound
+        return _run(state, bound, call)
+
+
+def _run(state: OpState, bound: BoundCall, call) -> BoundCall:
+    state.last_plan = bound.plan
+    bound(call.stream, call)
+    return bound
 
 
 def as_stream(stream) -> int:
