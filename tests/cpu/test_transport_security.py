@@ -25,8 +25,10 @@ import time
 import numpy as np
 import pytest
 
+from _thread_ranks import run_ranks
+
 from mkernel.errors import CommError
-from mkernel.proxy.transport import Exchanger, HostWindow, PeerBatch, SocketExchanger
+from mkernel.proxy.transport import HostWindow, PeerBatch, SocketExchanger
 from mkernel.proxy.transport import auth
 from mkernel.proxy.transport.exchange import MAX_MESSAGE, decode, encode
 from mkernel.proxy.transport.tcp import _HDR, KIND_BATCH, MAX_RECORDS, TcpTransport
@@ -69,36 +71,6 @@ def _answer(sock, claim_rank, secret, label, listener_rank, garbage=False):
         return False
     finally:
         sock.close()
-
-
-class _Group:
-    """Ranks as threads of this process: allgather through two barriers; ``hook(round, table)``
-    runs once per allgather after every rank contributed and before any returns."""
-
-    def __init__(self, size, hook=None):
-        self.size, self.hook, self.round = size, hook, 0
-        self.slots = [None] * size
-        self.result = None
-        self.b1 = threading.Barrier(size, action=self._gathered, timeout=60)
-        self.b2 = threading.Barrier(size, timeout=60)
-
-    def _gathered(self):
-        self.result = [decode(encode(v)) for v in self.slots]  # what a SocketExchanger delivers
-        if self.hook is not None:
-            self.hook(self.round, self.result)
-        self.round += 1
-
-
-class _ThreadEx(Exchanger):
-    def __init__(self, group, rank):
-        self.g, self.rank, self.size = group, rank, group.size
-
-    def allgather(self, obj):
-        self.g.slots[self.rank] = obj
-        self.g.b1.wait()
-        out = list(self.g.result)
-        self.g.b2.wait()
-        return out
 
 
 # ---- the handshake ----------------------------------------------------------------------------------
@@ -192,23 +164,7 @@ DATA, FLAGS = 1 << 16, 4096
 
 
 def _run_ranks(size, hook, body, timeout=60):
-    group = _Group(size, hook)
-    results, errors = [None] * size, [None] * size
-
-    def run(r):
-        try:
-            results[r] = body(_ThreadEx(group, r), r)
-        except BaseException as exc:  # noqa: BLE001
-            errors[r] = exc
-            group.b1.abort()
-            group.b2.abort()
-
-    ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in ts), "a rank hung"
+    results, errors = run_ranks(size, body, hook=hook, timeout=timeout, abort_on_error=True)
     for e in errors:
         if e is not None:
             raise e

@@ -18,34 +18,12 @@ import numpy as np
 import pytest
 
 import _fake_pyverbs as FV
+from _thread_ranks import Group, ThreadEx
 from mkernel.errors import CommError
-from mkernel.proxy.transport import Exchanger, HostWindow, PeerBatch
+from mkernel.proxy.transport import HostWindow, PeerBatch
 from mkernel.proxy.transport import verbs as V
-from mkernel.proxy.transport.exchange import decode, encode
 
 DATA, FLAGS, NSLOT = 64 << 10, 4096, 32
-
-
-class _Group:
-    def __init__(self, size):
-        self.size, self.slots, self.result = size, [None] * size, None
-        self.b1 = threading.Barrier(size, action=self._gathered, timeout=60)
-        self.b2 = threading.Barrier(size, timeout=60)
-
-    def _gathered(self):
-        self.result = [decode(encode(v)) for v in self.slots]  # what a SocketExchanger delivers
-
-
-class _ThreadEx(Exchanger):
-    def __init__(self, group, rank):
-        self.g, self.rank, self.size = group, rank, group.size
-
-    def allgather(self, obj):
-        self.g.slots[self.rank] = obj
-        self.g.b1.wait()
-        out = list(self.g.result)
-        self.g.b2.wait()
-        return out
 
 
 def _in_threads(fns, timeout=60):
@@ -78,11 +56,11 @@ def fabric(monkeypatch):
 
 
 def _pair(notify, timeout=20.0):
-    g = _Group(2)
+    g = Group(2)
     wins = [[HostWindow(DATA), HostWindow(FLAGS)] for _ in range(2)]
 
     def mk(r):
-        t = V.VerbsTransport(_ThreadEx(g, r), wins[r], device="fake0", port=1, gid_index=0, notify=notify,
+        t = V.VerbsTransport(ThreadEx(g, r), wins[r], device="fake0", port=1, gid_index=0, notify=notify,
                              timeout=timeout)
         t.connect()
         return t
@@ -207,12 +185,12 @@ def test_proxy_scenarios_over_the_fake_nic(fabric, notify, monkeypatch):
     monkeypatch.setattr(S, "DATA_BYTES", 4 << 20)
     monkeypatch.setattr(S, "SMALL", True)
     fabric.per_run = 16
-    g = _Group(2)
+    g = Group(2)
     opts = {"device": "fake0", "port": 1, "gid_index": 0, "notify": notify}
     names = ["shutdown", "many", "large", "backpressure", "flag_batching", "ordering", "barrier"]
 
     def rank(r):
-        env = S.Env(_ThreadEx(g, r), V.VerbsTransport, opts)
+        env = S.Env(ThreadEx(g, r), V.VerbsTransport, opts)
         for name in names:
             S.SCENARIOS[name](env)
             env.ex.barrier()
