@@ -28,6 +28,8 @@ OPS = {
     "moe_combine": 15,
     "ring_attention": 16,
     "ring_attention_backward": 17,
+    "moe_dispatch_gemm": 18,
+    "moe_dispatch_ll": 19,
     "proxy": 20,
     "internode_all_gather": 21,
     "internode_reduce_scatter": 22,

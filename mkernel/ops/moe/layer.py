@@ -81,6 +81,10 @@ class _RoutingSpec:
     E: int
 
 
+class _Call:
+    __slots__ = ("key", "stream", "x", "options", "sig", "logits", "ids", "weights", "routing", "o")
+
+
 class _Layer(Op):
     generation_keyed = True
     name = "moe_layer"
