@@ -36,7 +36,7 @@ from typing import Sequence
 import numpy as np
 from cuda.bindings import driver as cu
 
-from . import dlpack
+from . import dlpack, frees
 from .dlpack import KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED
 from .device import on_device
 from .driver import capture_relaxed, check
@@ -84,7 +84,8 @@ class _Allocation:
                 return
             with capture_relaxed():  # a plan's workspace may be allocated inside a graph capture
                 self.ptr = int(check(cu.cuMemAlloc(self.nbytes)))
-        self._finalizer = weakref.finalize(self, _free, int(ctx), self.ptr)
+        # deferred while a kernel may wait on this process's proxy (cuMemFree would stall it: core/frees.py)
+        self._finalizer = weakref.finalize(self, frees.release, _free, int(ctx), self.ptr)
         self._finalizer.atexit = False  # at exit the driver frees everything; no driver calls then
 
     def __repr__(self) -> str:
@@ -291,6 +292,8 @@ class DeviceArray:
         if arr.nbytes:
             with on_device(arr.device):
                 s = _stream(stream)
+                # drain the stream first: a pageable copy waits for it holding a driver lock (core/frees.py)
+                check(cu.cuStreamSynchronize(s))
                 check(cu.cuMemcpyHtoDAsync(arr.ptr, host.ctypes.data, arr.nbytes, s))
                 check(cu.cuStreamSynchronize(s))
         return arr
@@ -311,6 +314,7 @@ class DeviceArray:
         buf = np.empty(span, dtype=nd)
         with on_device(self.device):
             s = _stream(stream)
+            check(cu.cuStreamSynchronize(s))  # (as in from_numpy)
             check(cu.cuMemcpyDtoHAsync(buf.ctypes.data, self.ptr + lo * isz, span * isz, s))
             check(cu.cuStreamSynchronize(s))
         if self.is_contiguous():

@@ -29,6 +29,7 @@ import os
 import time
 from cuda.bindings import driver as cu
 
+from ..core import frees
 from ..core.device import cu_init
 from ..core.driver import check, device_attribute
 from ..core.log import log
@@ -158,6 +159,7 @@ class Context:
         """Wait for ``stream`` (or the whole device when None) and raise what the kernels reported."""
         if stream is None:
             r = cu.cuCtxSynchronize()
+            frees.drain()
         else:
             # poll, sleeping between queries, so threads of this process that the GPU may be
             # waiting on (the inter-node proxy) keep getting the GIL

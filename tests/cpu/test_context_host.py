@@ -262,9 +262,16 @@ def test_internode_proxy_gets_the_context_timeout(monkeypatch):
             return type("WS", (), {"ptr": 0x1000, "nbytes": nbytes})()
 
     monkeypatch.setattr(P, "Proxy", FakeProxy)
-    monkeypatch.setattr(W, "GpuWindow", lambda ptr, nbytes: object())
+    class FakeWindow:
+        def __init__(self, ptr, nbytes):
+            pass
+
+        def prepare(self):  # the staging is made at set-up, not by the proxy's threads on first use
+            made["prepared"] = True
+
+    monkeypatch.setattr(W, "GpuWindow", FakeWindow)
     I.ProxyState(FakeCtx(), "all_gather", 4096)
-    assert made.get("timeout") == 12.5
+    assert made.get("timeout") == 12.5 and made.get("prepared")
 
 
 def test_a_closed_context_refuses_every_op():
@@ -276,3 +283,26 @@ def test_a_closed_context_refuses_every_op():
     ctx._closed, ctx.rank, ctx._checks = True, 3, []
     with pytest.raises(MkernelError, match="rank 3: this context was closed"):
         ctx.check()
+
+
+def test_every_multi_rank_op_has_an_error_record_id():
+    """A kernel's error record names its op by id (mkernel/dist/signals.py OPS): every op object of the
+    package that talks to peers must have one, or its first bind fails with a KeyError."""
+    import sys
+
+    import mkernel  # noqa: F401 -- imports every op module
+    from mkernel.ops.base import Op
+    from mkernel.dist.signals import OPS
+
+    single_gpu = {"gemm", "grouped_gemm", "attention", "attention_backward", "moe_layer"}
+    ops = set()
+    for mod in list(sys.modules.values()):
+        if not getattr(mod, "__name__", "").startswith("mkernel.ops"):
+            continue
+        for v in vars(mod).values():
+            for o in (v.values() if isinstance(v, dict) else (v,)):
+                if isinstance(o, Op):
+                    ops.add(o.name)
+    assert {"moe_dispatch_gemm", "moe_dispatch_ll", "ring_attention"} <= ops
+    missing = sorted(ops - single_gpu - set(OPS))
+    assert not missing, f"ops without an error-record id in mkernel/dist/signals.py OPS: {missing}"

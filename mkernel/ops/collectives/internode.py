@@ -24,6 +24,7 @@ from cuda.bindings import driver as cu
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel, register_specialization
 from ...core.driver import check
+from ...core.frees import mark_proxy_launch
 from ...core.streams import stream_handle
 from ...core.util import round_up
 from ...dist.signals import MK_ERR_PROXY
@@ -97,6 +98,7 @@ class ProxyState:
 
         self.ws = ctx.workspace(("internode", op), nbytes)
         self.window = GpuWindow(self.ws.ptr, self.ws.nbytes)
+        self.window.prepare()  # its stream and staging now: made later, they could wait on our kernels
 
         try:
             self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024, timeout=ctx.timeout,
@@ -166,6 +168,7 @@ def all_gather(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) -> Non
             ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes), ctypes.c_uint64(st.ws.ptr),
             ctypes.c_uint64(st.ws.peer_table), Lo]
     k.launch(_grid(ctx), _THREADS, args, stream=stream, cooperative=True)
+    mark_proxy_launch(stream_handle(stream))
 
 
 def reduce_scatter(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) -> None:
@@ -181,6 +184,7 @@ def reduce_scatter(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) ->
             ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(st.ws.ptr),
             ctypes.c_uint64(st.ws.peer_table), Lo]
     k.launch(_grid(ctx), _THREADS, args, stream=stream, cooperative=True)
+    mark_proxy_launch(stream_handle(stream))
 
 
 class _ARBuffers:

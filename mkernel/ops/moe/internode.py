@@ -7,6 +7,7 @@ same number on every node; P is the world size.  Same slot order as one node: bi
 from __future__ import annotations
 
 from ...core.compiler import kernel, register_specialization
+from ...core.frees import mark_proxy_launch
 from ..collectives.internode import check_layout, proxy_state
 from .layout import (EXCHANGE_THREADS, INTERNODE_GRID, INTERNODE_SOURCE, SPECIALIZATIONS, THREADS, make_shape,
                      x_combine_layout, x_dispatch_layout, x_route_layout)
@@ -46,6 +47,11 @@ class _XRoute(_Route):
         p = super().plan(ctx, call, digest)
         X, total = x_route_layout(ctx.local_size, ctx.num_nodes, call.routing.T, call.routing.E)
         return MoePlan(p.op, p.grid, p.recv_rows, digest, X, total)
+
+    def bind(self, ctx, call, p):
+        bound = super().bind(ctx, call, p)
+        bound.after = mark_proxy_launch  # (its kernels wait on the proxy: core/frees.py)
+        return bound
 
     def route_workspace(self, ctx, call, p):
         st = proxy_state(ctx, self.name, p.ws_bytes)
@@ -104,7 +110,7 @@ class _XExchange:
         else:
             args = head + [x, ids, w, sl, offs, so, rmap, o] + tail
         launch = self._xkernel(call).prepare(p.grid, THREADS, args, stream=call.stream, cooperative=True)
-        return _Launches(p, [launch], ptrs, (st.ws, st))
+        return _Launches(p, [launch], ptrs, (st.ws, st), after=mark_proxy_launch)
 
 
 class _XDispatch(_XExchange, _Dispatch):

@@ -161,8 +161,9 @@ class _Launches(BoundCall):
     """Prepared launches; ``ptrs`` maps a call attribute path to the ctypes field re-pointed each call;
     ``pre(stream, call)`` runs first (copies)."""
 
-    def __init__(self, plan, launches, ptrs, keep, pre=None):
+    def __init__(self, plan, launches, ptrs, keep, pre=None, after=None):
         self.plan, self._launches, self._ptrs, self._keep, self._pre = plan, launches, ptrs, keep, pre
+        self.after = after
 
     def run(self, stream, call):
         for fn, arg in self._ptrs:
@@ -171,6 +172,8 @@ class _Launches(BoundCall):
             self._pre(stream, call)
         for ln in self._launches:
             ln.submit()
+        if self.after is not None:
+            self.after(stream)
 
 
 class _Call:

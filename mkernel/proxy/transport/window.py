@@ -51,6 +51,9 @@ class Window:
     def read_u64(self, offset: int) -> int:
         return int(self.read(offset, 8, np.empty(8, np.uint8)).view(np.uint64)[0])
 
+    def prepare(self) -> None:
+        """Make what the transport's copies need (GPU windows: streams, pinned staging); host: nothing."""
+
     def close(self) -> None:
         pass
 
@@ -135,6 +138,12 @@ class GpuWindow(Window):
             p = check(cu.cuMemHostAlloc(self._staging_bytes, 0))
             self._staging_ptr = int(p)
             self._staging = np.ctypeslib.as_array((ctypes.c_uint8 * self._staging_bytes).from_address(int(p)))
+
+    def prepare(self) -> None:
+        """Make the copy streams and pinned staging buffers now (else on first use, in the proxy's
+        threads, where the driver calls could wait behind a free of the application's thread)."""
+        self._ensure()
+        self.rx_staging()
 
     def staging(self) -> np.ndarray:
         """The pinned staging buffer (uint8), for transports that receive straight into it."""

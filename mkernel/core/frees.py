@@ -1,0 +1,85 @@
+"""Device-memory frees that never stall a kernel waiting on this process's inter-node proxy.
+
+``cuMemFree`` waits for the device to go idle and holds a driver lock while it waits, so every other
+thread's driver call (the TCP transport's copies in and out of GPU memory) waits behind it.  A free made
+while a kernel waits on the proxy would therefore stall that kernel until its timeout
+(docs/internode.md, "Frees while a kernel waits on the proxy").  Ops whose kernels wait on a proxy
+call :func:`mark_proxy_launch` after each launch (an event on the launch stream); a free made while
+any marked launch is unfinished is deferred, and done by the first free (or :func:`drain`) that finds
+none unfinished.  Other processes see no change: only frees of this process wait.
+"""
+from __future__ import annotations
+
+import threading
+
+from cuda.bindings import driver as cu
+
+from .driver import check
+from .streams import is_capturing
+
+__all__ = ["mark_proxy_launch", "release", "drain", "pending"]
+
+_lock = threading.Lock()
+_marks: list = []      # CUevent of unfinished marked launches
+_graph_marks: list = []  # CUevent recorded by graph replays (captured marks): checked always, never reused
+_pool: list = []       # finished events, ready to be recorded again
+_deferred: list = []   # (free function, context handle, pointer) waiting for no marked launch
+
+
+def _record(stream: int) -> None:
+    if is_capturing(stream):  # the record becomes a graph node: every replay records the event again
+        ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        check(cu.cuEventRecordWithFlags(ev, cu.CUstream(stream), cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL))
+        _graph_marks.append(ev)
+        return
+    ev = _pool.pop() if _pool else check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+    check(cu.cuEventRecord(ev, cu.CUstream(stream)))
+    _marks.append(ev)
+
+
+def _done(ev) -> bool:
+    err, = cu.cuEventQuery(ev)
+    return err != cu.CUresult.CUDA_ERROR_NOT_READY
+
+
+def mark_proxy_launch(stream: int) -> None:
+    """Note a launch on ``stream`` (raw handle) whose kernel may wait on this process's proxy."""
+    with _lock:
+        _record(stream)
+
+
+def _busy() -> bool:
+    keep = []
+    for ev in _marks:
+        (keep if not _done(ev) else _pool).append(ev)
+    _marks[:] = keep
+    return bool(keep) or not all(_done(ev) for ev in _graph_marks)
+
+
+def release(free, ctx_handle: int, ptr: int) -> None:
+    """``free(ctx_handle, ptr)`` now, or once no marked launch is unfinished (with the deferred ones)."""
+    with _lock:
+        if _busy():
+            _deferred.append((free, ctx_handle, ptr))
+            return
+        todo = _deferred[:]
+        _deferred.clear()
+    for f, c, p in todo:
+        f(c, p)
+    free(ctx_handle, ptr)
+
+
+def drain() -> None:
+    """Do the deferred frees if no marked launch is unfinished (after a device-wide synchronize)."""
+    with _lock:
+        if not _deferred or _busy():
+            return
+        todo = _deferred[:]
+        _deferred.clear()
+    for f, c, p in todo:
+        f(c, p)
+
+
+def pending() -> int:
+    """How many frees wait (tests, diagnostics)."""
+    return len(_deferred)

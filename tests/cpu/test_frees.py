@@ -1,0 +1,65 @@
+"""mkernel/core/frees.py: a free made while a launch marked as waiting on the proxy is unfinished is
+deferred, and done (in order, with the new one) once none is -- never while one is (the driver's events
+are faked here: the GPU tests run the real thing, tests/gpu/test_internode.py and test_moe.py)."""
+from __future__ import annotations
+
+import pytest
+
+from mkernel.core import frees
+
+
+@pytest.fixture
+def fake_events(monkeypatch):
+    state = {"next": 0, "done": set()}
+
+    def record(stream):
+        ev = state["next"] = state["next"] + 1
+        frees._marks.append(ev)
+
+    monkeypatch.setattr(frees, "_record", record)
+    monkeypatch.setattr(frees, "_done", lambda ev: ev in state["done"])
+    monkeypatch.setattr(frees, "_marks", [])
+    monkeypatch.setattr(frees, "_pool", [])
+    monkeypatch.setattr(frees, "_graph_marks", [])
+    monkeypatch.setattr(frees, "_deferred", [])
+    return state
+
+
+def test_free_waits_for_marked_launches_then_runs_in_order(fake_events):
+    freed = []
+    free = lambda ctx, ptr: freed.append(ptr)  # noqa: E731
+    frees.release(free, 1, 0xA)
+    assert freed == [0xA]  # nothing marked: at once
+    frees.mark_proxy_launch(0)
+    frees.mark_proxy_launch(7)
+    frees.release(free, 1, 0xB)
+    frees.release(free, 1, 0xC)
+    frees.drain()
+    assert freed == [0xA] and frees.pending() == 2
+    fake_events["done"].add(1)  # one of two marked launches finished: still deferred
+    frees.release(free, 1, 0xD)
+    assert freed == [0xA] and frees.pending() == 3
+    fake_events["done"].add(2)
+    frees.release(free, 1, 0xE)
+    assert freed == [0xA, 0xB, 0xC, 0xD, 0xE] and frees.pending() == 0
+    assert frees._pool == [1, 2]  # finished events are reused
+
+
+def test_drain_after_the_marks_finish(fake_events):
+    freed = []
+    frees.mark_proxy_launch(0)
+    frees.release(lambda c, p: freed.append(p), 1, 0x10)
+    fake_events["done"].add(1)
+    frees.drain()
+    assert freed == [0x10] and frees.pending() == 0
+
+
+def test_a_captured_mark_is_checked_at_every_free(fake_events):
+    """A mark recorded inside a graph capture stays: each replay records it again."""
+    freed = []
+    frees._graph_marks.append(99)
+    frees.release(lambda c, p: freed.append(p), 1, 0x20)
+    assert freed == [] and frees.pending() == 1
+    fake_events["done"].add(99)
+    frees.drain()
+    assert freed == [0x20] and frees._graph_marks == [99]
