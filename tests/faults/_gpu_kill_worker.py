@@ -72,13 +72,18 @@ def main():
         ctx.synchronize()
         MPI.COMM_WORLD.Barrier()
         if rank == size - 1:
-            call()  # its kernel now waits for the peers
+            # its kernel now waits for the peers.  The result stays referenced until the kill: dropping it
+            # frees the output, and cuMemFree waits for the device -- for this very kernel, which would
+            # then time out before the victim got ready, and the victim would die after its kernel.
+            pending = call()  # noqa: F841
             time.sleep(0.2)
             become_victim(out)
         wait_for_victim(out)
         for i in range(3):
+            # Log.attempt returns the exception when fn raised, fn's value (here a tuple) when it returned:
+            # only an exception ends the calls (a call completing on the victim's last pushes goes on)
             e = log.attempt(f"call{i}", lambda: (call(), ctx.synchronize()))
-            if e is not None:
+            if isinstance(e, Exception):
                 break
         log.attempt("close", ctx.close)
         log.add("done")

@@ -42,7 +42,9 @@ def run(worker: Path, scenario: str, n: int, tmp_path: Path, mpirun: list, kill:
             pid_file = tmp_path / "victim.pid"
             t0 = time.monotonic()
             while not pid_file.exists():
-                assert time.monotonic() - t0 < ready_within and p.poll() is None, "the victim never got ready"
+                # the job ends early when a rank leaves with an error (its log says why: _logged)
+                assert p.poll() is None, "the victim never got ready: the job ended first"
+                assert time.monotonic() - t0 < ready_within, f"the victim never got ready within {ready_within} s"
                 time.sleep(0.005)
             pid, shell = (int(x) for x in pid_file.read_text().split())
             t_kill = time.time()
@@ -57,14 +59,39 @@ def run(worker: Path, scenario: str, n: int, tmp_path: Path, mpirun: list, kill:
             except ProcessLookupError:  # (the launcher ended it when the others left)
                 pass
         out, _ = p.communicate(timeout=timeout)
-    except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)  # the session this test started
-        p.communicate()
+    except BaseException as exc:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the session this test started
+        except ProcessLookupError:  # every process of it has ended already
+            pass
+        out, _ = p.communicate()
+        if isinstance(exc, AssertionError):  # with what the ranks logged (a crash's traceback) and the output
+            raise AssertionError(f"{exc}\n{_logged(tmp_path)}\n{out[-3000:]}") from None
         raise
+    ranks = _ranks(tmp_path)
+    for r, ev in ranks.items():
+        assert "crashed" not in ev, f"rank {r} crashed: {ev['crashed'].get('tb')}\n{out[-3000:]}"
+    return ranks, t_kill, out
+
+
+def _ranks(tmp_path: Path) -> dict:
     ranks = {}
     for f in tmp_path.glob("rank*.json"):
         d = json.loads(f.read_text())
         ranks[d["rank"]] = {e["event"]: e for e in d["events"]}
-    for r, ev in ranks.items():
-        assert "crashed" not in ev, f"rank {r} crashed: {ev['crashed'].get('tb')}\n{out[-3000:]}"
-    return ranks, t_kill, out
+    return ranks
+
+
+def _logged(tmp_path: Path) -> str:
+    """Every rank's events, a crash's traceback in full (for a failure before the ranks reported)."""
+    try:
+        ranks = _ranks(tmp_path)
+    except (OSError, ValueError) as exc:  # (a rank killed while writing its log)
+        return f"(the ranks' logs: {exc!r})"
+    lines = []
+    for r, ev in sorted(ranks.items()):
+        tb = ev.get("crashed", {}).get("tb")
+        lines.append(f"rank {r}: {[{k: v for k, v in e.items() if k != 'tb'} for e in ev.values()]}")
+        if tb:
+            lines.append(tb)
+    return "\n".join(lines) or "(no rank logged anything)"
