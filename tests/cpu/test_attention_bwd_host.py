@@ -109,6 +109,9 @@ class FakeKernel:
         return FakeLaunch(self.log, self.key[-1], grid, block, args, smem)
 
 
+MMA = AttentionBwdOptions(kernel="mma")  # the cases below check the mma kernel's launches
+
+
 @pytest.fixture
 def fake(monkeypatch):
     log = []
@@ -142,7 +145,7 @@ def _arrays(ptrs, B=2, Sq=77, Sk=100, Hq=8, Hkv=2, D=64, dt="bfloat16", layout="
 def test_launches_and_args(fake):
     log, ptrs = fake
     q, k, v, o, lse, do = _arrays(ptrs)
-    dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=True)
+    dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=True, options=MMA)
     assert [n for n, *_ in log] == ["mk_attn_bwd_pre", "mk_attn_bwd_main", "mk_attn_bwd_convert"]
     _, grid, block, smem, qp, dqp, acc = log[1]
     assert grid == (1, 2, 2) and block == 256 and smem == K.main_smem(64, 64)
@@ -164,7 +167,7 @@ def test_bhsd_strides_and_scale(fake):
         return orig(self, grid, block, args, **kw)
     FakeKernel.prepare = prep
     try:
-        attention_backward(q, k, v, o, lse, do, layout="bhsd", softmax_scale=0.5, deterministic=True)
+        attention_backward(q, k, v, o, lse, do, layout="bhsd", softmax_scale=0.5, deterministic=True, options=MMA)
     finally:
         FakeKernel.prepare = orig
     a = captured["mk_attn_bwd_main"]
@@ -177,10 +180,10 @@ def test_bhsd_strides_and_scale(fake):
 def test_key_reuse_and_repoint(fake):
     log, ptrs = fake
     q, k, v, o, lse, do = _arrays(ptrs)
-    attention_backward(q, k, v, o, lse, do)
+    attention_backward(q, k, v, o, lse, do, options=MMA)
     q2, k2, v2, o2, lse2, do2 = _arrays(ptrs)
     dq = DeviceArray(next(ptrs), q.shape, "bfloat16", None, 0)
-    attention_backward(q2, k2, v2, o2, lse2, do2, dq=dq)
+    attention_backward(q2, k2, v2, o2, lse2, do2, dq=dq, options=MMA)
     assert PREPARED.count("mk_attn_bwd_main") == 1  # one layout: bound once, re-pointed
     main = [e for e in log if e[0] == "mk_attn_bwd_main"]
     assert main[1][4] == q2.ptr and main[1][5] == dq.ptr
@@ -228,11 +231,11 @@ def test_wgmma_deterministic_and_options(fake):
 def test_empty_sequences(fake):
     log, ptrs = fake
     q, k, v, o, lse, do = _arrays(ptrs, Sk=0)
-    attention_backward(q, k, v, o, lse, do)
+    attention_backward(q, k, v, o, lse, do, options=MMA)
     assert [n for n, *_ in log] == ["mk_attn_bwd_pre", "mk_attn_bwd_convert"]  # dq = 0, no main kernel
     log.clear()
     q, k, v, o, lse, do = _arrays(ptrs, Sq=0)
-    attention_backward(q, k, v, o, lse, do)
+    attention_backward(q, k, v, o, lse, do, options=MMA)
     assert [n for n, *_ in log] == ["mk_attn_bwd_main"]  # writes dk = dv = 0
 
 
@@ -299,3 +302,17 @@ def test_options_checked():
     with pytest.raises(TypeError, match="deterministic"):
         AttentionBwdOptions(deterministic=1).checked()
     assert hash(AttentionBwdOptions(True, 32)) == hash(AttentionBwdOptions(True, 32))
+
+
+def test_auto_kernel_is_wgmma_unless_block_q(fake):
+    """kernel="auto" (the default): the wgmma main kernel; with block_q (an mma specialization) the mma one."""
+    log, ptrs = fake
+    assert AttentionBwdOptions().main_kernel() == "wgmma"
+    assert AttentionBwdOptions(block_q=32).checked().main_kernel() == "mma"
+    assert AttentionBwdOptions(kernel="mma").main_kernel() == "mma"
+    q, k, v, o, lse, do = _arrays(ptrs)
+    attention_backward(q, k, v, o, lse, do)
+    assert K.WGMMA_KERNEL in PREPARED and "mk_attn_bwd_main" not in PREPARED
+    PREPARED.clear()
+    attention_backward(q, k, v, o, lse, do, options=AttentionBwdOptions(block_q=32))
+    assert "mk_attn_bwd_main" in PREPARED and K.WGMMA_KERNEL not in PREPARED

@@ -129,10 +129,13 @@ def _qkv(empty, B, Sq, Sk, Hq, Hkv, D, layout="bshd", dtype="bfloat16"):
     return empty(sh(Sq, Hq), dtype), empty(sh(Sk, Hkv), dtype), empty(sh(Sk, Hkv), dtype)
 
 
+DEFAULT = AttentionOptions(schedule="default")  # the cases below check the default schedule's launches
+
+
 def test_bshd_gqa_launch(fake):
     launches, maps, empty = fake
     q, k, v = _qkv(empty, 2, 1000, 777, 32, 8, 128)
-    out, lse = attention(q, k, v, causal=True)
+    out, lse = attention(q, k, v, causal=True, options=DEFAULT)
     assert out.shape == q.shape and out.dtype.name == "bfloat16" and lse.shape == (2, 32, 1000)
     assert lse.dtype.name == "float32"
     (l,) = launches
@@ -149,7 +152,7 @@ def test_bshd_gqa_launch(fake):
     assert a.scale_log2 == pytest.approx(math.log2(math.e) / math.sqrt(128), rel=1e-6)
     # new arrays of the same layout and another scale: re-pointed, not bound again
     q2, k2, v2 = _qkv(empty, 2, 1000, 777, 32, 8, 128)
-    out2, lse2 = attention(q2, k2, v2, causal=True, softmax_scale=0.5)
+    out2, lse2 = attention(q2, k2, v2, causal=True, softmax_scale=0.5, options=DEFAULT)
     assert len(launches) == 2 and len(BASE.device_state("attention", 0).calls) == 1
     l2 = launches[-1]
     assert [int.from_bytes(m[:8], "little") for m in l2["args"][:3]] == [q2.ptr, k2.ptr, v2.ptr]
@@ -167,7 +170,7 @@ def test_bhsd_strided_views(fake):
     v = empty((1, 1, 50, 64), "float16")
     obuf = empty((1, 4, 300, 80), "float16")
     o = DeviceArray(obuf.ptr, (1, 4, 300, 64), "float16", (4 * 300 * 80, 300 * 80, 80, 1), 0)
-    out, lse = attention(q, k, v, o, layout="bhsd", options=AttentionOptions(heavy_first=False))
+    out, lse = attention(q, k, v, o, layout="bhsd", options=AttentionOptions(heavy_first=False, schedule="default"))
     assert out is o
     (l,) = launches
     assert l["key"] == ("float16", 64, False) and l["grid"] == (3, 4, 1)
@@ -265,9 +268,21 @@ def test_pingpong_launch(fake, D, bm, threads):
     assert (a.s_q, a.s_k, a.group, a.heavy_first) == (1000, 700, 4, 1)
     p = AO.last_plan(0)
     assert (p.schedule, p.block_m, p.block_n, p.threads) == ("pingpong", bm, g.bn, threads)
-    attention(q, k, v, causal=True)
+    attention(q, k, v, causal=True, options=DEFAULT)
     assert launches[-1]["key"] == ("bfloat16", D, True) and launches[-1]["grid"] == (8, 16, 2)
     assert launches[-1]["block"] == 384 and maps[-3]["box"] == (64, 128, 1, 1)
     assert len(BASE.device_state("attention", 0).calls) == 2
     attention(q, k, v, causal=True, options=pp)
     assert launches[-1]["key"][-1] == "pingpong" and len(BASE.device_state("attention", 0).calls) == 2
+
+
+@pytest.mark.parametrize("D,Sk,want", [(64, 700, "pingpong"), (64, 20000, "pingpong"), (128, 8191, "pingpong"),
+                                       (128, 8192, "default"), (128, 30000, "default")])
+def test_auto_schedule(fake, D, Sk, want):
+    """schedule="auto" (the default) picks by head dim and key count; the plan names the schedule that ran."""
+    launches, maps, empty = fake
+    q, k, v = _qkv(empty, 1, 256, Sk, 4, 4, D)
+    attention(q, k, v)
+    assert AO.last_plan(0).schedule == want
+    assert (launches[-1]["key"][-1] == "pingpong") is (want == "pingpong")
+    assert AK.pick_schedule("default", D, Sk) == "default" and AK.pick_schedule("pingpong", D, Sk) == "pingpong"

@@ -65,6 +65,15 @@ _GEOMETRY = {
 }
 
 
+def pick_schedule(schedule: str, head_dim: int, seq_k: int) -> str:
+    """The schedule that runs for ``AttentionOptions.schedule``: ``"auto"`` is ping-pong at D = 64 and at
+    D = 128 below 8192 keys, the default schedule otherwise (measured: docs/attention.md, "Ping-pong
+    schedule")."""
+    if schedule != "auto":
+        return schedule
+    return "pingpong" if head_dim == 64 or seq_k < 8192 else "default"
+
+
 def geometry(head_dim: int, schedule: str = "default") -> Geometry:
     """The block shape of the (``schedule``, ``head_dim``) kernel."""
     return _GEOMETRY[(schedule, head_dim)]

@@ -56,6 +56,10 @@ class _Call:
     __slots__ = ("key", "stream", "q", "k", "v", "out", "lse", "causal", "scale", "layout", "options", "dims")
 
 
+def _schedule(call) -> str:
+    return K.pick_schedule(call.options.schedule, call.dims[5], call.dims[2])
+
+
 class _Attention(Op):
     name = "attention"
     what = "mkernel.attention"
@@ -88,7 +92,7 @@ class _Attention(Op):
 
     def compile(self, ctx, call):
         with on_device(call.q.device):
-            K.get(call.q.dtype.name, call.dims[5], call.causal, call.options.schedule)
+            K.get(call.q.dtype.name, call.dims[5], call.causal, _schedule(call))
 
     def describe_call(self, call):
         B, Sq, Sk, Hq, Hkv, D = call.dims
@@ -97,9 +101,10 @@ class _Attention(Op):
 
     def plan(self, ctx, call, digest):
         B, Sq, Sk, Hq, Hkv, D = call.dims
-        g = K.geometry(D, call.options.schedule)
+        sched = _schedule(call)
+        g = K.geometry(D, sched)
         return AttentionPlan(D, call.q.dtype.name, call.causal, (-(-Sq // g.bm), Hq, B), g.threads, g.smem,
-                             call.options.heavy_first, schedule=call.options.schedule, block_m=g.bm, block_n=g.bn)
+                             call.options.heavy_first, schedule=sched, block_m=g.bm, block_n=g.bn)
 
     def bind(self, ctx, call, plan):
         with on_device(call.q.device):

@@ -18,13 +18,15 @@ class AttentionOptions:
     matter.  docs/attention.md, "Kernel".
 
     ``schedule``: which forward kernel runs.  ``"default"``: two consumer warpgroups of 64 query rows that
-    overlap their own softmax with their own matrix products (the validated kernel).  ``"pingpong"``: the
-    consumer warpgroups also take turns issuing their matrix products, so one's softmax runs under
-    another's GEMMs (FlashAttention-3's inter-warpgroup schedule; at D = 64 three consumer warpgroups and
-    192-row query blocks).  Not yet measured against the default; docs/attention.md, "Ping-pong schedule"."""
+    overlap their own softmax with their own matrix products.  ``"pingpong"``: the consumer warpgroups also
+    take turns issuing their matrix products, so one's softmax runs under another's GEMMs
+    (FlashAttention-3's inter-warpgroup schedule; at D = 64 three consumer warpgroups and 192-row query
+    blocks).  ``"auto"`` (the default): ping-pong at D = 64, and at D = 128 below 8192 keys; the default
+    schedule from 8192 keys at D = 128, where it measured as fast or faster (docs/attention.md,
+    "Ping-pong schedule")."""
 
     heavy_first: bool = True
-    schedule: str = "default"
+    schedule: str = "auto"
 
     __hash__ = options_hash  # (hashed once: part of every bound-call key)
 
@@ -32,6 +34,7 @@ class AttentionOptions:
         """Self, or a ValueError naming the first field out of range."""
         if self.heavy_first not in (True, False):
             raise ValueError(f"AttentionOptions.heavy_first must be True or False, got {self.heavy_first!r}")
-        if self.schedule not in ("default", "pingpong"):
-            raise ValueError(f"AttentionOptions.schedule must be 'default' or 'pingpong', got {self.schedule!r}")
+        if self.schedule not in ("auto", "default", "pingpong"):
+            raise ValueError(f"AttentionOptions.schedule must be 'auto', 'default' or 'pingpong', got "
+                             f"{self.schedule!r}")
         return self

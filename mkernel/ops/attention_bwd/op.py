@@ -287,7 +287,7 @@ class _AttnBwd(Op):
         return c.options.block_q or K.DEFAULT_BLOCK_Q[c.dims[5]]
 
     def compile(self, ctx, c):
-        main = K.WGMMA_KERNEL if c.options.kernel == "wgmma" else "mk_attn_bwd_main"
+        main = K.WGMMA_KERNEL if c.options.main_kernel() == "wgmma" else "mk_attn_bwd_main"
         with on_device(c.q.device):
             for name in ("mk_attn_bwd_pre", main, "mk_attn_bwd_dq", "mk_attn_bwd_convert"):
                 K.get(c.q.dtype.name, c.dims[5], self._block_q(c), name)
@@ -301,7 +301,7 @@ class _AttnBwd(Op):
         B, Sq, Sk, Hq, Hkv, D = c.dims
         det = c.options.deterministic
         bq = self._block_q(c)
-        wg = c.options.kernel == "wgmma"
+        wg = c.options.main_kernel() == "wgmma"
         names = ["mk_attn_bwd_pre"] if B * Hq * Sq else []
         if Sk:
             names.append(K.WGMMA_KERNEL if wg else "mk_attn_bwd_main")
