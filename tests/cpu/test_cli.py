@@ -65,6 +65,17 @@ def test_op_sources():
         sources_for(["x"])
 
 
+def test_every_kernel_source_belongs_to_an_op():
+    """precompile's default (every op) covers every kernel source an op registers specializations of."""
+    import mkernel  # noqa: F401 -- the ops register their specializations at import
+    from mkernel.cli.precompile import OPS
+    from mkernel.core.compiler import registered_specializations
+
+    registered = {src for src, _ in registered_specializations()} - {"testing/proxy_test.cu"}
+    assert registered <= set(sources_for(OPS)), registered - set(sources_for(OPS))
+    assert sources_for(["moe_layer"])[:3] == ["ops/moe.cu", "ops/moe_gemm.cu", "ops/moe_internode.cu"]
+
+
 def test_info_exits_0_and_reports_each_item(tmp_path):
     r = _mk("info", env={"MKERNEL_TIMEOUT": "7", "MKERNEL_LOG": "0"}, cache=tmp_path / "none")
     assert r.returncode == 0, r.stderr
