@@ -19,7 +19,10 @@ from .streams import is_capturing
 
 __all__ = ["mark_proxy_launch", "release", "drain", "pending"]
 
-_lock = threading.Lock()
+# Re-entrant: a finalizer (release) may run inside the locked code when the interpreter collects garbage
+# there; it then only defers (_inside), never touching the lists being walked.
+_lock = threading.RLock()
+_inside = 0
 _marks: list = []      # CUevent of unfinished marked launches
 _graph_marks: list = []  # CUevent recorded by graph replays (captured marks): checked always, never reused
 _pool: list = []       # finished events, ready to be recorded again
@@ -44,8 +47,13 @@ def _done(ev) -> bool:
 
 def mark_proxy_launch(stream: int) -> None:
     """Note a launch on ``stream`` (raw handle) whose kernel may wait on this process's proxy."""
+    global _inside
     with _lock:
-        _record(stream)
+        _inside += 1
+        try:
+            _record(stream)
+        finally:
+            _inside -= 1
 
 
 def _busy() -> bool:
@@ -56,26 +64,38 @@ def _busy() -> bool:
     return bool(keep) or not all(_done(ev) for ev in _graph_marks)
 
 
+def _take(extra) -> list:
+    """(under the lock) The frees to do now, or [] after deferring ``extra``."""
+    global _inside
+    if _inside:
+        if extra is not None:
+            _deferred.append(extra)
+        return []
+    _inside += 1
+    try:
+        if _busy():
+            if extra is not None:
+                _deferred.append(extra)
+            return []
+        todo = _deferred[:] + ([extra] if extra is not None else [])
+        _deferred.clear()
+        return todo
+    finally:
+        _inside -= 1
+
+
 def release(free, ctx_handle: int, ptr: int) -> None:
     """``free(ctx_handle, ptr)`` now, or once no marked launch is unfinished (with the deferred ones)."""
     with _lock:
-        if _busy():
-            _deferred.append((free, ctx_handle, ptr))
-            return
-        todo = _deferred[:]
-        _deferred.clear()
+        todo = _take((free, ctx_handle, ptr))
     for f, c, p in todo:
         f(c, p)
-    free(ctx_handle, ptr)
 
 
 def drain() -> None:
     """Do the deferred frees if no marked launch is unfinished (after a device-wide synchronize)."""
     with _lock:
-        if not _deferred or _busy():
-            return
-        todo = _deferred[:]
-        _deferred.clear()
+        todo = _take(None) if _deferred else []
     for f, c, p in todo:
         f(c, p)
 

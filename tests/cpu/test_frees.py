@@ -63,3 +63,20 @@ def test_a_captured_mark_is_checked_at_every_free(fake_events):
     fake_events["done"].add(99)
     frees.drain()
     assert freed == [0x20] and frees._graph_marks == [99]
+
+
+def test_a_free_inside_the_locked_code_is_deferred(fake_events, monkeypatch):
+    """A finalizer run by the garbage collector while frees' own code holds the lock only defers."""
+    freed = []
+    free = lambda c, p: freed.append(p)  # noqa: E731
+
+    def record(stream):  # a collection inside the record: a finalizer frees an array
+        frees.release(free, 1, 0x30)
+        frees._marks.append(1)
+
+    monkeypatch.setattr(frees, "_record", record)
+    frees.mark_proxy_launch(0)
+    assert freed == [] and frees.pending() == 1
+    fake_events["done"].add(1)
+    frees.release(free, 1, 0x31)
+    assert freed == [0x30, 0x31] and frees.pending() == 0
