@@ -122,6 +122,14 @@ MK_DEVICE void mk_tma_load_3d(void* dst, const MkTensorMap* tm, mk_u64* bar, int
       : "memory");
 }
 
+MK_DEVICE void mk_tma_load_5d(void* dst, const MkTensorMap* tm, mk_u64* bar, int c0, int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];" ::"r"(mk_smem_addr(dst)),
+      "l"((mk_u64)tm), "r"(mk_smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
 // Global -> shared tile load delivered to every block of `cta_mask` in the cluster, each at the same
 // shared-memory offset as `dst`, and counted on the mbarrier at `bar`'s offset in each of them.
 MK_DEVICE void mk_tma_load_2d_multicast(void* dst, const MkTensorMap* tm, mk_u64* bar, int c0, int c1,

@@ -46,7 +46,8 @@
 //              thread calls drain() after its last tile (MkEpilogueTmaStore: wait for the TMA stores).
 //              Provided: MkEpilogueStore (registers), MkEpilogueTmaStore (shared memory + TMA stores;
 //              configs with staging boxes), MkSplitKEpilogue (wraps one of them for split-K tiles),
-//              mk_with_store_epilogue / mk_gemm_run_store (the plain store the config supports).
+//              mk_with_store_epilogue / mk_gemm_run_store (the plain store the config supports);
+//              MkEpilogueSwiGLU (mk_gemm_swiglu.cuh: silu(gate) * up of a MkGateUpB config's tile).
 //
 // Block shape: Cfg::THREADS threads (128 * (NC + 1)); every thread of the block calls mk_gemm_run
 // (it initialises barriers and runs __syncthreads once, before the role split).  Dynamic shared
@@ -108,6 +109,8 @@ struct MkGemmConfig {
   static constexpr bool PIPELINED = PIPELINED_;
   static constexpr int DT = DT_;
   static constexpr bool B_KN = B_KN_;
+  // B is a gate/up weight seen through the paired view of MkGateUpB (mk_gemm_swiglu.cuh)
+  static constexpr bool B_GATE_UP = false;
   static constexpr int THREADS = 128 * (NC_ + 1);
   static constexpr int A_BYTES = BM * BK * 2;
   static constexpr int B_CHUNK_BYTES = 64 * BK * 2;  // one 64-column chunk of an MN-major B tile
@@ -646,6 +649,13 @@ MK_DEVICE void mk_gemm_load_b(const MkGemmSmem<Cfg>& sm, int stage, const MkTens
       else
         mk_tma_load_3d(sm.b(stage) + Cfg::b_col_bytes(64 * j), tmB, sm.full(stage), t.col0 + 64 * j, k0, t.group);
     }
+  } else if constexpr (Cfg::B_GATE_UP) {
+    // (MkGateUpB: tmB is the 5-D view {K, PAIR, F / PAIR, 2, groups}; warpgroup part q's WN rows are
+    // chunk col0 / WN + q of the gate rows, then the same chunk of the up rows)
+#pragma unroll
+    for (int q = 0; q < Cfg::WG_N; ++q)
+      mk_tma_load_5d(sm.b(stage) + Cfg::b_col_bytes(q * Cfg::WN), tmB, sm.full(stage), k0, 0, t.col0 / Cfg::WN + q,
+                     0, t.group);
   } else if constexpr (Cfg::CLUSTER_M == 2) {
     mk_tma_load_3d_multicast(sm.b(stage) + Cfg::b_col_bytes(r * (Cfg::BN / 2)), tmB, sm.full(stage), k0,
                              t.col0 + r * (Cfg::BN / 2), t.group, mask);

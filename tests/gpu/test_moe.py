@@ -194,13 +194,14 @@ def test_capacity_drops_deterministically(ctx, shared_rng):
 
 
 LAYER_PATHS = {"unfused": MoeOptions(), "fused": MoeOptions(fused=True),
-               "low_latency": MoeOptions(mode="low_latency")}
+               "low_latency": MoeOptions(mode="low_latency"), "swiglu_epilogue": MoeOptions(swiglu_epilogue=True)}
 
 
 @pytest.mark.parametrize("path", list(LAYER_PATHS))
 @pytest.mark.parametrize("T,k,E_local,H,F", [(300, 2, 4, 256, 128), (129, 8, 8, 512, 256)])
 def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
-    """The layer on each path (unfused, fused dispatch + gate/up GEMM, low-latency dispatch) against float64."""
+    """The layer on each path (unfused, fused dispatch + gate/up GEMM, low-latency dispatch, SwiGLU in the
+    gate/up GEMM's epilogue) against float64."""
     P, me = ctx.local_size, ctx.local_rank
     opts = LAYER_PATHS[path]
     if path == "low_latency" and T > 256:
@@ -214,6 +215,7 @@ def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
     o, R = mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k,
                              out=out, options=opts)
     ctx.synchronize()
+    assert ctx.op_state("moe_layer").last_plan.swiglu == ("epilogue" if path == "swiglu_epilogue" else "kernel")
     ids = [ref.topk_reference(l, k)[0] for l in logits]
     wts = [ref.topk_reference(l, k)[1] for l in logits]
     lay = ref.layout_reference(ids, E)
@@ -225,6 +227,72 @@ def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
     err = np.abs(got - want).max()
     assert not np.isnan(got).any()
     assert err <= 2.0 ** -5 * np.abs(want).max(), err
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("offs,H,F,config", [
+    ([0, 0, 300, 301, 301, 1000], 256, 128, None),   # empty groups, a 1-row group, rows not multiples of 128
+    ([0, 129, 700], 512, 2048, None),
+    ([5, 200, 455], 136, 96, 4),                      # 96-wide pairs (192-column tiles); rows outside [5, 455)
+    ([0, 64, 200], 64, 192, 2),                       # several N tiles per group on 64-wide pairs
+    ([0, 333, 900], 256, 320, 42),                    # 160-wide pairs (two n160 wgmmas, one TMA box per half)
+    ([0, 500, 501], 192, 256, 18),                    # one consumer warpgroup, 64 x 256 tiles
+    ([0, 300, 700], 128, 576, 40),                    # three consumer warpgroups (192-row tiles)
+])
+def test_grouped_gemm_swiglu_against_float64(ctx, shared_rng, offs, H, F, config, dt):
+    """mkernel.ops.gemm.grouped_gemm_swiglu: act = silu(h[:, :F]) * h[:, F:] of h = a @ w[g].T per group, from
+    fp32 accumulators (one rounding to the output dtype), against float64 of the rounded inputs; rows outside
+    [o[0], o[G]) stay untouched (NaN-poisoned); host and device offsets give the same bits on one config."""
+    from mkernel.ops import gemm as G
+
+    T, E = offs[-1] + 7, len(offs) - 1
+    a, av = upload(shared_rng.standard_normal((T, H)), dt)
+    w, wv = upload(shared_rng.standard_normal((E, 2 * F, H)) / np.sqrt(H), dt)
+    act = poisoned((T, F), dt)
+    G.grouped_gemm_swiglu(a, w, offs, act, config=config)
+    ctx.synchronize()
+    plan = G.last_plan("grouped_gemm_swiglu")
+    assert plan.config in G.swiglu_candidates(F) and (config is None or plan.config == config)
+    got = download(act)
+    want = np.full((T, F), np.nan)
+    for g in range(E):
+        h = av[offs[g]:offs[g + 1]] @ wv[g].T
+        want[offs[g]:offs[g + 1]] = h[:, :F] / (1 + np.exp(-h[:, :F])) * h[:, F:]
+    inside = slice(offs[0], offs[-1])
+    assert np.isnan(got[:offs[0]]).all() and np.isnan(got[offs[-1]:]).all()
+    assert not np.isnan(got[inside]).any()
+    # fp32 sums and SwiGLU (relative 2**-20-ish), then one rounding to bf16 (2**-8) / fp16 (2**-11)
+    tol = (2.0 ** -8 if dt == "bfloat16" else 2.0 ** -11) * np.abs(want[inside]).max() + 1e-6
+    assert np.abs(got[inside] - want[inside]).max() <= tol
+    d = DeviceArray.from_numpy(np.asarray(offs, np.int64))
+    act2 = poisoned((T, F), dt)
+    G.grouped_gemm_swiglu(a, w, d, act2, config=plan.config)  # (device offsets: the same tiles)
+    ctx.synchronize()
+    np.testing.assert_array_equal(download(act2)[inside], got[inside])
+
+
+def test_layer_swiglu_epilogue_falls_back_on_odd_F(ctx, shared_rng):
+    """F = 40 (no config pairs it): the layer runs the separate SwiGLU kernel, and its plan says so."""
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, El, H, F = 64, 2, 2, 128, 40
+    E = El * P
+    logits = [shared_rng.standard_normal((T, E)).astype(np.float32) for _ in range(P)]
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    wgs = [upload(shared_rng.standard_normal((El, 2 * F, H)) / np.sqrt(H), "bfloat16") for _ in range(P)]
+    wds = [upload(shared_rng.standard_normal((El, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
+    out = poisoned((T, H), "bfloat16")
+    mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k, out=out,
+                      options=MoeOptions(swiglu_epilogue=True))
+    ctx.synchronize()
+    assert ctx.op_state("moe_layer").last_plan.swiglu == "kernel"
+    ids = [ref.topk_reference(l, k)[0] for l in logits]
+    wts = [ref.topk_reference(l, k)[1] for l in logits]
+    lay = ref.layout_reference(ids, E)
+    want = ref.layer_reference([x[1] for x in xs], ids, wts, [l["slots"] for l in lay], [w[1] for w in wgs],
+                               [w[1] for w in wds])[me]
+    got = download(out)
+    assert not np.isnan(got).any()
+    assert np.abs(got - want).max() <= 2.0 ** -5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("T,k,E_local,mode,H,F2", [(1000, 8, 4, "random", 256, 264), (333, 1, 3, "random", 136, 128),

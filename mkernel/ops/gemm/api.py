@@ -38,8 +38,9 @@ from .configs import CONFIGS, OUT_DTYPES, SOURCE
 from .operands import check_arrays, check_device, layout_key, prepare_out
 from .options import GemmOptions
 from .plan import bind_gemm, bind_grouped
+from .swiglu import SWIGLU_CONFIGS, pair_width, swiglu_candidates
 
-__all__ = ["gemm", "grouped_gemm", "precompile", "last_plan"]
+__all__ = ["gemm", "grouped_gemm", "grouped_gemm_swiglu", "precompile", "last_plan"]
 
 
 def _output(what: str, out, out_dtype, A: DeviceArray, B: DeviceArray, shape: tuple, stream: int):
@@ -124,6 +125,7 @@ class _Gemm(Op):
 class _Grouped(Op):
     name = "grouped_gemm"
     what = "mkernel.grouped_gemm"
+    swiglu = False  # out = silu(gate) * up of the [G, 2F, K] weight's product (_GroupedSwiGLU)
 
     def __call__(self, a, b, group_offsets, out, b_layout, out_dtype, stream, options):
         s = as_stream(stream)
@@ -144,7 +146,7 @@ class _Grouped(Op):
         else:
             D = call.offsets = as_device_array(group_offsets, name="grouped_gemm: group_offsets", stream=s)
             offs_key = ("dev",) + layout_key(D)
-        O, result = _output(self.what, out, out_dtype, A, B, (T, N), s)
+        O, result = _output(self.what, out, out_dtype, A, B, (T, N // 2 if self.swiglu else N), s)
         if T == 0 or N == 0 or G == 0:
             return result
         call.stream, call.A, call.B, call.O, call.M, call.N, call.K, call.G = s, A, B, O, T, N, K, G
@@ -170,9 +172,25 @@ class _Grouped(Op):
                 raise ValueError(f"{self.what}: device group_offsets must be a contiguous [{call.G + 1}] array")
             check_device([call.A, D], ["a", "group_offsets"])
         check_device([call.A, call.B, call.O], ["a", "b", "out"])
-        prepare_out(call.O, call.out_dtype, call.A.dtype.name, (call.M, call.N), call.A.device)
+        if self.swiglu:
+            self._validate_swiglu(call, o)
+        prepare_out(call.O, call.out_dtype, call.A.dtype.name, (call.M, call.N // 2 if self.swiglu else call.N),
+                    call.A.device)
         if call.O.readonly:
             raise ValueError(f"{self.what}: out is read-only memory but the op writes it")
+
+    def _validate_swiglu(self, call, o) -> None:
+        F2, dt = call.N, call.A.dtype.name
+        cands = swiglu_candidates(F2 // 2) if F2 % 2 == 0 else ()
+        if not cands:
+            widths = sorted({pair_width(c) for c in SWIGLU_CONFIGS})
+            raise ValueError(f"{self.what}: F = {F2 / 2:g} (b is [G, 2F, K]) must be a multiple of a tile "
+                             f"config's pair width ({widths})")
+        if o.config is not None and o.config not in cands:
+            raise ValueError(f"{self.what}: config {o.config} cannot pair gate and up columns at F = {F2 // 2} "
+                             f"(configs that can: {cands})")
+        if call.O.dtype.name != dt:
+            raise TypeError(f"{self.what}: out must be a's dtype ({dt}), got {call.O.dtype.name}")
 
     def describe_call(self, call):
         return (f"T={call.M} N={call.N} K={call.K} G={call.G} {call.A.dtype.name} -> {call.O.dtype.name} "
@@ -184,11 +202,18 @@ class _Grouped(Op):
     def bind(self, ctx, call, plan):
         with on_device(call.A.device):
             return bind_grouped(call.A, call.B, call.O, call.M, call.N, call.K, call.G, call.host_offs,
-                                call.offsets, call.b_layout, call.options, call.stream)
+                                call.offsets, call.b_layout, call.options, call.stream, self.swiglu)
+
+
+class _GroupedSwiGLU(_Grouped):
+    name = "grouped_gemm_swiglu"
+    what = "mkernel.ops.gemm.grouped_gemm_swiglu"
+    swiglu = True
 
 
 _GEMM = _Gemm()
 _GROUPED = _Grouped()
+_GROUPED_SWIGLU = _GroupedSwiGLU()
 
 
 def gemm(a, b, out=None, *, b_layout: str = "kn", out_dtype: str | None = None, stream=None,
@@ -222,9 +247,23 @@ def grouped_gemm(a, b, group_offsets, out=None, *, b_layout: str = "kn", out_dty
                     _options(options, config, None, None, "mkernel.grouped_gemm"))
 
 
+def grouped_gemm_swiglu(a, b, group_offsets, out=None, *, stream=None, config: int | None = None,
+                        options: GemmOptions | None = None):
+    """The gate/up grouped GEMM with SwiGLU in its epilogue: ``out[o[g]:o[g+1]] = silu(h[:, :F]) * h[:, F:]``
+    with ``h = a[o[g]:o[g+1]] @ b[g].T``, h never written (docs/moe.md, "SwiGLU epilogue").
+
+    b: ``[G, 2F, K]`` (gate rows ``[0, F)``, up rows ``[F, 2F)``, as :func:`mkernel.moe_layer` takes them); F a
+    multiple of a tile config's pair width (``swiglu.swiglu_candidates``; 64 suits every F that is a multiple
+    of 64), else ValueError.  out: ``[T, F]`` of a's dtype (or None: allocated).  a, group_offsets, stream,
+    config, options: as :func:`grouped_gemm`.  fp32 accumulation and SwiGLU math, one rounding to out's
+    dtype.  Returns out."""
+    return _GROUPED_SWIGLU(a, b, group_offsets, out, "nk", None, stream,
+                           _options(options, config, None, None, "mkernel.ops.gemm.grouped_gemm_swiglu"))
+
+
 def last_plan(op: str = "gemm", device: int | None = None):
-    """The plan (:class:`~mkernel.ops.gemm.plan.GemmPlan`) of the latest ``op`` ("gemm" or "grouped_gemm")
-    call on ``device`` (None: the current one)."""
+    """The plan (:class:`~mkernel.ops.gemm.plan.GemmPlan`) of the latest ``op`` ("gemm", "grouped_gemm" or
+    "grouped_gemm_swiglu") call on ``device`` (None: the current one)."""
     if device is None:
         with on_device(None) as (_, device):
             pass

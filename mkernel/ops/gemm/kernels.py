@@ -8,13 +8,16 @@ from ...core.compiler import kernel as _compiled_kernel
 from ...core.device import context_handle, current_context as context
 from ...core.driver import device_attribute
 from .configs import SOURCE, defines
+from .swiglu import KERNEL as SWIGLU_KERNEL, SOURCE as SWIGLU_SOURCE
 
 __all__ = ["get", "num_sms", "usage", "context", "context_handle"]
 
 
 def get(in_dtype: str, out_dtype: str, config: int, name: str, swap: bool = False):
-    """Kernel ``name`` of gemm.cu compiled for ``config`` (compiled or loaded on first use, then memoized)."""
-    return _compiled_kernel(SOURCE, defines(in_dtype, out_dtype, config, swap), name)
+    """Kernel ``name`` of gemm.cu (gemm_swiglu.cu for its kernel) compiled for ``config`` (compiled or loaded on
+    first use, then memoized)."""
+    source = SWIGLU_SOURCE if name == SWIGLU_KERNEL else SOURCE
+    return _compiled_kernel(source, defines(in_dtype, out_dtype, config, swap), name)
 
 
 def num_sms(device: int) -> int:

@@ -17,9 +17,10 @@ from ...core.tensormap import TensorMapArg, encode_tiled
 from ...core.util import round_up
 from . import kernels
 from .configs import IN_DTYPES, LAYOUTS, OUT_DTYPES, TileConfig
+from .swiglu import pair_width
 
 __all__ = ["check_operands", "check_arrays", "check_device", "prepare_out", "a_operand", "b_operand", "c_map",
-           "point_out", "OperandArg", "a_arg", "b_arg", "c_arg", "vec_ok", "row_misaligned", "array_key",
+           "point_out", "OperandArg", "a_arg", "b_arg", "gate_up_arg", "c_arg", "vec_ok", "row_misaligned", "array_key",
            "out_layout_key", "layout_key", "zero_fill_launch", "split_workspace", "ClearBeforeFirstUse"]
 
 
@@ -255,6 +256,22 @@ def b_arg(B: DeviceArray, K: int, N: int, b_layout: str, cfg: TileConfig, in_dty
     else:
         op, box = _tma_operand(B, G, N, K, *sb), (64, cfg.b_box_rows, 1)
     return _operand_arg(op, in_dtype, box, out_dtype, device)
+
+
+def gate_up_arg(W: DeviceArray, K: int, F: int, cfg: TileConfig, in_dtype: str, out_dtype: str,
+                device: int) -> OperandArg:
+    """A gate/up weight ``W [G, 2F, K]`` (gate rows ``[0, F)``, up rows ``[F, 2F)``) as the SwiGLU kernel reads
+    it (MkGateUpB, cuda_src/gemm/mk_gemm_swiglu.cuh): the 5-D view ``{K, P, F / P, 2, G}`` (P = the config's
+    pair width; byte strides increasing) whose box ``{64, P, 1, 2, 1}`` is chunk n's P gate rows then its P up
+    rows.  Staged like any B operand when TMA cannot read W in place."""
+    sb = tuple(W.strides) if W.ndim == 3 else (0,) + tuple(W.strides)
+    G = W.shape[0] if W.ndim == 3 else 1
+    op = _tma_operand(W, G, 2 * F, K, *sb)
+    P = pair_width(cfg)
+    row_b, bat_b = op.strides
+    m = TensorMapArg(op.ptr, in_dtype, (K, P, F // P, 2, G), (row_b, P * row_b, F * row_b, bat_b), (64, P, 1, 2, 1))
+    stage, keep = _staging(op, in_dtype, out_dtype, device)
+    return OperandArg(m, stage[0] if stage else None, keep)
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ from .configs import CONFIGS, GROUP_M, GROUPED_CANDIDATES, SOURCE, TileConfig, d
 from .options import GemmOptions
 from .heuristic import (choose_config, grid_size, misaligned_rows, orient_and_plan, pdl_auto, scheduler_units,
                         tile_count, use_pdl)
-from .operands import (ClearBeforeFirstUse, a_arg, b_arg, c_arg, row_misaligned, split_workspace,
+from .operands import (ClearBeforeFirstUse, a_arg, b_arg, c_arg, gate_up_arg, row_misaligned, split_workspace,
                        vec_ok, zero_fill_launch)
+from .swiglu import KERNEL as SWIGLU_KERNEL, swiglu_candidates
 
 __all__ = ["GemmArgs", "GemmPlan", "GemmBound", "bind_gemm", "bind_grouped", "describe"]
 
@@ -120,11 +121,14 @@ def bind_gemm(A, B, O, M, N, K, b_layout, options, stream: int) -> GemmBound:
     return GemmBound(plan, pre, launch, a, b, set_out, keep, clears)
 
 
-def bind_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, b_layout, options, stream: int) -> GemmBound:
+def bind_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, b_layout, options, stream: int,
+                 swiglu: bool = False) -> GemmBound:
     """The bound call of a grouped GEMM (api.grouped_gemm) with host offsets ``host_offs`` (uploaded here) or
-    device offsets ``dev_offs`` (re-pointed per call)."""
+    device offsets ``dev_offs`` (re-pointed per call).  ``swiglu`` (api.grouped_gemm_swiglu): B is a gate/up
+    weight ``[G, N, K]`` (N = 2F) and O the act ``[T, N / 2]``."""
     in_dtype, out_dtype, dev = A.dtype.name, O.dtype.name, A.device
-    ldc = O.strides[0] if T > 1 else N
+    n_out = N // 2 if swiglu else N  # columns of O
+    ldc = O.strides[0] if T > 1 else n_out
     sms = kernels.num_sms(dev)
     keep = []
     if host_offs is not None:
@@ -147,21 +151,23 @@ def bind_grouped(A, B, O, T, N, K, G, host_offs, dev_offs, b_layout, options, st
         if r1 <= r0:
             return GemmBound(GemmPlan("empty"), [], None, None, None, lambda call: None, keep)
         row0 = r0 * ldc * O.dtype.itemsize
-        fill = zero_fill_launch(_Sub(O.ptr + row0, O.dtype), r1 - r0, N, ldc, in_dtype, dev)
+        fill = zero_fill_launch(_Sub(O.ptr + row0, O.dtype), r1 - r0, n_out, ldc, in_dtype, dev)
         dst = fill[3][0]
 
         def set_fill(call):
             dst.value = call.O.ptr + row0
         return GemmBound(GemmPlan("fill"), _prepare_all([fill], stream), None, None, None, set_fill, keep)
     cfg = CONFIGS[options.config] if options.config is not None else choose_config(
-        tiles_of, sms, k=K, layout=b_layout, candidates=GROUPED_CANDIDATES, allowed=options.candidates)
+        tiles_of, sms, k=K, layout=b_layout, candidates=swiglu_candidates(n_out) if swiglu else GROUPED_CANDIDATES,
+        allowed=options.candidates)
     a = a_arg(A, T, K, cfg, in_dtype, out_dtype, dev)
-    b = b_arg(B, K, N, b_layout, cfg, in_dtype, out_dtype, dev)
+    b = (gate_up_arg(B, K, n_out, cfg, in_dtype, out_dtype, dev) if swiglu else
+         b_arg(B, K, N, b_layout, cfg, in_dtype, out_dtype, dev))
     keep += a.keep + b.keep
-    tmc, c_tma = c_arg(O, T, N, ldc, cfg, options.epilogue)
+    tmc, c_tma = c_arg(O, T, n_out, ldc, cfg, options.epilogue)
     args = GemmArgs(O.ptr, offs_ptr, ldc, T, N, K, G, GROUP_M, vec_ok(O, ldc, T), offs_i32, c_tma, None, None, 1, 0)
     grid = grid_size(cfg, tiles_of(cfg), sms)
-    kernel = kernels.get(in_dtype, out_dtype, cfg.id, f"mk_grouped_gemm_{b_layout}")
+    kernel = kernels.get(in_dtype, out_dtype, cfg.id, SWIGLU_KERNEL if swiglu else f"mk_grouped_gemm_{b_layout}")
     dependent = use_pdl(pdl_auto(T, N, K, G, cfg), options.pdl)
     launch = kernel.prepare(grid, cfg.threads, [a.map.buf, b.map.buf, (tmc or a.map).buf, args], stream=stream,
                             smem=cfg.smem, dependent=dependent)

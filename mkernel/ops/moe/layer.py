@@ -1,5 +1,6 @@
 """The whole MoE layer (:func:`moe_layer`): route -> dispatch -> gate/up grouped GEMM -> SwiGLU -> down
-grouped GEMM -> combine, composed from the MoE ops on one stream (docs/moe.md, "Layer")."""
+grouped GEMM -> combine, composed from the MoE ops on one stream (docs/moe.md, "Layer"); SwiGLU in the
+gate/up GEMM's epilogue with ``MoeOptions.swiglu_epilogue`` (:func:`swiglu_path`)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,24 +11,34 @@ from ...core.compiler import kernel
 from ...core.interop import as_device_array, require
 from ...core.util import ceil_div
 from ..base import BoundCall, Op, as_stream
-from ..gemm import grouped_gemm
+from ..gemm import grouped_gemm, grouped_gemm_swiglu, swiglu_candidates
 from .fused import moe_dispatch_gemm
 from .layout import SOURCE, kernel_defines
 from .op import (DTYPE_CODES, MoePlan, MoeRouting, check_sizes, moe_combine, moe_dispatch, moe_options, moe_route,
                  one_node)
 from .options import MoeOptions
 
-__all__ = ["moe_layer"]
+__all__ = ["moe_layer", "swiglu_path"]
 
 
 def _ptr(v: int = 0):
     return ctypes.c_uint64(v)
 
 
+def swiglu_path(F: int, options: MoeOptions) -> str:
+    """Where the layer computes SwiGLU: "epilogue" (the gate/up grouped GEMM writes act, never h) when
+    ``options.swiglu_epilogue``, the gate/up GEMM is not the fused dispatch kernel, and F is a multiple of
+    a tile config's pair width; else "kernel" (h, then mk_moe_swiglu).  docs/moe.md, "SwiGLU epilogue"."""
+    if options.swiglu_epilogue and not options.fused and swiglu_candidates(F):
+        return "epilogue"
+    return "kernel"
+
+
 class _LayerBound(BoundCall):
     """route -> dispatch -> grouped GEMM (gate/up) -> SwiGLU -> grouped GEMM (down) -> combine on one stream
     (``options.fused``: dispatch and the gate/up GEMM in one kernel; low-latency mode: routing and dispatch
-    in one kernel); the intermediate buffers belong to this bound call."""
+    in one kernel; ``plan.swiglu == "epilogue"``: SwiGLU in the gate/up GEMM's epilogue, no h); the
+    intermediate buffers belong to this bound call."""
 
     def __init__(self, ctx, call, plan):
         self.plan, self._ctx = plan, ctx
@@ -40,9 +51,13 @@ class _LayerBound(BoundCall):
         self.routing = MoeRouting(ctx, T, call.routing.k, call.routing.E, call.options)
         rr = self.routing.recv_rows
         self._x_recv = DeviceArray.empty((rr, H), dt, device=dev)
-        self._h = DeviceArray.empty((rr, F2), dt, device=dev)
         self._act = DeviceArray.empty((rr, F), dt, device=dev)
         self._y = DeviceArray.empty((rr, H), dt, device=dev)
+        if plan.swiglu == "epilogue":
+            self._h = self._swiglu = None
+            self.buffers = (self._x_recv, self._act, self._y)
+            return
+        self._h = DeviceArray.empty((rr, F2), dt, device=dev)
         self.buffers = (self._x_recv, self._h, self._act, self._y)
         c = DTYPE_CODES[dt]
         sw = kernel(SOURCE, kernel_defines(c, c, 2), "mk_moe_swiglu")
@@ -66,11 +81,14 @@ class _LayerBound(BoundCall):
                           options=opts)
             if not opts.fused:
                 moe_dispatch(ctx, call.x, R, self._x_recv, stream=stream, options=opts)
-        if opts.fused:
+        if self._h is None:
+            grouped_gemm_swiglu(self._x_recv, wg, R.expert_offsets, out=self._act, stream=stream)
+        elif opts.fused:
             moe_dispatch_gemm(ctx, call.x, R, wg, self._h, x_recv=self._x_recv, stream=stream, options=opts)
         else:
             grouped_gemm(self._x_recv, wg, R.expert_offsets, out=self._h, b_layout="nk", stream=stream)
-        self._swiglu.submit()
+        if self._swiglu is not None:
+            self._swiglu.submit()
         grouped_gemm(self._act, wd, R.expert_offsets, out=self._y, b_layout="nk", stream=stream)
         moe_combine(ctx, self._y, R, call.o, stream=stream, options=opts)
 
@@ -144,7 +162,7 @@ class _Layer(Op):
         check_sizes(self.what, ctx.local_size, T, call.routing.k, call.routing.E)
 
     def plan(self, ctx, call, digest):
-        return MoePlan(self.name)
+        return MoePlan(self.name, swiglu=swiglu_path(call.sig[0].shape[1] // 2, call.options))
 
     def describe_call(self, call):
         return f"x {call.x.dtype.name}{list(call.x.shape)} w_gate_up {list(call.sig[0].shape)} k={call.routing.k}"
@@ -162,7 +180,8 @@ def moe_layer(ctx, x, w_gate_up, w_down, logits=None, *, topk_ids=None, topk_wei
     """A whole MoE layer: route -> dispatch -> grouped GEMM (gate / up) -> SwiGLU -> grouped GEMM (down) ->
     combine, on ``stream``, no host synchronization (docs/moe.md, "Layer").  ``options.fused``: the dispatch
     and the gate/up GEMM run as one kernel (:func:`moe_dispatch_gemm`); ``options.mode="low_latency"``
-    (T <= 256): routing and dispatch run as one kernel.
+    (T <= 256): routing and dispatch run as one kernel; ``options.swiglu_epilogue``: SwiGLU in the gate/up
+    GEMM's epilogue where F allows (:func:`swiglu_path`; the plan's ``swiglu`` says which ran).
 
     ``x``: ``[T, H]`` bf16 / fp16; ``w_gate_up``: this rank's experts ``[E_local, 2F, H]`` (gate rows
     ``[0, F)``, up rows ``[F, 2F)``); ``w_down``: ``[E_local, H, F]``; routing from ``logits [T, E]`` with

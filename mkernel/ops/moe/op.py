@@ -121,7 +121,8 @@ def check_sizes(what: str, P: int, T: int, k: int, E: int) -> None:
 
 @dataclass(frozen=True)
 class MoePlan:
-    """What a MoE call runs: ``op``, ``grid`` (blocks of the main kernel), ``recv_rows``; the rest is the
+    """What a MoE call runs: ``op``, ``grid`` (blocks of the main kernel), ``recv_rows``; ``swiglu`` (moe_layer):
+    "epilogue" (in the gate/up GEMM's epilogue) or "kernel" (the separate mk_moe_swiglu); the rest is the
     bound call's (digest, workspace layout and size)."""
 
     op: str
@@ -130,6 +131,7 @@ class MoePlan:
     digest: int = field(default=0, repr=False)
     layout: object = field(default=None, repr=False, compare=False)
     ws_bytes: int = field(default=0, repr=False)
+    swiglu: str = ""
 
 
 def _ptr(v: int = 0):

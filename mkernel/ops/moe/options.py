@@ -36,7 +36,10 @@ class MoeOptions:
     docs/moe.md "Low-latency mode").  ``fused``: :func:`mkernel.moe_layer` runs the dispatch fused with
     the gate/up grouped GEMM (:func:`mkernel.moe_dispatch_gemm`; throughput mode only).  ``comm_blocks``:
     communication blocks of the fused kernel (0: chosen from the SM share); ``gemm_config``: its GEMM tile
-    config (None: chosen; one of ``FUSED_CONFIGS``).
+    config (None: chosen; one of ``FUSED_CONFIGS``).  ``swiglu_epilogue``: :func:`mkernel.moe_layer` computes
+    SwiGLU in the gate/up grouped GEMM's epilogue (``mkernel.ops.gemm.grouped_gemm_swiglu``: h is never
+    written) where F suits it and ``fused`` is off, else the separate SwiGLU kernel (the layer's plan says
+    which: ``MoePlan.swiglu``; docs/moe.md "SwiGLU epilogue"; not yet GPU-run, hence off by default).
     """
 
     softmax: str = "topk"
@@ -48,6 +51,7 @@ class MoeOptions:
     fused: bool = False
     comm_blocks: int = 0
     gemm_config: int | None = None
+    swiglu_epilogue: bool = False
 
     __hash__ = options_hash
 
@@ -68,8 +72,9 @@ class MoeOptions:
             raise ValueError(f"MoeOptions.blocks must be an int in [0, 1024], got {self.blocks!r}")
         if self.mode not in MODES:
             raise ValueError(f"MoeOptions.mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.fused, bool):
-            raise ValueError(f"MoeOptions.fused must be a bool, got {self.fused!r}")
+        for name in ("fused", "swiglu_epilogue"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MoeOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "low_latency":
             if self.fused:
                 raise ValueError("MoeOptions: fused=True is a throughput-mode path (mode='throughput')")
