@@ -14,7 +14,10 @@ peer QP's next posted receive.  What it models (and checks):
   completion); a SEND with no receive posted is an RNR: retried at each run, an error completion
   (IBV_WC_RNR_RETRY_EXC_ERR) after ``rnr_retry`` retries, forever with 7; ``rnr_events`` counts
   them;
-* a failed QP flushes its later requests (IBV_WC_WR_FLUSH_ERR), every one with a completion.
+* a failed QP flushes its later requests (IBV_WC_WR_FLUSH_ERR), every one with a completion;
+  ``QP.modify`` to IBV_QPS_ERR fails a QP and flushes its posted receives too;
+* a QP that sends to a failed (or destroyed) QP gets IBV_WC_RETRY_EXC_ERR: a responder in the error
+  state drops what it receives, so the requester's retries run out.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from collections import deque
 
 IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, IBV_ACCESS_REMOTE_READ = 1, 2, 4
 IBV_QPT_RC = 2
+IBV_QPS_ERR, IBV_QP_STATE = 6, 1
 IBV_WR_RDMA_WRITE, IBV_WR_SEND = 0, 2
 IBV_SEND_SIGNALED, IBV_SEND_INLINE = 2, 8
 IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, IBV_WC_REM_ACCESS_ERR = 0, 5, 10
@@ -196,6 +200,13 @@ class QP:
     def to_rts(self, attr):
         self.rts_attr, self.dest, self.rnr_retry = attr, attr.dest_qp_num, attr.rnr_retry
 
+    def modify(self, attr, mask):
+        if mask & IBV_QP_STATE and getattr(attr, "qp_state", None) == IBV_QPS_ERR:
+            with self.fabric.lock:
+                self.failed = True
+                while self.rq:
+                    self.rcq.q.append(WC(self.qp_num, IBV_WC_WR_FLUSH_ERR, self.rq.popleft().wr_id))
+
     def post_recv(self, wr):
         with self.fabric.lock:
             self.rq.append(wr)
@@ -232,7 +243,7 @@ class QP:
                 self._complete(p, 4)  # IBV_WC_LOC_PROT_ERR
                 return True
         peer = f.qps.get(self.dest)
-        if peer is None:
+        if peer is None or peer.failed:
             self.failed = True
             self._complete(p, IBV_WC_RETRY_EXC_ERR)
             return True

@@ -23,8 +23,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from mkernel.errors import CommError  # noqa: E402
+from mkernel.errors import CommError, CommTimeout  # noqa: E402
 from mkernel.proxy import OP_BARRIER, OP_FLAG, OP_WRITE, Proxy  # noqa: E402
+from mkernel.proxy.engine import STOP_GRACE  # noqa: E402
 from mkernel.proxy.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
 
 SMALL = os.environ.get("MK_TEST_SMALL") == "1"  # soft-RoCE VM under emulation: smaller runs
@@ -248,6 +249,81 @@ def sc_dead_peer(env):
     except CommError:
         pass
     assert time.monotonic() - t1 < 15, "close hung after a peer died"
+
+
+FAULT_TIMEOUT, FAULT_SLACK = 10.0, 3.0  # s: the proxy timeout of the verbs fault scenarios, and the slack
+FAULT_AFTER = 32  # commands rank 1 sees land before it breaks its side (the fault comes mid-stream)
+
+
+def _verbs_fault(env, inject):
+    """Verbs only, 2 ranks.  Rank 0 streams WRITE + flag commands to rank 1; once rank 1 saw
+    FAULT_AFTER of them land it breaks its side with ``inject(transport)`` and keeps it open until
+    rank 0 is done.  Rank 0's proxy must fail with a CommError naming rank 1 (record["peer"] == 1),
+    from the failed work completion (not a timeout), within FAULT_TIMEOUT + FAULT_SLACK of the
+    fault, raised by the producer and by check(); then
+    both ranks' close() must return within 5 s.  Rank 1's own error is printed, not required."""
+    me = env.rank
+    p, data, flags = env.proxy(ring_capacity=64, timeout=FAULT_TIMEOUT)
+    p.start()
+    env.ex.barrier()
+    t_inject = t_seen = err = None
+    if me == 1:
+        t0 = time.monotonic()
+        while int(flags.array[:8 * 64].view(np.uint64).max()) < FAULT_AFTER:
+            p.check()
+            assert time.monotonic() - t0 < TIMEOUT, "rank 0's stream never arrived"
+            time.sleep(1e-3)
+        inject(p.transport)
+        t_inject = time.monotonic()
+    else:
+        prod = p.producer(FAULT_TIMEOUT + FAULT_SLACK + TIMEOUT)  # the transport must fail first
+        t0, i = time.monotonic(), 0
+        try:
+            while time.monotonic() - t0 < TIMEOUT + FAULT_TIMEOUT:
+                prod.push(OP_WRITE, 1, 0, 4096 * (i % 64), 4096 * (i % 64), 4096, 1, 8 * (i % 64), i + 1)
+                i += 1
+        except CommError as exc:
+            err = exc
+        t_seen = time.monotonic()
+        try:
+            p.check()
+        except CommError as exc:
+            assert exc is err, f"check() raised {exc!r}, the producer {err!r}"
+    # rank 1 waits here (its broken QP / MR kept) until rank 0 is done; CLOCK_MONOTONIC: one host
+    t_inject, t_seen = env.ex.allgather((t_inject, t_seen))[1][0], t_seen or time.monotonic()
+    err = err if me == 0 else p.error
+    t1 = time.monotonic()
+    try:
+        p.close(timeout=5.0)
+    except CommError:
+        pass
+    dt_close = time.monotonic() - t1
+    print(f"rank {me}: {'error' if err else 'no error'} {t_seen - t_inject:.2f} s after the fault: "
+          f"{err!r}; close {dt_close:.2f} s", flush=True)
+    assert dt_close < 5.0 + STOP_GRACE, f"close took {dt_close:.2f} s after the fault"
+    if me == 0:
+        assert err is not None and p.error is err, f"no transport error on rank 0 (got {err!r}, proxy {p.error!r})"
+        assert not isinstance(err, CommTimeout), f"the producer timed out instead of the transport failing: {err}"
+        assert err.record.get("peer") == 1 and "rank 1" in str(err), err
+        assert "work completion error" in str(err), f"not failed by the completion error: {err}"
+        assert t_seen - t_inject < FAULT_TIMEOUT + FAULT_SLACK, f"detected {t_seen - t_inject:.2f} s after the fault"
+
+
+def _qp_to_error(tr):
+    import pyverbs.enums as e
+    from pyverbs.qp import QPAttr
+
+    tr.qps[0].modify(QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
+
+
+def sc_verbs_peer_qp_error(env):
+    """Rank 1 moves its QP to rank 0 into the error state (IBV_QPS_ERR) mid-stream."""
+    _verbs_fault(env, _qp_to_error)
+
+
+def sc_verbs_peer_mr_gone(env):
+    """Rank 1 deregisters its data window's MR mid-stream: rank 0's next WRITE meets a bad rkey."""
+    _verbs_fault(env, lambda tr: tr.regs[0].mr.close())
 
 
 def sc_gpu(env):

@@ -6,8 +6,12 @@ pairs are tested in the soft-RoCE VM (tests/rdma/test_verbs.py).
   never reads a slot that was rewritten after the post, with 400 notices and a slow NIC;
 * notices are credit-controlled: a receiver that stops receiving for a while never runs out of
   posted receives (no RNR), and an RNR failure is a CommError naming the receiver;
-* only memory peers write is registered remote-writable; the RNR retry count is bounded;
-* a malformed notice is a CommError naming the peer.
+* only memory peers write is registered remote-writable; the RNR and transport retry counts are
+  below 7 (7 is "forever" for RNR everywhere, and for transport retries on rdma_rxe);
+* a malformed notice is a CommError naming the peer;
+* a peer's QP forced into the error state, or its window deregistered, mid-stream: the proxy fails
+  with a CommError naming that peer within its timeout, and both ranks close promptly (the same
+  scenarios run over real RC QPs in the soft-RoCE VM).
 """
 from __future__ import annotations
 
@@ -142,7 +146,7 @@ def test_only_memory_peers_write_is_remote_writable(fabric):
                                  t0.note_buf.ctypes.data, t0.recv_buf.ctypes.data)}
     assert remote == {w0[0].ptr, w0[1].ptr, t0.credit_buf.ctypes.data}
     for qp in t0.qps.values():
-        assert qp.rts_attr.rnr_retry == V._RNR_RETRY < 7 and qp.rts_attr.retry_cnt == 7
+        assert qp.rts_attr.rnr_retry == V._RNR_RETRY < 7 and qp.rts_attr.retry_cnt == V._RETRY_CNT < 7
     _in_threads([lambda: t0.close(timeout=5), lambda: t1.close(timeout=5)])
 
 
@@ -198,3 +202,19 @@ def test_proxy_scenarios_over_the_fake_nic(fabric, notify, monkeypatch):
 
     assert _in_threads([lambda: rank(0), lambda: rank(1)], timeout=240) == [True, True]
     assert fabric.stale == [] and fabric.rnr_events == 0
+
+
+@pytest.mark.parametrize("scenario", ["verbs_peer_qp_error", "verbs_peer_mr_gone"])
+@pytest.mark.parametrize("notify", ["write", "send"])
+def test_peer_fault_mid_stream_is_a_comm_error_naming_the_peer(fabric, notify, scenario, monkeypatch):
+    import test_proxy_scenarios as S
+
+    monkeypatch.setattr(S, "DATA_BYTES", 1 << 20)
+    g = Group(2)
+    opts = {"device": "fake0", "port": 1, "gid_index": 0, "notify": notify}
+
+    def rank(r):
+        S.SCENARIOS[scenario](S.Env(ThreadEx(g, r), V.VerbsTransport, opts))
+        return True
+
+    assert _in_threads([lambda: rank(0), lambda: rank(1)], timeout=60) == [True, True]

@@ -57,6 +57,19 @@ def test_verbs_dead_peer():
     assert rcs[0] == 0 and "dead peer detected" in outs[0], "\n".join(outs)[-4000:]
 
 
+def test_verbs_peer_fault_mid_stream_is_a_comm_error_naming_the_peer():
+    """Rank 1 breaks its side mid-stream (its QP to rank 0 into IBV_QPS_ERR; then, on fresh QPs, its
+    data window's MR deregistered): rank 0's proxy fails with a CommError naming rank 1 within the
+    timeout + slack, and both ranks close promptly (checks in test_proxy_scenarios._verbs_fault)."""
+    scenarios = ["verbs_peer_qp_error", "verbs_peer_mr_gone"]
+    rcs, outs = run_socket_ranks(2, scenarios, transport="verbs", timeout=180)
+    text = "\n".join(outs)
+    print(text)
+    assert rcs == [0, 0], text[-6000:]
+    for sc in scenarios:
+        assert text.count(f"OK {sc} ") == 2, text[-6000:]
+
+
 def test_missing_device_is_a_clear_error():
     t = verbs.VerbsTransport(SoloEx(), [HostWindow(4096)], device="mlx5_nope")
     with pytest.raises(CommError, match="mlx5_nope.*not found"):

@@ -178,6 +178,9 @@ _N_RECV = 128  # receives posted per peer: a sender has at most this many notice
 _MAX_NOTES_PER_CHAIN = _N_RECV // 2  # notices in one posted chain (a sender waits for credits per chain)
 _CREDIT_EVERY = _N_RECV // 4  # a receiver returns credits once this many receives were re-posted
 _RNR_RETRY = 6  # bounded (7 would retry forever); with credits a healthy receiver never runs dry
+# transport retries before IBV_WC_RETRY_EXC_ERR: 6, not the spec's maximum 7, because rdma_rxe treats
+# 7 as "retry forever" (like rnr_retry), so a dead or failed peer would never complete with an error
+_RETRY_CNT = 6
 _NOTE_HDR = struct.Struct("<IIII")  # kind (1 notice, 2 bye), n_ranges, n_flags, 0
 _NOTE_REC = np.dtype([("win", "<u4"), ("pad", "<u4"), ("off", "<u8"), ("n", "<u8")])
 _MAX_REC = (_NOTICE_BYTES - _NOTE_HDR.size) // _NOTE_REC.itemsize
@@ -224,7 +227,7 @@ class VerbsTransport(Transport):
         self.device, self.port, self.gid_index = device, port, gid_index
         self.notify = (notify or os.environ.get("MKERNEL_VERBS_NOTIFY") or "auto").lower()
         self.sq_depth, self.timeout = sq_depth, timeout
-        self.qp_timeout = qp_timeout  # ACK timeout 4.096 us * 2**qp_timeout (14: 67 ms), 7 retries
+        self.qp_timeout = qp_timeout  # ACK timeout 4.096 us * 2**qp_timeout (14: 67 ms), _RETRY_CNT retries
         self.local_rank = local_rank if local_rank is not None else int(
             os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", "0")))
         self.error: CommError | None = None
@@ -450,7 +453,7 @@ class VerbsTransport(Transport):
             a.max_rd_atomic = 1
             a.min_rnr_timer = 12
             a.timeout = self.qp_timeout
-            a.retry_cnt = 7  # transport retries: 7 is the maximum (not infinite, unlike rnr_retry)
+            a.retry_cnt = _RETRY_CNT
             a.rnr_retry = _RNR_RETRY
             gr = GlobalRoute(dgid=GID(t["gid"]), sgid_index=self.gid_index)
             a.ah_attr = AHAttr(port_num=self.port, is_global=1, gr=gr, dlid=t["lid"])
