@@ -197,6 +197,17 @@ LAYER_PATHS = {"unfused": MoeOptions(), "fused": MoeOptions(fused=True),
                "low_latency": MoeOptions(mode="low_latency"), "swiglu_epilogue": MoeOptions(swiglu_epilogue=True)}
 
 
+def _layer_inputs(rng, P, T, E_local, H, F):
+    """Every rank's logits [T, E], x [T, H] and weights (gate/up [E_local, 2F, H], down [E_local, H, F]), bf16
+    uploads of N(0, 1) / sqrt(fan-in) values (the same on every rank: a shared generator)."""
+    E = E_local * P
+    logits = [rng.standard_normal((T, E)).astype(np.float32) for _ in range(P)]
+    xs = [upload(rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    wgs = [upload(rng.standard_normal((E_local, 2 * F, H)) / np.sqrt(H), "bfloat16") for _ in range(P)]
+    wds = [upload(rng.standard_normal((E_local, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
+    return logits, xs, wgs, wds
+
+
 @pytest.mark.parametrize("path", list(LAYER_PATHS))
 @pytest.mark.parametrize("T,k,E_local,H,F", [(300, 2, 4, 256, 128), (129, 8, 8, 512, 256)])
 def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
@@ -207,10 +218,7 @@ def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
     if path == "low_latency" and T > 256:
         pytest.skip("low-latency mode takes <= 256 tokens per rank")
     E = E_local * P
-    logits = [shared_rng.standard_normal((T, E)).astype(np.float32) for _ in range(P)]
-    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
-    wgs = [upload(shared_rng.standard_normal((E_local, 2 * F, H)) / np.sqrt(H), "bfloat16") for _ in range(P)]
-    wds = [upload(shared_rng.standard_normal((E_local, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
+    logits, xs, wgs, wds = _layer_inputs(shared_rng, P, T, E_local, H, F)
     out = poisoned((T, H), "bfloat16")
     o, R = mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k,
                              out=out, options=opts)
@@ -276,10 +284,7 @@ def test_layer_swiglu_epilogue_falls_back_on_odd_F(ctx, shared_rng):
     P, me = ctx.local_size, ctx.local_rank
     T, k, El, H, F = 64, 2, 2, 128, 40
     E = El * P
-    logits = [shared_rng.standard_normal((T, E)).astype(np.float32) for _ in range(P)]
-    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
-    wgs = [upload(shared_rng.standard_normal((El, 2 * F, H)) / np.sqrt(H), "bfloat16") for _ in range(P)]
-    wds = [upload(shared_rng.standard_normal((El, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
+    logits, xs, wgs, wds = _layer_inputs(shared_rng, P, T, El, H, F)
     out = poisoned((T, H), "bfloat16")
     mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k, out=out,
                       options=MoeOptions(swiglu_epilogue=True))
