@@ -208,6 +208,15 @@ def _layer_inputs(rng, P, T, E_local, H, F):
     return logits, xs, wgs, wds
 
 
+def _layer_want(logits, xs, wgs, wds, k, E, me):
+    """Rank ``me``'s layer output in float64 (top-k of the logits, the one-node slot order)."""
+    ids = [ref.topk_reference(l, k)[0] for l in logits]
+    wts = [ref.topk_reference(l, k)[1] for l in logits]
+    lay = ref.layout_reference(ids, E)
+    return ref.layer_reference([x[1] for x in xs], ids, wts, [l["slots"] for l in lay], [w[1] for w in wgs],
+                               [w[1] for w in wds])[me]
+
+
 @pytest.mark.parametrize("path", list(LAYER_PATHS))
 @pytest.mark.parametrize("T,k,E_local,H,F", [(300, 2, 4, 256, 128), (129, 8, 8, 512, 256)])
 def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
@@ -224,11 +233,7 @@ def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
                              out=out, options=opts)
     ctx.synchronize()
     assert ctx.op_state("moe_layer").last_plan.swiglu == ("epilogue" if path == "swiglu_epilogue" else "kernel")
-    ids = [ref.topk_reference(l, k)[0] for l in logits]
-    wts = [ref.topk_reference(l, k)[1] for l in logits]
-    lay = ref.layout_reference(ids, E)
-    want = ref.layer_reference([x[1] for x in xs], ids, wts, [l["slots"] for l in lay], [w[1] for w in wgs],
-                               [w[1] for w in wds])[me]
+    want = _layer_want(logits, xs, wgs, wds, k, E, me)
     got = download(o)
     # h, act and y are rounded to bf16 (3 roundings of 2**-8 relative, amplified by at most ~4 through
     # SwiGLU and the down projection), the out once more: 2**-5 of the output's scale
@@ -290,11 +295,7 @@ def test_layer_swiglu_epilogue_falls_back_on_odd_F(ctx, shared_rng):
                       options=MoeOptions(swiglu_epilogue=True))
     ctx.synchronize()
     assert ctx.op_state("moe_layer").last_plan.swiglu == "kernel"
-    ids = [ref.topk_reference(l, k)[0] for l in logits]
-    wts = [ref.topk_reference(l, k)[1] for l in logits]
-    lay = ref.layout_reference(ids, E)
-    want = ref.layer_reference([x[1] for x in xs], ids, wts, [l["slots"] for l in lay], [w[1] for w in wgs],
-                               [w[1] for w in wds])[me]
+    want = _layer_want(logits, xs, wgs, wds, k, E, me)
     got = download(out)
     assert not np.isnan(got).any()
     assert np.abs(got - want).max() <= 2.0 ** -5 * np.abs(want).max()
