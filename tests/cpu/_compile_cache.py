@@ -43,3 +43,15 @@ def assert_clean(mod, kernels, threads) -> None:
         assert u["registers"] * threads(fn) <= 65536, f"{fn}: {u['registers']} registers"
     warnings = [ln for ln in mod.log.splitlines() if re.search(r"warning|C75\d\d", ln, re.I)]
     assert not warnings, "ptxas warnings:\n" + "\n".join(warnings)
+
+
+def module_fixture(test_name: str, arch: str, expect=None):
+    """A module-scoped ``compile_cache`` fixture: the module's selected ``test_name`` specializations
+    (``expect(defines)`` adds the host's expectations) compiled in parallel into a fresh cache."""
+    @pytest.fixture(scope="module")
+    def compile_cache(request, tmp_path_factory):
+        specs = selected(request, test_name)
+        if expect is not None:
+            specs = [(s, expect(d)) for s, d in specs]
+        return fill(tmp_path_factory, specs, arch)
+    return compile_cache

@@ -41,10 +41,7 @@ def test_all_combinations_registered():
     assert got == {(c, dd, K.DEFAULT_BLOCK_Q[dd]) for c in K.DTYPES.values() for dd in K.HEAD_DIMS}
 
 
-@pytest.fixture(scope="module")
-def compile_cache(request, tmp_path_factory):
-    specs = [(s, _with_expectations(d)) for s, d in _compile_cache.selected(request, "test_compiles_clean")]
-    return _compile_cache.fill(tmp_path_factory, specs, ARCH)
+compile_cache = _compile_cache.module_fixture("test_compiles_clean", ARCH, _with_expectations)
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[

@@ -50,10 +50,7 @@ def test_all_specializations_registered():
         AK.defines("bfloat16", 128, False, "pingpong", merge=True)
 
 
-@pytest.fixture(scope="module")
-def compile_cache(request, tmp_path_factory):
-    specs = [(s, _with_expectations(d)) for s, d in _compile_cache.selected(request, "test_compiles_clean")]
-    return _compile_cache.fill(tmp_path_factory, specs, ARCH)
+compile_cache = _compile_cache.module_fixture("test_compiles_clean", ARCH, _with_expectations)
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[

@@ -25,9 +25,7 @@ def test_specializations_registered():
     assert {(d["MK_GEMM_IN"], d["MK_GEMM_OUT"], d["MK_GEMM_CONFIG"]) for _, d in SPECS} == want
 
 
-@pytest.fixture(scope="module")
-def compile_cache(request, tmp_path_factory):
-    return _compile_cache.fill(tmp_path_factory, _compile_cache.selected(request, "test_compiles_clean"), ARCH)
+compile_cache = _compile_cache.module_fixture("test_compiles_clean", ARCH)
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[f"in{d['MK_GEMM_IN']}-cfg{d['MK_GEMM_CONFIG']}" for _, d in SPECS])

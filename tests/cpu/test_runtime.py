@@ -57,9 +57,7 @@ def test_every_kernel_source_is_registered():
     assert not missing, f"kernel sources with no registered specialization: {missing}"
 
 
-@pytest.fixture(scope="module")
-def compile_cache(request, tmp_path_factory):
-    return _compile_cache.fill(tmp_path_factory, _compile_cache.selected(request, "test_compiles_without_spills"), ARCH)
+compile_cache = _compile_cache.module_fixture("test_compiles_without_spills", ARCH)
 
 
 @pytest.mark.parametrize("source,defines", COMPILE_SPECS, ids=[f"{s}:{d}" for s, d in COMPILE_SPECS])
