@@ -599,3 +599,118 @@ def test_zigzag_of_a_context_across_nodes_uses_world_ranks():
     np.testing.assert_array_equal(mkernel.zigzag_shard(x, C(), 1), mkernel.zigzag_shard(x, (3, 4), 1))
     C.num_nodes = 1
     np.testing.assert_array_equal(mkernel.zigzag_shard(x, C(), 1), mkernel.zigzag_shard(x, (1, 2), 1))
+
+
+class _XCtx(_Ctx):
+    num_nodes, local_size, local_rank, rank, size = 2, 2, 1, 1, 4
+    node_of_rank = [0, 0, 1, 1]
+
+    def side_stream(self):
+        return 77
+
+    def comm_args(self, op, digest):
+        return ("comm", op, digest)
+
+
+class _FakeWs:
+    ptr, peer_table, nbytes = 0x5000_0000, 0x6000_0000, 1 << 30
+
+    def peer_ptr(self, j, off=0):
+        return 0x7000_0000 * (j + 1) + off
+
+
+def _x_bound(monkeypatch, log):
+    """A RingXBound of world rank 1 of 2 x 2 on fakes that log every submission in order."""
+    class Kern:
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self, grid, threads, args, stream=None, **kw):
+            assert stream == 77 and grid == (1, 1, 1) and threads == 32
+            ints = tuple(a.value for a in args if isinstance(a, ctypes.c_int32))
+            return lambda: log.append((self.name,) + ints)
+
+    class Cu:
+        @staticmethod
+        def CUstream(h):
+            return ("stream", int(h))
+
+        @staticmethod
+        def cuEventRecord(ev, s):
+            log.append(("record", ev, s[1]))
+
+        @staticmethod
+        def cuStreamWaitEvent(s, ev, flags):
+            log.append(("wait", ev, s[1]))
+
+    class Ev:
+        def __init__(self, *names):
+            for n in names:
+                setattr(self, n, n)
+
+    class St:
+        ws = _FakeWs()
+        proxy = type("Proxy", (), {"ring_device_struct": lambda self: "proxy"})()
+
+    monkeypatch.setattr(XR, "proxy_state", lambda ctx, op, nbytes: St())
+    monkeypatch.setattr(XR, "control", Kern)
+    monkeypatch.setattr(XR, "_xkernel", Kern)
+    monkeypatch.setattr(XR, "attention_launches", lambda ctx, call, plan, bufs, acc: [[s] for s in range(plan.P)])
+    monkeypatch.setattr(XR, "launch_step", lambda launches, call, *a: log.append(("attend", launches[0])))
+    monkeypatch.setattr(XR, "copy_async", lambda cps, s: log.append(("copy", tuple(cps))))
+    monkeypatch.setattr(XR, "mark_proxy_launch", lambda h: log.append(("mark", h)))
+    monkeypatch.setattr(XR, "Events", Ev)
+    monkeypatch.setattr(XR, "cu", Cu)
+    monkeypatch.setattr(XR, "check", lambda r: r)
+    ctx = _XCtx()
+    q, k, v = _arr((1, 64, 4, 128)), _arr((1, 64, 2, 128)), _arr((1, 64, 2, 128))
+    call = RO._Call()
+    call.q, call.k, call.v, call.out, call.lse = q, k, v, _arr((1, 64, 4, 128)), _arr((1, 4, 64), "float32")
+    call.dims, call.layout, call.stream, call.causal = (1, 64, 64, 4, 2, 128), "bshd", 5, True
+    plan = make_plan(ctx.rank, ctx.size, 64, True, 2 * k.nbytes)
+    return XR.RingXBound(ctx, call, plan, 0x1234), call
+
+
+def test_x_bound_submits_the_program_in_order(ctx, monkeypatch):
+    """World rank 1 of 2 nodes x 2: each action of x_program becomes its launch / copies / event, in order,
+    on the right stream; every launch that waits on the proxy is followed by mark_proxy_launch."""
+    log = []
+    bound, call = _x_bound(monkeypatch, log)
+    bound.run(5, call)
+    lay, X, _ = XR.x_workspace_layout(2, 2, 2 * call.k.nbytes)
+    ws, kv = _FakeWs(), call.k.nbytes
+    want = [("record", "fork", 5), ("wait", "fork", 77), ("mk_ring_begin",), ("mk_ring_x_drain",), ("mark", 77),
+            ("copy", ((ws.ptr + X.home_off, call.k.ptr, kv), (ws.ptr + X.home_off + kv, call.v.ptr, kv),
+                      (ws.peer_ptr(0, lay.flags_off + 8), ws.ptr + RO.VALUE_OFF, 8))),
+            ("attend", 0), ("record", "done0", 5)]
+    # step 1: source 0 (this node: pulled), target 2 (other node: pushed into its buffer 1)
+    want += [("mk_ring_x_push", 2, 1), ("mark", 77), ("mk_ring_wait", 0),
+             ("copy", ((ws.ptr + X.buf_off + X.buf_stride, ws.peer_ptr(0, X.home_off), 2 * kv),
+                       (ws.peer_ptr(0, lay.consumed_off + 8), ws.ptr + RO.VALUE_OFF, 8))),
+             ("record", "arrived1", 77), ("wait", "arrived1", 5), ("attend", 1), ("record", "done1", 5)]
+    # step 2: source 3 and target 3 (the other node): grant, push into its buffer 0, wait
+    want += [("wait", "done0", 77), ("mk_ring_x_grant", 3), ("mark", 77), ("mk_ring_x_push", 3, 0), ("mark", 77),
+             ("mk_ring_x_wait", 3), ("mark", 77), ("record", "arrived2", 77), ("wait", "arrived2", 5), ("attend", 2)]
+    # step 3: source 2 (other node), target 0 (this node: it pulls)
+    want += [("wait", "done1", 77), ("mk_ring_x_grant", 2), ("mark", 77), ("mk_ring_x_wait", 2), ("mark", 77),
+             ("record", "arrived3", 77), ("wait", "arrived3", 5), ("attend", 3), ("record", "join", 77),
+             ("wait", "join", 5)]
+    assert log == want
+
+
+def test_bind_picks_the_path_by_node_count(ctx, monkeypatch):
+    monkeypatch.setattr(XR, "RingXBound", lambda *a: "across nodes")
+    monkeypatch.setattr(RO, "_RingBound", lambda *a: "one node")
+    call = RO._Call()
+    plan = make_plan(0, 2, 8, False)
+    assert RO._RING.bind(ctx, call, plan) == "one node"
+    x = _XCtx()
+    assert RO._RING.bind(x, call, plan) == "across nodes"
+
+
+def test_backward_across_nodes_still_refused(ctx, monkeypatch):
+    monkeypatch.setattr(RB, "require_gemm_device", lambda what, device: None)
+    monkeypatch.setattr(RB._RingAttentionBwd, "compile", lambda self, ctx, call: pytest.fail("compiled bad input"))
+    ctx.num_nodes = 2
+    with pytest.raises(ValueError, match="forward only"):
+        mkernel.ring_attention_backward(ctx, *_bwd_args())

@@ -7,6 +7,7 @@ context's side stream while the tensor cores work on the previous block.  The at
 ``mkernel.attention``'s (cuda_src/ops/attention_fwd.cu) in its MK_ATTN_MERGE specialization: its epilogue
 merges each partial result into a running fp32 one by the log-sum-exp rule and writes ``out`` (the dtype)
 on a row's last step.  Causal attention needs zigzag sharding (:func:`mkernel.zigzag_shard`).
+A context spanning several nodes runs the same schedule over the world ranks (internode.py).
 docs/ring_attention.md.
 """
 from __future__ import annotations
@@ -239,9 +240,10 @@ _DEFAULT = RingAttentionOptions()
 
 def ring_attention(ctx, q, k, v, out=None, *, lse=None, causal: bool = False, softmax_scale: float | None = None,
                    layout: str = "bshd", stream=None, options: RingAttentionOptions | None = None):
-    """Ring attention forward over the P ranks of ``ctx``'s node: returns ``(out, lse)`` for this rank's query rows.
+    """Ring attention forward over the P ranks of ``ctx``'s node (of the whole world when ``ctx`` spans several
+    nodes: node-major ranks, the same count per node): returns ``(out, lse)`` for this rank's query rows.
 
-    The sequence is sharded over the local ranks in local-rank order, S_local rows each (non-causal:
+    The sequence is sharded over the ring's ranks in rank order, S_local rows each (non-causal:
     contiguous shards; ``causal=True``: zigzag shards, rank r holding chunks r and 2P-1-r of the 2P equal
     chunks, :func:`mkernel.zigzag_shard`; S_local even).  q: this rank's ``[B, S_local, H_q, D]``
     (``layout="bshd"``) or ``[B, H_q, S_local, D]`` (``"bhsd"``); k, v: ``[B, S_local, H_kv, D]`` (resp.
