@@ -20,7 +20,7 @@ OPS = {
     "gemm_ar": ("ops/gemm_ar.cu",) + _GEMM + _COLLECTIVES,
     "moe": ("ops/moe.cu", "ops/moe_gemm.cu", "ops/moe_internode.cu", "gemm/gemm_swiglu.cu") + _GEMM,
     "attention": _ATTENTION,
-    "ring_attention": ("ops/ring_attention.cu",) + _ATTENTION,
+    "ring_attention": ("ops/ring_attention.cu", "ops/ring_attention_x.cu") + _ATTENTION,
 }
 _HOPPER_ONLY = ("gemm/gemm.cu", "gemm/gemv.cu", "ops/ag_gemm.cu", "ops/gemm_rs.cu", "ops/gemm_ar.cu",
                 "ops/moe_gemm.cu", "gemm/gemm_swiglu.cu") + _ATTENTION

@@ -3,6 +3,7 @@ classification and every rank's launches (work balance, first / final rows), the
 merge specializations compile for sm_90a with no spills, and bad arguments raise before any launch."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import numpy as np
@@ -196,8 +197,8 @@ def test_bad_inputs_raise_before_launch(ctx):
         mkernel.ring_attention(ctx, q, k, v, softmax_scale=-1.0)
     with pytest.raises(ValueError, match="lse"):
         mkernel.ring_attention(ctx, q, k, v, lse=_arr((1, 4, 32), "float32"))
-    ctx.num_nodes = 2
-    with pytest.raises(ValueError, match="inside one node"):
+    ctx.num_nodes, ctx.size, ctx.node_of_rank = 2, 4, [0, 1, 0, 1]  # (not node-major)
+    with pytest.raises(ValueError, match="node-major"):
         mkernel.ring_attention(ctx, q, k, v)
 
 
@@ -319,3 +320,397 @@ def test_backward_partial_kernels_compile_clean():
         for d in BK.HEAD_DIMS:
             assert (BK.SOURCE, BK.partial_defines(dt, d)) in CP.registered_specializations()
     # (the no-spill compile of every partial specialization: tests/cpu/test_attention_bwd_host.py)
+
+
+# ------------------------------------------------------------------ across nodes
+from mkernel.ops.ring_attention import internode as XR  # noqa: E402
+
+NODE_SHAPES = [(1, 2), (2, 2), (1, 3), (3, 2), (2, 3), (4, 2)]  # (L ranks per node, N nodes)
+
+
+@pytest.mark.parametrize("L,N", NODE_SHAPES)
+def test_x_steps_pair_every_push_with_a_remote_read(L, N):
+    """At step s world rank r pushes to t = r + s exactly when t reads r's block over the network at step s,
+    into the buffer t reads it from; blocks of this node are pulled; every rank reads each other rank once."""
+    P = L * N
+    steps = {r: XR.x_steps(r, L, N) for r in range(P)}
+    for r in range(P):
+        assert [st.source for st in steps[r]] == [source_rank(r, s, P) for s in range(1, P)]
+        assert sum(st.remote_source for st in steps[r]) == P - L == sum(st.remote_target for st in steps[r])
+        for st in steps[r]:
+            assert st.remote_source == (st.source // L != r // L) and st.slot == st.step % 2
+            back = steps[st.target][st.step - 1]
+            assert back.source == r and back.remote_source == st.remote_target and back.slot == st.slot
+
+
+def test_x_workspace_layout_control_words_fixed():
+    a, xa, ta = XR.x_workspace_layout(2, 3, 1 << 20)
+    b, xb, tb = XR.x_workspace_layout(2, 3, 5 << 20)
+    assert (a.consumed_off, a.flags_off) == (b.consumed_off, b.flags_off)
+    assert (xa.grant_off, xa.ready_off, xa.calls_off, xa.home_off) == (xb.grant_off, xb.ready_off, xb.calls_off,
+                                                                        xb.home_off)
+    ws_a = RO.workspace_layout(2, 1 << 20)[0]
+    assert (a.consumed_off, a.flags_off) == (ws_a.consumed_off, ws_a.flags_off)  # the one-node control words
+    assert xa.grant_off >= a.flags_off + 8 * 1024 and xa.calls_off + 8 * 6 <= xa.home_off
+    assert xa.home_off % 4096 == 0 and xa.buf_stride % 256 == 0 and xa.buf_off == xa.home_off + xa.buf_stride
+    assert ta == xa.buf_off + 2 * xa.buf_stride and xa.bytes == 1 << 20
+    assert ctypes.sizeof(XR.RingXLayout) == 56
+
+
+def test_x_program_orders_grant_before_push():
+    """On the side stream a step's grant precedes its push (a push waits for its target's grant of the same
+    step, so the waits cannot close a cycle around the ring) and a buffer is granted or pulled into only
+    after the step two back finished reading it."""
+    prog = XR.x_program(1, 2, 2)
+    x = [a for a in prog if a[0] == "X"]
+    for s in range(1, 4):
+        i = {a[1]: n for n, a in enumerate(x) if len(a) > 2 and a[2] == s}
+        if "grant" in i and "push" in i:
+            assert i["grant"] < i["push"]
+        if s >= 2:
+            wd = x.index(("X", "wait_done", s - 2))
+            assert all(wd < n for n, a in enumerate(x) if a[1] in ("grant", "pull") and a[2] == s)
+    assert x[:3] == [("X", "begin"), ("X", "drain"), ("X", "home")] and prog[0] == ("S", "fork")
+
+
+def _merge(acc, o, l):
+    """log-sum-exp merge of a partial (o [n, D], lse [n]) into acc (None: start)."""
+    if acc is None:
+        return o, l
+    ao, al = acc
+    m = np.logaddexp(al, l)
+    w1, w2 = np.exp(al - m), np.exp(l - m)
+    return np.nan_to_num(w1)[:, None] * ao + np.nan_to_num(w2)[:, None] * o, m
+
+
+def _partial(q, k, v, scale, causal):
+    s = q @ k.T * scale
+    if causal:
+        nq, nk = s.shape
+        s = np.where(np.arange(nk)[None, :] <= np.arange(nq)[:, None] + nk - nq, s, -np.inf)
+    m = s.max(1)
+    p = np.exp(s - m[:, None])
+    return (p / p.sum(1)[:, None]) @ v, m + np.log(p.sum(1))
+
+
+class _World:
+    """Every world rank of L x N emulated nodes running ``x_program`` for ``calls`` calls: streams, events,
+    device flags, copy-engine pulls and each rank's proxy (commands delivered in any order, a WRITE reading
+    its source when delivered), actions picked at random among those that may run, each rank's streams and
+    network at their own random speed (the draw weights).  Buffers and homes carry
+    (owner, call) tags: a step that reads another block than its plan's source of this call fails."""
+
+    def __init__(self, L, N, calls, causal, rng, S_loc=6, D=4):
+        self.L, self.N, self.P = L, N, L * N
+        P = self.P
+        self.rng, self.causal, self.scale = rng, causal, 0.6
+        S = S_loc * P
+        self.rows = [zigzag_indices(S, P, r) if causal else np.arange(r * S_loc, (r + 1) * S_loc) for r in range(P)]
+        self.data = [tuple(rng.standard_normal((S, D)) for _ in range(3)) for _ in range(calls)]  # q, k, v per call
+        self.plans = [make_plan(r, P, S_loc, causal) for r in range(P)]
+        self.queues = {}
+        for r in range(P):
+            prog = XR.x_program(r, L, N)
+            for stream in "SX":
+                q = []
+                for e in range(1, calls + 1):
+                    q += [(a[1:], e) for a in prog if a[0] == stream]
+                    if stream == "S":
+                        q.append((("wait_join",), e))
+                self.queues[(r, stream)] = q
+        self.ev = [{} for _ in range(P)]
+        self.epoch, self.value = [0] * P, [0] * P
+        self.home = [None] * P
+        self.buf = [[None, None] for _ in range(P)]
+        self.ready_l = [[0] * P for _ in range(P)]  # [reader][owner] (local peers)
+        self.entered = [[0] * P for _ in range(P)]
+        self.consumed = [[0] * P for _ in range(P)]  # [owner][reader] (local peers)
+        self.grant = [[0] * P for _ in range(P)]  # [owner][reader]
+        self.xready = [[0] * P for _ in range(P)]  # [reader][owner]
+        self.xcalls = [[0] * P for _ in range(P)]
+        self.inflight = [[] for _ in range(P)]
+        self.acc = [None] * P
+        self.results = {}
+        self.speed = {(r, x): rng.uniform(0.01, 1.0) for r in range(P) for x in ("S", "X", "net")}
+
+    def _evok(self, r, name, e):
+        return self.ev[r].get(name, 0) >= e
+
+    def _local(self, a, b):
+        return a // self.L == b // self.L
+
+    def runnable(self, r, stream):
+        q = self.queues[(r, stream)]
+        if not q:
+            return False
+        (act, *args), e = q[0]
+        if act == "attend":
+            return args[0] == 0 or self._evok(r, f"arrived{args[0]}", e)
+        if act == "wait_join":
+            return self._evok(r, "join", e)
+        if act in ("wait_done",):
+            return self._evok(r, f"done{args[0]}", e)
+        if act == "begin":  # (the side stream's first action: after the fork event)
+            return self._evok(r, "fork", e) and all(
+                self.consumed[r][j] >= e - 1 for j in range(self.P) if j != r and self._local(j, r))
+        if act == "drain":
+            return not self.inflight[r]
+        if act == "push":
+            return self.grant[r][args[1]] >= e
+        if act == "xwait":
+            return self.xready[r][args[1]] >= e and self.xcalls[r][args[1]] >= e
+        if act == "pull":
+            j = args[1]
+            return self.ready_l[r][j] >= e and self.entered[r][j] >= e
+        return True
+
+    def execute(self, r, stream):
+        (act, *args), e = self.queues[(r, stream)].pop(0)
+        P = self.P
+        if act in ("fork", "done", "arrived", "join"):
+            self.ev[r][act + (str(args[0]) if args else "")] = e
+        elif act == "begin":
+            self.epoch[r] = self.value[r] = e
+            for j in range(P):
+                if j != r and self._local(j, r):
+                    self.entered[j][r] = e
+        elif act == "home":
+            self.home[r] = (r, e)
+            for j in range(P):
+                if j != r and self._local(j, r):
+                    self.ready_l[j][r] = self.value[r]
+        elif act == "grant":
+            self.inflight[r].append(("flag", self.grant, args[1], r, self.epoch[r]))
+        elif act == "push":
+            dst, slot = args[1], args[2]
+            self.inflight[r].append(("flag", self.xcalls, dst, r, self.epoch[r]))
+            self.inflight[r].append(("write", dst, slot, r, self.epoch[r]))
+        elif act == "xwait":
+            assert self.xcalls[r][args[1]] == e
+        elif act == "pull":
+            s, j = args
+            self.buf[r][s % 2] = self.home[j]
+            self.consumed[j][r] = self.value[r]
+        elif act == "attend":
+            self.attend(r, args[0], e)
+
+    def deliver(self, r, i):
+        cmd = self.inflight[r].pop(i)
+        if cmd[0] == "flag":
+            _, table, dst, src, v = cmd
+            table[dst][src] = v
+        else:
+            _, dst, slot, src, v = cmd
+            self.buf[dst][slot] = self.home[src]
+            self.xready[dst][src] = v
+
+    def attend(self, r, s, e):
+        q, k, v = self.data[e - 1]
+        src = self.plans[r].sources[s]
+        if s > 0:
+            assert self.buf[r][s % 2] == (src, e), (r, s, e, self.buf[r][s % 2])
+        qi, kj = self.rows[r], self.rows[src]
+        if s == 0:
+            self.acc[r] = None
+        for ln in self.plans[r].launches:
+            if ln.step != s:
+                continue
+            o, l = _partial(q[qi[ln.q0:ln.q1]], k[kj[:ln.kv_rows]], v[kj[:ln.kv_rows]], self.scale, ln.causal)
+            full = (np.zeros((len(qi), q.shape[1])), np.full(len(qi), -np.inf)) if self.acc[r] is None else self.acc[r]
+            mo, ml = _merge((full[0][ln.q0:ln.q1], full[1][ln.q0:ln.q1]), o, l)
+            full[0][ln.q0:ln.q1], full[1][ln.q0:ln.q1] = mo, ml
+            self.acc[r] = full
+        if s == self.P - 1:
+            self.results[(r, e)] = self.acc[r]
+
+    def run(self):
+        while True:
+            moves = [("q", r, st) for r in range(self.P) for st in "SX" if self.runnable(r, st)]
+            moves += [("d", r, i) for r in range(self.P) for i in range(len(self.inflight[r]))]
+            if not moves:
+                break
+            w = np.array([self.speed[(r, x if k == "q" else "net")] for k, r, x in moves])
+            kind, r, x = moves[self.rng.choice(len(moves), p=w / w.sum())]
+            self.execute(r, x) if kind == "q" else self.deliver(r, x)
+        stuck = {key: q[0] for key, q in self.queues.items() if q}
+        assert not stuck, f"deadlock: {stuck}"
+
+
+@pytest.mark.parametrize("L,N,causal", [(L, N, c) for L, N in NODE_SHAPES for c in (False, True)])
+def test_x_world_ring_emulation_gives_full_attention(L, N, causal):
+    """float64 emulation of the ring across nodes (every rank's x_program, 3 calls, random interleavings):
+    no deadlock, every step reads its source's block of this call, and each rank's merged result is full
+    attention over the whole sequence (causal: zigzag over the world ranks) for its rows."""
+    for seed in range(3):
+        w = _World(L, N, 3, causal, np.random.default_rng(100 * seed + 10 * L + N))
+        w.run()
+        S = len(w.data[0][0])
+        full = np.tril(np.ones((S, S), bool)) if causal else np.ones((S, S), bool)
+        for e in range(1, 4):
+            q, k, v = w.data[e - 1]
+            s = np.where(full, q @ k.T * w.scale, -np.inf)
+            lse = np.log(np.exp(s - s.max(1, keepdims=True)).sum(1)) + s.max(1)
+            o = np.exp(s - lse[:, None]) @ v
+            for r in range(w.P):
+                got_o, got_l = w.results[(r, e)]
+                np.testing.assert_allclose(got_o, o[w.rows[r]], rtol=1e-10, atol=1e-12)
+                np.testing.assert_allclose(got_l, lse[w.rows[r]], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("skip,L,N", [("push", 2, 2), ("drain", 1, 2), ("wait_done", 2, 2), ("begin", 2, 2)])
+def test_x_world_emulation_catches_a_missing_wait(monkeypatch, skip, L, N):
+    """The emulation is sharp: without one of the program's waits some interleaving reads a wrong block (a
+    push that does not wait for the reader's grant overwrites a buffer still read; a home copy that does not
+    wait for the proxy (drain) or for the local readers (begin) lets the next call's block be read; a grant
+    or pull before the step two back finished reading the buffer overwrites it)."""
+    orig = _World.runnable
+
+    def eager(self, r, stream):
+        q = self.queues[(r, stream)]
+        if q and q[0][0][0] == skip:
+            return True
+        return orig(self, r, stream)
+
+    monkeypatch.setattr(_World, "runnable", eager)
+    failed = 0
+    for seed in range(30):
+        w = _World(L, N, 4, False, np.random.default_rng(seed))
+        try:
+            w.run()
+        except AssertionError:
+            failed += 1
+    assert failed > 0
+
+
+def test_x_control_kernels_compile_clean():
+    mod = CP.compile_module(XR.XSOURCE, {}, arch="sm_90a")
+    for name in ("mk_ring_x_drain", "mk_ring_x_grant", "mk_ring_x_push", "mk_ring_x_wait"):
+        u = mod.resource_usage[name]
+        assert u.get("spill_stores", 0) == 0 and u.get("stack", 0) == 0, u
+    assert "warning" not in (mod.log or "").lower(), mod.log
+    assert (XR.XSOURCE, {}) in CP.registered_specializations()
+
+
+def test_zigzag_of_a_context_across_nodes_uses_world_ranks():
+    class C:
+        num_nodes, rank, size, local_rank, local_size = 2, 3, 4, 1, 2
+
+    x = np.arange(16.0).reshape(1, 16, 1, 1)
+    np.testing.assert_array_equal(mkernel.zigzag_shard(x, C(), 1), mkernel.zigzag_shard(x, (3, 4), 1))
+    C.num_nodes = 1
+    np.testing.assert_array_equal(mkernel.zigzag_shard(x, C(), 1), mkernel.zigzag_shard(x, (1, 2), 1))
+
+
+class _XCtx(_Ctx):
+    num_nodes, local_size, local_rank, rank, size = 2, 2, 1, 1, 4
+    node_of_rank = [0, 0, 1, 1]
+
+    def side_stream(self):
+        return 77
+
+    def comm_args(self, op, digest):
+        return ("comm", op, digest)
+
+
+class _FakeWs:
+    ptr, peer_table, nbytes = 0x5000_0000, 0x6000_0000, 1 << 30
+
+    def peer_ptr(self, j, off=0):
+        return 0x7000_0000 * (j + 1) + off
+
+
+def _x_bound(monkeypatch, log):
+    """A RingXBound of world rank 1 of 2 x 2 on fakes that log every submission in order."""
+    class Kern:
+        def __init__(self, name):
+            self.name = name
+
+        def prepare(self, grid, threads, args, stream=None, **kw):
+            assert stream == 77 and grid == (1, 1, 1) and threads == 32
+            ints = tuple(a.value for a in args if isinstance(a, ctypes.c_int32))
+            return lambda: log.append((self.name,) + ints)
+
+    class Cu:
+        @staticmethod
+        def CUstream(h):
+            return ("stream", int(h))
+
+        @staticmethod
+        def cuEventRecord(ev, s):
+            log.append(("record", ev, s[1]))
+
+        @staticmethod
+        def cuStreamWaitEvent(s, ev, flags):
+            log.append(("wait", ev, s[1]))
+
+    class Ev:
+        def __init__(self, *names):
+            for n in names:
+                setattr(self, n, n)
+
+    class St:
+        ws = _FakeWs()
+        proxy = type("Proxy", (), {"ring_device_struct": lambda self: "proxy"})()
+
+    monkeypatch.setattr(XR, "proxy_state", lambda ctx, op, nbytes: St())
+    monkeypatch.setattr(XR, "control", Kern)
+    monkeypatch.setattr(XR, "_xkernel", Kern)
+    monkeypatch.setattr(XR, "attention_launches", lambda ctx, call, plan, bufs, acc: [[s] for s in range(plan.P)])
+    monkeypatch.setattr(XR, "launch_step", lambda launches, call, *a: log.append(("attend", launches[0])))
+    monkeypatch.setattr(XR, "copy_async", lambda cps, s: log.append(("copy", tuple(cps))))
+    monkeypatch.setattr(XR, "mark_proxy_launch", lambda h: log.append(("mark", h)))
+    monkeypatch.setattr(XR, "Events", Ev)
+    monkeypatch.setattr(XR, "cu", Cu)
+    monkeypatch.setattr(XR, "check", lambda r: r)
+    ctx = _XCtx()
+    q, k, v = _arr((1, 64, 4, 128)), _arr((1, 64, 2, 128)), _arr((1, 64, 2, 128))
+    call = RO._Call()
+    call.q, call.k, call.v, call.out, call.lse = q, k, v, _arr((1, 64, 4, 128)), _arr((1, 4, 64), "float32")
+    call.dims, call.layout, call.stream, call.causal = (1, 64, 64, 4, 2, 128), "bshd", 5, True
+    plan = make_plan(ctx.rank, ctx.size, 64, True, 2 * k.nbytes)
+    return XR.RingXBound(ctx, call, plan, 0x1234), call
+
+
+def test_x_bound_submits_the_program_in_order(ctx, monkeypatch):
+    """World rank 1 of 2 nodes x 2: each action of x_program becomes its launch / copies / event, in order,
+    on the right stream; every launch that waits on the proxy is followed by mark_proxy_launch."""
+    log = []
+    bound, call = _x_bound(monkeypatch, log)
+    bound.run(5, call)
+    lay, X, _ = XR.x_workspace_layout(2, 2, 2 * call.k.nbytes)
+    ws, kv = _FakeWs(), call.k.nbytes
+    want = [("record", "fork", 5), ("wait", "fork", 77), ("mk_ring_begin",), ("mk_ring_x_drain",), ("mark", 77),
+            ("copy", ((ws.ptr + X.home_off, call.k.ptr, kv), (ws.ptr + X.home_off + kv, call.v.ptr, kv),
+                      (ws.peer_ptr(0, lay.flags_off + 8), ws.ptr + RO.VALUE_OFF, 8))),
+            ("attend", 0), ("record", "done0", 5)]
+    # step 1: source 0 (this node: pulled), target 2 (other node: pushed into its buffer 1)
+    want += [("mk_ring_x_push", 2, 1), ("mark", 77), ("mk_ring_wait", 0),
+             ("copy", ((ws.ptr + X.buf_off + X.buf_stride, ws.peer_ptr(0, X.home_off), 2 * kv),
+                       (ws.peer_ptr(0, lay.consumed_off + 8), ws.ptr + RO.VALUE_OFF, 8))),
+             ("record", "arrived1", 77), ("wait", "arrived1", 5), ("attend", 1), ("record", "done1", 5)]
+    # step 2: source 3 and target 3 (the other node): grant, push into its buffer 0, wait
+    want += [("wait", "done0", 77), ("mk_ring_x_grant", 3), ("mark", 77), ("mk_ring_x_push", 3, 0), ("mark", 77),
+             ("mk_ring_x_wait", 3), ("mark", 77), ("record", "arrived2", 77), ("wait", "arrived2", 5), ("attend", 2)]
+    # step 3: source 2 (other node), target 0 (this node: it pulls)
+    want += [("wait", "done1", 77), ("mk_ring_x_grant", 2), ("mark", 77), ("mk_ring_x_wait", 2), ("mark", 77),
+             ("record", "arrived3", 77), ("wait", "arrived3", 5), ("attend", 3), ("record", "join", 77),
+             ("wait", "join", 5)]
+    assert log == want
+
+
+def test_bind_picks_the_path_by_node_count(ctx, monkeypatch):
+    monkeypatch.setattr(XR, "RingXBound", lambda *a: "across nodes")
+    monkeypatch.setattr(RO, "_RingBound", lambda *a: "one node")
+    call = RO._Call()
+    plan = make_plan(0, 2, 8, False)
+    assert RO._RING.bind(ctx, call, plan) == "one node"
+    x = _XCtx()
+    assert RO._RING.bind(x, call, plan) == "across nodes"
+
+
+def test_backward_across_nodes_still_refused(ctx, monkeypatch):
+    monkeypatch.setattr(RB, "require_gemm_device", lambda what, device: None)
+    monkeypatch.setattr(RB._RingAttentionBwd, "compile", lambda self, ctx, call: pytest.fail("compiled bad input"))
+    ctx.num_nodes = 2
+    with pytest.raises(ValueError, match="forward only"):
+        mkernel.ring_attention_backward(ctx, *_bwd_args())

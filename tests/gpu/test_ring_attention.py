@@ -38,6 +38,11 @@ def _setup(ctx):
                               + [BK.defines(t, d, BK.DEFAULT_BLOCK_Q[d]) for t in BK.DTYPES for d in BK.HEAD_DIMS])
         except Exception as exc:  # noqa: BLE001
             print(f"precompile failed, compiling lazily: {exc!r}")
+    if ctx.local_rank == 0 and ctx.num_nodes > 1:
+        try:  # the control kernels across nodes
+            precompile_source("ops/ring_attention_x.cu")
+        except Exception as exc:  # noqa: BLE001
+            print(f"precompile failed, compiling lazily: {exc!r}")
     yield from precompiled_with_long_timeout(ctx, "ops/ring_attention.cu")
 
 
@@ -58,8 +63,13 @@ def _reference(q, k, v, scale, causal):
     return out, (m + np.log(l))[..., 0]
 
 
+def _ring(ctx):
+    """(rank, P) of the ring: the node's ranks, or the world's when the context spans several nodes."""
+    return (ctx.rank, ctx.size) if ctx.num_nodes > 1 else (ctx.local_rank, ctx.local_size)
+
+
 def _rows(ctx, S, causal):
-    P, r = ctx.local_size, ctx.local_rank
+    r, P = _ring(ctx)
     if causal:
         return zigzag_indices(S, P, r)
     n = S // P
@@ -96,7 +106,7 @@ def _run(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16",
     got = download(out)
     if layout == "bhsd":
         got = got.transpose(0, 2, 1, 3)
-    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={ctx.local_size}"
+    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={_ring(ctx)[1]}"
     assert not np.isnan(got).any(), f"{what}: unwritten out"
     tol = 2e-2 * (np.abs(ref_o) + 0.05 * np.abs(v).max())
     bad = np.abs(got - ref_o) > tol
@@ -284,3 +294,65 @@ def test_backward_back_to_back_and_deterministic(ctx):
                  dtype="float16", calls=1)
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
+
+
+# ------------------------------------------------------------------ across nodes
+# Run with emulated nodes (each rank its own node, the TCP proxy between them):
+#   mpirun -np 2 -x MKERNEL_RANKS_PER_NODE=1 python -m pytest -m internode tests/gpu/test_ring_attention.py
+def _needs_nodes(ctx):
+    if ctx.num_nodes < 2:
+        pytest.skip("needs >= 2 (emulated) nodes: MKERNEL_RANKS_PER_NODE")
+
+
+X_CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * world size
+    (1, 300, 4, 4, 128, False, "bshd"),
+    (2, 340, 8, 2, 64, True, "bshd"),
+    (1, 262, 8, 1, 128, True, "bhsd"),
+    (1, 261, 4, 2, 64, False, "bhsd"),
+]
+
+
+@pytest.mark.internode
+@pytest.mark.parametrize("case", X_CASES, ids=[f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}"
+                                               for c in X_CASES])
+def test_internode_against_float64(ctx, shared_rng, case):
+    """The world ring (every world rank's block; zigzag over the world ranks for causal) against the float64
+    reference, outputs NaN-poisoned first."""
+    _needs_nodes(ctx)
+    B, S_local, Hq, Hkv, D, causal, layout = case
+    plan = _run(ctx, shared_rng, B, S_local * ctx.size, Hq, Hkv, D, causal=causal, layout=layout)
+    assert plan.P == ctx.size and plan.rank == ctx.rank and len(plan.sources) == ctx.size
+
+
+@pytest.mark.internode
+def test_internode_back_to_back_calls(ctx, shared_rng):
+    """50 calls in a row each (grants, ready flags and the proxy's drain cycle), non-causal then causal, fp16
+    too; the last call of each is checked."""
+    _needs_nodes(ctx)
+    _run(ctx, shared_rng, 1, 2 * ctx.size * 130, 4, 2, 64, causal=False, calls=50)
+    _run(ctx, shared_rng, 1, 2 * ctx.size * 130, 4, 2, 64, causal=True, calls=50)
+    _run(ctx, shared_rng, 1, 2 * ctx.size * 150, 4, 2, 128, causal=True, dtype="float16", calls=5)
+
+
+@pytest.mark.internode
+def test_internode_zigzag_of_the_context_is_the_world_ring(ctx):
+    _needs_nodes(ctx)
+    x = np.arange(4 * ctx.size * 3, dtype=np.float32).reshape(1, 4 * ctx.size, 3)
+    np.testing.assert_array_equal(mkernel.zigzag_shard(x, ctx, 1), mkernel.zigzag_shard(x, (ctx.rank, ctx.size), 1))
+
+
+@pytest.mark.internode
+def test_internode_backward_refused(ctx):
+    _needs_nodes(ctx)
+    q = DeviceArray.empty((1, 64, 4, 128), "bfloat16")
+    lse = DeviceArray.empty((1, 4, 64), "float32")
+    with pytest.raises(ValueError, match="forward only"):
+        mkernel.ring_attention_backward(ctx, q, q, q, q, lse, q)
+
+
+@pytest.mark.internode
+def test_zzz_internode_missing_peer_times_out(ctx):
+    """Rank 0 calls alone: its push waits for rank 1's grant and times out naming world rank 1."""
+    _needs_nodes(ctx)
+    q, _ = upload(np.ones((1, 256, 4, 128)), "bfloat16")
+    assert_missing_peer_times_out(lambda c2: mkernel.ring_attention(c2, q, q, q), "ring_attention")

@@ -1,5 +1,5 @@
-"""Ring attention across the GPUs of a node: :func:`ring_attention`, :func:`ring_attention_backward`, zigzag
-sharding helpers.
+"""Ring attention across the GPUs of a node (the forward also across nodes): :func:`ring_attention`,
+:func:`ring_attention_backward`, zigzag sharding helpers.
 docs/ring_attention.md."""
 from .backward import ring_attention_backward
 from .op import RingPlan, ring_attention

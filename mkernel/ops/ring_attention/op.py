@@ -7,6 +7,7 @@ context's side stream while the tensor cores work on the previous block.  The at
 ``mkernel.attention``'s (cuda_src/ops/attention_fwd.cu) in its MK_ATTN_MERGE specialization: its epilogue
 merges each partial result into a running fp32 one by the log-sum-exp rule and writes ``out`` (the dtype)
 on a row's last step.  Causal attention needs zigzag sharding (:func:`mkernel.zigzag_shard`).
+A context spanning several nodes runs the same schedule over the world ranks (internode.py).
 docs/ring_attention.md.
 """
 from __future__ import annotations
@@ -15,7 +16,6 @@ import ctypes
 from cuda.bindings import driver as cu
 
 from ...core.arrays import DeviceArray, contiguous_strides
-from ...core.compiler import kernel as compiled_kernel, register_specialization
 from ...core.device import on_device
 from ...core.driver import check
 from ...core.streams import Events, copy_async
@@ -23,24 +23,17 @@ from ...dist.signals import workspace_control
 from ..attention import kernels as AK
 from ..attention.op import check_arrays, check_layout, prepare_arrays
 from ..base import BoundCall, Op, as_stream, checked_once
+from ..collectives.internode import check_layout as check_nodes
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan
+from . import internode as XR
+from .common import SOURCE, VALUE_OFF, RingLayout, attention_launches, control, launch_step
 
-__all__ = ["ring_attention", "RingPlan", "SOURCE", "VALUE_OFF", "RingLayout", "workspace_layout", "check_ring"]
+__all__ = ["ring_attention", "RingPlan", "SOURCE", "VALUE_OFF", "RingLayout", "workspace_layout", "check_ring",
+           "attention_launches", "launch_step"]
 
 OP = "ring_attention"
 WHAT = "mkernel.ring_attention"
-SOURCE = "ops/ring_attention.cu"
-VALUE_OFF = 32  # MK_RING_VALUE_OFF
-register_specialization(SOURCE, {})
-
-
-class RingLayout(ctypes.Structure):
-    """Mirror of MkRingLayout in cuda_src/ops/ring_attention.cu."""
-
-    _fields_ = [("consumed_off", ctypes.c_int32), ("flags_off", ctypes.c_int32)]
-
-
 def workspace_layout(P: int, kv_block_bytes: int) -> tuple[RingLayout, int, int]:
     """``(control layout, data_off, total bytes)`` of the op's symmetric workspace for P local ranks and K/V
     blocks (K then V) of ``kv_block_bytes``: the control words (at offsets that depend on P only), then
@@ -63,13 +56,17 @@ def _key(x: DeviceArray) -> tuple:
     return (x.shape, x.strides, x.dtype, x.device, x.ptr % 16, x.readonly)
 
 
-def check_ring(what: str, ctx, dims: tuple, causal: bool, q, k, v) -> None:
-    """The ring's own checks (forward and backward): one node, equal shards (S_q = S_k), causal zigzag shards
-    (S_local even), k and v contiguous (copied whole), the arrays on the context's GPU."""
+def check_ring(what: str, ctx, dims: tuple, causal: bool, q, k, v, nodes: bool = False) -> None:
+    """The ring's own checks (forward and backward): one node (``nodes``: or node-major ranks, the same count
+    on every node), equal shards (S_q = S_k), causal zigzag shards (S_local even), k and v contiguous (copied
+    whole), the arrays on the context's GPU."""
     B, Sq, Sk, Hq, Hkv, D = dims
+    if ctx.num_nodes != 1 and not nodes:
+        raise ValueError(f"{what}: runs inside one node (NVLink); this context spans {ctx.num_nodes} nodes "
+                         "(the ring across nodes exists for the forward only: docs/ring_attention.md, "
+                         "\"Across nodes\")")
     if ctx.num_nodes != 1:
-        raise ValueError(f"{what}: the ring runs inside one node (NVLink); this context spans {ctx.num_nodes} "
-                         "nodes (multi-node ring attention is not implemented: docs/ring_attention.md)")
+        check_nodes(ctx)
     if Sq != Sk:
         raise ValueError(f"{what}: q and k must hold the same local sequence length (equal shards), got S_q={Sq}, "
                          f"S_k={Sk}")
@@ -111,23 +108,25 @@ class _RingAttention(Op):
     def validate(self, ctx, call):
         checked_once(call.options)
         check_arrays(WHAT, call.q, call.k, call.v, call.out, call.lse, call.dims, call.layout)
-        check_ring(WHAT, ctx, call.dims, call.causal, call.q, call.k, call.v)
+        check_ring(WHAT, ctx, call.dims, call.causal, call.q, call.k, call.v, nodes=True)
 
     def compile(self, ctx, call):
         with on_device(ctx.device):
             dt, D = call.q.dtype.name, call.dims[5]
             for c in ((False, True) if call.causal else (False,)):
                 AK.get(dt, D, c, merge=True)
-            if ctx.local_size > 1:
-                _control("mk_ring_begin")
-                _control("mk_ring_wait")
+            if ctx.local_size > 1 or ctx.num_nodes > 1:
+                control("mk_ring_begin")
+                control("mk_ring_wait")
+            if ctx.num_nodes > 1:
+                XR.compile_controls()
 
     def agree(self, ctx, call):
         B, Sq, Sk, Hq, Hkv, D = call.dims
         o = call.options
         sig = (OP, call.q.dtype.name, B, Sq, Hq, Hkv, D, call.layout, call.causal, round(call.scale, 9),
                o.heavy_first, o.pull_chunks)
-        return ctx.agree(WHAT, sig, ctx.node_comm)
+        return ctx.agree(WHAT, sig, ctx.node_comm if ctx.num_nodes == 1 else ctx.world)
 
     def describe_call(self, call):
         B, Sq, Sk, Hq, Hkv, D = call.dims
@@ -135,16 +134,15 @@ class _RingAttention(Op):
                 f"causal={call.causal}")
 
     def plan(self, ctx, call, digest):
-        p = make_plan(ctx.local_rank, ctx.local_size, call.dims[1], call.causal, call.k.nbytes * 2)
+        rank, P = (ctx.local_rank, ctx.local_size) if ctx.num_nodes == 1 else (ctx.rank, ctx.size)
+        p = make_plan(rank, P, call.dims[1], call.causal, call.k.nbytes * 2)
         call.digest = digest
         return p
 
     def bind(self, ctx, call, plan):
+        if ctx.num_nodes > 1:
+            return XR.RingXBound(ctx, call, plan, getattr(call, "digest", 0))
         return _RingBound(ctx, call, plan, getattr(call, "digest", 0))
-
-
-def _control(name: str):
-    return compiled_kernel(SOURCE, {}, name)
 
 
 class _RingBound(BoundCall):
@@ -155,7 +153,7 @@ class _RingBound(BoundCall):
         B, S, _, Hq, Hkv, D = call.dims
         self.plan = plan
         self.P = P = plan.P
-        dt, it = call.q.dtype.name, call.q.dtype.itemsize
+        it = call.q.dtype.itemsize
         self.acc = DeviceArray.empty((B, Hq, S, D), "float32", device=ctx.device)
         self.buffers = (self.acc,)
         kv_bytes = call.k.nbytes
@@ -177,10 +175,10 @@ class _RingBound(BoundCall):
             self._side = cu.CUstream(side)
             self._comm = ctx.comm_args(OP, digest)
             self._lay = lay
-            self._begin = _control("mk_ring_begin").prepare((1, 1, 1), 32, [self._comm, ctypes.c_void_p(ws.ptr),
+            self._begin = control("mk_ring_begin").prepare((1, 1, 1), 32, [self._comm, ctypes.c_void_p(ws.ptr),
                                                                             ctypes.c_void_p(ws.peer_table), lay],
                                                             stream=side)
-            self._waits = [None] + [_control("mk_ring_wait").prepare(
+            self._waits = [None] + [control("mk_ring_wait").prepare(
                 (1, 1, 1), 32, [self._comm, ctypes.c_void_p(ws.ptr), lay, ctypes.c_int32(src)], stream=side)
                 for src in plan.sources[1:]]
             # pulls: step s copies the source's home into buffer s % 2, then (its last read of that home)
@@ -202,34 +200,10 @@ class _RingBound(BoundCall):
             self._announce = [(ws.peer_ptr(j, lay.flags_off + 8 * me), ws.ptr + VALUE_OFF, 8)
                               for j in range(P) if j != me]
             self._ev = Events("fork", "join", *[f"arrived{s}" for s in range(P)], *[f"done{s}" for s in range(P)])
-        # attention launches, per step
-        self._steps = [[] for _ in range(P)]
-        heavy = int(call.options.heavy_first)
-        for ln in plan.launches:
-            kv_rows = ln.kv_rows
-            if ln.step == 0:
-                kmap = AK.tensor_map(call.k, call.layout, AK.BN, seq=kv_rows)
-                vmap = AK.tensor_map(call.v, call.layout, AK.BN, seq=kv_rows)
-            else:
-                buf = bufs[ln.step % 2]
-                kb = DeviceArray(buf, call.k.shape, call.k.dtype, call.k.strides, device=ctx.device)
-                vb = DeviceArray(buf + kv_bytes, call.k.shape, call.k.dtype, call.k.strides, device=ctx.device)
-                kmap = AK.tensor_map(kb, call.layout, AK.BN, seq=kv_rows)
-                vmap = AK.tensor_map(vb, call.layout, AK.BN, seq=kv_rows)
-            nq = ln.q1 - ln.q0
-            qmap = AK.tensor_map(call.q, call.layout, AK.BM, ptr=call.q.ptr + ln.q0 * ss * it, seq=nq)
-            ost = AK.bshd(call.out, call.layout)[1]
-            args = AK.AttnFwdArgs(call.out.ptr + ln.q0 * oss * it, call.lse.ptr, ost[0], ost[1], ost[2], nq, kv_rows,
-                                  Hq, Hq // Hkv, call.scale * AK.LOG2E, heavy)
-            margs = AK.AttnMergeArgs(self.acc.ptr, ln.q0, S, int(ln.first), ln.final_lo, ln.final_hi, 0)
-            kern = AK.get(dt, D, ln.causal, merge=True)
-            launch = kern.prepare((-(-nq // AK.BM), Hq, B), AK.THREADS, [qmap.buf, kmap.buf, vmap.buf, args, margs],
-                                  stream=call.stream, smem=AK.smem_bytes(D))
-            self._steps[ln.step].append((ln, qmap, kmap if ln.step == 0 else None, vmap if ln.step == 0 else None,
-                                         args, launch))
+        self._steps = attention_launches(ctx, call, plan, bufs, self.acc)
 
     def run(self, stream, call) -> None:
-        P, it = self.P, self._it
+        P = self.P
         s = cu.CUstream(stream)
         if P > 1:
             ev, side = self._ev, self._side
@@ -241,13 +215,7 @@ class _RingBound(BoundCall):
         for step, launches in enumerate(self._steps):
             if step > 0:
                 self._pull(step, s)
-            for ln, qmap, kmap, vmap, args, launch in launches:
-                qmap.point(call.q.ptr + ln.q0 * self._q_ss * it)
-                if kmap is not None:
-                    kmap.point(call.k.ptr)
-                    vmap.point(call.v.ptr)
-                args.out, args.lse = call.out.ptr + ln.q0 * self._o_ss * it, call.lse.ptr
-                launch()
+            launch_step(launches, call, self._q_ss, self._o_ss, self._it)
             if step + 2 < P:  # (step + 2 pulls into this step's buffer)
                 check(cu.cuEventRecord(getattr(self._ev, f"done{step}"), s))
         if P > 1:
@@ -272,9 +240,10 @@ _DEFAULT = RingAttentionOptions()
 
 def ring_attention(ctx, q, k, v, out=None, *, lse=None, causal: bool = False, softmax_scale: float | None = None,
                    layout: str = "bshd", stream=None, options: RingAttentionOptions | None = None):
-    """Ring attention forward over the P ranks of ``ctx``'s node: returns ``(out, lse)`` for this rank's query rows.
+    """Ring attention forward over the P ranks of ``ctx``'s node (of the whole world when ``ctx`` spans several
+    nodes: node-major ranks, the same count per node): returns ``(out, lse)`` for this rank's query rows.
 
-    The sequence is sharded over the local ranks in local-rank order, S_local rows each (non-causal:
+    The sequence is sharded over the ring's ranks in rank order, S_local rows each (non-causal:
     contiguous shards; ``causal=True``: zigzag shards, rank r holding chunks r and 2P-1-r of the 2P equal
     chunks, :func:`mkernel.zigzag_shard`; S_local even).  q: this rank's ``[B, S_local, H_q, D]``
     (``layout="bshd"``) or ``[B, H_q, S_local, D]`` (``"bhsd"``); k, v: ``[B, S_local, H_kv, D]`` (resp.

@@ -18,7 +18,9 @@ __all__ = ["zigzag_shard", "zigzag_unshard"]
 def _rank_p(where) -> tuple[int, int]:
     if isinstance(where, tuple):
         rank, P = where
-    else:  # a Context: the ring runs over the node's ranks
+    elif where.num_nodes > 1:  # a Context across nodes: the ring runs over the world's ranks
+        rank, P = where.rank, where.size
+    else:  # a Context of one node: over the node's ranks
         rank, P = where.local_rank, where.local_size
     rank, P = int(rank), int(P)
     if P < 1 or not 0 <= rank < P:
@@ -58,7 +60,8 @@ def zigzag_shard(x, where, seq_dim: int = 1, *, stream=None):
     """This rank's zigzag shard of the full sequence ``x``: positions of chunk ``r`` then chunk ``2P - 1 - r``
     along ``seq_dim`` (the sequence cut into 2P equal chunks; its length must be a multiple of 2P).
 
-    ``where``: a :class:`mkernel.Context` (local rank and size) or ``(rank, P)``.  ``x``: a numpy array
+    ``where``: a :class:`mkernel.Context` (local rank and size; world rank and size when it spans several
+    nodes) or ``(rank, P)``.  ``x``: a numpy array
     (returns numpy) or any CUDA array, C-contiguous (returns a new :class:`mkernel.DeviceArray` filled by
     copies on ``stream``, asynchronous).  ``seq_dim``: 1 for ``[B, S, H, D]``, 2 for ``[B, H, S, D]``."""
     rank, P = _rank_p(where)
