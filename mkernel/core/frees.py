@@ -51,6 +51,7 @@ def mark_proxy_launch(stream: int) -> None:
     with _lock:
         _inside += 1
         try:
+            _busy()  # drop the finished marks: the list stays as long as the launches in flight
             _record(stream)
         finally:
             _inside -= 1

@@ -80,3 +80,11 @@ def test_a_free_inside_the_locked_code_is_deferred(fake_events, monkeypatch):
     fake_events["done"].add(1)
     frees.release(free, 1, 0x31)
     assert freed == [0x30, 0x31] and frees.pending() == 0
+
+
+def test_marks_do_not_pile_up_without_frees(fake_events):
+    """Many marked launches and no free: the finished marks are dropped (their events reused) at each mark."""
+    for i in range(1000):
+        fake_events["done"].add(i)  # every earlier launch has finished by the next one
+        frees.mark_proxy_launch(0)
+    assert len(frees._marks) == 1 and frees.pending() == 0
