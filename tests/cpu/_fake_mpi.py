@@ -110,8 +110,9 @@ class FakeComm:
         raise AssertionError("blocking Barrier called")
 
 
-def run_ranks(size: int, body, timeout: float = 60.0):
-    """``body(rank)`` on ``size`` threads; returns (results, errors) per rank; asserts none hung."""
+def run_ranks(size: int, body, timeout: float = 60.0, on_error=None):
+    """``body(rank)`` on ``size`` threads; returns (results, errors) per rank; asserts none hung.
+    ``on_error(rank)``: called in a rank's thread after its body raised."""
     results, errors = [None] * size, [None] * size
 
     def run(r):
@@ -119,6 +120,8 @@ def run_ranks(size: int, body, timeout: float = 60.0):
             results[r] = body(r)
         except BaseException as exc:  # noqa: BLE001
             errors[r] = exc
+            if on_error is not None:
+                on_error(r)
 
     ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
     for t in ts:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from _fake_mpi import run_ranks as fake_mpi_run_ranks
 from mkernel.proxy.transport import Exchanger
 from mkernel.proxy.transport.exchange import decode, encode
 
@@ -42,21 +43,9 @@ def run_ranks(size, body, *, hook=None, timeout=60, abort_on_error=False):
     """``body(exchanger, rank)`` per rank on ``size`` threads; returns (results, errors); asserts no rank hung.
     ``abort_on_error``: a rank that raises breaks the others' barriers (they raise too, instead of waiting)."""
     group = Group(size, hook, timeout)
-    results, errors = [None] * size, [None] * size
 
-    def run(r):
-        try:
-            results[r] = body(ThreadEx(group, r), r)
-        except BaseException as exc:  # noqa: BLE001
-            errors[r] = exc
-            if abort_on_error:
-                group.b1.abort()
-                group.b2.abort()
-
-    ts = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in ts), "a rank hung"
-    return results, errors
+    def abort(r):
+        group.b1.abort()
+        group.b2.abort()
+    return fake_mpi_run_ranks(size, lambda r: body(ThreadEx(group, r), r), timeout,
+                              on_error=abort if abort_on_error else None)
