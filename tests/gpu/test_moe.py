@@ -75,8 +75,7 @@ def test_smoke_each_kernel_finishes(ctx, shared_rng):
     xr = poisoned((R.recv_rows, H), "bfloat16")
     mkernel.moe_dispatch(ctx, xs[me][0], R, xr)
     _sync_stage(ctx, "moe_dispatch (mk_moe_dispatch)")
-    n = int(lay[me]["expert_offsets"][-1])
-    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+    _check_dispatch(R, xs, xr, lay, k, me)
     out = poisoned((T, H), "float32")
     mkernel.moe_combine(ctx, xr, R, out)
     _sync_stage(ctx, "moe_combine (mk_moe_combine)")
@@ -135,6 +134,32 @@ def _check_layout(R, ids, E, me, capacity=0):
     return lay
 
 
+def _check_dispatch(R, xs, xr, lay, k, me):
+    """recv_map and the received rows (the first expert_offsets[-1]) bit-exact against the float64 layout."""
+    n = int(lay[me]["expert_offsets"][-1])
+    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
+    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+
+
+def _expert_outputs(rng, R, H, P):
+    """Every rank's expert outputs y [recv_rows, H] (random, bf16 uploads)."""
+    return [upload(rng.standard_normal((R.recv_rows, H)), "bfloat16") for _ in range(P)]
+
+
+def _check_combine(ctx, ys, R, ids, ws, lay, E, k, me, out_dtype="float32", tol=2.0 ** -20, options=None):
+    """combine of ``ys`` into a NaN-poisoned out, against float64: within ``tol`` (fp32 accumulation: 2^-20;
+    a bf16 out: 2^-8) of the output's scale plus the k summed rows' scale."""
+    T, H = ids[me].shape[0], ys[0][1].shape[1]
+    out = poisoned((T, H), out_dtype)
+    mkernel.moe_combine(ctx, ys[me][0], R, out, options=options)
+    ctx.synchronize()
+    want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
+    got = download(out)
+    assert got.shape == want.shape and not np.isnan(got).any()
+    if T:
+        assert np.abs(got - want).max() <= tol * (np.abs(want).max() + k * np.abs(ys[0][1]).max()) + 1e-6
+
+
 @pytest.mark.parametrize("T,k,E_local,mode", [(1000, 8, 4, "random"), (333, 1, 3, "random"), (517, 2, 4, "one_expert"),
                                               (300, 2, 2, "rank0_only"), (0, 2, 2, "random"), (70, 8, 8, "random")])
 def test_route_dispatch_combine_given_ids(ctx, shared_rng, T, k, E_local, mode):
@@ -149,23 +174,11 @@ def test_route_dispatch_combine_given_ids(ctx, shared_rng, T, k, E_local, mode):
     mkernel.moe_dispatch(ctx, xs[me][0], R, xr)
     ctx.synchronize()
     lay = _check_layout(R, ids, E, me)
-    n = int(lay[me]["expert_offsets"][-1])
-    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
-    want = ref.dispatch_reference([x[1] for x in xs], lay, k)[me]
-    np.testing.assert_array_equal(download(xr)[:n], want)
+    _check_dispatch(R, xs, xr, lay, k, me)
     # combine: expert outputs y (random, per rank), summed back with the weights
-    ys = [shared_rng.standard_normal((R.recv_rows, H)) for _ in range(P)]
-    ys = [upload(y, "bfloat16") for y in ys]
+    ys = _expert_outputs(shared_rng, R, H, P)
     for od, tol in (("float32", 2.0 ** -20), ("bfloat16", 2.0 ** -8)):
-        out = poisoned((T, H), od)
-        mkernel.moe_combine(ctx, ys[me][0], R, out)
-        ctx.synchronize()
-        want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
-        got = download(out)
-        assert got.shape == want.shape and not np.isnan(got).any()
-        if T:
-            scale = sum(np.abs(ys[0][1]).max() * 1.0 for _ in range(k))
-            assert np.abs(got - want).max() <= tol * (np.abs(want).max() + scale) + 1e-6
+        _check_combine(ctx, ys, R, ids, ws, lay, E, k, me, od, tol)
 
 
 @pytest.mark.parametrize("ldt", ["float32", "bfloat16"])
@@ -352,8 +365,7 @@ def test_dispatch_gemm_back_to_back(ctx, shared_rng):
         if it % 50 == 0:
             ctx.synchronize()
             lay = ref.layout_reference(ids, E)
-            n = int(lay[me]["expert_offsets"][-1])
-            np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+            _check_dispatch(R, xs, xr, lay, k, me)
     ctx.synchronize()
 
 
@@ -379,19 +391,9 @@ def test_low_latency_dispatch_given_ids(ctx, shared_rng, T, k, E_local, mode):
                          topk_weights=DeviceArray.from_numpy(ws[me]), options=LL)
     _sync_stage(ctx, "moe_dispatch low-latency (mk_moe_dispatch_ll)")
     lay = _check_layout(R, ids, E, me)
-    n = int(lay[me]["expert_offsets"][-1])
     np.testing.assert_array_equal(R.ids.to_numpy(), ids[me])
-    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
-    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
-    ys = [upload(shared_rng.standard_normal((R.recv_rows, H)), "bfloat16") for _ in range(P)]
-    out = poisoned((T, H), "float32")
-    mkernel.moe_combine(ctx, ys[me][0], R, out, options=LL)
-    ctx.synchronize()
-    want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
-    got = download(out)
-    assert got.shape == want.shape and not np.isnan(got).any()
-    if T:
-        assert np.abs(got - want).max() <= 2.0 ** -20 * (np.abs(want).max() + k * np.abs(ys[0][1]).max()) + 1e-6
+    _check_dispatch(R, xs, xr, lay, k, me)
+    _check_combine(ctx, _expert_outputs(shared_rng, R, H, P), R, ids, ws, lay, E, k, me, options=LL)
 
 
 @pytest.mark.parametrize("ldt", ["float32", "bfloat16"])
@@ -408,8 +410,7 @@ def test_low_latency_routes_from_logits(ctx, shared_rng, ldt):
     np.testing.assert_allclose(R.weights.to_numpy(), w, rtol=1e-5, atol=1e-6)
     all_ids = [ref.topk_reference(l[1], k)[0] for l in logits]
     lay = _check_layout(R, all_ids, E, me)
-    n = int(lay[me]["expert_offsets"][-1])
-    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+    _check_dispatch(R, xs, xr, lay, k, me)
 
 
 def test_low_latency_graph_replay_and_back_to_back(ctx, shared_rng):
@@ -612,18 +613,8 @@ def test_internode_route_dispatch_combine(ctx, shared_rng, T, k, E_local, mode, 
     np.testing.assert_array_equal(got_sr[:, 1], sr[:, 1])
     np.testing.assert_array_equal(got_sr[sr[:, 1] > 0, 0], sr[sr[:, 1] > 0, 0])
     np.testing.assert_array_equal(R.src_offsets.to_numpy(), ref.src_offsets_reference(lay[me], P, T, k))
-    n = int(lay[me]["expert_offsets"][-1])
-    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
-    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
-    ys = [upload(shared_rng.standard_normal((R.recv_rows, H)), "bfloat16") for _ in range(P)]
-    out = poisoned((T, H), "float32")
-    mkernel.moe_combine(ctx, ys[me][0], R, out, options=opts)
-    ctx.synchronize()
-    want = ref.combine_reference([y[1] for y in ys], ids, ws, [l["slots"] for l in lay], E)[me]
-    got = download(out)
-    assert got.shape == want.shape and not np.isnan(got).any()
-    if T:
-        assert np.abs(got - want).max() <= 2.0 ** -20 * (np.abs(want).max() + k * np.abs(ys[0][1]).max()) + 1e-6
+    _check_dispatch(R, xs, xr, lay, k, me)
+    _check_combine(ctx, _expert_outputs(shared_rng, R, H, P), R, ids, ws, lay, E, k, me, options=opts)
 
 
 @pytest.mark.internode
