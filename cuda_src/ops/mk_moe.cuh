@@ -120,6 +120,61 @@ MK_DEVICE int block_scan(int v, int* sh) {
   return r;
 }
 
+// Count exchange, thread e = expert e (`on`: e < E).  tile_cnt[q][e] := this rank's pairs of expert e in
+// the tiles before q (what mk_moe_route_slots adds to a pair's rank in its tile); returns the rank's total.
+MK_DEVICE int moe_tile_prefix(int* __restrict__ tile_cnt, int ntiles, int E, int e, bool on) {
+  int mine = 0;
+  if (on)
+    for (int q = 0; q < ntiles; ++q) {
+      const int n = tile_cnt[(mk_u64)q * E + e];
+      tile_cnt[(mk_u64)q * E + e] = mine;
+      mine += n;
+    }
+  return mine;
+}
+
+// Where expert e's rows land in its owner's receive buffer, from every rank's counts cnts[P][E] (written by
+// the peers: read past L1).  Whole block (block_scan over the experts), thread e = expert e.
+struct MoeExpertPlace {
+  int start;      // the expert's first row, owner-relative (the owner's experts in order)
+  int kept;       // its rows kept: min(sum over ranks, capacity)
+  int before_me;  // rows of lower source ranks (this rank's rows follow them)
+  int cap;        // the capacity (no limit: INT_MAX)
+};
+MK_DEVICE MoeExpertPlace moe_expert_place(const int* cnts, const MoeShape& s, int P, int me, int e, bool on,
+                                          int* sh) {
+  MoeExpertPlace pl;
+  pl.cap = s.capacity > 0 ? s.capacity : 0x7fffffff;
+  int total = 0;
+  pl.before_me = 0;
+  if (on)
+    for (int j = 0; j < P; ++j) {
+      const int n = __ldcg(cnts + (mk_u64)j * s.E + e);
+      if (j < me) pl.before_me += n;
+      total += n;
+    }
+  pl.kept = on ? min(total, pl.cap) : 0;
+  const int incl = block_scan(pl.kept, sh);  // over all experts; the owner's share starts at its first expert
+  const int owner_first = on ? (e / s.El) * s.El : 0;
+  sh[threadIdx.x] = incl - pl.kept;  // exclusive
+  __syncthreads();
+  pl.start = on ? sh[threadIdx.x] - sh[owner_first] : 0;
+  return pl;
+}
+
+// (thread e, on) base[e] = this rank's first row for expert e, base[E + e] = how many of its pairs fit the
+// capacity; the owner's expert_offsets[l] (and [El] after its last expert), clamped to the receive buffer.
+MK_DEVICE void moe_store_place(const MoeExpertPlace& pl, const MoeShape& s, int me, int e, int* __restrict__ base,
+                               int* __restrict__ expert_offsets) {
+  base[e] = pl.start + pl.before_me;
+  base[s.E + e] = pl.cap - pl.before_me;
+  if (e / s.El == me) {
+    const int l = e - me * s.El;
+    expert_offsets[l] = min(pl.start, s.r_cap);
+    if (l == s.El - 1) expert_offsets[s.El] = min(pl.start + pl.kept, s.r_cap);
+  }
+}
+
 // V consecutive fp32 values -> V elements of TO_ at `o` (one or two 16-byte stores when V * sizeof(TO_) is
 // 16 or 32 bytes; o aligned to that; else scalar stores).
 template <typename TO_, int V>

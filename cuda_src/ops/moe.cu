@@ -212,13 +212,7 @@ mk_moe_route_exchange(MkComm c, int* __restrict__ tile_cnt, int ntiles, int* __r
   const mk_u64 ep = moe_begin(c, w);
   const int e = threadIdx.x, E = s.E, P = w.P, me = w.me;
   const bool on = e < E;
-  int mine = 0;
-  if (on)
-    for (int q = 0; q < ntiles; ++q) {
-      const int n = tile_cnt[(mk_u64)q * E + e];
-      tile_cnt[(mk_u64)q * E + e] = mine;
-      mine += n;
-    }
+  const int mine = moe_tile_prefix(tile_cnt, ntiles, E, e, on);
   // this rank's counts into every rank's counts[parity][me][.] (ours too)
   const int par = (int)(ep & 1);
   if (on)
@@ -237,28 +231,8 @@ mk_moe_route_exchange(MkComm c, int* __restrict__ tile_cnt, int ntiles, int* __r
   }
   if (!__syncthreads_and(ok)) return;
   const int* cnts = (const int*)(w.base + L.counts_off) + (mk_u64)par * P * E;
-  const int cap = s.capacity > 0 ? s.capacity : 0x7fffffff;
-  int total = 0, before_me = 0;
-  if (on)
-    for (int j = 0; j < P; ++j) {
-      const int n = __ldcg(cnts + (mk_u64)j * E + e);
-      if (j < me) before_me += n;
-      total += n;
-    }
-  const int kept = on ? min(total, cap) : 0;
-  const int incl = block_scan(kept, sh);  // over all experts; the owner's share starts at its first expert
-  const int owner_first = on ? (e / s.El) * s.El : 0;
-  sh[threadIdx.x] = incl - kept;  // exclusive
-  __syncthreads();
-  const int start = on ? sh[threadIdx.x] - sh[owner_first] : 0;
-  if (on) {
-    base[e] = start + before_me;
-    base[E + e] = cap - before_me;  // how many of this rank's pairs of e fit the expert's capacity
-    if (e / s.El == me) {
-      expert_offsets[e - me * s.El] = min(start, s.r_cap);
-      if (e == (me + 1) * s.El - 1) expert_offsets[s.El] = min(start + kept, s.r_cap);
-    }
-  }
+  const MoeExpertPlace pl = moe_expert_place(cnts, s, P, me, e, on, sh);
+  if (on) moe_store_place(pl, s, me, e, base, expert_offsets);
   __syncthreads();
   if (mk_epoch_arrive(w.epoch_state(), gridDim.x)) mk_epoch_commit(w.epoch_state(), ep);
 }

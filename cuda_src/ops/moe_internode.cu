@@ -86,6 +86,18 @@ MK_DEVICE bool x_open(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 e)
   return __syncthreads_and(ok) != 0;
 }
 
+// Whole block, block-uniform verdict: block 0's thread 0 raises ready[me] = e at every other rank -- at a
+// rank on another node after `send(r)` pushed its WRITEs (false: a push failed, stop), the FLAG after them
+// ("flag visible => data complete", docs/internode.md).
+template <class Send>
+MK_DEVICE bool x_publish(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 e, Send send) {
+  int ok = 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    for (int r = 0; r < w.P && ok; ++r)
+      if (r != w.me) ok = (w.local(r) || send(r)) && x_set(c, w, p, r, w.ready_off(w.me), e);
+  return __syncthreads_and(ok) != 0;
+}
+
 // Whole block: every other rank consumed what we wrote in call e - 1.
 MK_DEVICE bool x_wait_consumed(const MkComm& c, const XWs& w, mk_u64 e) {
   int ok = 1;
@@ -158,13 +170,7 @@ mk_moe_x_route_exchange(MkComm c, MkProxy p, int* __restrict__ tile_cnt, int nti
   const int e = threadIdx.x, E = s.E, P = w.P, me = w.me, El = s.El;
   const bool on = e < E;
   if (!x_open(c, w, p, ep)) return;
-  int mine = 0;
-  if (on)
-    for (int q = 0; q < ntiles; ++q) {
-      const int n = tile_cnt[(mk_u64)q * E + e];
-      tile_cnt[(mk_u64)q * E + e] = mine;
-      mine += n;
-    }
+  const int mine = moe_tile_prefix(tile_cnt, ntiles, E, e, on);
   const int par = (int)(ep & 1);
   const mk_u64 row_off = X.a_off + ((mk_u64)par * P + me) * E * 4;  // counts[par][me][.]
   if (on) {
@@ -187,33 +193,17 @@ mk_moe_x_route_exchange(MkComm c, MkProxy p, int* __restrict__ tile_cnt, int nti
   if (!__syncthreads_and(ok)) return;
   if (!x_wait_ready(c, w, ep)) return;
   const int* cnts = (const int*)(w.base + X.a_off) + (mk_u64)par * P * E;
-  const int cap = s.capacity > 0 ? s.capacity : 0x7fffffff;
-  int total = 0, before_me = 0;
-  if (on)
-    for (int j = 0; j < P; ++j) {
-      const int n = __ldcg(cnts + (mk_u64)j * E + e);
-      if (j < me) before_me += n;
-      total += n;
-    }
-  const int kept = on ? min(total, cap) : 0;
-  const int incl = block_scan(kept, sh);
-  const int owner_first = on ? (e / El) * El : 0;
-  sh[threadIdx.x] = incl - kept;
-  __syncthreads();
-  const int start = on ? sh[threadIdx.x] - sh[owner_first] : 0;
+  const MoeExpertPlace pl = moe_expert_place(cnts, s, P, me, e, on, sh);
   if (on) {
-    const int b = start + before_me;
-    base[e] = b;
-    base[E + e] = cap - before_me;
+    moe_store_place(pl, s, me, e, base, expert_offsets);
+    const int b = pl.start + pl.before_me;
     send_ranges[2 * e] = b;
-    send_ranges[2 * e + 1] = max(0, min(mine, min(cap - before_me, s.r_cap - b)));
+    send_ranges[2 * e + 1] = max(0, min(mine, min(pl.cap - pl.before_me, s.r_cap - b)));
     if (e / El == me) {
       const int l = e - me * El;
-      expert_offsets[l] = min(start, s.r_cap);
-      if (l == El - 1) expert_offsets[El] = min(start + kept, s.r_cap);
       int cum = 0;
       for (int j = 0; j <= P; ++j) {
-        src_offsets[l * (P + 1) + j] = min(start + min(cum, kept), s.r_cap);
+        src_offsets[l * (P + 1) + j] = min(pl.start + min(cum, pl.kept), s.r_cap);
         if (j < P) cum += __ldcg(cnts + (mk_u64)j * E + e);
       }
     }
@@ -272,26 +262,19 @@ mk_moe_x_dispatch(MkComm c, MkProxy p, const char* __restrict__ x, const int* __
     }
   }
   if (!x_grid_sync(c, w, ep)) return;
-  int ok = 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    for (int r = 0; r < P && ok; ++r) {
-      if (r == me) continue;
-      if (w.local(r)) {
-        mk_signal_set((mk_u64*)w.at(r, w.ready_off(me)), ep);
-        continue;
-      }
-      for (int e = r * El; e < (r + 1) * El && ok; ++e) {
-        const mk_u64 first = (mk_u64)send_ranges[2 * e], n = (mk_u64)send_ranges[2 * e + 1];
-        if (n == 0) continue;
-        ok = mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.d_off + ((mk_u64)r * RC + first) * RB,
-                           X.c_off + first * RB, n * RB, 0, MK_PROXY_NO_FLAG, 0) != MK_PROXY_NO_FLAG &&
-             mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.e_off + ((mk_u64)r * RC + first) * 4,
-                           X.a_off + first * 4, n * 4, 0, MK_PROXY_NO_FLAG, 0) != MK_PROXY_NO_FLAG;
-      }
-      if (ok) ok = x_set(c, w, p, r, w.ready_off(me), ep);
-    }
-  }
-  if (!__syncthreads_and(ok)) return;
+  if (!x_publish(c, w, p, ep, [&](int r) {
+        for (int e = r * El; e < (r + 1) * El; ++e) {
+          const mk_u64 first = (mk_u64)send_ranges[2 * e], n = (mk_u64)send_ranges[2 * e + 1];
+          if (n == 0) continue;
+          if (mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.d_off + ((mk_u64)r * RC + first) * RB,
+                            X.c_off + first * RB, n * RB, 0, MK_PROXY_NO_FLAG, 0) == MK_PROXY_NO_FLAG ||
+              mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.e_off + ((mk_u64)r * RC + first) * 4,
+                            X.a_off + first * 4, n * 4, 0, MK_PROXY_NO_FLAG, 0) == MK_PROXY_NO_FLAG)
+            return false;
+        }
+        return true;
+      }))
+    return;
   if (!x_wait_ready(c, w, ep)) return;
   const int R = min(__ldcg(expert_offsets + El), s.r_cap);
   const int* in_src = (const int*)(w.base + X.a_off);
@@ -348,24 +331,17 @@ mk_moe_x_combine(MkComm c, MkProxy p, const T* __restrict__ y, const int* __rest
     mk_copy(to, (const char*)y + (mk_u64)r * RB, RB, lane, 32);
   }
   if (!x_grid_sync(c, w, ep)) return;
-  int ok = 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    for (int r = 0; r < P && ok; ++r) {
-      if (r == me) continue;
-      if (w.local(r)) {
-        mk_signal_set((mk_u64*)w.at(r, w.ready_off(me)), ep);
-        continue;
-      }
-      for (int l = 0; l < El && ok; ++l) {
-        const mk_u64 a = (mk_u64)src_offsets[l * (P + 1) + r], b = (mk_u64)src_offsets[l * (P + 1) + r + 1];
-        if (b <= a) continue;
-        ok = mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.d_off + a * RB, X.c_off + ((mk_u64)me * RC + a) * RB,
-                           (b - a) * RB, 0, MK_PROXY_NO_FLAG, 0) != MK_PROXY_NO_FLAG;
-      }
-      if (ok) ok = x_set(c, w, p, r, w.ready_off(me), ep);
-    }
-  }
-  if (!__syncthreads_and(ok)) return;
+  if (!x_publish(c, w, p, ep, [&](int r) {
+        for (int l = 0; l < El; ++l) {
+          const mk_u64 a = (mk_u64)src_offsets[l * (P + 1) + r], b = (mk_u64)src_offsets[l * (P + 1) + r + 1];
+          if (b <= a) continue;
+          if (mk_proxy_push(c, p, MK_PROXY_OP_WRITE, r, 0, X.d_off + a * RB, X.c_off + ((mk_u64)me * RC + a) * RB,
+                            (b - a) * RB, 0, MK_PROXY_NO_FLAG, 0) == MK_PROXY_NO_FLAG)
+            return false;
+        }
+        return true;
+      }))
+    return;
   if (!x_wait_ready(c, w, ep)) return;
   // a 16-byte vector per lane, the same trip count on every lane (full-mask shuffles: docs/moe.md)
   for (int t = gw; t < s.T; t += warps)  // (warp-uniform)
