@@ -19,7 +19,6 @@ from cuda.bindings import driver as cu
 
 from ...core.arrays import DeviceArray
 from ...core.archs import require_gemm_device
-from ...core.compiler import kernel as compiled_kernel
 from ...core.device import on_device
 from ...core.driver import check
 from ...core.streams import Events, copy_async
@@ -27,7 +26,8 @@ from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..attention_bwd import kernels as BK
 from ..attention_bwd.op import BwdArgs, LAYOUTS, PartSumArgs, check_arrays, layout_strides, prepare_arrays
 from ..base import BoundCall, Op, as_stream, checked_once
-from .op import SOURCE, VALUE_OFF, RingLayout, check_ring
+from .common import VALUE_OFF, RingLayout, control, gated_pull
+from .op import check_ring
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan, source_rank
 
@@ -134,8 +134,8 @@ class _RingAttentionBwd(Op):
             for name in BK.PARTIAL_KERNELS:
                 BK.get_partial(dt, D, name)
             if ctx.local_size > 1:
-                _control("mk_ring_begin")
-                _control("mk_ring_wait")
+                control("mk_ring_begin")
+                control("mk_ring_wait")
 
     def agree(self, ctx, c):
         B, Sq, Sk, Hq, Hkv, D = c.dims
@@ -154,10 +154,6 @@ class _RingAttentionBwd(Op):
     def bind(self, ctx, c, plan):
         with on_device(ctx.device):
             return _RingBwdBound(ctx, c, plan, getattr(c, "digest", 0))
-
-
-def _control(name: str):
-    return compiled_kernel(SOURCE, {}, name)
 
 
 def _set_strides(a: BwdArgs, c) -> None:
@@ -208,12 +204,12 @@ class _RingBwdBound(BoundCall):
             side = ctx.side_stream()
             self._side = cu.CUstream(side)
             comm = ctx.comm_args(OP, digest)
-            self._begin = _control("mk_ring_begin").prepare(
+            self._begin = control("mk_ring_begin").prepare(
                 (1, 1, 1), 32, [comm, ctypes.c_void_p(ws.ptr), ctypes.c_void_p(ws.peer_table), L.home], stream=side)
-            self._kv_waits = [None] + [_control("mk_ring_wait").prepare(
+            self._kv_waits = [None] + [control("mk_ring_wait").prepare(
                 (1, 1, 1), 32, [comm, ctypes.c_void_p(ws.ptr), L.home, ctypes.c_int32(src)], stream=side)
                 for src in plan.sources[1:]]
-            self._part_waits = [_control("mk_ring_wait").prepare(
+            self._part_waits = [control("mk_ring_wait").prepare(
                 (1, 1, 1), 32, [comm, ctypes.c_void_p(ws.ptr), L.parts, ctypes.c_int32(src)], stream=side)
                 for src in range(P) if src != me]
             n = c.options.pull_chunks
@@ -325,10 +321,7 @@ class _RingBwdBound(BoundCall):
                 self._raise_part(step - 2, signalled)
             else:
                 check(cu.cuStreamWaitEvent(side, getattr(ev, f"done{step - 2}"), 0))
-        self._kv_waits[step]()
-        copy_async(self._pulls[step], side)
-        check(cu.cuEventRecord(getattr(ev, f"arrived{step}"), side))
-        check(cu.cuStreamWaitEvent(s, getattr(ev, f"arrived{step}"), 0))
+        gated_pull(ev, side, s, step, self._kv_waits[step], self._pulls[step])
 
 
 _RING_BWD = _RingAttentionBwd()

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import ctypes
 
+from cuda.bindings import driver as cu
+
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel as compiled_kernel, register_specialization
+from ...core.driver import check
+from ...core.streams import copy_async
 from ..attention import kernels as AK
 
-__all__ = ["SOURCE", "VALUE_OFF", "RingLayout", "control", "attention_launches", "launch_step"]
+__all__ = ["SOURCE", "VALUE_OFF", "RingLayout", "control", "attention_launches", "launch_step", "gated_pull"]
 
 SOURCE = "ops/ring_attention.cu"
 VALUE_OFF = 32  # MK_RING_VALUE_OFF
@@ -72,3 +76,13 @@ def launch_step(launches: list, call, q_ss: int, o_ss: int, it: int) -> None:
             vmap.point(call.v.ptr)
         args.out, args.lse = call.out.ptr + ln.q0 * o_ss * it, call.lse.ptr
         launch()
+
+
+def gated_pull(ev, side, s, step: int, wait, pulls) -> None:
+    """Step ``step``'s pull of a block from this node: (``side`` stream) ``wait()`` launches the gate on its
+    source's flag, then the copies ``pulls``; (caller's stream ``s``) wait for them (event ``arrived<step>``)."""
+    wait()
+    copy_async(pulls, side)
+    arrived = getattr(ev, f"arrived{step}")
+    check(cu.cuEventRecord(arrived, side))
+    check(cu.cuStreamWaitEvent(s, arrived, 0))

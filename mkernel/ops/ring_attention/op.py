@@ -27,7 +27,7 @@ from ..collectives.internode import check_layout as check_nodes
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan
 from . import internode as XR
-from .common import SOURCE, VALUE_OFF, RingLayout, attention_launches, control, launch_step
+from .common import SOURCE, VALUE_OFF, RingLayout, attention_launches, control, gated_pull, launch_step
 
 __all__ = ["ring_attention", "RingPlan", "SOURCE", "VALUE_OFF", "RingLayout", "workspace_layout", "check_ring",
            "attention_launches", "launch_step"]
@@ -228,10 +228,7 @@ class _RingBound(BoundCall):
         ev, side = self._ev, self._side
         if step >= 2:
             check(cu.cuStreamWaitEvent(side, getattr(ev, f"done{step - 2}"), 0))
-        self._waits[step]()
-        copy_async(self._pulls[step], side)
-        check(cu.cuEventRecord(getattr(ev, f"arrived{step}"), side))
-        check(cu.cuStreamWaitEvent(s, getattr(ev, f"arrived{step}"), 0))
+        gated_pull(ev, side, s, step, self._waits[step], self._pulls[step])
 
 
 _RING = _RingAttention()
