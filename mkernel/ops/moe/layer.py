@@ -15,7 +15,7 @@ from ..gemm import grouped_gemm, grouped_gemm_swiglu, swiglu_candidates
 from .fused import moe_dispatch_gemm
 from .layout import SOURCE, kernel_defines
 from .op import (DTYPE_CODES, MoePlan, MoeRouting, check_sizes, moe_combine, moe_dispatch, moe_options, moe_route,
-                 one_node)
+                 one_node, routing_source)
 from .options import MoeOptions
 
 __all__ = ["moe_layer", "swiglu_path"]
@@ -120,22 +120,14 @@ class _Layer(Op):
         if WG.ndim != 3:
             raise ValueError(f"{self.what}: w_gate_up must be [E_local, 2F, H], got shape {tuple(WG.shape)}")
         E = WG.shape[0] * ctx.local_size
+        src = routing_source(self.what, call, logits, topk_ids, topk_weights, s)
         if logits is not None:
-            call.logits = as_device_array(logits, name="moe_layer: logits", stream=s)
-            call.ids = call.weights = None
             if k is None:
                 raise ValueError(f"{self.what}: k is required with logits")
-            src = (call.logits.dtype, call.logits.shape, call.logits.strides)
         else:
-            if topk_ids is None or topk_weights is None:
-                raise ValueError(f"{self.what}: pass logits (and k), or topk_ids and topk_weights")
-            call.logits = None
-            call.ids = as_device_array(topk_ids, name="moe_layer: topk_ids", stream=s)
-            call.weights = as_device_array(topk_weights, name="moe_layer: topk_weights", stream=s)
             if call.ids.ndim != 2:
                 raise ValueError(f"{self.what}: topk_ids must be [T, k], got shape {tuple(call.ids.shape)}")
             k = call.ids.shape[1]
-            src = ("given", call.ids.shape)
         call.routing = _RoutingSpec(int(k), E)
         T = X.shape[0] if X.ndim == 2 else 0
         if out is None:

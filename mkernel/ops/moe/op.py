@@ -178,6 +178,24 @@ class _Launches(BoundCall):
             self.after(stream)
 
 
+def routing_source(what: str, call, logits, topk_ids, topk_weights, stream) -> tuple:
+    """Import a call's routing source -- logits, or topk_ids and topk_weights (one of the two) -- into
+    ``call.logits`` / ``call.ids`` / ``call.weights``; returns its part of the bound-call key."""
+    name = what.rsplit(".", 1)[-1]
+    if logits is not None:
+        if topk_ids is not None or topk_weights is not None:
+            raise ValueError(f"{what}: pass logits or topk_ids / topk_weights, not both")
+        lg = call.logits = as_device_array(logits, name=f"{name}: logits", stream=stream)
+        call.ids = call.weights = None
+        return (lg.dtype.name, lg.shape, lg.strides)
+    if topk_ids is None or topk_weights is None:
+        raise ValueError(f"{what}: pass logits, or topk_ids and topk_weights")
+    call.logits = None
+    I = call.ids = as_device_array(topk_ids, name=f"{name}: topk_ids", stream=stream)
+    W = call.weights = as_device_array(topk_weights, name=f"{name}: topk_weights", stream=stream)
+    return ("given", I.dtype.name, I.shape, I.strides, W.dtype.name, W.shape, W.strides)
+
+
 class _Call:
     __slots__ = ("key", "stream", "logits", "ids", "weights", "routing", "x", "o", "options", "sig", "grid")
 
@@ -202,10 +220,9 @@ class _Route(Op):
                              f"topk_ids / topk_weights there)")
         call = _Call()
         call.stream, call.options = s, opts
+        mode = routing_source(self.what, call, logits, topk_ids, topk_weights, s)
         if logits is not None:
-            if topk_ids is not None or topk_weights is not None:
-                raise ValueError(f"{self.what}: pass logits or topk_ids / topk_weights, not both")
-            lg = call.logits = as_device_array(logits, name="moe_route: logits", stream=s)
+            lg = call.logits
             if lg.ndim != 2:
                 raise ValueError(f"{self.what}: logits must be [T, E], got shape {tuple(lg.shape)}")
             if k is None:
@@ -213,21 +230,16 @@ class _Route(Op):
             T, E = lg.shape
             if num_experts is not None and num_experts != E:
                 raise ValueError(f"{self.what}: num_experts={num_experts} but logits has {E} columns")
-            call.ids = call.weights = None
-            mode = (lg.dtype.name, lg.strides)
         else:
-            if topk_ids is None or topk_weights is None or num_experts is None:
-                raise ValueError(f"{self.what}: pass logits (and k), or topk_ids, topk_weights and num_experts")
-            call.logits = None
-            I = call.ids = as_device_array(topk_ids, name="moe_route: topk_ids", stream=s)
-            W = call.weights = as_device_array(topk_weights, name="moe_route: topk_weights", stream=s)
+            if num_experts is None:
+                raise ValueError(f"{self.what}: num_experts is required with topk_ids / topk_weights")
+            I = call.ids
             if I.ndim != 2:
                 raise ValueError(f"{self.what}: topk_ids must be [T, k], got shape {tuple(I.shape)}")
             T, kk = I.shape
             if k is not None and k != kk:
                 raise ValueError(f"{self.what}: k={k} but topk_ids has {kk} columns")
             k, E = kk, int(num_experts)
-            mode = ("given", I.dtype.name, I.shape, I.strides, W.dtype.name, W.shape, W.strides)
         check_sizes(self.what, ctx.size, T, int(k), E)
         if out is None:
             out = MoeRouting(ctx, T, int(k), E, opts)
@@ -445,18 +457,7 @@ class _DispatchLowLatency(Op):
         call.stream, call.x, call.o, call.routing, call.options = s, X, O, R, opts
         if (logits is None) == (topk_ids is None and topk_weights is None):
             raise ValueError(f"{self.what}: low-latency mode routes here: pass logits, or topk_ids and topk_weights")
-        if logits is not None:
-            call.logits = as_device_array(logits, name="moe_dispatch: logits", stream=s)
-            call.ids = call.weights = None
-            src = (call.logits.dtype.name, call.logits.shape, call.logits.strides)
-        else:
-            if topk_ids is None or topk_weights is None:
-                raise ValueError(f"{self.what}: pass both topk_ids and topk_weights")
-            call.logits = None
-            call.ids = as_device_array(topk_ids, name="moe_dispatch: topk_ids", stream=s)
-            call.weights = as_device_array(topk_weights, name="moe_dispatch: topk_weights", stream=s)
-            src = ("given", call.ids.dtype.name, call.ids.shape, call.ids.strides, call.weights.dtype.name,
-                   call.weights.shape, call.weights.strides)
+        src = routing_source(self.what, call, logits, topk_ids, topk_weights, s)
         check_no_overlap(self.what, ((O, "out", X, "x"),))
         call.key = (X.shape, X.strides, X.dtype, X.device, O.shape, O.strides, O.dtype, O.device, O.readonly,
                     X.ptr % 16 == 0, O.ptr % 16 == 0, src, R._key, s, opts, ctx.workspace_generation)
