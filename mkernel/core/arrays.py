@@ -176,6 +176,12 @@ class DeviceArray:
         dtype, device and the read-only flag."""
         return (self.ptr, self.shape, self.strides, self.dtype.name, self.device, self.readonly)
 
+    def layout_key(self) -> tuple:
+        """What a bound call depends on of this argument but its address: shape, strides, dtype, device, the
+        address modulo 16 (TMA maps, vector accesses) and the read-only flag; another array of the same key
+        re-points the bound call."""
+        return (self.shape, self.strides, self.dtype, self.device, self.ptr % 16, self.readonly)
+
     # ---- basic properties ------------------------------------------------------------------
     @property
     def size(self) -> int:

@@ -48,9 +48,6 @@ class AttentionPlan:
     block_n: int = K.BN
 
 
-def _key(x: DeviceArray) -> tuple:
-    return (x.shape, x.strides, x.dtype, x.device, x.ptr % 16, x.readonly)
-
 
 class _Call:
     __slots__ = ("key", "stream", "q", "k", "v", "out", "lse", "causal", "scale", "layout", "options", "dims")
@@ -79,7 +76,7 @@ class _Attention(Op):
         call.stream, call.q, call.k, call.v, call.out, call.lse = s, Q, Kx, V, O, L
         call.causal, call.scale, call.layout, call.options = bool(causal), scale, layout, options
         call.dims = (B, Sq, Sk, Hq, Hkv, D)
-        call.key = (layout, call.causal, options, s, _key(Q), _key(Kx), _key(V), _key(O), _key(L))
+        call.key = (layout, call.causal, options, s, *[x.layout_key() for x in (Q, Kx, V, O, L)])
         if B == 0 or Sq == 0 or Hq == 0:
             self.validate(None, call)  # (nothing to compute; the arguments are still checked)
             return out, lse

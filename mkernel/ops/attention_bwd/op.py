@@ -267,8 +267,7 @@ class _AttnBwd(Op):
         B, Sq, Sk, Hq, Hkv, D = c.dims
         c.state = ctx.op_state(self.name) if ctx is not None else device_state(self.name, c.q.device)
         c.key = (layout, c.causal, c.scale, options, s, ctx is not None,
-                 *[(x.shape, x.strides, x.dtype.name, x.device, x.ptr % 16, x.readonly)
-                   for x in (c.q, c.k, c.v, c.o, c.lse, c.do, c.dq, c.dk, c.dv)])
+                 *[x.layout_key() for x in (c.q, c.k, c.v, c.o, c.lse, c.do, c.dq, c.dk, c.dv)])
         if B and Hq and Hkv:
             self.invoke(c.state, c, ctx)
         return (dq if dq is not None else c.dq, dk if dk is not None else c.dk, dv if dv is not None else c.dv)

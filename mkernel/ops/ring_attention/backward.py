@@ -87,9 +87,6 @@ class _Call:
                  "options", "dims", "digest")
 
 
-def _key(x: DeviceArray) -> tuple:
-    return (x.shape, x.strides, x.dtype.name, x.device, x.ptr % 16, x.readonly)
-
 
 class _RingAttentionBwd(Op):
     generation_keyed = True
@@ -110,7 +107,7 @@ class _RingAttentionBwd(Op):
             raise ValueError(f"{WHAT}: softmax_scale must be finite and > 0, got {softmax_scale!r}")
         B, Sq, Sk, Hq, Hkv, D = c.dims
         c.key = (layout, c.causal, c.scale, options, s,
-                 *[_key(x) for x in (c.q, c.k, c.v, c.o, c.lse, c.do, c.dq, c.dk, c.dv)], ctx.workspace_generation)
+                 *[x.layout_key() for x in (c.q, c.k, c.v, c.o, c.lse, c.do, c.dq, c.dk, c.dv)], ctx.workspace_generation)
         result = (dq if dq is not None else c.dq, dk if dk is not None else c.dk, dv if dv is not None else c.dv)
         if B == 0 or Sq == 0 or Hq == 0:
             self.validate(ctx, c)  # (nothing to compute on any rank: equal shapes; the arguments are checked)

@@ -52,9 +52,6 @@ class _Call:
     __slots__ = ("key", "stream", "q", "k", "v", "out", "lse", "causal", "scale", "layout", "options", "dims", "digest")
 
 
-def _key(x: DeviceArray) -> tuple:
-    return (x.shape, x.strides, x.dtype, x.device, x.ptr % 16, x.readonly)
-
 
 def check_ring(what: str, ctx, dims: tuple, causal: bool, q, k, v, nodes: bool = False) -> None:
     """The ring's own checks (forward and backward): one node (``nodes``: or node-major ranks, the same count
@@ -96,7 +93,7 @@ class _RingAttention(Op):
         call = _Call()
         call.stream, call.q, call.k, call.v, call.out, call.lse = s, Q, Kx, V, O, L
         call.causal, call.scale, call.layout, call.options, call.dims = bool(causal), scale, layout, options, dims
-        call.key = (layout, call.causal, options, s, _key(Q), _key(Kx), _key(V), _key(O), _key(L),
+        call.key = (layout, call.causal, options, s, *[x.layout_key() for x in (Q, Kx, V, O, L)],
                     ctx.workspace_generation)
         B, Sq, _, Hq, _, _ = dims
         if B == 0 or Sq == 0 or Hq == 0:
