@@ -15,14 +15,10 @@ from ..gemm import grouped_gemm, grouped_gemm_swiglu, swiglu_candidates
 from .fused import moe_dispatch_gemm
 from .layout import SOURCE, kernel_defines
 from .op import (DTYPE_CODES, MoePlan, MoeRouting, check_sizes, moe_combine, moe_dispatch, moe_options, moe_route,
-                 one_node, routing_source)
+                 _ptr, one_node, routing_source)
 from .options import MoeOptions
 
 __all__ = ["moe_layer", "swiglu_path"]
-
-
-def _ptr(v: int = 0):
-    return ctypes.c_uint64(v)
 
 
 def swiglu_path(F: int, options: MoeOptions) -> str:
