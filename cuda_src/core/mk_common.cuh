@@ -17,6 +17,16 @@ typedef unsigned int mk_u32;
 #define MK_DTYPE_I32 3
 #define MK_DTYPE_I64 4
 
+// Compile time: two word lists are equal (a struct's sizes and offsets as the device compiler sees them
+// against the host's ctypes mirror, passed as -D lists: static_assert(mk_same_words(expected, device))).
+template <unsigned N, unsigned M>
+constexpr bool mk_same_words(const unsigned long long (&a)[N], const unsigned long long (&b)[M]) {
+  if (N != M) return false;
+  for (unsigned i = 0; i < N; ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
 // Element type from a compile-time code, and fp32 conversions.
 template <int CODE> struct mk_type;
 template <> struct mk_type<MK_DTYPE_BF16> { typedef __nv_bfloat16 T; };

@@ -65,13 +65,7 @@ constexpr unsigned long long moe_device_structs[] = {
     sizeof(MkComm), alignof(MkComm), MOE_OFF(MkComm, err), MOE_OFF(MkComm, timeout_ns), MOE_OFF(MkComm, rank),
     MOE_OFF(MkComm, world_size), MOE_OFF(MkComm, local_rank), MOE_OFF(MkComm, local_size), MOE_OFF(MkComm, node),
     MOE_OFF(MkComm, num_nodes), MOE_OFF(MkComm, op), MOE_OFF(MkComm, sig)};
-constexpr bool moe_structs_match() {
-  if (sizeof(moe_expected_structs) != sizeof(moe_device_structs)) return false;
-  for (unsigned i = 0; i < sizeof(moe_device_structs) / sizeof(moe_device_structs[0]); ++i)
-    if (moe_expected_structs[i] != moe_device_structs[i]) return false;
-  return true;
-}
-static_assert(moe_structs_match(), "moe.cu: MoeLayout / MoeShape / MkComm differ from the host's ctypes structs");
+static_assert(mk_same_words(moe_expected_structs, moe_device_structs), "moe.cu: MoeLayout / MoeShape / MkComm differ from the host's ctypes structs");
 #undef MOE_OFF
 #endif
 

@@ -37,13 +37,7 @@ constexpr unsigned long long moex_device[] = {
     sizeof(MoeXLayout), MOEX_OFF(consumed_off), MOEX_OFF(calls_off), MOEX_OFF(ready_off), MOEX_OFF(bar_off),
     MOEX_OFF(a_off), MOEX_OFF(b_off), MOEX_OFF(c_off), MOEX_OFF(d_off), MOEX_OFF(e_off), MOEX_OFF(row_bytes),
     MOEX_OFF(L), MOEX_OFF(N)};
-constexpr bool moex_match() {
-  if (sizeof(moex_expected) != sizeof(moex_device)) return false;
-  for (unsigned i = 0; i < sizeof(moex_device) / sizeof(moex_device[0]); ++i)
-    if (moex_expected[i] != moex_device[i]) return false;
-  return true;
-}
-static_assert(moex_match(), "moe_internode.cu: MoeXLayout differs from the host's ctypes struct");
+static_assert(mk_same_words(moex_expected, moex_device), "moe_internode.cu: MoeXLayout differs from the host's ctypes struct");
 #undef MOEX_OFF
 #endif
 
