@@ -14,6 +14,7 @@ from mkernel.core import compiler as CP
 from mkernel.core.arrays import DeviceArray
 from mkernel.ops.attention import op as AO
 from mkernel.ops.ring_attention import RingAttentionOptions, classify, make_plan, zigzag_indices
+from mkernel.ops.ring_attention import common as RC
 from mkernel.ops.ring_attention import op as RO
 from mkernel.ops.ring_attention.plan import source_rank, step_pairs
 
@@ -653,7 +654,7 @@ def _x_bound(monkeypatch, log):
         proxy = type("Proxy", (), {"ring_device_struct": lambda self: "proxy"})()
 
     monkeypatch.setattr(XR, "proxy_state", lambda ctx, op, nbytes: St())
-    monkeypatch.setattr(XR, "control", Kern)
+    monkeypatch.setattr(RC, "control", Kern)  # (begin_launch / gate_launch)
     monkeypatch.setattr(XR, "_xkernel", Kern)
     monkeypatch.setattr(XR, "attention_launches", lambda ctx, call, plan, bufs, acc: [[s] for s in range(plan.P)])
     monkeypatch.setattr(XR, "launch_step", lambda launches, call, *a: log.append(("attend", launches[0])))

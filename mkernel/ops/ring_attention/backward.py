@@ -12,7 +12,6 @@ local-rank order: deterministic dK / dV.  docs/ring_attention.md, "Backward".
 """
 from __future__ import annotations
 
-import ctypes
 import math
 
 from cuda.bindings import driver as cu
@@ -22,11 +21,13 @@ from ...core.archs import require_gemm_device
 from ...core.device import on_device
 from ...core.driver import check
 from ...core.streams import Events, copy_async
+from ...core.util import round_up
 from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..attention_bwd import kernels as BK
 from ..attention_bwd.op import BwdArgs, LAYOUTS, PartSumArgs, check_arrays, layout_strides, prepare_arrays
 from ..base import BoundCall, Op, as_stream, checked_once
-from .common import VALUE_OFF, RingLayout, control, gated_pull
+from .common import (VALUE_OFF, RingLayout, begin_launch, chunked_copies, control, gate_launch,
+                     gated_pull)
 from .op import check_ring
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan, source_rank
@@ -36,10 +37,6 @@ __all__ = ["ring_attention_backward", "BackwardLayout", "backward_workspace_layo
 
 OP = "ring_attention_backward"
 WHAT = "mkernel.ring_attention_backward"
-
-
-def _round256(n: int) -> int:
-    return -(-n // 256) * 256
 
 
 class BackwardLayout:
@@ -59,10 +56,10 @@ def backward_workspace_layout(P: int, kv_block_bytes: int, part_bytes: int) -> B
     L = BackwardLayout()
     L.home = RingLayout(consumed_off, flags_off)
     L.parts = RingLayout(consumed_off, flags_off + 8 * MAX_CHUNKS)
-    L.data_off = _round256(end)
-    L.kv_stride = _round256(kv_block_bytes)
+    L.data_off = round_up(end, 256)
+    L.kv_stride = round_up(kv_block_bytes, 256)
     L.part_off = L.data_off + 3 * L.kv_stride
-    L.part_stride = _round256(part_bytes)
+    L.part_stride = round_up(part_bytes, 256)
     L.total = L.part_off + P * L.part_stride
     return L
 
@@ -201,19 +198,12 @@ class _RingBwdBound(BoundCall):
             side = ctx.side_stream()
             self._side = cu.CUstream(side)
             comm = ctx.comm_args(OP, digest)
-            self._begin = control("mk_ring_begin").prepare(
-                (1, 1, 1), 32, [comm, ctypes.c_void_p(ws.ptr), ctypes.c_void_p(ws.peer_table), L.home], stream=side)
-            self._kv_waits = [None] + [control("mk_ring_wait").prepare(
-                (1, 1, 1), 32, [comm, ctypes.c_void_p(ws.ptr), L.home, ctypes.c_int32(src)], stream=side)
-                for src in plan.sources[1:]]
-            self._part_waits = [control("mk_ring_wait").prepare(
-                (1, 1, 1), 32, [comm, ctypes.c_void_p(ws.ptr), L.parts, ctypes.c_int32(src)], stream=side)
-                for src in range(P) if src != me]
-            n = c.options.pull_chunks
-            piece = _round256(max(256, -(-(2 * kv_bytes) // n)))
-            self._pulls = [None] + [
-                [(recv[s % 2] + o, ws.peer_ptr(src, L.data_off) + o, min(piece, 2 * kv_bytes - o))
-                 for o in range(0, 2 * kv_bytes, piece)] for s, src in enumerate(plan.sources) if s > 0]
+            self._begin = begin_launch(comm, ws, L.home, side)
+            self._kv_waits = [None] + [gate_launch(comm, ws, L.home, src, side) for src in plan.sources[1:]]
+            self._part_waits = [gate_launch(comm, ws, L.parts, src, side) for src in range(P) if src != me]
+            self._pulls = [None] + [chunked_copies(recv[s % 2], ws.peer_ptr(src, L.data_off), 2 * kv_bytes,
+                                                   c.options.pull_chunks)
+                                    for s, src in enumerate(plan.sources) if s > 0]
             value = ws.ptr + VALUE_OFF
             self._announce = [(ws.peer_ptr(j, L.home.flags_off + 8 * me), value, 8) for j in range(P) if j != me]
             # step s's partial is complete: raise its owner's parts flag [me]

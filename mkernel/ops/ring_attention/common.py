@@ -10,9 +10,11 @@ from ...core.arrays import DeviceArray
 from ...core.compiler import kernel as compiled_kernel, register_specialization
 from ...core.driver import check
 from ...core.streams import copy_async
+from ...core.util import round_up
 from ..attention import kernels as AK
 
-__all__ = ["SOURCE", "VALUE_OFF", "RingLayout", "control", "attention_launches", "launch_step", "gated_pull"]
+__all__ = ["SOURCE", "VALUE_OFF", "RingLayout", "control", "attention_launches", "launch_step", "gated_pull",
+           "begin_launch", "gate_launch", "chunked_copies"]
 
 SOURCE = "ops/ring_attention.cu"
 VALUE_OFF = 32  # MK_RING_VALUE_OFF
@@ -86,3 +88,23 @@ def gated_pull(ev, side, s, step: int, wait, pulls) -> None:
     arrived = getattr(ev, f"arrived{step}")
     check(cu.cuEventRecord(arrived, side))
     check(cu.cuStreamWaitEvent(s, arrived, 0))
+
+
+def begin_launch(comm, ws, lay: RingLayout, side: int):
+    """mk_ring_begin prepared on the side stream: the call's epoch, from the workspace ``ws`` (its control words
+    at ``lay``)."""
+    return control("mk_ring_begin").prepare((1, 1, 1), 32, [comm, ctypes.c_void_p(ws.ptr),
+                                                            ctypes.c_void_p(ws.peer_table), lay], stream=side)
+
+
+def gate_launch(comm, ws, lay: RingLayout, src: int, side: int):
+    """mk_ring_wait prepared on the side stream: local rank ``src``'s flag of this call (at ``lay``) is raised."""
+    return control("mk_ring_wait").prepare((1, 1, 1), 32, [comm, ctypes.c_void_p(ws.ptr), lay, ctypes.c_int32(src)],
+                                           stream=side)
+
+
+def chunked_copies(dst: int, src: int, nbytes: int, pieces: int) -> list:
+    """The copy of ``nbytes`` from ``src`` to ``dst`` as about ``pieces`` copies of whole 256-byte multiples
+    (RingAttentionOptions.pull_chunks)."""
+    piece = round_up(max(256, -(-nbytes // pieces)), 256)
+    return [(dst + o, src + o, min(piece, nbytes - o)) for o in range(0, nbytes, piece)]

@@ -26,7 +26,7 @@ from ...dist.signals import workspace_control
 from ..attention import kernels as AK
 from ..base import BoundCall
 from ..collectives.internode import proxy_state
-from .common import VALUE_OFF, RingLayout, attention_launches, control, launch_step
+from .common import VALUE_OFF, RingLayout, attention_launches, begin_launch, gate_launch, launch_step
 
 __all__ = ["XSOURCE", "RingXLayout", "x_workspace_layout", "XStep", "x_steps", "x_program", "compile_controls",
            "RingXBound"]
@@ -156,8 +156,7 @@ class RingXBound(BoundCall):
         self._side_handle, self._side = side, cu.CUstream(side)
         comm, prox, wsp = ctx.comm_args(OP, digest), st.proxy.ring_device_struct(), ctypes.c_void_p(ws.ptr)
         one = ((1, 1, 1), 32)
-        self._begin = control("mk_ring_begin").prepare(*one, [comm, wsp, ctypes.c_void_p(ws.peer_table), lay],
-                                                       stream=side)
+        self._begin = begin_launch(comm, ws, lay, side)
         self._drain = _xkernel("mk_ring_x_drain").prepare(*one, [comm, prox], stream=side)
         me, node = ctx.local_rank, ctx.rank // L
         self._announce = [(ws.peer_ptr(j, lay.flags_off + 8 * me), ws.ptr + VALUE_OFF, 8) for j in range(L) if j != me]
@@ -175,7 +174,7 @@ class RingXBound(BoundCall):
                     *one, [comm, wsp, X, ctypes.c_int32(a[3])], stream=side)
             elif a[1] == "pull":
                 s, j = a[2], a[3] - node * L  # (a source on this node: its local rank)
-                gate = control("mk_ring_wait").prepare(*one, [comm, wsp, lay, ctypes.c_int32(j)], stream=side)
+                gate = gate_launch(comm, ws, lay, j, side)
                 cps = [(bufs[s % 2], ws.peer_ptr(j, X.home_off), 2 * kv),
                        (ws.peer_ptr(j, lay.consumed_off + 8 * me), ws.ptr + VALUE_OFF, 8)]
                 self._acts[("pull", s)] = (gate, cps)

@@ -12,7 +12,6 @@ docs/ring_attention.md.
 """
 from __future__ import annotations
 
-import ctypes
 from cuda.bindings import driver as cu
 
 from ...core.arrays import DeviceArray, contiguous_strides
@@ -27,7 +26,8 @@ from ..collectives.internode import check_layout as check_nodes
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan
 from . import internode as XR
-from .common import SOURCE, VALUE_OFF, RingLayout, attention_launches, control, gated_pull, launch_step
+from .common import (SOURCE, VALUE_OFF, RingLayout, attention_launches, begin_launch, chunked_copies, control,
+                     gate_launch, gated_pull, launch_step)
 
 __all__ = ["ring_attention", "RingPlan", "SOURCE", "VALUE_OFF", "RingLayout", "workspace_layout", "check_ring",
            "attention_launches", "launch_step"]
@@ -172,25 +172,17 @@ class _RingBound(BoundCall):
             self._side = cu.CUstream(side)
             self._comm = ctx.comm_args(OP, digest)
             self._lay = lay
-            self._begin = control("mk_ring_begin").prepare((1, 1, 1), 32, [self._comm, ctypes.c_void_p(ws.ptr),
-                                                                            ctypes.c_void_p(ws.peer_table), lay],
-                                                            stream=side)
-            self._waits = [None] + [control("mk_ring_wait").prepare(
-                (1, 1, 1), 32, [self._comm, ctypes.c_void_p(ws.ptr), lay, ctypes.c_int32(src)], stream=side)
-                for src in plan.sources[1:]]
+            self._begin = begin_launch(self._comm, ws, lay, side)
+            self._waits = [None] + [gate_launch(self._comm, ws, lay, src, side) for src in plan.sources[1:]]
             # pulls: step s copies the source's home into buffer s % 2, then (its last read of that home)
             # raises the source's consumed[me] from our value slot
             me = ctx.local_rank
             self._pulls = []
-            n = call.options.pull_chunks
-            piece = max(256, -(-(2 * kv_bytes) // n) + 255) // 256 * 256
             for s, src in enumerate(plan.sources):
                 if s == 0:
                     self._pulls.append(None)
                     continue
-                peer_home = ws.peer_ptr(src, data_off)
-                cps = [(bufs[s % 2] + o, peer_home + o, min(piece, 2 * kv_bytes - o))
-                       for o in range(0, 2 * kv_bytes, piece)]
+                cps = chunked_copies(bufs[s % 2], ws.peer_ptr(src, data_off), 2 * kv_bytes, call.options.pull_chunks)
                 cps.append((ws.peer_ptr(src, lay.consumed_off + 8 * me), ws.ptr + VALUE_OFF, 8))
                 self._pulls.append(cps)
             # the home copy of this call's k, v, then our value slot into every peer's ready[me]
