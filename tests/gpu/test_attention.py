@@ -24,6 +24,7 @@ import mkernel
 from mkernel.core.arrays import DeviceArray
 from mkernel.core.compiler import precompile_source
 from mkernel.ops.attention import kernels as AK, last_plan
+from mkernel.ops.attention.reference import attention_reference
 
 from _util import download, poisoned, upload
 
@@ -51,26 +52,8 @@ def rng(request):
 # ---- reference -------------------------------------------------------------------------------
 def reference(q, k, v, causal, scale):
     """float64 (out [B, H_q, S_q, D], lse [B, H_q, S_q]) of q [B, H_q, S_q, D], k/v [B, H_kv, S_k, D]."""
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    out = np.zeros((B, Hq, Sq, D))
-    lse = np.full((B, Hq, Sq), -np.inf)
-    i = np.arange(Sq)[:, None]
-    j = np.arange(Sk)[None, :]
-    visible = (j <= i + Sk - Sq) if causal else np.ones((Sq, Sk), bool)
-    rows = visible.any(axis=1)
-    for b in range(B):
-        for h in range(Hq):
-            s = scale * (q[b, h] @ k[b, h // g].T)
-            s = np.where(visible, s, -np.inf)
-            m = np.where(rows, s.max(axis=1), 0.0)
-            p = np.exp(s - m[:, None])
-            l = p.sum(axis=1)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                out[b, h] = np.where(rows[:, None], (p @ v[b, h // g]) / l[:, None], 0.0)
-                lse[b, h] = np.where(rows, m + np.log(l), -np.inf)
-    return out, lse
+    out, lse = attention_reference(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), causal, scale)
+    return out.transpose(0, 2, 1, 3), lse
 
 
 def to_bhsd(x, layout):

@@ -21,6 +21,7 @@ import pytest
 
 from mkernel.core.arrays import DeviceArray
 from mkernel.core.compiler import precompile_source
+from mkernel.ops.attention.reference import attention_reference
 from mkernel.ops.attention_bwd import AttentionBwdOptions, attention_backward, last_plan
 from mkernel.ops.attention_bwd import kernels as K
 
@@ -47,39 +48,6 @@ def _to_layout(x: np.ndarray, layout: str) -> np.ndarray:
     return x if layout == "bshd" else np.ascontiguousarray(x.transpose(0, 2, 1, 3))
 
 
-def reference(q, k, v, do, causal, scale):
-    """float64 (out, lse, dq, dk, dv) of [B, S, H, D] arrays (GQA: query head h uses KV head h // group)."""
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
-    grp = Hq // Hkv
-    out, dq = np.zeros_like(q), np.zeros_like(q)
-    dk, dv = np.zeros_like(k), np.zeros_like(v)
-    lse = np.full((B, Hq, Sq), -np.inf)
-    allowed = np.ones((Sq, Sk), bool)
-    if causal:
-        allowed = np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + (Sk - Sq)
-    for b in range(B):
-        for h in range(Hq):
-            kh = h // grp
-            Q, Kt, V, dO = q[b, :, h], k[b, :, kh], v[b, :, kh], do[b, :, h]
-            s = np.where(allowed, scale * Q @ Kt.T, -np.inf)
-            m = s.max(axis=1, keepdims=True)
-            live = np.isfinite(m[:, 0])
-            e = np.where(allowed, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
-            z = e.sum(axis=1, keepdims=True)
-            p = np.where(live[:, None], e / np.where(z > 0, z, 1), 0.0)
-            lse[b, h] = np.where(live, m[:, 0] + np.log(np.where(z[:, 0] > 0, z[:, 0], 1)), -np.inf)
-            o = p @ V
-            out[b, :, h] = o
-            dp = dO @ V.T
-            dsum = (dO * o).sum(axis=1, keepdims=True)
-            ds = p * (dp - dsum)
-            dq[b, :, h] = scale * ds @ Kt
-            dk[b, :, kh] += scale * ds.T @ Q
-            dv[b, :, kh] += p.T @ dO
-    return out, lse, dq, dk, dv
-
-
 class Problem:
     """Random inputs on the device in ``layout`` with their float64 values and the reference gradients."""
 
@@ -90,8 +58,8 @@ class Problem:
         for n, (S, H) in (("q", (Sq, Hq)), ("k", (Sk, Hkv)), ("v", (Sk, Hkv)), ("do", (Sq, Hq))):
             arr, exact = upload(_to_layout(rng.standard_normal((B, S, H, D)), layout), dtype)
             self.dev[n], vals[n] = arr, (exact if layout == "bshd" else exact.transpose(0, 2, 1, 3))
-        out, lse, self.dq, self.dk, self.dv = reference(vals["q"], vals["k"], vals["v"], vals["do"], causal,
-                                                         self.scale)
+        out, lse, self.dq, self.dk, self.dv = attention_reference(vals["q"], vals["k"], vals["v"], causal,
+                                                                   self.scale, vals["do"])
         self.dev["out"], _ = upload(_to_layout(out, layout), dtype)
         self.dev["lse"] = DeviceArray.from_numpy(lse.astype(np.float32))
         self.shapes = {"dq": self.dev["q"].shape, "dk": self.dev["k"].shape, "dv": self.dev["v"].shape}

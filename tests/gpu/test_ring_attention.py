@@ -14,6 +14,7 @@ import pytest
 import mkernel
 from mkernel.core.arrays import DeviceArray
 from mkernel.core.compiler import precompile_source, registered_specializations
+from mkernel.ops.attention.reference import attention_reference
 from mkernel.ops.ring_attention import zigzag_indices
 
 from _util import assert_missing_peer_times_out, download, precompiled_with_long_timeout, upload
@@ -44,23 +45,6 @@ def _setup(ctx):
         except Exception as exc:  # noqa: BLE001
             print(f"precompile failed, compiling lazily: {exc!r}")
     yield from precompiled_with_long_timeout(ctx, "ops/ring_attention.cu")
-
-
-def _reference(q, k, v, scale, causal):
-    """float64 attention over the whole sequence; q [B, S, Hq, D], k/v [B, S, Hkv, D] (bshd) ->
-    (out [B, S, Hq, D], lse [B, Hq, S])."""
-    B, S, Hq, D = q.shape
-    g = Hq // k.shape[2]
-    kk = np.repeat(k, g, axis=2)
-    vv = np.repeat(v, g, axis=2)
-    s = np.einsum("bihd,bjhd->bhij", q, kk) * scale
-    if causal:
-        s = np.where(np.tril(np.ones((S, S), bool))[None, None], s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(-1, keepdims=True)
-    out = np.einsum("bhij,bjhd->bihd", p / l, vv)
-    return out, (m + np.log(l))[..., 0]
 
 
 def _ring(ctx):
@@ -95,7 +79,7 @@ def _run(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16",
         return bf16_to_f32(f32_to_bf16(x.astype(np.float32))).astype(np.float64) if dtype == "bfloat16" else \
             x.astype(np.float16).astype(np.float64)
     scale = 1.0 / np.sqrt(D)
-    ref_o, ref_l = _reference(rnd(q), rnd(k), rnd(v), scale, causal)
+    ref_o, ref_l = attention_reference(rnd(q), rnd(k), rnd(v), causal, scale)
     ref_o, ref_l = ref_o[:, rows], ref_l[:, :, rows]
     shape = qd.shape
     for _ in range(calls):
@@ -212,26 +196,6 @@ def test_zzz_missing_peer_times_out(ctx):
 
 
 # ------------------------------------------------------------------ backward
-def _reference_grads(q, k, v, do, scale, causal):
-    """float64 gradients (dq, dk, dv) of full attention over the whole sequence (bshd), with (out, lse)."""
-    B, S, Hq, D = q.shape
-    g = Hq // k.shape[2]
-    kk, vv = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    s = np.einsum("bihd,bjhd->bhij", q, kk) * scale
-    if causal:
-        s = np.where(np.tril(np.ones((S, S), bool))[None, None], s, -np.inf)
-    lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
-    p = np.exp(s - lse[..., None])
-    out = np.einsum("bhij,bjhd->bihd", p, vv)
-    dv = np.einsum("bhij,bihd->bjhd", p, do)
-    dp = np.einsum("bihd,bjhd->bhij", do, vv)
-    ds = p * (dp - np.einsum("bihd,bihd->bhi", do, out)[..., None])
-    dq = np.einsum("bhij,bjhd->bihd", ds, kk) * scale
-    dk = np.einsum("bhij,bihd->bjhd", ds, q) * scale
-    Hkv = k.shape[2]
-    return out, lse, dq, dk.reshape(B, S, Hkv, g, D).sum(3), dv.reshape(B, S, Hkv, g, D).sum(3)
-
-
 def _run_bwd(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16", calls=1):
     """Every rank: its rows of q, k, v, dout and of the float64 forward's out / lse (rounded to the dtype /
     float32) in; its rows of dq, dk, dv out (NaN-poisoned first), against the float64 gradients of full
@@ -249,7 +213,7 @@ def _run_bwd(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat
                                                                             (r + 1) * (S // ctx.local_size))
         for dst, src in ((rq, q), (rk, k), (rv, v), (rdo, do)):
             dst[:, idx] = upload(src[:, idx], dtype)[1]
-    ref_o, ref_l, gq, gk, gv = _reference_grads(rq, rk, rv, rdo, scale, causal)
+    ref_o, ref_l, gq, gk, gv = attention_reference(rq, rk, rv, causal, scale, rdo)
     od, _ = upload(_to_layout(ref_o[:, rows], layout), dtype)
     lse = DeviceArray.from_numpy(np.ascontiguousarray(ref_l[:, :, rows]).astype(np.float32))
     for _ in range(calls):
