@@ -20,7 +20,7 @@ typedef unsigned int mk_u32;
 // Compile time: two word lists are equal (a struct's sizes and offsets as the device compiler sees them
 // against the host's ctypes mirror, passed as -D lists: static_assert(mk_same_words(expected, device))).
 template <unsigned N, unsigned M>
-constexpr bool mk_same_words(const unsigned long long (&a)[N], const unsigned long long (&b)[M]) {
+__host__ __device__ constexpr bool mk_same_words(const unsigned long long (&a)[N], const unsigned long long (&b)[M]) {
   if (N != M) return false;
   for (unsigned i = 0; i < N; ++i)
     if (a[i] != b[i]) return false;
