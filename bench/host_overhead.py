@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host time per eager call, what frameworks that call eagerly see: ours against torch's, same run.
 
-    mpirun --allow-run-as-root -np N python bench/host_overhead.py [--out DIR] [--json-only]
+    mpirun --allow-run-as-root -np N python bench/host_overhead.py [--out DIR] [--no-torch]
 
 Every call gets other arrays than the last (a rotating pool of 16 distinct torch tensors per operand:
 the pointers change every call, as with fresh tensors), so no cache keyed by pointers can help; the

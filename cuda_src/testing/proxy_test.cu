@@ -30,23 +30,26 @@ extern "C" __global__ void mk_proxy_test_push(MkComm c, MkProxy p, unsigned char
   if (wait_done && threadIdx.x == 0 && last != MK_PROXY_NO_FLAG) mk_proxy_wait_done(c, p, last);
 }
 
-#define MK_OFF(T, f) ((mk_u64)__builtin_offsetof(T, f))
+// Offsets from a local object's member addresses: older NVRTC releases reject __builtin_offsetof here.
+#define MK_OFF(obj, f) ((mk_u64)((const char*)&(obj).f - (const char*)&(obj)))
 extern "C" __global__ void mk_proxy_layout(mk_u64* out) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  MkProxyCmd cmd;
+  MkProxy p;
   out[0] = sizeof(MkProxyCmd);
-  out[1] = MK_OFF(MkProxyCmd, op);
-  out[2] = MK_OFF(MkProxyCmd, win);
-  out[3] = MK_OFF(MkProxyCmd, flag_win);
-  out[4] = MK_OFF(MkProxyCmd, dst_rank);
-  out[5] = MK_OFF(MkProxyCmd, src_offset);
-  out[6] = MK_OFF(MkProxyCmd, dst_offset);
-  out[7] = MK_OFF(MkProxyCmd, bytes);
-  out[8] = MK_OFF(MkProxyCmd, flag_offset);
-  out[9] = MK_OFF(MkProxyCmd, flag_value);
-  out[10] = MK_OFF(MkProxyCmd, user);
-  out[11] = MK_OFF(MkProxyCmd, seq);
+  out[1] = MK_OFF(cmd, op);
+  out[2] = MK_OFF(cmd, win);
+  out[3] = MK_OFF(cmd, flag_win);
+  out[4] = MK_OFF(cmd, dst_rank);
+  out[5] = MK_OFF(cmd, src_offset);
+  out[6] = MK_OFF(cmd, dst_offset);
+  out[7] = MK_OFF(cmd, bytes);
+  out[8] = MK_OFF(cmd, flag_offset);
+  out[9] = MK_OFF(cmd, flag_value);
+  out[10] = MK_OFF(cmd, user);
+  out[11] = MK_OFF(cmd, seq);
   out[12] = sizeof(MkProxy);
-  out[13] = MK_OFF(MkProxy, capacity);
-  out[14] = MK_OFF(MkProxy, rank);
+  out[13] = MK_OFF(p, capacity);
+  out[14] = MK_OFF(p, rank);
   out[15] = sizeof(MkComm);
 }

@@ -45,6 +45,15 @@ def _done(ev) -> bool:
     return err != cu.CUresult.CUDA_ERROR_NOT_READY
 
 
+_RELAXED = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+
+
+def _exchange_mode(mode):
+    """This thread's stream-capture mode set to ``mode``; the previous one (None: not changed)."""
+    err, prev = cu.cuThreadExchangeStreamCaptureMode(mode)
+    return prev if err == cu.CUresult.CUDA_SUCCESS else None
+
+
 def mark_proxy_launch(stream: int) -> None:
     """Note a launch on ``stream`` (raw handle) whose kernel may wait on this process's proxy."""
     global _inside
@@ -58,11 +67,18 @@ def mark_proxy_launch(stream: int) -> None:
 
 
 def _busy() -> bool:
-    keep = []
-    for ev in _marks:
-        (keep if not _done(ev) else _pool).append(ev)
-    _marks[:] = keep
-    return bool(keep) or not all(_done(ev) for ev in _graph_marks)
+    # An event query is an "unsafe" call during a stream capture on this thread and would invalidate the
+    # caller's capture: query in relaxed capture mode, which allows it (events outside the capture).
+    prev = _exchange_mode(_RELAXED)
+    try:
+        keep = []
+        for ev in _marks:
+            (keep if not _done(ev) else _pool).append(ev)
+        _marks[:] = keep
+        return bool(keep) or not all(_done(ev) for ev in _graph_marks)
+    finally:
+        if prev is not None:
+            _exchange_mode(prev)
 
 
 def _take(extra) -> list:

@@ -220,6 +220,8 @@ class Proxy:
         self.ex = as_exchanger(comm, self.timeout)
         self.rank, self.size = self.ex.rank, self.ex.size
         self.windows = [as_window(w) for w in windows]
+        for w in self.windows:  # copy streams and staging now: made in the proxy's threads while a kernel
+            w.prepare()         # waits on them, they could stall it (docs/internode.md, "Frees while ...")
         if ring is None:
             ring = "mapped" if any(w.kind == "gpu" for w in self.windows) else "host"
         self.ring = Ring.mapped(ring_capacity) if ring == "mapped" else Ring.host(ring_capacity)

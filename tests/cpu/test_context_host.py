@@ -262,16 +262,14 @@ def test_internode_proxy_gets_the_context_timeout(monkeypatch):
             return type("WS", (), {"ptr": 0x1000, "nbytes": nbytes})()
 
     monkeypatch.setattr(P, "Proxy", FakeProxy)
+
     class FakeWindow:
         def __init__(self, ptr, nbytes):
             pass
 
-        def prepare(self):  # the staging is made at set-up, not by the proxy's threads on first use
-            made["prepared"] = True
-
     monkeypatch.setattr(W, "GpuWindow", FakeWindow)
     I.ProxyState(FakeCtx(), "all_gather", 4096)
-    assert made.get("timeout") == 12.5 and made.get("prepared")
+    assert made.get("timeout") == 12.5
 
 
 def test_a_closed_context_refuses_every_op():

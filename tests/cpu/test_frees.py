@@ -22,6 +22,8 @@ def fake_events(monkeypatch):
     monkeypatch.setattr(frees, "_pool", [])
     monkeypatch.setattr(frees, "_graph_marks", [])
     monkeypatch.setattr(frees, "_deferred", [])
+    state["modes"] = []
+    monkeypatch.setattr(frees, "_exchange_mode", lambda m: state["modes"].append(m) or "caller's")
     return state
 
 
@@ -88,3 +90,10 @@ def test_marks_do_not_pile_up_without_frees(fake_events):
         fake_events["done"].add(i)  # every earlier launch has finished by the next one
         frees.mark_proxy_launch(0)
     assert len(frees._marks) == 1 and frees.pending() == 0
+
+
+def test_event_queries_run_in_relaxed_capture_mode(fake_events):
+    """A query during the caller's stream capture would invalidate it: _busy switches this thread to the
+    relaxed capture mode around its queries and puts the caller's mode back."""
+    frees.mark_proxy_launch(0)
+    assert fake_events["modes"] == [frees._RELAXED, "caller's"]

@@ -144,7 +144,7 @@ def test_unaligned_weight_is_staged(fake):
 def test_layer_path_choice():
     on = MoeOptions(swiglu_epilogue=True)
     assert swiglu_path(2048, on) == "epilogue" and swiglu_path(100, on) == "kernel"
-    assert swiglu_path(2048, MoeOptions()) == "kernel"
+    assert swiglu_path(2048, MoeOptions()) == "epilogue" and swiglu_path(2048, MoeOptions(swiglu_epilogue=False)) == "kernel"
     assert swiglu_path(2048, MoeOptions(swiglu_epilogue=True, fused=True)) == "kernel"  # (fused: h from its kernel)
     with pytest.raises(ValueError):
         MoeOptions(swiglu_epilogue=1).checked()

@@ -34,6 +34,8 @@ def _env():
     env["MKERNEL_TRANSPORT"] = "tcp"
     env.pop("MKERNEL_TCP_ADDR", None)
     env["MKERNEL_EXCHANGE_TOKEN"] = secrets.token_hex(16)  # the socket rendezvous's shared secret
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # (Open MPI's mpirun refuses root otherwise: GPU images)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     return env
 
 

@@ -158,3 +158,20 @@ def test_proxy_timeout_reaches_the_transport_and_is_validated():
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="Proxy timeout"):
             Proxy(FakeEx(), wins, transport=Recording, ring_capacity=16, timeout=bad)
+
+
+def test_windows_are_prepared_before_the_proxy_thread_runs():
+    """A GPU window's copy streams and staging are made at set-up: made by the proxy's threads while a
+    kernel waits on them, the driver calls could stall that kernel (docs/internode.md)."""
+    from mkernel.proxy.transport.window import HostWindow
+
+    made = []
+
+    class Recording(HostWindow):
+        def prepare(self):
+            made.append(self)
+
+    w = Recording(np.zeros(4096, np.uint8))
+    p = Proxy(FakeEx(), [w], transport=FakeTransport, ring_capacity=16)
+    assert made == [w] and p._thread is None  # (prepared by the constructor, before start())
+    p.close()

@@ -178,3 +178,23 @@ def precompiled_with_long_timeout(ctx, source: str, timeout: float = 60.0):
     ctx.timeout = max(old, timeout)
     yield
     ctx.timeout = old
+
+
+def capture(stream, body, mode: str = "thread_local"):
+    """``body()`` captured on ``stream`` into a new CUDA graph (returned); the capture is ended even when
+    ``body`` raises, so one failing test leaves no stream capturing behind it for the next."""
+    from cuda.bindings import driver as cu
+    from mkernel.core.driver import check
+
+    m = {"thread_local": cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+         "global": cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL}[mode]
+    s = cu.CUstream(int(stream))
+    check(cu.cuStreamBeginCapture(s, m))
+    try:
+        body()
+    except BaseException:
+        err, g = cu.cuStreamEndCapture(s)
+        if err == cu.CUresult.CUDA_SUCCESS and int(g):
+            cu.cuGraphDestroy(g)
+        raise
+    return check(cu.cuStreamEndCapture(s))

@@ -20,7 +20,7 @@ from mkernel.ops.ag_gemm import AgGemmOptions
 from mkernel.ops.ag_gemm import layout as LY
 from mkernel.ops.ag_gemm import planner as PL
 
-from _util import (assert_missing_peer_times_out, download, on_other_device, poison_workspace_tail, poisoned, rel_fro,
+from _util import (capture, assert_missing_peer_times_out, download, on_other_device, poison_workspace_tail, poisoned, rel_fro,
                    upload)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
@@ -366,9 +366,7 @@ def test_graph_capture_replay(ctx, shared_rng):
 
     calls(stream)  # outside the capture: signature exchange, workspace, plans
     ctx.synchronize(stream)
-    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    calls(int(stream))
-    graph = check(cu.cuStreamEndCapture(stream))
+    graph = capture(stream, lambda: calls(int(stream)))
     gexec = check(cu.cuGraphInstantiate(graph, 0))
     from mkernel.core.dtypes import f32_to_bf16, bf16_to_f32
 

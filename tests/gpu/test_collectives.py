@@ -14,7 +14,7 @@ import mkernel
 from mkernel.core.arrays import DeviceArray
 from mkernel.core.driver import check
 
-from _util import (assert_close, assert_missing_peer_times_out, check_all_reduce, download, on_other_device,
+from _util import (capture, assert_close, assert_missing_peer_times_out, check_all_reduce, download, on_other_device,
                    poison_workspace_tail, poisoned, upload)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
@@ -40,10 +40,8 @@ def _graph_replay(ctx, rng, n: int, reps: int, what: str) -> None:
     mkernel.all_reduce(ctx, x, ar, stream=stream)
     mkernel.all_gather(ctx, x, ag, stream=stream)
     ctx.synchronize(stream)
-    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    mkernel.all_reduce(ctx, x, ar, stream=int(stream))
-    mkernel.all_gather(ctx, x, ag, stream=int(stream))
-    graph = check(cu.cuStreamEndCapture(stream))
+    graph = capture(stream, lambda: (mkernel.all_reduce(ctx, x, ar, stream=int(stream)),
+                                     mkernel.all_gather(ctx, x, ag, stream=int(stream))))
     gexec = check(cu.cuGraphInstantiate(graph, 0))
     host = np.empty(n, dtype=np.float32)
     for rep in range(reps):

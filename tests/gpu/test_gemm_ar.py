@@ -25,7 +25,7 @@ from mkernel import GemmArOptions
 from mkernel.core.arrays import DeviceArray
 from mkernel.core.driver import check
 
-from _util import (TOL, assert_missing_peer_times_out, download, poisoned, precompiled_with_long_timeout, upload,
+from _util import (capture, TOL, assert_missing_peer_times_out, download, poisoned, precompiled_with_long_timeout, upload,
                    written_outside)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
@@ -249,9 +249,7 @@ def test_graph_capture_replay(ctx, shared_rng):
 
     calls(stream)  # outside the capture: agreement, workspaces, plans
     ctx.synchronize(stream)
-    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    calls(int(stream))
-    graph = check(cu.cuStreamEndCapture(stream))
+    graph = capture(stream, lambda: calls(int(stream)))
     gexec = check(cu.cuGraphInstantiate(graph, 0))
     for rep in range(30):
         As, Bs = _operands(shared_rng, M, N, [K] * P, "nk")

@@ -16,7 +16,7 @@ import mkernel
 from mkernel.core.arrays import DeviceArray
 from mkernel.core.driver import check
 
-from _util import assert_close, check_all_reduce, download, poisoned, upload
+from _util import capture, assert_close, check_all_reduce, download, poisoned, upload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi, pytest.mark.internode]
 
@@ -100,9 +100,7 @@ def test_internode_graph_replay(mctx, shared_rng):
     check(cu.cuMemcpyHtoD(x.ptr, host.ctypes.data, host.nbytes))
     mkernel.all_reduce(mctx, x, out, stream=int(stream))
     mctx.synchronize(int(stream))
-    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    mkernel.all_reduce(mctx, x, out, stream=int(stream))
-    graph = check(cu.cuStreamEndCapture(stream))
+    graph = capture(stream, lambda: mkernel.all_reduce(mctx, x, out, stream=int(stream)))
     gexec = check(cu.cuGraphInstantiate(graph, 0))
     for rep in range(20):
         xs = shared_rng.standard_normal((P, n)).astype(np.float32)

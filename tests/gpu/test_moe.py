@@ -18,7 +18,7 @@ from mkernel import MoeOptions
 from mkernel.core.arrays import DeviceArray
 from mkernel.ops.moe import reference as ref
 
-from _util import assert_missing_peer_times_out, download, poisoned, precompiled_with_long_timeout, upload
+from _util import capture, assert_missing_peer_times_out, download, poisoned, precompiled_with_long_timeout, upload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -206,8 +206,9 @@ def test_capacity_drops_deterministically(ctx, shared_rng):
     _check_layout(R, ids, E, me, capacity=37)
 
 
-LAYER_PATHS = {"unfused": MoeOptions(), "fused": MoeOptions(fused=True),
-               "low_latency": MoeOptions(mode="low_latency"), "swiglu_epilogue": MoeOptions(swiglu_epilogue=True)}
+LAYER_PATHS = {"default": MoeOptions(), "fused": MoeOptions(fused=True),
+               "low_latency": MoeOptions(mode="low_latency"), "swiglu_kernel": MoeOptions(swiglu_epilogue=False)}
+SWIGLU_KERNEL_PATHS = ("fused", "swiglu_kernel")  # (the others compute SwiGLU in the gate/up GEMM's epilogue)
 
 
 def _layer_inputs(rng, P, T, E_local, H, F):
@@ -233,8 +234,8 @@ def _layer_want(logits, xs, wgs, wds, k, E, me):
 @pytest.mark.parametrize("path", list(LAYER_PATHS))
 @pytest.mark.parametrize("T,k,E_local,H,F", [(300, 2, 4, 256, 128), (129, 8, 8, 512, 256)])
 def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
-    """The layer on each path (unfused, fused dispatch + gate/up GEMM, low-latency dispatch, SwiGLU in the
-    gate/up GEMM's epilogue) against float64."""
+    """The layer on each path (default: SwiGLU in the gate/up GEMM's epilogue; fused dispatch + gate/up GEMM;
+    low-latency dispatch; the separate SwiGLU kernel) against float64."""
     P, me = ctx.local_size, ctx.local_rank
     opts = LAYER_PATHS[path]
     if path == "low_latency" and T > 256:
@@ -245,7 +246,7 @@ def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
     o, R = mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k,
                              out=out, options=opts)
     ctx.synchronize()
-    assert ctx.op_state("moe_layer").last_plan.swiglu == ("epilogue" if path == "swiglu_epilogue" else "kernel")
+    assert ctx.op_state("moe_layer").last_plan.swiglu == ("kernel" if path in SWIGLU_KERNEL_PATHS else "epilogue")
     want = _layer_want(logits, xs, wgs, wds, k, E, me)
     got = download(o)
     # h, act and y are rounded to bf16 (3 roundings of 2**-8 relative, amplified by at most ~4 through
@@ -510,9 +511,7 @@ def _replay(ctx, s, seq, fill, check_out, n: int = 5):
     fill()
     seq()
     ctx.synchronize()
-    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
-    seq()
-    g = check(cu.cuStreamEndCapture(s))
+    g = capture(s, seq, "global")
     ge = check(cu.cuGraphInstantiate(g, 0))
     for _ in range(n):
         v = fill()

@@ -17,7 +17,7 @@ from mkernel.core.compiler import precompile_source, registered_specializations
 from mkernel.ops.attention.reference import attention_reference
 from mkernel.ops.ring_attention import zigzag_indices
 
-from _util import assert_missing_peer_times_out, download, precompiled_with_long_timeout, upload
+from _util import capture, assert_missing_peer_times_out, download, precompiled_with_long_timeout, upload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
@@ -144,9 +144,7 @@ def test_graph_capture(ctx, shared_rng):
     s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
     mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s))
     ctx.synchronize()
-    check(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s))
-    g = check(cu.cuStreamEndCapture(s))
+    g = capture(s, lambda: mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s)))
     ge = check(cu.cuGraphInstantiate(g, 0))
     ref = download(out)
     for _ in range(3):

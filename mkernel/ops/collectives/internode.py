@@ -98,7 +98,6 @@ class ProxyState:
 
         self.ws = ctx.workspace(("internode", op), nbytes)
         self.window = GpuWindow(self.ws.ptr, self.ws.nbytes)
-        self.window.prepare()  # its stream and staging now: made later, they could wait on our kernels
 
         try:
             self.proxy = Proxy(ctx.world, [self.window], ring_capacity=1024, timeout=ctx.timeout,

@@ -39,7 +39,7 @@ class MoeOptions:
     config (None: chosen; one of ``FUSED_CONFIGS``).  ``swiglu_epilogue``: :func:`mkernel.moe_layer` computes
     SwiGLU in the gate/up grouped GEMM's epilogue (``mkernel.ops.gemm.grouped_gemm_swiglu``: h is never
     written) where F suits it and ``fused`` is off, else the separate SwiGLU kernel (the layer's plan says
-    which: ``MoePlan.swiglu``; docs/moe.md "SwiGLU epilogue"; not yet GPU-run, hence off by default).
+    which: ``MoePlan.swiglu``; docs/moe.md "SwiGLU epilogue": on by default, it never writes h).
     """
 
     softmax: str = "topk"
@@ -51,7 +51,7 @@ class MoeOptions:
     fused: bool = False
     comm_blocks: int = 0
     gemm_config: int | None = None
-    swiglu_epilogue: bool = False
+    swiglu_epilogue: bool = True
 
     __hash__ = options_hash
 
