@@ -6,7 +6,8 @@
 # Usage: bash tools/sanitize.sh [TOOL ...]            (default: memcheck racecheck synccheck)
 #   env: SANITIZER=path/to/compute-sanitizer  (default: $PATH, /usr/local/cuda/bin, the nvidia pip wheels)
 #        NP=2                 ranks of the multi-rank families (they may share one GPU)
-#        FAMILIES="gemm ..."  a subset of: gemm collectives ag_gemm gemm_rs gemm_ar internode proxy
+#        FAMILIES="gemm ..."  a subset of: gemm collectives ag_gemm gemm_rs gemm_ar internode proxy attention
+#                             attention_bwd moe ring_attention
 #        RUN_TIMEOUT=300      seconds per (family, tool) run
 #        LOGDIR=dir           where the per-run logs go (default: a fresh temporary directory)
 # Every run passes --report-api-errors no (the ops probe the driver on purpose: cuPointerGetAttribute on
@@ -20,7 +21,7 @@ TOOLS=("$@")
 [ ${#TOOLS[@]} -gt 0 ] || TOOLS=(memcheck racecheck synccheck)
 NP=${NP:-2}
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}
-FAMILIES=(${FAMILIES:-gemm collectives ag_gemm gemm_rs gemm_ar internode proxy})
+FAMILIES=(${FAMILIES:-gemm collectives ag_gemm gemm_rs gemm_ar internode proxy attention attention_bwd moe ring_attention})
 LOGDIR=${LOGDIR:-$(mktemp -d /tmp/mk-sanitize.XXXXXX)}
 mkdir -p "$LOGDIR"
 
@@ -57,6 +58,10 @@ declare -A CASES=(
   [gemm_ar]="$NP||tests/gpu/test_gemm_ar.py -k test_repeated_calls_repoint"
   [internode]="$NP|MKERNEL_RANKS_PER_NODE=1|tests/gpu/test_internode.py -k test_internode_all_gather and float32 or test_internode_reduce_scatter and float32"
   [proxy]="0||tests/gpu/test_proxy_gpu.py"
+  [attention]="0||tests/gpu/test_attention.py -k test_no_keys or test_strided_views"
+  [attention_bwd]="0||tests/gpu/test_attention_bwd.py -k test_strided_views or test_deterministic_bit_identical"
+  [moe]="$NP||tests/gpu/test_moe.py -k test_smoke_each_kernel_finishes or test_combine_fp32_rows_not_a_multiple_of_8 or test_dispatch_gemm_back_to_back"
+  [ring_attention]="$NP||tests/gpu/test_ring_attention.py -k test_float16 or test_backward_back_to_back_and_deterministic"
 )
 
 declare -A RESULT
