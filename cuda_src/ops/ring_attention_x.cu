@@ -18,6 +18,10 @@
 //                  its WRITE); one word per sender: j cannot announce e + 1 to us before our grant of e + 1,
 //                  which follows our read of word e
 //   home_off       this rank's K then V of the current call, then the two receive buffers (buf_stride apart)
+// The backward (mkernel/ops/ring_attention/internode_bwd.py) adds, after calls[P], pready[P] (world rank j's
+// dK / dV partial of our block of call e is in our inbox: value e, the FLAG of j's mk_ring_x_send) and,
+// after the receive buffers, its partial buffers and the inbox; its partial waits are mk_ring_x_wait on a
+// layout whose ready_off is pready's.
 #include "core/mk_proxy.cuh"
 #include "core/mk_signal.cuh"
 
@@ -78,4 +82,16 @@ extern "C" __global__ void __launch_bounds__(32, 1) mk_ring_x_wait(MkComm c, con
   if (!mk_wait_geq(c, call, e << 32, src, fi)) return;
   const mk_u64 got = mk_ld_acquire(call);
   if (got != ((e << 32) | (mk_u64)c.sig)) mk_report(c, MK_ERR_MISMATCH, src, fi, c.sig, got & 0xffffffffull, 0);
+}
+
+// Backward, step s, source side (after the step's launches wrote our fp32 dK / dV partial of world rank
+// `dst`'s block: an event on the stream): WRITE the partial [src_off, +bytes) into dst's inbox slot at
+// dst_off, with the FLAG pready[me] = e at flag_off ("flag visible => data complete").  No grant: dst summed
+// its inbox of call e - 1 before it pushed us its block of call e, which this partial needed
+// (docs/ring_attention.md, "Backward across nodes").
+extern "C" __global__ void __launch_bounds__(32, 1) mk_ring_x_send(MkComm c, MkProxy p, const char* ws, int dst,
+                                                                   mk_u64 src_off, mk_u64 dst_off, mk_u64 bytes,
+                                                                   mk_u64 flag_off) {
+  if (threadIdx.x != 0 || mk_failed(c)) return;
+  mk_proxy_push(c, p, MK_PROXY_OP_WRITE, dst, 0, src_off, dst_off, bytes, 0, flag_off, mk_ring_x_epoch(ws));
 }

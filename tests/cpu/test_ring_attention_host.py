@@ -309,8 +309,8 @@ def test_backward_bad_inputs_raise_before_launch(ctx, monkeypatch):
         f(ctx, q, k, v, o, lse, None)
     with pytest.raises(ValueError, match="overlap"):
         f(ctx, q, k, v, o, lse, do, dq=q)
-    ctx.num_nodes = 2
-    with pytest.raises(ValueError, match="inside one node"):
+    ctx.num_nodes, ctx.size, ctx.node_of_rank = 2, 4, [0, 1, 0, 1]  # (not node-major)
+    with pytest.raises(ValueError, match="node-major"):
         f(ctx, q, k, v, o, lse, do)
 
 
@@ -401,6 +401,8 @@ class _World:
     network at their own random speed (the draw weights).  Buffers and homes carry
     (owner, call) tags: a step that reads another block than its plan's source of this call fails."""
 
+    make_program = staticmethod(XR.x_program)
+
     def __init__(self, L, N, calls, causal, rng, S_loc=6, D=4):
         self.L, self.N, self.P = L, N, L * N
         P = self.P
@@ -411,7 +413,7 @@ class _World:
         self.plans = [make_plan(r, P, S_loc, causal) for r in range(P)]
         self.queues = {}
         for r in range(P):
-            prog = XR.x_program(r, L, N)
+            prog = self.make_program(r, L, N)
             for stream in "SX":
                 q = []
                 for e in range(1, calls + 1):
@@ -441,10 +443,13 @@ class _World:
         return a // self.L == b // self.L
 
     def runnable(self, r, stream):
-        q = self.queues[(r, stream)]
-        if not q:
+        if not self.queues[(r, stream)]:
             return False
-        (act, *args), e = q[0]
+        return self.may_run(r, *self.queues[(r, stream)][0])
+
+    def may_run(self, r, action, e):
+        """Whether the queue head ``action`` of call ``e`` may run on rank ``r`` (its waits are met)."""
+        act, *args = action
         if act == "attend":
             return args[0] == 0 or self._evok(r, f"arrived{args[0]}", e)
         if act == "wait_join":
@@ -564,28 +569,35 @@ def test_x_world_emulation_catches_a_missing_wait(monkeypatch, skip, L, N):
     push that does not wait for the reader's grant overwrites a buffer still read; a home copy that does not
     wait for the proxy (drain) or for the local readers (begin) lets the next call's block be read; a grant
     or pull before the step two back finished reading the buffer overwrites it)."""
-    orig = _World.runnable
+    assert _failures_without(monkeypatch, _World, skip, lambda seed: _World(L, N, 4, False,
+                                                                         np.random.default_rng(seed)), 30) > 0
+
+
+def _failures_without(monkeypatch, world_cls, skip: str, make, seeds: int) -> int:
+    """How many of the worlds ``make(seed)`` (seed < ``seeds``) fail (AssertionError: a wrong block or
+    partial read, or a deadlock) when action ``skip`` may run as soon as it is first in its queue (after the
+    fork when it is begin: the side stream's first wait)."""
+    orig = world_cls.runnable
 
     def eager(self, r, stream):
         q = self.queues[(r, stream)]
-        if q and q[0][0][0] == skip:
+        if q and q[0][0][0] == skip and (skip != "begin" or self._evok(r, "fork", q[0][1])):
             return True
         return orig(self, r, stream)
 
-    monkeypatch.setattr(_World, "runnable", eager)
+    monkeypatch.setattr(world_cls, "runnable", eager)
     failed = 0
-    for seed in range(30):
-        w = _World(L, N, 4, False, np.random.default_rng(seed))
+    for seed in range(seeds):
         try:
-            w.run()
+            make(seed).run()
         except AssertionError:
             failed += 1
-    assert failed > 0
+    return failed
 
 
 def test_x_control_kernels_compile_clean():
     mod = CP.compile_module(XR.XSOURCE, {}, arch="sm_90a")
-    for name in ("mk_ring_x_drain", "mk_ring_x_grant", "mk_ring_x_push", "mk_ring_x_wait"):
+    for name in ("mk_ring_x_drain", "mk_ring_x_grant", "mk_ring_x_push", "mk_ring_x_wait", "mk_ring_x_send"):
         u = mod.resource_usage[name]
         assert u.get("spill_stores", 0) == 0 and u.get("stack", 0) == 0, u
     assert "warning" not in (mod.log or "").lower(), mod.log
@@ -620,16 +632,18 @@ class _FakeWs:
         return 0x7000_0000 * (j + 1) + off
 
 
-def _x_bound(monkeypatch, log):
-    """A RingXBound of world rank 1 of 2 x 2 on fakes that log every submission in order."""
+def _fake_driver(log):
+    """``(Kern, Cu, Ev, St)``: a kernel whose prepared launches log ``(name, int32 / uint64 arguments)`` (one
+    warp on the side stream 77), a driver logging event records and waits, events named by their names, a
+    proxy state on a fake workspace."""
     class Kern:
         def __init__(self, name):
             self.name = name
 
         def prepare(self, grid, threads, args, stream=None, **kw):
             assert stream == 77 and grid == (1, 1, 1) and threads == 32
-            ints = tuple(a.value for a in args if isinstance(a, ctypes.c_int32))
-            return lambda: log.append((self.name,) + ints)
+            vals = tuple(a.value for a in args if isinstance(a, (ctypes.c_int32, ctypes.c_uint64)))
+            return lambda: log.append((self.name,) + vals)
 
     class Cu:
         @staticmethod
@@ -653,9 +667,15 @@ def _x_bound(monkeypatch, log):
         ws = _FakeWs()
         proxy = type("Proxy", (), {"ring_device_struct": lambda self: "proxy"})()
 
+    return Kern, Cu, Ev, St
+
+
+def _x_bound(monkeypatch, log):
+    """A RingXBound of world rank 1 of 2 x 2 on fakes that log every submission in order."""
+    Kern, Cu, Ev, St = _fake_driver(log)
     monkeypatch.setattr(XR, "proxy_state", lambda ctx, op, nbytes: St())
     monkeypatch.setattr(RC, "control", Kern)  # (begin_launch / gate_launch)
-    monkeypatch.setattr(XR, "_xkernel", Kern)
+    monkeypatch.setattr(XR, "xkernel", Kern)
     monkeypatch.setattr(XR, "attention_launches", lambda ctx, call, plan, bufs, acc: [[s] for s in range(plan.P)])
     monkeypatch.setattr(XR, "launch_step", lambda launches, call, *a: log.append(("attend", launches[0])))
     monkeypatch.setattr(XR, "copy_async", lambda cps, s: log.append(("copy", tuple(cps))))
@@ -668,6 +688,7 @@ def _x_bound(monkeypatch, log):
     call = RO._Call()
     call.q, call.k, call.v, call.out, call.lse = q, k, v, _arr((1, 64, 4, 128)), _arr((1, 4, 64), "float32")
     call.dims, call.layout, call.stream, call.causal = (1, 64, 64, 4, 2, 128), "bshd", 5, True
+    call.options = RingAttentionOptions()
     plan = make_plan(ctx.rank, ctx.size, 64, True, 2 * k.nbytes)
     return XR.RingXBound(ctx, call, plan, 0x1234), call
 
@@ -709,9 +730,11 @@ def test_bind_picks_the_path_by_node_count(ctx, monkeypatch):
     assert RO._RING.bind(x, call, plan) == "across nodes"
 
 
-def test_backward_across_nodes_still_refused(ctx, monkeypatch):
+def test_backward_across_nodes_at_most_max_parts_ranks(ctx, monkeypatch):
+    """Across nodes the ring is the world's: one partial sum adds P <= MAX_PARTS partials."""
     monkeypatch.setattr(RB, "require_gemm_device", lambda what, device: None)
     monkeypatch.setattr(RB._RingAttentionBwd, "compile", lambda self, ctx, call: pytest.fail("compiled bad input"))
-    ctx.num_nodes = 2
-    with pytest.raises(ValueError, match="forward only"):
+    ctx.num_nodes, ctx.local_size, ctx.size = 3, 3, 9
+    ctx.node_of_rank = [r // 3 for r in range(9)]
+    with pytest.raises(ValueError, match="at most 8 ranks in the ring, got 9"):
         mkernel.ring_attention_backward(ctx, *_bwd_args())

@@ -206,9 +206,9 @@ def _run_bwd(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat
     scale = 1.0 / np.sqrt(D)
     # the reference from the rounded values every rank holds
     rq, rk, rv, rdo = (np.empty_like(x) for x in (q, k, v, do))
-    for r in range(ctx.local_size):
-        idx = zigzag_indices(S, ctx.local_size, r) if causal else np.arange(r * (S // ctx.local_size),
-                                                                            (r + 1) * (S // ctx.local_size))
+    P = _ring(ctx)[1]
+    for r in range(P):
+        idx = zigzag_indices(S, P, r) if causal else np.arange(r * (S // P), (r + 1) * (S // P))
         for dst, src in ((rq, q), (rk, k), (rv, v), (rdo, do)):
             dst[:, idx] = upload(src[:, idx], dtype)[1]
     ref_o, ref_l, gq, gk, gv = attention_reference(rq, rk, rv, causal, scale, rdo)
@@ -218,7 +218,7 @@ def _run_bwd(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat
         dq, dk, dv = (DeviceArray.empty(x.shape, dtype).fill_nan() for x in (qd, kd, vd))
         mkernel.ring_attention_backward(ctx, qd, kd, vd, od, lse, dod, dq, dk, dv, causal=causal, layout=layout)
     ctx.synchronize()
-    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={ctx.local_size}"
+    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={P}"
     for name, got, ref in (("dq", dq, gq), ("dk", dk, gk), ("dv", dv, gv)):
         g = download(got)
         if layout == "bhsd":
@@ -303,13 +303,49 @@ def test_internode_zigzag_of_the_context_is_the_world_ring(ctx):
     np.testing.assert_array_equal(mkernel.zigzag_shard(x, ctx, 1), mkernel.zigzag_shard(x, (ctx.rank, ctx.size), 1))
 
 
+X_BWD_CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * world size
+    (1, 300, 4, 4, 128, False, "bshd"),
+    (2, 340, 8, 2, 64, True, "bshd"),
+    (1, 262, 8, 1, 128, True, "bhsd"),
+    (1, 261, 4, 2, 64, False, "bhsd"),
+]
+
+
 @pytest.mark.internode
-def test_internode_backward_refused(ctx):
+@pytest.mark.parametrize("case", X_BWD_CASES, ids=[
+    f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}" for c in X_BWD_CASES])
+def test_internode_backward_against_float64(ctx, shared_rng, case):
+    """The backward over the world ring (K/V and the dK / dV partials of blocks owned on another node
+    through the proxy) against the float64 gradients, dq / dk / dv NaN-poisoned first."""
     _needs_nodes(ctx)
-    q = DeviceArray.empty((1, 64, 4, 128), "bfloat16")
-    lse = DeviceArray.empty((1, 4, 64), "float32")
-    with pytest.raises(ValueError, match="forward only"):
-        mkernel.ring_attention_backward(ctx, q, q, q, q, lse, q)
+    B, S_local, Hq, Hkv, D, causal, layout = case
+    _run_bwd(ctx, shared_rng, B, S_local * ctx.size, Hq, Hkv, D, causal=causal, layout=layout)
+    plan = ctx.last_plan("ring_attention_backward")
+    assert plan.P == ctx.size and plan.rank == ctx.rank
+
+
+@pytest.mark.internode
+def test_internode_backward_back_to_back_and_deterministic(ctx):
+    """20 calls in a row (grants, partial flags, the inbox and the proxy's drain cycle), causal fp16 and
+    non-causal bf16; dk, dv bit-identical between runs on the same inputs (the world-rank-order sum)."""
+    _needs_nodes(ctx)
+    a = _run_bwd(ctx, np.random.default_rng(7), 1, 2 * ctx.size * 150, 4, 2, 64, causal=True, dtype="float16",
+                 calls=20)
+    b = _run_bwd(ctx, np.random.default_rng(7), 1, 2 * ctx.size * 150, 4, 2, 64, causal=True, dtype="float16",
+                 calls=1)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    _run_bwd(ctx, np.random.default_rng(8), 1, 2 * ctx.size * 130, 8, 2, 128, causal=False, calls=20)
+
+
+@pytest.mark.internode
+def test_zzz_internode_backward_missing_peer_times_out(ctx):
+    """Rank 0 calls the backward alone: its push waits for rank 1's grant and times out naming world rank 1."""
+    _needs_nodes(ctx)
+    q, _ = upload(np.ones((1, 256, 4, 128)), "bfloat16")
+    lse = DeviceArray.from_numpy(np.zeros((1, 4, 256), np.float32))
+    assert_missing_peer_times_out(lambda c2: mkernel.ring_attention_backward(c2, q, q, q, q, lse, q),
+                                  "ring_attention_backward")
 
 
 @pytest.mark.internode

@@ -1,4 +1,4 @@
-"""Ring attention across the GPUs of a node (the forward also across nodes): :func:`ring_attention`,
+"""Ring attention across the GPUs of a node or of several nodes: :func:`ring_attention`,
 :func:`ring_attention_backward`, zigzag sharding helpers.
 docs/ring_attention.md."""
 from .backward import ring_attention_backward

@@ -9,10 +9,9 @@ specialization (cuda_src/ops/attention_bwd.cu) for this rank's query rows agains
 block's fp32 dK / dV partial goes to this rank's partial buffer of step s in its symmetric workspace.  At
 the end each owner reads the P partials of its block (its own and its peers', over NVLink) and sums them in
 local-rank order: deterministic dK / dV.  docs/ring_attention.md, "Backward".
+A context spanning several nodes runs the same launches over the world ring (internode_bwd.py).
 """
 from __future__ import annotations
-
-import math
 
 from cuda.bindings import driver as cu
 
@@ -24,13 +23,15 @@ from ...core.streams import Events, copy_async
 from ...core.util import round_up
 from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..attention_bwd import kernels as BK
-from ..attention_bwd.op import BwdArgs, LAYOUTS, PartSumArgs, check_arrays, layout_strides, prepare_arrays
+from ..attention_bwd.op import LAYOUTS, check_arrays, prepare_arrays
 from ..base import BoundCall, Op, as_stream, checked_once
-from .common import (VALUE_OFF, RingLayout, begin_launch, chunked_copies, control, gate_launch,
+from .common import (VALUE_OFF, BackwardLaunches, RingLayout, begin_launch, chunked_copies, control, gate_launch,
                      gated_pull)
+from .internode import compile_controls
+from .internode_bwd import RingBwdXBound
 from .op import check_ring
 from .options import RingAttentionOptions
-from .plan import RingPlan, make_plan, source_rank
+from .plan import RingPlan, make_plan, partial_rows, partial_step
 
 __all__ = ["ring_attention_backward", "BackwardLayout", "backward_workspace_layout", "partial_rows",
            "partial_step"]
@@ -62,21 +63,6 @@ def backward_workspace_layout(P: int, kv_block_bytes: int, part_bytes: int) -> B
     L.part_stride = round_up(part_bytes, 256)
     L.total = L.part_off + P * L.part_stride
     return L
-
-
-def partial_step(owner: int, src: int, P: int) -> int:
-    """The ring step at which local rank ``src`` computes its partial of ``owner``'s K/V block."""
-    s = (src - owner) % P
-    assert source_rank(src, s, P) == owner
-    return s
-
-
-def partial_rows(owner: int, src: int, P: int, seq_local: int, causal: bool) -> int:
-    """Rows of ``owner``'s block that ``src``'s partial covers (a prefix; the rest is zero): the whole block,
-    except causal with owner < src (src sees the owner's low chunk only: :func:`make_plan`)."""
-    if causal and src != owner and owner < src:
-        return seq_local // 2
-    return seq_local
 
 
 class _Call:
@@ -116,8 +102,9 @@ class _RingAttentionBwd(Op):
         checked_once(c.options)
         check_arrays(WHAT, c)
         check_ring(WHAT, ctx, c.dims, c.causal, c.q, c.k, c.v)
-        if ctx.local_size > BK.MAX_PARTS:
-            raise ValueError(f"{WHAT}: at most {BK.MAX_PARTS} local ranks, got {ctx.local_size}")
+        P = ctx.size if ctx.num_nodes > 1 else ctx.local_size
+        if P > BK.MAX_PARTS:  # (one mk_attn_bwd_part_sum adds every partial of a block)
+            raise ValueError(f"{WHAT}: at most {BK.MAX_PARTS} ranks in the ring, got {P}")
         require_gemm_device(WHAT, c.q.device)
 
     def compile(self, ctx, c):
@@ -127,14 +114,16 @@ class _RingAttentionBwd(Op):
                 BK.get(dt, D, BK.DEFAULT_BLOCK_Q[D], name)
             for name in BK.PARTIAL_KERNELS:
                 BK.get_partial(dt, D, name)
-            if ctx.local_size > 1:
+            if ctx.local_size > 1 or ctx.num_nodes > 1:
                 control("mk_ring_begin")
                 control("mk_ring_wait")
+            if ctx.num_nodes > 1:
+                compile_controls()
 
     def agree(self, ctx, c):
         B, Sq, Sk, Hq, Hkv, D = c.dims
         sig = (OP, c.q.dtype.name, B, Sq, Hq, Hkv, D, c.layout, c.causal, round(c.scale, 9), c.options.pull_chunks)
-        return ctx.agree(WHAT, sig, ctx.node_comm)
+        return ctx.agree(WHAT, sig, ctx.node_comm if ctx.num_nodes == 1 else ctx.world)
 
     def describe_call(self, c):
         B, Sq, Sk, Hq, Hkv, D = c.dims
@@ -143,50 +132,28 @@ class _RingAttentionBwd(Op):
 
     def plan(self, ctx, c, digest):
         c.digest = digest
-        return make_plan(ctx.local_rank, ctx.local_size, c.dims[1], c.causal, c.k.nbytes * 2)
+        rank, P = (ctx.local_rank, ctx.local_size) if ctx.num_nodes == 1 else (ctx.rank, ctx.size)
+        return make_plan(rank, P, c.dims[1], c.causal, c.k.nbytes * 2)
 
     def bind(self, ctx, c, plan):
         with on_device(ctx.device):
+            if ctx.num_nodes > 1:
+                return RingBwdXBound(ctx, c, plan, getattr(c, "digest", 0))
             return _RingBwdBound(ctx, c, plan, getattr(c, "digest", 0))
 
 
-def _set_strides(a: BwdArgs, c) -> None:
-    for name, x in (("q_s", c.q), ("k_s", c.k), ("v_s", c.v), ("o_s", c.o), ("do_s", c.do), ("dq_s", c.dq),
-                    ("dk_s", c.dk), ("dv_s", c.dv)):
-        getattr(a, name)[:] = layout_strides(x, c.layout)
-    a.lse_s[:] = c.lse.strides
-
-
 class _RingBwdBound(BoundCall):
-    """A ring backward call bound to one layout: Dsum and the fp32 dQ accumulator, the per-step main-kernel
-    launches with their argument structs, the partial sum, and (P > 1) the side-stream control launches,
-    pulls and flag writes."""
+    """A ring backward call bound to one layout: the compute launches (common.BackwardLaunches) and (P > 1)
+    the side-stream control launches, pulls and flag writes."""
 
     def __init__(self, ctx, c: _Call, plan: RingPlan, digest: int):
-        B, S, _, Hq, Hkv, D = c.dims
         self.plan = plan
         self.P = P = plan.P
         me = ctx.local_rank
-        dt, it = c.q.dtype.name, c.q.dtype.itemsize
-        self._it = it
-        self.dsum = DeviceArray.empty((B * Hq * S,), "float32", device=ctx.device)
-        self.acc = DeviceArray.empty((B * Hq * S * D,), "float32", device=ctx.device)
-        bufs = [self.dsum, self.acc]
         kv_bytes = c.k.nbytes
-        half = S * B * Hkv * D * 4  # one fp32 partial (dK or dV)
+        half = BackwardLaunches.part_half(c)
         self._kv_bytes = kv_bytes
-        self._ss = {n: layout_strides(x, c.layout)[1] for n, x in (("q", c.q), ("o", c.o), ("do", c.do))}
-        bq = BK.DEFAULT_BLOCK_Q[D]
-        # preprocess (Dsum, the accumulator zeroed) and conversion over all S local rows
-        self._full = a = BwdArgs()
-        _set_strides(a, c)
-        a.B, a.Hq, a.Hkv, a.Sq, a.Sk, a.causal = B, Hq, Hkv, S, S, int(c.causal)
-        a.scale, a.scale_log2 = c.scale, c.scale * math.log2(math.e)
-        a.dsum, a.dq_acc, a.acc_pitch = self.dsum.ptr, self.acc.ptr, S
-        rows = -(-(B * Hq * S) // BK.ROW_KERNEL_ROWS)
-        self._pre = BK.get(dt, D, bq, "mk_attn_bwd_pre").prepare(rows, 32 * BK.ROW_KERNEL_ROWS, [a], stream=c.stream)
-        self._convert = BK.get(dt, D, bq, "mk_attn_bwd_convert").prepare(rows, 32 * BK.ROW_KERNEL_ROWS, [a],
-                                                                         stream=c.stream)
+        extra = ()
         # partial buffers (P > 1: in the symmetric workspace, step s's at part_off + s * part_stride)
         self.ws = None
         if P > 1:
@@ -217,42 +184,16 @@ class _RingBwdBound(BoundCall):
                     for i in range(P)]
         else:
             one = DeviceArray.empty((2 * half // 4,), "float32", device=ctx.device)
-            bufs.append(one)
+            extra = (one,)
             recv, part, srcs = [], [one.ptr], [one.ptr]
-        self.buffers = tuple(bufs)
-        # the main kernel per launch: its query rows [q0, q1) (a window of the accumulator: pitch S)
-        main = BK.get_partial(dt, D, "mk_attn_bwd_main")
-        self._steps = [[] for _ in range(P)]
-        for ln in plan.launches:
-            a = BwdArgs()
-            _set_strides(a, c)
-            nq = ln.q1 - ln.q0
-            a.B, a.Hq, a.Hkv, a.Sq, a.Sk, a.causal = B, Hq, Hkv, nq, ln.kv_rows, int(ln.causal)
-            a.scale, a.scale_log2 = c.scale, c.scale * math.log2(math.e)
-            a.dsum, a.dq_acc, a.acc_pitch = self.dsum.ptr + 4 * ln.q0, self.acc.ptr + 4 * D * ln.q0, S
-            a.part_k, a.part_v = part[ln.step], part[ln.step] + half
-            if ln.step > 0:
-                a.k, a.v = recv[ln.step % 2], recv[ln.step % 2] + kv_bytes
-            launch = main.prepare((-(-ln.kv_rows // (16 * BK.WARPS)), Hkv, B), 32 * BK.WARPS, [a], stream=c.stream,
-                                  smem=BK.main_smem(D, bq))
-            self._steps[ln.step].append((ln, a, launch))
-        # the fixed-order sum of this rank's block's P partials
-        self._sum_args = sa = PartSumArgs()
-        for i in range(P):
-            sa.part_k[i], sa.part_v[i] = srcs[i], srcs[i] + half
-            sa.rows[i] = partial_rows(me, i, P, S, c.causal)
-        sa.dk_s[:], sa.dv_s[:] = layout_strides(c.dk, c.layout), layout_strides(c.dv, c.layout)
-        sa.P, sa.B, sa.Hkv, sa.S = P, B, Hkv, S
-        self._sum = BK.get_partial(dt, D, "mk_attn_bwd_part_sum").prepare(
-            -(-(S * B * Hkv * D // 4) // 256), 256, [sa], stream=c.stream)
+        rows = [partial_rows(me, i, P, c.dims[1], c.causal) for i in range(P)]
+        self.compute = BackwardLaunches(ctx, c, plan, recv, part, srcs, rows)
+        self.buffers = self.compute.buffers + extra
 
     def run(self, stream, call) -> None:
-        P, it = self.P, self._it
+        P = self.P
         s = cu.CUstream(stream)
-        f = self._full
-        f.q, f.k, f.v, f.o, f.dout, f.lse = call.q.ptr, call.k.ptr, call.v.ptr, call.o.ptr, call.do.ptr, call.lse.ptr
-        f.dq, f.dk, f.dv = call.dq.ptr, call.dk.ptr, call.dv.ptr
-        self._sum_args.dk, self._sum_args.dv = call.dk.ptr, call.dv.ptr
+        self.compute.point(call)
         if P > 1:
             ev, side = self._ev, self._side
             check(cu.cuEventRecord(ev.fork, s))
@@ -260,19 +201,12 @@ class _RingBwdBound(BoundCall):
             self._begin()
             copy_async([(self._home, call.k.ptr, self._kv_bytes),
                         (self._home + self._kv_bytes, call.v.ptr, self._kv_bytes)] + self._announce, side)
-        self._pre()
+        self.compute.pre()
         signalled = set()
-        for step, launches in enumerate(self._steps):
+        for step in range(P):
             if step > 0:
                 self._pull(step, s, signalled)
-            for ln, a, launch in launches:
-                a.q = call.q.ptr + ln.q0 * self._ss["q"] * it
-                a.o = call.o.ptr + ln.q0 * self._ss["o"] * it
-                a.dout = call.do.ptr + ln.q0 * self._ss["do"] * it
-                a.lse = call.lse.ptr + ln.q0 * call.lse.strides[2] * 4
-                if step == 0:
-                    a.k, a.v = call.k.ptr, call.v.ptr
-                launch()
+            self.compute.step(step, call)
             if P > 1:
                 check(cu.cuEventRecord(getattr(self._ev, f"done{step}"), s))
         if P > 1:
@@ -284,8 +218,7 @@ class _RingBwdBound(BoundCall):
                 w()
             check(cu.cuEventRecord(ev.parts, side))
             check(cu.cuStreamWaitEvent(s, ev.parts, 0))
-        self._sum()
-        self._convert()
+        self.compute.finish()
         if P > 1:
             check(cu.cuEventRecord(ev.summed, s))
             check(cu.cuStreamWaitEvent(side, ev.summed, 0))
@@ -318,7 +251,8 @@ _DEFAULT = RingAttentionOptions()
 def ring_attention_backward(ctx, q, k, v, out, lse, dout, dq=None, dk=None, dv=None, *, causal: bool = False,
                             softmax_scale: float | None = None, layout: str = "bshd", stream=None,
                             options: RingAttentionOptions | None = None):
-    """Ring attention backward over the P ranks of ``ctx``'s node: returns ``(dq, dk, dv)`` of this rank's rows.
+    """Ring attention backward over the P ranks of ``ctx``'s node (of the whole world when ``ctx`` spans several
+    nodes: node-major ranks, the same count per node, P <= 8): returns ``(dq, dk, dv)`` of this rank's rows.
 
     Sharding as :func:`mkernel.ring_attention` (non-causal: contiguous shards in local-rank order; causal:
     zigzag shards, :func:`mkernel.zigzag_shard`, S_local even).  q, out, dout: this rank's
@@ -328,7 +262,7 @@ def ring_attention_backward(ctx, q, k, v, out, lse, dout, dq=None, dk=None, dv=N
     lse: float32 ``[B, H_q, S_local]``, the forward's log-sum-exp over the whole sequence (what
     :func:`mkernel.ring_attention` returns).  dq, dk, dv: q's, k's, v's shapes and dtype (or None to
     allocate); dk, dv are the gradients of this rank's own K/V rows, summed over every rank's queries in
-    fp32 in local-rank order (deterministic); dq accumulates with fp32 atomics (run-to-run rounding
+    fp32 in rank order (deterministic); dq accumulates with fp32 atomics (run-to-run rounding
     differences).  softmax_scale: finite > 0, default ``1 / sqrt(D)``.  stream: any stream-like object or raw
     handle (None: the legacy default stream).  options: :class:`RingAttentionOptions` (``pull_chunks``).
 

@@ -26,15 +26,16 @@ from ...dist.signals import workspace_control
 from ..attention import kernels as AK
 from ..base import BoundCall
 from ..collectives.internode import proxy_state
-from .common import VALUE_OFF, RingLayout, attention_launches, begin_launch, gate_launch, launch_step
+from .common import (VALUE_OFF, RingLayout, attention_launches, begin_launch, chunked_copies, gate_launch,
+                     launch_step)
 
-__all__ = ["XSOURCE", "RingXLayout", "x_workspace_layout", "XStep", "x_steps", "x_program", "compile_controls",
-           "RingXBound"]
+__all__ = ["XSOURCE", "RingXLayout", "x_workspace_layout", "XStep", "x_steps", "kv_actions", "x_program", "ONE",
+           "xkernel", "compile_controls", "XTransport", "RingXBound"]
 
 OP = "ring_attention"
 XSOURCE = "ops/ring_attention_x.cu"
 register_specialization(XSOURCE, {})
-_X_KERNELS = ("mk_ring_x_drain", "mk_ring_x_grant", "mk_ring_x_push", "mk_ring_x_wait")
+_X_KERNELS = ("mk_ring_x_drain", "mk_ring_x_grant", "mk_ring_x_push", "mk_ring_x_wait", "mk_ring_x_send")
 
 
 class RingXLayout(ctypes.Structure):
@@ -45,19 +46,21 @@ class RingXLayout(ctypes.Structure):
                 ("bytes", ctypes.c_uint64)]
 
 
-def x_workspace_layout(L: int, N: int, kv_block_bytes: int) -> tuple[RingLayout, RingXLayout, int]:
+def x_workspace_layout(L: int, N: int, kv_block_bytes: int, flag_rows: int = 1,
+                       words: int = 3) -> tuple[RingLayout, RingXLayout, int]:
     """``(local control layout, inter-node layout, total bytes)`` of the op's workspace (the proxy's window 0)
     for L ranks per node, N nodes and K/V blocks (K then V) of ``kv_block_bytes``: the one-node control words
-    of the L local ranks, grant[P], ready[P], calls[P] (offsets that depend on L and N only: docs/design.md,
-    "Control words never move"), then home and the two receive buffers (256-byte aligned)."""
+    of the L local ranks (``flag_rows`` rows of flags), grant[P], ready[P], calls[P] and ``words - 3`` more
+    u64[P] arrays after calls (offsets that depend on L and N only: docs/design.md, "Control words never
+    move"), then home and the two receive buffers (256-byte aligned)."""
     P = L * N
-    consumed_off, flags_off, end = workspace_control(L, 1)
+    consumed_off, flags_off, end = workspace_control(L, flag_rows)
     X = RingXLayout()
     X.grant_off = round_up(end, 256)
     X.ready_off = X.grant_off + 8 * P
     X.calls_off = X.ready_off + 8 * P
     blk = round_up(max(kv_block_bytes, 16), 256)
-    X.home_off = round_up(X.calls_off + 8 * P, 4096)
+    X.home_off = round_up(X.grant_off + 8 * P * words, 4096)
     X.buf_off, X.buf_stride, X.bytes = X.home_off + blk, blk, kv_block_bytes
     return RingLayout(consumed_off, flags_off), X, X.buf_off + 2 * blk
 
@@ -88,6 +91,19 @@ def x_steps(rank: int, L: int, N: int) -> tuple:
     return tuple(out)
 
 
+def kv_actions(st: XStep) -> list:
+    """The side stream's actions of step ``st`` that bring its block (after the buffer is free): grant (a
+    remote source), push (a remote target, after our grant: it waits for the target's grant), then xwait (a
+    remote source) or pull (a local one), then the event arrived."""
+    s = st.step
+    acts = [("X", "grant", s, st.source)] if st.remote_source else []
+    if st.remote_target:
+        acts.append(("X", "push", s, st.target, st.slot))
+    acts.append(("X", "xwait", s, st.source) if st.remote_source else ("X", "pull", s, st.source))
+    acts.append(("X", "arrived", s))
+    return acts
+
+
 def x_program(rank: int, L: int, N: int) -> tuple:
     """The actions of one call of world rank ``rank``, in submission order; each ``(stream, action, *args)``:
 
@@ -100,7 +116,7 @@ def x_program(rank: int, L: int, N: int) -> tuple:
     * per step s >= 1, on X: wait_done s - 2 (S finished reading buffer s % 2); grant s src (a remote source:
       buffer free); push s dst slot (a remote target, after our grant: waits dst's grant); then either xwait
       s src (remote: flag and call word) or pull s src (local: mk_ring_wait gate, copy-engine pull, consumed);
-      arrived s;
+      arrived s (:func:`kv_actions`);
     * X join: S waits for X."""
     P = L * N
     prog = [("S", "fork"), ("X", "begin"), ("X", "drain"), ("X", "home"), ("S", "attend", 0)]
@@ -110,12 +126,7 @@ def x_program(rank: int, L: int, N: int) -> tuple:
         s = st.step
         if s >= 2:
             prog.append(("X", "wait_done", s - 2))
-        if st.remote_source:
-            prog.append(("X", "grant", s, st.source))
-        if st.remote_target:
-            prog.append(("X", "push", s, st.target, st.slot))
-        prog.append(("X", "xwait", s, st.source) if st.remote_source else ("X", "pull", s, st.source))
-        prog.append(("X", "arrived", s))
+        prog += kv_actions(st)
         prog.append(("S", "attend", s))
         if s + 2 < P:
             prog.append(("S", "done", s))
@@ -123,97 +134,127 @@ def x_program(rank: int, L: int, N: int) -> tuple:
     return tuple(prog)
 
 
-def _xkernel(name: str):
+ONE = ((1, 1, 1), 32)  # a control kernel's grid and block
+
+
+def xkernel(name: str):
+    """Control kernel ``name`` of ring_attention_x.cu (compiled or loaded)."""
     return compiled_kernel(XSOURCE, {}, name)
 
 
 def compile_controls() -> None:
     """Compile (or load) the inter-node control kernels (before the ranks agree)."""
     for name in _X_KERNELS:
-        _xkernel(name)
+        xkernel(name)
+
+
+class XTransport:
+    """The K/V transport of one bound call across nodes, prepared once and submitted action by action: the
+    call's frame (fork, begin, drain, home, join), the events (done, wait_done, arrived) and the actions of
+    :func:`kv_actions` in ``program``.  ``consumed_on_pull``: a local pull raises its source's consumed[me]
+    (the forward); the backward raises it after its partial sum instead (docs/ring_attention.md, "Backward
+    across nodes").  ``events``: more event names (``self.ev``)."""
+
+    def __init__(self, ctx, comm, st, lay: RingLayout, X: RingXLayout, program: tuple, kv: int, pieces: int,
+                 consumed_on_pull: bool, events: tuple = ()):
+        L, me, node = ctx.local_size, ctx.local_rank, ctx.rank // ctx.local_size
+        ws = st.ws
+        side = ctx.side_stream()
+        self.side_handle, self.side = side, cu.CUstream(side)
+        self.prox, wsp = st.proxy.ring_device_struct(), ctypes.c_void_p(ws.ptr)
+        self._home, self._kv = ws.ptr + X.home_off, kv
+        bufs = (ws.ptr + X.buf_off, ws.ptr + X.buf_off + X.buf_stride)
+        self._begin = begin_launch(comm, ws, lay, side)
+        self._drain = xkernel("mk_ring_x_drain").prepare(*ONE, [comm, self.prox], stream=side)
+        self._announce = [(ws.peer_ptr(j, lay.flags_off + 8 * me), ws.ptr + VALUE_OFF, 8) for j in range(L) if j != me]
+        self._acts = {}  # (action, step) -> prepared launch or (gate, copies)
+        for a in program:
+            if a[1] == "grant":
+                self._acts[("grant", a[2])] = xkernel("mk_ring_x_grant").prepare(
+                    *ONE, [comm, self.prox, wsp, X, ctypes.c_int32(a[3])], stream=side)
+            elif a[1] == "push":
+                self._acts[("push", a[2])] = xkernel("mk_ring_x_push").prepare(
+                    *ONE, [comm, self.prox, wsp, X, ctypes.c_int32(a[3]), ctypes.c_int32(a[4])], stream=side)
+            elif a[1] == "xwait":
+                self._acts[("xwait", a[2])] = xkernel("mk_ring_x_wait").prepare(
+                    *ONE, [comm, wsp, X, ctypes.c_int32(a[3])], stream=side)
+            elif a[1] == "pull":
+                s, j = a[2], a[3] - node * L  # (a source on this node: its local rank)
+                cps = chunked_copies(bufs[s % 2], ws.peer_ptr(j, X.home_off), 2 * kv, pieces)
+                if consumed_on_pull:
+                    cps.append((ws.peer_ptr(j, lay.consumed_off + 8 * me), ws.ptr + VALUE_OFF, 8))
+                self._acts[("pull", s)] = (gate_launch(comm, ws, lay, j, side), cps)
+        P = ctx.size
+        self.ev = Events("fork", "join", *events, *[f"arrived{s}" for s in range(P)], *[f"done{s}" for s in range(P)])
+
+    def proxy_launch(self, launch) -> None:
+        """``launch()`` on the side stream, noted as waiting on the proxy (core/frees.py)."""
+        launch()
+        mark_proxy_launch(self.side_handle)
+
+    def wait_arrived(self, step: int, s) -> None:
+        """The caller's stream ``s`` waits for step ``step``'s block (step 0: its own, nothing to wait for)."""
+        if step > 0:
+            check(cu.cuStreamWaitEvent(s, getattr(self.ev, f"arrived{step}"), 0))
+
+    def submit(self, a: tuple, s, call) -> None:
+        """Submit transport action ``a`` (of the program) for ``call``; ``s``: the caller's stream."""
+        act, side, ev = a[1], self.side, self.ev
+        if act == "done":
+            check(cu.cuEventRecord(getattr(ev, f"done{a[2]}"), s))
+        elif act == "wait_done":
+            check(cu.cuStreamWaitEvent(side, getattr(ev, f"done{a[2]}"), 0))
+        elif act == "arrived":
+            check(cu.cuEventRecord(getattr(ev, f"arrived{a[2]}"), side))
+        elif act == "pull":
+            gate, cps = self._acts[("pull", a[2])]
+            gate()
+            copy_async(cps, side)
+        elif act in ("grant", "push", "xwait"):
+            self.proxy_launch(self._acts[(act, a[2])])
+        elif act == "fork":
+            check(cu.cuEventRecord(ev.fork, s))
+            check(cu.cuStreamWaitEvent(side, ev.fork, 0))
+        elif act == "begin":
+            self._begin()
+        elif act == "drain":
+            self.proxy_launch(self._drain)
+        elif act == "home":
+            copy_async([(self._home, call.k.ptr, self._kv), (self._home + self._kv, call.v.ptr, self._kv)]
+                       + self._announce, side)
+        elif act == "join":
+            check(cu.cuEventRecord(ev.join, side))
+            check(cu.cuStreamWaitEvent(s, ev.join, 0))
+        else:
+            raise AssertionError(f"ring attention across nodes: unknown action {a}")
 
 
 class RingXBound(BoundCall):
     """A ring attention call across nodes bound to one layout: the running fp32 output, the attention launches
-    (common.py), and per action of :func:`x_program` its prepared control launch or copies."""
+    (common.py), and the K/V transport of :func:`x_program` (:class:`XTransport`)."""
 
     def __init__(self, ctx, call, plan, digest: int):
         B, S, _, Hq, _, D = call.dims
         self.plan = plan
         self.acc = DeviceArray.empty((B, Hq, S, D), "float32", device=ctx.device)
         self.buffers = (self.acc,)
-        it, kv = call.q.dtype.itemsize, call.k.nbytes
         self._q_ss = AK.bshd(call.q, call.layout)[1][1]
         self._o_ss = AK.bshd(call.out, call.layout)[1][1]
-        self._it, self._kv = it, kv
-        L, N = ctx.local_size, ctx.num_nodes
-        lay, X, total = x_workspace_layout(L, N, 2 * kv)
+        self._it, kv = call.q.dtype.itemsize, call.k.nbytes
+        lay, X, total = x_workspace_layout(ctx.local_size, ctx.num_nodes, 2 * kv)
         self.state = st = proxy_state(ctx, OP, total)
-        self.ws = ws = st.ws
-        self._home = ws.ptr + X.home_off
-        bufs = (ws.ptr + X.buf_off, ws.ptr + X.buf_off + X.buf_stride)
-        side = ctx.side_stream()
-        self._side_handle, self._side = side, cu.CUstream(side)
-        comm, prox, wsp = ctx.comm_args(OP, digest), st.proxy.ring_device_struct(), ctypes.c_void_p(ws.ptr)
-        one = ((1, 1, 1), 32)
-        self._begin = begin_launch(comm, ws, lay, side)
-        self._drain = _xkernel("mk_ring_x_drain").prepare(*one, [comm, prox], stream=side)
-        me, node = ctx.local_rank, ctx.rank // L
-        self._announce = [(ws.peer_ptr(j, lay.flags_off + 8 * me), ws.ptr + VALUE_OFF, 8) for j in range(L) if j != me]
-        self.program = x_program(ctx.rank, L, N)
-        self._acts = {}  # (action, step) -> prepared launch or copies
-        for a in self.program:
-            if a[1] == "grant":
-                self._acts[("grant", a[2])] = _xkernel("mk_ring_x_grant").prepare(
-                    *one, [comm, prox, wsp, X, ctypes.c_int32(a[3])], stream=side)
-            elif a[1] == "push":
-                self._acts[("push", a[2])] = _xkernel("mk_ring_x_push").prepare(
-                    *one, [comm, prox, wsp, X, ctypes.c_int32(a[3]), ctypes.c_int32(a[4])], stream=side)
-            elif a[1] == "xwait":
-                self._acts[("xwait", a[2])] = _xkernel("mk_ring_x_wait").prepare(
-                    *one, [comm, wsp, X, ctypes.c_int32(a[3])], stream=side)
-            elif a[1] == "pull":
-                s, j = a[2], a[3] - node * L  # (a source on this node: its local rank)
-                gate = gate_launch(comm, ws, lay, j, side)
-                cps = [(bufs[s % 2], ws.peer_ptr(j, X.home_off), 2 * kv),
-                       (ws.peer_ptr(j, lay.consumed_off + 8 * me), ws.ptr + VALUE_OFF, 8)]
-                self._acts[("pull", s)] = (gate, cps)
-        P = plan.P
-        self._ev = Events("fork", "join", *[f"arrived{s}" for s in range(P)], *[f"done{s}" for s in range(P)])
+        self.ws = st.ws
+        self.program = x_program(ctx.rank, ctx.local_size, ctx.num_nodes)
+        self.xt = XTransport(ctx, ctx.comm_args(OP, digest), st, lay, X, self.program, kv,
+                             call.options.pull_chunks, True)
+        bufs = (st.ws.ptr + X.buf_off, st.ws.ptr + X.buf_off + X.buf_stride)
         self._steps = attention_launches(ctx, call, plan, bufs, self.acc)
 
     def run(self, stream, call) -> None:
-        s, side, ev = cu.CUstream(stream), self._side, self._ev
+        s = cu.CUstream(stream)
         for a in self.program:
-            act = a[1]
-            if act == "attend":
-                if a[2] > 0:
-                    check(cu.cuStreamWaitEvent(s, getattr(ev, f"arrived{a[2]}"), 0))
+            if a[1] == "attend":
+                self.xt.wait_arrived(a[2], s)
                 launch_step(self._steps[a[2]], call, self._q_ss, self._o_ss, self._it)
-            elif act == "done":
-                check(cu.cuEventRecord(getattr(ev, f"done{a[2]}"), s))
-            elif act == "wait_done":
-                check(cu.cuStreamWaitEvent(side, getattr(ev, f"done{a[2]}"), 0))
-            elif act == "arrived":
-                check(cu.cuEventRecord(getattr(ev, f"arrived{a[2]}"), side))
-            elif act == "pull":
-                gate, cps = self._acts[("pull", a[2])]
-                gate()
-                copy_async(cps, side)
-            elif act in ("grant", "push", "xwait"):
-                self._acts[(act, a[2])]()
-                mark_proxy_launch(self._side_handle)  # (waits on the proxy: core/frees.py)
-            elif act == "fork":
-                check(cu.cuEventRecord(ev.fork, s))
-                check(cu.cuStreamWaitEvent(side, ev.fork, 0))
-            elif act == "begin":
-                self._begin()
-            elif act == "drain":
-                self._drain()
-                mark_proxy_launch(self._side_handle)
-            elif act == "home":
-                copy_async([(self._home, call.k.ptr, self._kv), (self._home + self._kv, call.v.ptr, self._kv)]
-                           + self._announce, side)
-            elif act == "join":
-                check(cu.cuEventRecord(ev.join, side))
-                check(cu.cuStreamWaitEvent(s, ev.join, 0))
+            else:
+                self.xt.submit(a, s, call)

@@ -53,15 +53,11 @@ class _Call:
 
 
 
-def check_ring(what: str, ctx, dims: tuple, causal: bool, q, k, v, nodes: bool = False) -> None:
-    """The ring's own checks (forward and backward): one node (``nodes``: or node-major ranks, the same count
-    on every node), equal shards (S_q = S_k), causal zigzag shards (S_local even), k and v contiguous (copied
-    whole), the arrays on the context's GPU."""
+def check_ring(what: str, ctx, dims: tuple, causal: bool, q, k, v) -> None:
+    """The ring's own checks (forward and backward): node-major ranks, the same count on every node, when the
+    context spans several nodes; equal shards (S_q = S_k), causal zigzag shards (S_local even), k and v
+    contiguous (copied whole), the arrays on the context's GPU."""
     B, Sq, Sk, Hq, Hkv, D = dims
-    if ctx.num_nodes != 1 and not nodes:
-        raise ValueError(f"{what}: runs inside one node (NVLink); this context spans {ctx.num_nodes} nodes "
-                         "(the ring across nodes exists for the forward only: docs/ring_attention.md, "
-                         "\"Across nodes\")")
     if ctx.num_nodes != 1:
         check_nodes(ctx)
     if Sq != Sk:
@@ -105,7 +101,7 @@ class _RingAttention(Op):
     def validate(self, ctx, call):
         checked_once(call.options)
         check_arrays(WHAT, call.q, call.k, call.v, call.out, call.lse, call.dims, call.layout)
-        check_ring(WHAT, ctx, call.dims, call.causal, call.q, call.k, call.v, nodes=True)
+        check_ring(WHAT, ctx, call.dims, call.causal, call.q, call.k, call.v)
 
     def compile(self, ctx, call):
         with on_device(ctx.device):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["zigzag_chunks", "zigzag_indices", "classify", "source_rank", "Launch", "RingPlan", "make_plan",
-           "step_pairs"]
+           "step_pairs", "partial_step", "partial_rows"]
 
 
 def zigzag_chunks(rank: int, P: int) -> tuple[int, int]:
@@ -129,3 +129,19 @@ def make_plan(rank: int, P: int, seq_local: int, causal: bool, kv_block_bytes: i
             raw.append((s, 0, S, C, False) if j < rank else (s, C, S, S, False))
     sources = tuple(source_rank(rank, s, P) for s in range(P))
     return RingPlan(P, rank, S, causal, _finals(raw), sources, kv_block_bytes, P > 1)
+
+
+def partial_step(owner: int, src: int, P: int) -> int:
+    """The ring step at which rank ``src`` computes its partial of ``owner``'s K/V block (ranks of the ring:
+    a node's local ranks, or the world ranks across nodes)."""
+    s = (src - owner) % P
+    assert source_rank(src, s, P) == owner
+    return s
+
+
+def partial_rows(owner: int, src: int, P: int, seq_local: int, causal: bool) -> int:
+    """Rows of ``owner``'s block that ``src``'s partial covers (a prefix; the rest is zero): the whole block,
+    except causal with owner < src (src sees the owner's low chunk only: :func:`make_plan`)."""
+    if causal and src != owner and owner < src:
+        return seq_local // 2
+    return seq_local
