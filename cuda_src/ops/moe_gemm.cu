@@ -25,9 +25,16 @@
 // block is resident (cooperative launch within the rank's share of the SMs).
 //
 // Specialization: MK_GEMM_IN (bf16 | f16), MK_GEMM_OUT, MK_GEMM_CONFIG and its MK_CFG_* (mkernel/ops/gemm
-// configs.py defines()); B (w_gate_up) is "nk": [El, 2F, H].
+// configs.py defines()); B (w_gate_up) is "nk": [El, 2F, H].  MK_MOE_SWIGLU=1: the SwiGLU variant
+// (docs/moe.md, "SwiGLU epilogue"): tmB is the paired gate/up view of w_gate_up (MkGateUpB) and c is
+// act [r_cap, F] = silu(h[:, :F]) * h[:, F:] from the accumulators, h never written.
 #include "gemm/mk_gemm_configs.cuh"
+#include "gemm/mk_gemm_swiglu.cuh"
 #include "ops/mk_moe.cuh"
+
+#ifndef MK_MOE_SWIGLU
+#define MK_MOE_SWIGLU 0
+#endif
 
 // Passed by value; mirrored by mkernel/ops/moe/layout.py MoeGemmArgs (same order, natural alignment).
 struct MoeGemmArgs {
@@ -37,12 +44,12 @@ struct MoeGemmArgs {
   const int* offs;         // routing: [El + 1] this rank's expert offsets
   char* x_recv;            // [r_cap, H] rows grouped by local expert
   int* recv_map;           // [r_cap]
-  void* c;                 // h [r_cap, N], row stride ldc elements
+  void* c;                 // h [r_cap, N] (MK_MOE_SWIGLU: act [r_cap, N / 2]), row stride ldc elements
   char* ws;                // this rank's workspace (dispatch layout: recv_src, staging [P][T])
   const mk_u64* peers;     // local rank -> its workspace base, as mapped here
   mk_u64* arrived;         // [El + r_cap / BM + 1] rows landed per (expert, row block); zero at launch
   long long ldc;
-  int N, K;                // 2F, H
+  int N, K;                // 2F (the scheduler's columns, also with MK_MOE_SWIGLU), H
   int n_comm;              // communication blocks
   int group_m;             // rasterization super-row height
   int c_vec_ok;
@@ -176,13 +183,25 @@ MK_DEVICE void moe_gemm_finish(const MoeWs& w, mk_u64 ep, int tid0, int nthreads
   }
 }
 
-// tmA: x_recv [r_cap, H]; tmB: w_gate_up [El, 2F, H].
+// The GEMM's epilogue: the plain store of h, or (MK_MOE_SWIGLU) SwiGLU stored as act by the same store, so
+// h is never written (docs/moe.md, "SwiGLU epilogue", "In the fused kernel").
+template <class Store> MK_DEVICE auto moe_gemm_epilogue(const Store& store) {
+#if MK_MOE_SWIGLU
+  return mk_swiglu_epilogue(store);
+#else
+  return store;
+#endif
+}
+
+// tmA: x_recv [r_cap, H]; tmB: w_gate_up [El, 2F, H] ("nk", or with MK_MOE_SWIGLU its paired gate/up view).
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_moe_dispatch_gemm(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,
                          const __grid_constant__ MkComm c, const __grid_constant__ MoeLayout L,
                          const __grid_constant__ MoeShape s, const __grid_constant__ MoeGemmArgs a) {
   // the producer runs the grouped scheduler and the row waits: 48 registers, not 40
-  typedef MkWithRegs<MkCfg<false>, 48, 224> Cfg;
+  typedef MkWithRegs<MkCfg<false>, 48, 224> Base;
+  // SwiGLU: B through the paired gate/up view, so one thread holds gate f and up F + f (mk_gemm_swiglu.cuh)
+  typedef typename MkPick<MK_MOE_SWIGLU != 0, MkGateUpB<Base>, Base>::T Cfg;
   static_assert(Cfg::SHARING == 1 && Cfg::CLUSTER_K == 1 && !Cfg::PINGPONG, "moe_gemm: cooperative, unclustered configs");
   extern __shared__ unsigned char mk_smem[];
   const MoeWs w = moe_ws(c, a.ws, a.peers, L);
@@ -198,10 +217,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
   hook.a = &a;
   hook.El = s.El;
   hook.M = s.r_cap;
-  MkEpilogueStore<MkOut> epi;
-  epi.c = reinterpret_cast<MkOut*>(a.c);
-  epi.ldc = a.ldc;
-  epi.vec_ok = a.c_vec_ok;
+  MkEpilogueStore<MkOut> store;
+  store.c = reinterpret_cast<MkOut*>(a.c);
+  store.ldc = a.ldc;
+  store.vec_ok = a.c_vec_ok;
+  auto epi = moe_gemm_epilogue(store);
   const bool r = mk_gemm_run<Cfg>(&tmA, &tmB, a.K, sched, hook, epi, mk_smem, (int)blockIdx.x - a.n_comm,
                                   (int)gridDim.x - a.n_comm);
   if (threadIdx.x < 128 || !r) return;  // the producer warpgroup is done; the consumers close the call

@@ -156,14 +156,16 @@ def test_fused_specializations_registered():
     from mkernel.ops import gemm as G
     from mkernel.ops.moe.options import FUSED_CONFIGS
 
-    want = {(G.DTYPE_CODES[dt], c) for dt in G.IN_DTYPES for c in FUSED_CONFIGS}
-    assert {(d["MK_GEMM_IN"], d["MK_GEMM_CONFIG"]) for _, d in FUSED_SPECS} == want
+    want = {(G.DTYPE_CODES[dt], c, sw) for dt in G.IN_DTYPES for c in FUSED_CONFIGS for sw in (0, 1)}
+    assert {(d["MK_GEMM_IN"], d["MK_GEMM_CONFIG"], d.get("MK_MOE_SWIGLU", 0)) for _, d in FUSED_SPECS} == want
 
 
 @pytest.mark.parametrize("source,defines", FUSED_SPECS, ids=[
-    f"in{d['MK_GEMM_IN']}-cfg{d['MK_GEMM_CONFIG']}" for _, d in FUSED_SPECS])
+    f"in{d['MK_GEMM_IN']}-cfg{d['MK_GEMM_CONFIG']}{'-swiglu' if d.get('MK_MOE_SWIGLU') else ''}"
+    for _, d in FUSED_SPECS])
 def test_fused_compiles_clean(source, defines):
-    """mk_moe_dispatch_gemm: no spills, no stack, no ptxas warnings, registers within one block per SM."""
+    """mk_moe_dispatch_gemm (and its SwiGLU variant): no spills, no stack, no ptxas warnings, registers
+    within one block per SM."""
     from mkernel.ops import gemm as G
 
     mod = CP.compile_module(source, defines, arch=ARCH)

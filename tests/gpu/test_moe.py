@@ -135,10 +135,13 @@ def _check_layout(R, ids, E, me, capacity=0):
 
 
 def _check_dispatch(R, xs, xr, lay, k, me):
-    """recv_map and the received rows (the first expert_offsets[-1]) bit-exact against the float64 layout."""
+    """recv_map and the received rows (the first expert_offsets[-1]) bit-exact against the float64 layout;
+    returns those rows (float64)."""
     n = int(lay[me]["expert_offsets"][-1])
     np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
-    np.testing.assert_array_equal(download(xr)[:n], ref.dispatch_reference([x[1] for x in xs], lay, k)[me])
+    want = ref.dispatch_reference([x[1] for x in xs], lay, k)[me]
+    np.testing.assert_array_equal(download(xr)[:n], want)
+    return want
 
 
 def _expert_outputs(rng, R, H, P):
@@ -207,8 +210,10 @@ def test_capacity_drops_deterministically(ctx, shared_rng):
 
 
 LAYER_PATHS = {"default": MoeOptions(), "fused": MoeOptions(fused=True),
-               "low_latency": MoeOptions(mode="low_latency"), "swiglu_kernel": MoeOptions(swiglu_epilogue=False)}
-SWIGLU_KERNEL_PATHS = ("fused", "swiglu_kernel")  # (the others compute SwiGLU in the gate/up GEMM's epilogue)
+               "low_latency": MoeOptions(mode="low_latency"), "swiglu_kernel": MoeOptions(swiglu_epilogue=False),
+               "fused_swiglu_kernel": MoeOptions(fused=True, swiglu_epilogue=False)}
+# (the others compute SwiGLU in the gate/up GEMM's epilogue; "fused" in the fused kernel's SwiGLU variant)
+SWIGLU_KERNEL_PATHS = ("swiglu_kernel", "fused_swiglu_kernel")
 
 
 def _layer_inputs(rng, P, T, E_local, H, F):
@@ -234,8 +239,9 @@ def _layer_want(logits, xs, wgs, wds, k, E, me):
 @pytest.mark.parametrize("path", list(LAYER_PATHS))
 @pytest.mark.parametrize("T,k,E_local,H,F", [(300, 2, 4, 256, 128), (129, 8, 8, 512, 256)])
 def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
-    """The layer on each path (default: SwiGLU in the gate/up GEMM's epilogue; fused dispatch + gate/up GEMM;
-    low-latency dispatch; the separate SwiGLU kernel) against float64."""
+    """The layer on each path (default: SwiGLU in the gate/up GEMM's epilogue; fused dispatch + gate/up GEMM
+    with SwiGLU in its epilogue, or writing h for the separate kernel; low-latency dispatch; the separate
+    SwiGLU kernel) against float64."""
     P, me = ctx.local_size, ctx.local_rank
     opts = LAYER_PATHS[path]
     if path == "low_latency" and T > 256:
@@ -298,15 +304,18 @@ def test_grouped_gemm_swiglu_against_float64(ctx, shared_rng, offs, H, F, config
     np.testing.assert_array_equal(download(act2)[inside], got[inside])
 
 
-def test_layer_swiglu_epilogue_falls_back_on_odd_F(ctx, shared_rng):
-    """F = 40 (no config pairs it): the layer runs the separate SwiGLU kernel, and its plan says so."""
+@pytest.mark.parametrize("F,opts", [(40, MoeOptions(swiglu_epilogue=True)), (40, MoeOptions(fused=True)),
+                                    (72, MoeOptions(fused=True))])
+def test_layer_swiglu_epilogue_falls_back_on_odd_F(ctx, shared_rng, F, opts):
+    """F = 40 (no config pairs it), or fused with F = 72 (only grouped_gemm_swiglu's config 24 pairs it): the
+    layer runs the separate SwiGLU kernel, and its plan says so."""
     P, me = ctx.local_size, ctx.local_rank
-    T, k, El, H, F = 64, 2, 2, 128, 40
+    T, k, El, H = 64, 2, 2, 128
     E = El * P
     logits, xs, wgs, wds = _layer_inputs(shared_rng, P, T, El, H, F)
     out = poisoned((T, H), "bfloat16")
     mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k, out=out,
-                      options=MoeOptions(swiglu_epilogue=True))
+                      options=opts)
     ctx.synchronize()
     assert ctx.op_state("moe_layer").last_plan.swiglu == "kernel"
     want = _layer_want(logits, xs, wgs, wds, k, E, me)
@@ -336,16 +345,59 @@ def test_dispatch_gemm_against_float64(ctx, shared_rng, T, k, E_local, mode, H, 
     lay = _check_layout(R, ids, E, me)
     o = lay[me]["expert_offsets"]
     n = int(o[-1])
-    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
-    xrv = ref.dispatch_reference([x[1] for x in xs], lay, k)[me]
-    np.testing.assert_array_equal(download(xr)[:n], xrv)
-    want = np.zeros((n, F2))
-    for l in range(E_local):
-        want[o[l]:o[l + 1]] = xrv[o[l]:o[l + 1]].astype(np.float64) @ wgv[l].astype(np.float64).T
+    want = _expert_products(_check_dispatch(R, xs, xr, lay, k, me), wgv, o)
     got = download(h)[:n]
     assert not np.isnan(got).any()
     if n:
         assert np.abs(got - want).max() <= 2.0 ** -7 * np.abs(want).max() + 1e-6
+
+
+def _expert_products(xrv, wgv, o):
+    """h [o[-1], 2F] in float64: each received row times its local expert's w_gate_up."""
+    h = np.zeros((int(o[-1]), wgv.shape[1]))
+    for l in range(len(o) - 1):
+        h[o[l]:o[l + 1]] = xrv[o[l]:o[l + 1]].astype(np.float64) @ wgv[l].astype(np.float64).T
+    return h
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("T,k,E_local,mode,H,F,config", [
+    (1000, 8, 4, "random", 256, 128, None),     # config 2 (2F = 256), rows not multiples of 128
+    (70, 8, 8, "random", 192, 2048, None),      # config 3, 16 N tiles per row block
+    (517, 2, 4, "one_expert", 136, 96, None),   # config 4: 96-wide pairs; H = 136 (not a multiple of 64)
+    (300, 2, 2, "rank0_only", 128, 112, None),  # config 5: 112-wide pairs
+    (333, 1, 3, "random", 64, 192, 1),          # config 1: 64-row tiles, one consumer warpgroup
+    (0, 2, 2, "random", 128, 128, None),        # nothing received: act untouched
+])
+def test_dispatch_gemm_swiglu_against_float64(ctx, shared_rng, T, k, E_local, mode, H, F, config, dt):
+    """mkernel.moe_dispatch_gemm(swiglu=True): x_recv and recv_map exactly as moe_dispatch's; act =
+    silu(h[:, :F]) * h[:, F:] of h = x_recv @ w[l].T from fp32 accumulators, one rounding to the output dtype,
+    against float64; rows past o[E_local] stay NaN-poisoned; the plan says "epilogue"."""
+    P, me = ctx.local_size, ctx.local_rank
+    E = E_local * P
+    if k > E:
+        pytest.skip("k > E")
+    opts = MoeOptions(gemm_config=config)
+    R, ids, ws = _route_given(ctx, shared_rng, T, k, E, mode)
+    xs = [upload(shared_rng.standard_normal((T, H)), dt) for _ in range(P)]
+    wg, wgv = upload(shared_rng.standard_normal((E_local, 2 * F, H)) / np.sqrt(H), dt)
+    xr = poisoned((R.recv_rows, H), dt)
+    act = poisoned((R.recv_rows, F), dt)
+    got_act, got_xr = mkernel.moe_dispatch_gemm(ctx, xs[me][0], R, wg, act, x_recv=xr, options=opts, swiglu=True)
+    _sync_stage(ctx, "moe_dispatch_gemm swiglu (mk_moe_dispatch_gemm, MK_MOE_SWIGLU)")
+    assert got_act is act and got_xr is xr
+    assert ctx.op_state("moe_dispatch_gemm").last_plan.swiglu == "epilogue"
+    lay = _check_layout(R, ids, E, me)
+    o = lay[me]["expert_offsets"]
+    n = int(o[-1])
+    h = _expert_products(_check_dispatch(R, xs, xr, lay, k, me), wgv, o)
+    want = h[:, :F] / (1 + np.exp(-h[:, :F])) * h[:, F:]
+    got = download(act)
+    assert np.isnan(got[n:]).all() and not np.isnan(got[:n]).any()
+    if n:
+        # fp32 sums and SwiGLU (relative 2**-20-ish), then one rounding to bf16 (2**-8) / fp16 (2**-11)
+        tol = (2.0 ** -8 if dt == "bfloat16" else 2.0 ** -11) * np.abs(want).max() + 1e-6
+        assert np.abs(got[:n] - want).max() <= tol
 
 
 def test_dispatch_gemm_back_to_back(ctx, shared_rng):

@@ -13,7 +13,7 @@ from ...core.util import ceil_div
 from ..base import BoundCall, Op, as_stream
 from ..gemm import grouped_gemm, grouped_gemm_swiglu, swiglu_candidates
 from .fused import moe_dispatch_gemm
-from .layout import SOURCE, kernel_defines
+from .layout import SOURCE, fused_swiglu_config, kernel_defines
 from .op import (DTYPE_CODES, MoePlan, MoeRouting, check_sizes, moe_combine, moe_dispatch, moe_options, moe_route,
                  _ptr, one_node, routing_source)
 from .options import MoeOptions
@@ -22,19 +22,21 @@ __all__ = ["moe_layer", "swiglu_path"]
 
 
 def swiglu_path(F: int, options: MoeOptions) -> str:
-    """Where the layer computes SwiGLU: "epilogue" (the gate/up grouped GEMM writes act, never h) when
-    ``options.swiglu_epilogue``, the gate/up GEMM is not the fused dispatch kernel, and F is a multiple of
-    a tile config's pair width; else "kernel" (h, then mk_moe_swiglu).  docs/moe.md, "SwiGLU epilogue"."""
-    if options.swiglu_epilogue and not options.fused and swiglu_candidates(F):
-        return "epilogue"
-    return "kernel"
+    """Where the layer computes SwiGLU: "epilogue" (the gate/up GEMM -- ``grouped_gemm_swiglu``, or with
+    ``options.fused`` the fused dispatch kernel's SwiGLU variant -- writes act, never h) when
+    ``options.swiglu_epilogue`` and F is a multiple of the pair width of a config that GEMM runs on; else
+    "kernel" (h, then mk_moe_swiglu).  docs/moe.md, "SwiGLU epilogue"."""
+    if not options.swiglu_epilogue:
+        return "kernel"
+    suits = fused_swiglu_config(F, options) is not None if options.fused else bool(swiglu_candidates(F))
+    return "epilogue" if suits else "kernel"
 
 
 class _LayerBound(BoundCall):
     """route -> dispatch -> grouped GEMM (gate/up) -> SwiGLU -> grouped GEMM (down) -> combine on one stream
     (``options.fused``: dispatch and the gate/up GEMM in one kernel; low-latency mode: routing and dispatch
-    in one kernel; ``plan.swiglu == "epilogue"``: SwiGLU in the gate/up GEMM's epilogue, no h); the
-    intermediate buffers belong to this bound call."""
+    in one kernel; ``plan.swiglu == "epilogue"``: SwiGLU in the gate/up GEMM's epilogue, no h, whichever
+    kernel runs that GEMM); the intermediate buffers belong to this bound call."""
 
     def __init__(self, ctx, call, plan):
         self.plan, self._ctx = plan, ctx
@@ -77,16 +79,24 @@ class _LayerBound(BoundCall):
                           options=opts)
             if not opts.fused:
                 moe_dispatch(ctx, call.x, R, self._x_recv, stream=stream, options=opts)
-        if self._h is None:
-            grouped_gemm_swiglu(self._x_recv, wg, R.expert_offsets, out=self._act, stream=stream)
-        elif opts.fused:
-            moe_dispatch_gemm(ctx, call.x, R, wg, self._h, x_recv=self._x_recv, stream=stream, options=opts)
-        else:
-            grouped_gemm(self._x_recv, wg, R.expert_offsets, out=self._h, b_layout="nk", stream=stream)
-        if self._swiglu is not None:
-            self._swiglu.submit()
+        self._gate_up(stream, call)
         grouped_gemm(self._act, wd, R.expert_offsets, out=self._y, b_layout="nk", stream=stream)
         moe_combine(ctx, self._y, R, call.o, stream=stream, options=opts)
+
+    def _gate_up(self, stream, call) -> None:
+        """act from x_recv: the gate/up GEMM (fused with the dispatch under ``options.fused``), SwiGLU in its
+        epilogue (``self._h`` None) or the separate kernel after it."""
+        R, opts, wg = self.routing, call.options, call.sig[0]
+        out = self._act if self._h is None else self._h
+        if opts.fused:
+            moe_dispatch_gemm(self._ctx, call.x, R, wg, out, x_recv=self._x_recv, stream=stream, options=opts,
+                              swiglu=self._h is None)
+        elif self._h is None:
+            grouped_gemm_swiglu(self._x_recv, wg, R.expert_offsets, out=out, stream=stream)
+        else:
+            grouped_gemm(self._x_recv, wg, R.expert_offsets, out=out, b_layout="nk", stream=stream)
+        if self._swiglu is not None:
+            self._swiglu.submit()
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ import math
 
 from ...core.util import ceil_div, round_up
 from ...dist.signals import MAX_CHUNKS, workspace_control
-from .options import MoeOptions
+from ..gemm import CONFIGS, pair_width
+from .options import FUSED_CONFIGS, MoeOptions
 
-__all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots", "fused_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
+__all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots", "fused_config",
+           "fused_swiglu_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
            "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS",
            "INTERNODE_SOURCE", "INTERNODE_GRID", "MoeXLayout", "x_route_layout", "x_dispatch_layout",
            "x_combine_layout"]
@@ -160,6 +162,20 @@ def fused_config(N: int, options: MoeOptions) -> int:
     if options.gemm_config is not None:
         return options.gemm_config
     return 3 if N > 256 else 2
+
+
+def fused_swiglu_config(F: int, options: MoeOptions) -> int | None:
+    """The fused kernel's tile config with SwiGLU in its epilogue (moe_gemm.cu ``MK_MOE_SWIGLU``), or None
+    when no fused config suits F.  Its pair width must divide F (docs/moe.md, "SwiGLU epilogue"):
+    ``options.gemm_config`` if it does, else :func:`fused_config`'s choice if it does, else the fused
+    config of the largest tile that does."""
+    def suits(c: int) -> bool:
+        return F > 0 and F % pair_width(c) == 0
+
+    if options.gemm_config is not None:
+        return options.gemm_config if suits(options.gemm_config) else None
+    by_area = sorted(FUSED_CONFIGS, key=lambda c: (-CONFIGS[c].bm * CONFIGS[c].bn, c))
+    return next((c for c in (fused_config(2 * F, options), *by_area) if suits(c)), None)
 
 
 def fused_grid(resident_sms: int, options: MoeOptions) -> tuple[int, int]:

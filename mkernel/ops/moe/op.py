@@ -122,8 +122,9 @@ def check_sizes(what: str, P: int, T: int, k: int, E: int) -> None:
 @dataclass(frozen=True)
 class MoePlan:
     """What a MoE call runs: ``op``, ``grid`` (blocks of the main kernel), ``recv_rows``; ``swiglu`` (moe_layer):
-    "epilogue" (in the gate/up GEMM's epilogue) or "kernel" (the separate mk_moe_swiglu); the rest is the
-    bound call's (digest, workspace layout and size)."""
+    "epilogue" (in the gate/up GEMM's epilogue) or "kernel" (the separate mk_moe_swiglu), (moe_dispatch_gemm)
+    "epilogue" with ``swiglu=True``, else ""; the rest is the bound call's (digest, workspace layout and
+    size)."""
 
     op: str
     grid: int = 0

@@ -37,9 +37,10 @@ class MoeOptions:
     the gate/up grouped GEMM (:func:`mkernel.moe_dispatch_gemm`; throughput mode only).  ``comm_blocks``:
     communication blocks of the fused kernel (0: chosen from the SM share); ``gemm_config``: its GEMM tile
     config (None: chosen; one of ``FUSED_CONFIGS``).  ``swiglu_epilogue``: :func:`mkernel.moe_layer` computes
-    SwiGLU in the gate/up grouped GEMM's epilogue (``mkernel.ops.gemm.grouped_gemm_swiglu``: h is never
-    written) where F suits it and ``fused`` is off, else the separate SwiGLU kernel (the layer's plan says
-    which: ``MoePlan.swiglu``; docs/moe.md "SwiGLU epilogue": on by default, it never writes h).
+    SwiGLU in the gate/up GEMM's epilogue (``mkernel.ops.gemm.grouped_gemm_swiglu``, or with ``fused`` the
+    fused kernel's SwiGLU variant, ``moe_dispatch_gemm(..., swiglu=True)``: h is never written) where F suits
+    that GEMM's configs, else the separate SwiGLU kernel (the layer's plan says which: ``MoePlan.swiglu``;
+    docs/moe.md "SwiGLU epilogue": on by default, it never writes h).
     """
 
     softmax: str = "topk"
