@@ -272,6 +272,23 @@ def test_internode_proxy_gets_the_context_timeout(monkeypatch):
     assert made.get("timeout") == 12.5
 
 
+def test_an_inter_node_set_up_inside_a_graph_capture_raises_first(monkeypatch):
+    """Making an inter-node op's workspace and proxy synchronizes the device: inside a capture of the op's
+    stream it raises a RuntimeError before touching anything; a state already made is returned as is."""
+    import types
+
+    from mkernel.ops.collectives import internode as I
+
+    data = {}
+    ctx = types.SimpleNamespace(op_state=lambda name: types.SimpleNamespace(data=data))
+    monkeypatch.setattr(I, "is_capturing", lambda stream: True)
+    monkeypatch.setattr(I, "ProxyState", lambda *a: pytest.fail("set up inside a capture"))
+    with pytest.raises(RuntimeError, match="before capturing"):
+        I.proxy_state(ctx, "ring_attention", 4096, stream=7)
+    made = data["proxy"] = types.SimpleNamespace(ws=types.SimpleNamespace(nbytes=8192), closed=False)
+    assert I.proxy_state(ctx, "ring_attention", 4096, stream=7) is made
+
+
 def test_a_closed_context_refuses_every_op():
     """Every op calls ctx.check() first: on a closed context it raises a clear MkernelError."""
     from mkernel import MkernelError

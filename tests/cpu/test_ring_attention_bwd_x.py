@@ -258,7 +258,7 @@ def _bwd_x_bound(monkeypatch, log):
         monkeypatch.setattr(mod, "check", lambda r: r)
         monkeypatch.setattr(mod, "copy_async", lambda cps, s: log.append(("copy", tuple(cps))))
         monkeypatch.setattr(mod, "xkernel", Kern)
-    monkeypatch.setattr(XB, "proxy_state", lambda ctx, op, nbytes: St())
+    monkeypatch.setattr(XB, "proxy_state", lambda ctx, op, nbytes, stream=None: St())
     monkeypatch.setattr(XB, "BackwardLaunches", _Compute)
     monkeypatch.setattr(RC, "control", Kern)  # (begin_launch / gate_launch)
     monkeypatch.setattr(XR, "mark_proxy_launch", lambda h: log.append(("mark", h)))

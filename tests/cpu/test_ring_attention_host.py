@@ -673,7 +673,7 @@ def _fake_driver(log):
 def _x_bound(monkeypatch, log):
     """A RingXBound of world rank 1 of 2 x 2 on fakes that log every submission in order."""
     Kern, Cu, Ev, St = _fake_driver(log)
-    monkeypatch.setattr(XR, "proxy_state", lambda ctx, op, nbytes: St())
+    monkeypatch.setattr(XR, "proxy_state", lambda ctx, op, nbytes, stream=None: St())
     monkeypatch.setattr(RC, "control", Kern)  # (begin_launch / gate_launch)
     monkeypatch.setattr(XR, "xkernel", Kern)
     monkeypatch.setattr(XR, "attention_launches", lambda ctx, call, plan, bufs, acc: [[s] for s in range(plan.P)])

@@ -131,11 +131,15 @@ def test_back_to_back_calls(ctx, shared_rng):
 
 def test_graph_capture(ctx, shared_rng):
     """After a first call, a call is captured into a CUDA graph and replayed on fresh inputs."""
+    _graph_capture(ctx, shared_rng, 2 * _ring(ctx)[1] * 140)
+
+
+def _graph_capture(ctx, shared_rng, S):
     from cuda.bindings import driver as cu
 
     from mkernel.core.driver import check
 
-    B, S, H, D = 1, 2 * ctx.local_size * 140, 4, 128
+    B, H, D = 1, 4, 128
     rows = _rows(ctx, S, True)
     q, k, v = (shared_rng.standard_normal((B, S, H, D)) for _ in range(3))
     qd, kd, vd = (upload(x[:, rows], "bfloat16")[0] for x in (q, k, v))
@@ -294,6 +298,27 @@ def test_internode_back_to_back_calls(ctx, shared_rng):
     _run(ctx, shared_rng, 1, 2 * ctx.size * 130, 4, 2, 64, causal=False, calls=50)
     _run(ctx, shared_rng, 1, 2 * ctx.size * 130, 4, 2, 64, causal=True, calls=50)
     _run(ctx, shared_rng, 1, 2 * ctx.size * 150, 4, 2, 128, causal=True, dtype="float16", calls=5)
+
+
+@pytest.mark.internode
+def test_internode_graph_capture(ctx, shared_rng):
+    """Across nodes: a first call inside a capture raises (its workspace and proxy are set up with a device
+    synchronization) and leaves the capture intact; after an eager call the call is captured and replays
+    bit-identical to it."""
+    from cuda.bindings import driver as cu
+
+    from mkernel.core.driver import check
+
+    _needs_nodes(ctx)
+    S = 2 * ctx.size * 4096  # (larger than any earlier test's: the first call needs a larger workspace)
+    x = upload(np.zeros((1, len(_rows(ctx, S, True)), 4, 128)), "bfloat16")[0]
+    out = DeviceArray.empty(x.shape, "bfloat16")
+    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    with pytest.raises(RuntimeError, match="before capturing"):
+        capture(s, lambda: mkernel.ring_attention(ctx, x, x, x, out, causal=True, stream=int(s)))
+    check(cu.cuStreamDestroy(s))
+    del x, out
+    _graph_capture(ctx, shared_rng, 2 * ctx.size * 140)
 
 
 @pytest.mark.internode

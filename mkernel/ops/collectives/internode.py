@@ -25,7 +25,7 @@ from ...core.arrays import DeviceArray
 from ...core.compiler import kernel, register_specialization
 from ...core.driver import check
 from ...core.frees import mark_proxy_launch
-from ...core.streams import stream_handle
+from ...core.streams import is_capturing, stream_handle
 from ...core.util import round_up
 from ...dist.signals import MK_ERR_PROXY
 from ...errors import CommError
@@ -124,14 +124,20 @@ class ProxyState:
             self.proxy.close()
 
 
-def proxy_state(ctx, op: str, nbytes: int) -> ProxyState:
+def proxy_state(ctx, op: str, nbytes: int, stream=None) -> ProxyState:
     """The workspace of inter-node ``op`` (at least ``nbytes``, zeroed when made) registered as window 0 of
     the op's own proxy; re-made (collectively, after a device sync) when it must grow.  Every rank calls it
-    at the same call (the op's agreed sizes)."""
+    at the same call (the op's agreed sizes).  Making it synchronizes the device, which a CUDA-graph capture
+    forbids: while ``stream`` (the op's stream) is being captured that raises a RuntimeError first."""
     data = ctx.op_state("internode_" + op).data
     st = data.get("proxy")
     if st is not None and st.ws.nbytes >= nbytes and not st.closed:
         return st
+    if stream is not None and is_capturing(stream):
+        raise RuntimeError(
+            f"{op} across nodes: this call needs a larger workspace and proxy ({nbytes} bytes; a collective "
+            "set-up that synchronizes the device), which cannot be made while its stream is being captured "
+            "into a CUDA graph: make one call of this size (or larger) before capturing")
     if st is not None:
         ctx.synchronize()
         st.close()
@@ -161,7 +167,7 @@ def all_gather(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) -> Non
     check_layout(ctx)
     P = ctx.size
     Lo, total = _layout(ctx, P, P, x.nbytes)
-    st = proxy_state(ctx, "all_gather", total)
+    st = proxy_state(ctx, "all_gather", total, stream)
     k = _kernel("mk_inter_all_gather", 0)
     args = [ctx.comm_args("internode_all_gather", sig), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
             ctypes.c_uint64(o.ptr), ctypes.c_uint64(x.nbytes), ctypes.c_uint64(st.ws.ptr),
@@ -177,7 +183,7 @@ def reduce_scatter(ctx, x: DeviceArray, o: DeviceArray, stream, sig: int = 0) ->
     L, N = ctx.local_size, ctx.num_nodes
     n = o.size
     Lo, total = _layout(ctx, L * N + 2 * N, L * N + N, n * x.dtype.itemsize)
-    st = proxy_state(ctx, "reduce_scatter", total)
+    st = proxy_state(ctx, "reduce_scatter", total, stream)
     k = _kernel("mk_inter_reduce_scatter", x.dtype.code)
     args = [ctx.comm_args("internode_reduce_scatter", sig), st.proxy.ring_device_struct(), ctypes.c_uint64(x.ptr),
             ctypes.c_uint64(o.ptr), ctypes.c_uint64(n), ctypes.c_uint64(st.ws.ptr),

@@ -54,7 +54,7 @@ class _XRoute(_Route):
         return bound
 
     def route_workspace(self, ctx, call, p):
-        st = proxy_state(ctx, self.name, p.ws_bytes)
+        st = proxy_state(ctx, self.name, p.ws_bytes, call.stream)
         return st.ws, (st.ws, st), p.layout.c_off
 
     def exchange_launch(self, ctx, call, p, ws, keep, mid, ptrs, shape):
@@ -96,7 +96,7 @@ class _XExchange:
 
     def bind(self, ctx, call, p: MoePlan):
         R = call.routing
-        st = proxy_state(ctx, self.name, p.ws_bytes)
+        st = proxy_state(ctx, self.name, p.ws_bytes, call.stream)
         shape = make_shape(ctx.size, R.T, call.x.shape[1], R.k, R.E, R.options)
         x, o, ids, w, sl, offs, rmap, sr, so = (_ptr() for _ in range(9))
         ptrs = [(lambda c: c.x.ptr, x), (lambda c: c.o.ptr, o), (lambda c: c.routing.ids.ptr, ids),

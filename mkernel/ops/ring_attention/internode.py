@@ -242,7 +242,7 @@ class RingXBound(BoundCall):
         self._o_ss = AK.bshd(call.out, call.layout)[1][1]
         self._it, kv = call.q.dtype.itemsize, call.k.nbytes
         lay, X, total = x_workspace_layout(ctx.local_size, ctx.num_nodes, 2 * kv)
-        self.state = st = proxy_state(ctx, OP, total)
+        self.state = st = proxy_state(ctx, OP, total, call.stream)
         self.ws = st.ws
         self.program = x_program(ctx.rank, ctx.local_size, ctx.num_nodes)
         self.xt = XTransport(ctx, ctx.comm_args(OP, digest), st, lay, X, self.program, kv,

@@ -120,7 +120,7 @@ class RingBwdXBound(BoundCall):
         self.plan = plan
         kv, half = c.k.nbytes, BackwardLaunches.part_half(c)
         W = x_backward_workspace_layout(L, N, 2 * kv, 2 * half)
-        self.state = st = proxy_state(ctx, OP, W.total)
+        self.state = st = proxy_state(ctx, OP, W.total, c.stream)
         self.ws = ws = st.ws
         self.program = x_backward_program(r, L, N)
         comm = ctx.comm_args(OP, digest)
