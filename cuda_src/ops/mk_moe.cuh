@@ -190,45 +190,77 @@ MK_DEVICE void moe_store(TO_* o, const float* acc) {
   }
 }
 
-// One warp combines token t: out[t] = sum over j < k, in j order, of weights[t][j] * row_of(j, d_j, slot_j)
-// in fp32 (dropped pairs, slot < 0, add nothing); d_j = ids[t][j] / El owns the pair's expert.  A 16-byte
-// vector of the row per lane (H * sizeof(T) a multiple of 16).  The vector loop has the same trip count on
-// every lane and every lane runs every shuffle: a full-mask __shfl_sync in divergent code is undefined and
-// deadlocks the warp at the next barrier, where no bounded wait can end it (docs/moe.md).
-template <typename T, typename TO, typename RowOf>
-MK_DEVICE void moe_combine_token(mk_u64 t, int k, int H, int El, int lane, const int* __restrict__ slots,
-                                 const int* __restrict__ ids, const float* __restrict__ weights, TO* __restrict__ out,
-                                 RowOf row_of) {
-  constexpr int V = mk_vec<T>::N;
-  const int nv = H / V;
-  int slot = -1, d = -1;
-  float wt = 0.f;
+// Every pair counts (moe_combine_token's `keep`).
+struct MoeKeepAll {
+  MK_DEVICE bool operator()(int, int) const { return true; }
+};
+
+// This lane's choice of token t (lane < k): its slot (-1: dropped or no such lane), owning rank, weight.
+struct MoeChoice {
+  int slot, d;
+  float w;
+};
+MK_DEVICE MoeChoice moe_choice(mk_u64 t, int k, int El, int lane, const int* __restrict__ slots,
+                               const int* __restrict__ ids, const float* __restrict__ weights) {
+  MoeChoice ch{-1, -1, 0.f};
   if (lane < k) {
     const mk_u64 o = t * k + lane;
-    slot = slots[o];
-    if (slot >= 0) {
-      d = ids[o] / El;
-      wt = weights[o];
+    ch.slot = slots[o];
+    if (ch.slot >= 0) {
+      ch.d = ids[o] / El;
+      ch.w = weights[o];
     }
   }
+  return ch;
+}
+
+// acc[V] += w_j * row_of(j, d_j, slot_j)[vector i] over the kept pairs j < k with keep(j, d_j), in j order
+// (fp32 fma).  Every lane runs every shuffle (warp-uniform loop); `act`: lane i is inside the row.
+template <typename T, int V, typename RowOf, typename Keep>
+MK_DEVICE void moe_acc_pairs(float* acc, const MoeChoice& ch, int k, int i, bool act, RowOf row_of, Keep keep) {
+  for (int j = 0; j < k; ++j) {  // (warp-uniform: every lane shuffles)
+    const int sj = __shfl_sync(0xffffffffu, ch.slot, j);
+    const int dj = __shfl_sync(0xffffffffu, ch.d, j);
+    const float wj = __shfl_sync(0xffffffffu, ch.w, j);
+    if (sj < 0 || !act || !keep(j, dj)) continue;
+    const T* row = row_of(j, dj, sj);
+    float f[V];
+    mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
+#pragma unroll
+    for (int q = 0; q < V; ++q) acc[q] = fmaf(wj, f[q], acc[q]);
+  }
+}
+
+// One warp writes token t's output row: vector i of out[t] := the fp32 values `fill(acc, ch, i, act)` leaves in
+// acc[V] (zeroed first; ch: this lane's choice of t; act: vector i is inside the row).  A 16-byte vector of
+// the row per lane (H * sizeof(T) a multiple of 16).  The vector loop has the same trip count on every lane
+// and every lane runs every shuffle: a full-mask __shfl_sync in divergent code is undefined and deadlocks the
+// warp at the next barrier, where no bounded wait can end it (docs/moe.md).
+template <typename T, typename TO, typename Fill>
+MK_DEVICE void moe_token_out(mk_u64 t, int k, int H, int El, int lane, const int* __restrict__ slots,
+                             const int* __restrict__ ids, const float* __restrict__ weights, TO* __restrict__ out,
+                             Fill fill) {
+  constexpr int V = mk_vec<T>::N;
+  const int nv = H / V;
+  const MoeChoice ch = moe_choice(t, k, El, lane, slots, ids, weights);
   for (int i0 = 0; i0 < nv; i0 += 32) {  // (warp-uniform trip count)
     const int i = i0 + lane;
     const bool act = i < nv;
     float acc[V];
 #pragma unroll
     for (int q = 0; q < V; ++q) acc[q] = 0.f;
-    for (int j = 0; j < k; ++j) {  // (warp-uniform: every lane shuffles)
-      const int sj = __shfl_sync(0xffffffffu, slot, j);
-      const int dj = __shfl_sync(0xffffffffu, d, j);
-      const float wj = __shfl_sync(0xffffffffu, wt, j);
-      if (sj < 0 || !act) continue;
-      const T* row = row_of(j, dj, sj);
-      float f[V];
-      mk_unpack<T>(__ldcg((const int4*)(row + (mk_u64)i * V)), f);
-#pragma unroll
-      for (int q = 0; q < V; ++q) acc[q] = fmaf(wj, f[q], acc[q]);
-    }
+    fill(acc, ch, i, act);
     if (act) moe_store<TO, V>(out + t * H + (mk_u64)i * V, acc);
   }
 }
 
+// One warp combines token t: out[t] = sum over j < k, in j order, of weights[t][j] * row_of(j, d_j, slot_j)
+// in fp32 (dropped pairs, slot < 0, add nothing); d_j = ids[t][j] / El owns the pair's expert.
+template <typename T, typename TO, typename RowOf>
+MK_DEVICE void moe_combine_token(mk_u64 t, int k, int H, int El, int lane, const int* __restrict__ slots,
+                                 const int* __restrict__ ids, const float* __restrict__ weights, TO* __restrict__ out,
+                                 RowOf row_of) {
+  moe_token_out<T, TO>(t, k, H, El, lane, slots, ids, weights, out, [&](float* acc, const MoeChoice& ch, int i, bool act) {
+    moe_acc_pairs<T, mk_vec<T>::N>(acc, ch, k, i, act, row_of, MoeKeepAll());
+  });
+}

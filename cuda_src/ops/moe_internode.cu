@@ -47,6 +47,7 @@ struct XWs {
   MoeXLayout X;
   int me, n, P;
   MK_DEVICE bool local(int r) const { return r / X.L == n; }
+  MK_DEVICE bool rail(int r) const { return r % X.L == me % X.L; }  // same local rank (the node path's peer)
   // rank r's workspace at byte `off` (r on this node)
   MK_DEVICE char* at(int r, mk_u64 off) const { return (r == me ? base : (char*)peers[r % X.L]) + off; }
   MK_DEVICE MkEpochState* st() const { return (MkEpochState*)base; }
@@ -60,6 +61,15 @@ MK_DEVICE XWs make_xws(const MkComm& c, char* ws, const mk_u64* peers, const Moe
   return XWs{ws, peers, X, c.rank, c.node, X.L * X.N};
 }
 
+// Which ranks a helper below covers and whose call word vouches for rank r's data: every rank, itself (the
+// per-rank path); the node path passes its neighbours and forwarders (moe_node.cuh).
+struct XEvery {
+  MK_DEVICE bool operator()(int) const { return true; }
+};
+struct XSelf {
+  MK_DEVICE int operator()(int r) const { return r; }
+};
+
 // One thread: the u64 at `off` of rank r's workspace := v (NVLink store, or a proxy FLAG).
 MK_DEVICE bool x_set(const MkComm& c, const XWs& w, const MkProxy& p, int r, mk_u64 off, mk_u64 v) {
   if (w.local(r)) {
@@ -69,13 +79,15 @@ MK_DEVICE bool x_set(const MkComm& c, const XWs& w, const MkProxy& p, int r, mk_
   return mk_proxy_push(c, p, MK_PROXY_OP_FLAG, r, 0, 0, 0, 0, 0, off, v) != MK_PROXY_NO_FLAG;
 }
 
-// Every block first: block 0's thread 0 announces (call, signature) to every rank; block-uniform verdict.
-MK_DEVICE bool x_open(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 e) {
+// Every block first: block 0's thread 0 announces (call, signature) to every rank `near` covers (its
+// readers); block-uniform verdict.
+template <class Near = XEvery>
+MK_DEVICE bool x_open(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 e, Near near = Near()) {
   int ok = 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     const mk_u64 word = (e << 32) | (mk_u64)c.sig;
     for (int r = 0; r < w.P && ok; ++r)
-      if (r != w.me) ok = x_set(c, w, p, r, w.call_off(w.me, e), word);
+      if (r != w.me && near(r)) ok = x_set(c, w, p, r, w.call_off(w.me, e), word);
   }
   return __syncthreads_and(ok) != 0;
 }
@@ -92,55 +104,63 @@ MK_DEVICE bool x_publish(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64
   return __syncthreads_and(ok) != 0;
 }
 
-// Whole block: every other rank consumed what we wrote in call e - 1.
-MK_DEVICE bool x_wait_consumed(const MkComm& c, const XWs& w, mk_u64 e) {
+// Whole block: every other rank `near` covers (those we write into) consumed what we wrote in call e - 1.
+template <class Near = XEvery>
+MK_DEVICE bool x_wait_consumed(const MkComm& c, const XWs& w, mk_u64 e, Near near = Near()) {
   int ok = 1;
   for (int r = threadIdx.x; r < w.P; r += blockDim.x)
-    if (r != w.me) ok &= mk_wait_geq(c, w.word(w.consumed_off(r)), e - 1, r, -1 - r);
+    if (r != w.me && near(r)) ok &= mk_wait_geq(c, w.word(w.consumed_off(r)), e - 1, r, -1 - r);
   return __syncthreads_and(ok) != 0;
 }
 
-// Whole block: every other rank's data of call e is here and that rank made this very call (its announced
-// signature is ours; another one is MK_ERR_MISMATCH naming it).
-MK_DEVICE bool x_wait_ready(const MkComm& c, const XWs& w, mk_u64 e) {
+// Whole block: the data of call e of every other rank `near` covers is here (ready[r]) and its writer
+// `writer(r)` made this very call (its announced signature is ours; another one is MK_ERR_MISMATCH naming
+// it: docs/internode.md, "Call signatures").
+template <class Near = XEvery, class Writer = XSelf>
+MK_DEVICE bool x_wait_ready(const MkComm& c, const XWs& w, mk_u64 e, Near near = Near(), Writer writer = Writer()) {
   int ok = 1;
   for (int r = threadIdx.x; r < w.P; r += blockDim.x) {
-    if (r == w.me) continue;
+    if (r == w.me || !near(r)) continue;
     if (!(ok = ok && mk_wait_geq(c, w.word(w.ready_off(r)), e, r, r))) break;
-    const int fi = -1000 - r;
-    if (!(ok = mk_wait_geq(c, w.word(w.call_off(r, e)), e << 32, r, fi))) break;
-    const mk_u64 got = mk_ld_acquire(w.word(w.call_off(r, e)));
+    const int wr = writer(r), fi = -1000 - wr;
+    if (!(ok = mk_wait_geq(c, w.word(w.call_off(wr, e)), e << 32, wr, fi))) break;
+    const mk_u64 got = mk_ld_acquire(w.word(w.call_off(wr, e)));
     if (got != ((e << 32) | (mk_u64)c.sig)) {
-      mk_report(c, MK_ERR_MISMATCH, r, fi, c.sig, got & 0xffffffffull, 0);
+      mk_report(c, MK_ERR_MISMATCH, wr, fi, c.sig, got & 0xffffffffull, 0);
       ok = 0;
     }
   }
   return __syncthreads_and(ok) != 0;
 }
 
-// Whole grid: every block's stores of call e (local, NVLink) are done and visible system-wide (the proxy
-// reads the staging next).  One barrier per call; the grid is fixed per workspace (moe/internode.py).
-MK_DEVICE bool x_grid_sync(const MkComm& c, const XWs& w, mk_u64 e) {
+// Whole grid: every block's stores so far are done and visible system-wide (the proxy reads the staging
+// next): barrier `bar` of `per_call` in call e.  The barrier word counts arrivals across calls, so the grid
+// is fixed per workspace (moe/internode.py).
+MK_DEVICE bool x_grid_wait(const MkComm& c, const XWs& w, mk_u64 e, int per_call, int bar) {
   __syncthreads();
   int ok = 1;
   if (threadIdx.x == 0) {
     __threadfence_system();
-    mk_u64* bar = w.word(w.X.bar_off);
-    atomicAdd(bar, 1ull);
-    ok = mk_wait_geq(c, bar, e * (mk_u64)gridDim.x, -1, -101);
+    mk_u64* word = w.word(w.X.bar_off);
+    atomicAdd(word, 1ull);
+    ok = mk_wait_geq(c, word, (e * per_call - (per_call - 1 - bar)) * (mk_u64)gridDim.x, -1, -101);
   }
   return __syncthreads_and(ok) != 0;
 }
 
+// One barrier per call (the per-rank path's kernels).
+MK_DEVICE bool x_grid_sync(const MkComm& c, const XWs& w, mk_u64 e) { return x_grid_wait(c, w, e, 1, 0); }
+
 // End of call (every block): the last one waits until the proxy read every command we pushed, raises
-// consumed[me] = e at every rank, and commits the epoch.
-MK_DEVICE void x_finish(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 e) {
+// consumed[me] = e at every rank `near` covers (those that write into us), and commits the epoch.
+template <class Near = XEvery>
+MK_DEVICE void x_finish(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 e, Near near = Near()) {
   if (mk_epoch_arrive(w.st(), gridDim.x)) {
     if (threadIdx.x == 0) {
       const mk_u64 head = *((volatile mk_u64*)p.head);
       if (head > 0 && !mk_proxy_wait_done(c, p, head - 1)) return;
       for (int r = 0; r < w.P; ++r)
-        if (r != w.me && !x_set(c, w, p, r, w.consumed_off(w.me), e)) return;
+        if (r != w.me && near(r) && !x_set(c, w, p, r, w.consumed_off(w.me), e)) return;
     }
     __syncthreads();
     mk_epoch_commit(w.st(), e);
@@ -346,3 +366,5 @@ mk_moe_x_combine(MkComm c, MkProxy p, const T* __restrict__ y, const int* __rest
     });
   x_finish(c, w, p, ep);
 }
+
+#include "ops/moe_node.cuh"

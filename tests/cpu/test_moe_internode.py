@@ -17,7 +17,7 @@ from mkernel.ops.moe import reference as ref
 
 ARCH = "sm_90a"
 SPECS = [(s, d) for s, d in CP.registered_specializations() if s == ML.INTERNODE_SOURCE]
-KERNELS = ("mk_moe_x_route_exchange", "mk_moe_x_dispatch", "mk_moe_x_combine")
+KERNELS = ("mk_moe_x_route_exchange", "mk_moe_x_dispatch", "mk_moe_x_combine", "mk_moe_n_dispatch", "mk_moe_n_combine")
 LIMITS = {"mk_moe_x_route_exchange": ML.EXCHANGE_THREADS}
 
 

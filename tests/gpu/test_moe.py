@@ -634,19 +634,21 @@ def _needs_nodes(ctx):
 
 
 @pytest.mark.internode
+@pytest.mark.parametrize("node_dedup", [False, True], ids=["rank", "node"])
 @pytest.mark.parametrize("T,k,E_local,mode,capacity", [(1000, 8, 4, "random", 0), (333, 1, 3, "random", 0),
                                                        (517, 2, 4, "one_expert", 0), (300, 2, 2, "rank0_only", 0),
                                                        (0, 2, 2, "random", 0), (70, 8, 8, "random", 0),
                                                        (257, 4, 4, "random", 40)])
-def test_internode_route_dispatch_combine(ctx, shared_rng, T, k, E_local, mode, capacity):
+def test_internode_route_dispatch_combine(ctx, shared_rng, T, k, E_local, mode, capacity, node_dedup):
     """Routing metadata exactly as the float64 layout reference (the one-node slot order), the proxy's
-    slot ranges too; dispatch bit-exact; combine within fp32 accumulation; outputs NaN-poisoned first."""
+    slot ranges too; dispatch bit-exact; combine within fp32 accumulation; outputs NaN-poisoned first.  With
+    node_dedup the node path (docs/moe.md "Node-level de-duplication"): the same results, plans "node"."""
     _needs_nodes(ctx)
     P, me = ctx.size, ctx.rank
     E = E_local * P
     if k > E:
         pytest.skip("k > E")
-    opts = MoeOptions(expert_capacity=capacity) if capacity else None
+    opts = MoeOptions(expert_capacity=capacity or None, node_dedup=node_dedup)
     ids = _ids(shared_rng, P, T, k, E, mode)
     ws = [shared_rng.random((T, k)).astype(np.float32) for _ in range(P)]
     R = mkernel.moe_route(ctx, topk_ids=DeviceArray.from_numpy(ids[me]), topk_weights=DeviceArray.from_numpy(ws[me]),
@@ -666,16 +668,22 @@ def test_internode_route_dispatch_combine(ctx, shared_rng, T, k, E_local, mode, 
     np.testing.assert_array_equal(R.src_offsets.to_numpy(), ref.src_offsets_reference(lay[me], P, T, k))
     _check_dispatch(R, xs, xr, lay, k, me)
     _check_combine(ctx, _expert_outputs(shared_rng, R, H, P), R, ids, ws, lay, E, k, me, options=opts)
+    want = "node" if node_dedup else "rank"
+    assert [ctx.op_state(op).last_plan.transport for op in ("moe_dispatch", "moe_combine")] == [want, want]
 
 
 @pytest.mark.internode
-def test_internode_back_to_back_changing_routings(ctx, shared_rng):
-    """50 calls, routing and sizes changing, no host sync between them; each call's result kept and checked."""
+@pytest.mark.parametrize("node_every", [0, 3], ids=["rank", "switching"])
+def test_internode_back_to_back_changing_routings(ctx, shared_rng, node_every):
+    """50 calls, routing and sizes changing, no host sync between them; each call's result kept and checked.
+    "switching": the node path (docs/moe.md "Node-level de-duplication") except every third call (each path
+    has its own workspace and proxy)."""
     _needs_nodes(ctx)
     P, me, H, k = ctx.size, ctx.rank, 64, 2
     E = 2 * P
     runs = []
     for i in range(50):
+        opts = MoeOptions(node_dedup=bool(node_every and i % node_every))
         T = int(shared_rng.integers(1, 200))
         ids = _ids(shared_rng, P, T, k, E, "random")
         ws = [shared_rng.random((T, k)).astype(np.float32) for _ in range(P)]
@@ -683,9 +691,9 @@ def test_internode_back_to_back_changing_routings(ctx, shared_rng):
                               topk_weights=DeviceArray.from_numpy(ws[me]), num_experts=E)
         xs = [upload(shared_rng.standard_normal((T, H)), "float32") for _ in range(P)]
         xr = poisoned((R.recv_rows, H), "float32")
-        mkernel.moe_dispatch(ctx, xs[me][0], R, xr)
+        mkernel.moe_dispatch(ctx, xs[me][0], R, xr, options=opts)
         out = poisoned((T, H), "float32")
-        mkernel.moe_combine(ctx, xr, R, out)  # y = x: out[t] = sum_j w[t][j] * x[t] over kept pairs
+        mkernel.moe_combine(ctx, xr, R, out, options=opts)  # y = x: out[t] = sum_j w[t][j] * x[t] over kept pairs
         runs.append((T, ids, ws, xs, out))
     ctx.synchronize()
     for T, ids, ws, xs, out in runs:
@@ -701,3 +709,61 @@ def test_internode_missing_peer_times_out(ctx):
     def call(c2):
         mkernel.moe_route(c2, DeviceArray.from_numpy(np.zeros((T, E), np.float32)), k=1)
     assert_missing_peer_times_out(call, "moe_route")
+
+
+# --------------------------------------------------------------------------------------------
+# node-level de-duplication across nodes (docs/moe.md "Node-level de-duplication"): run with
+#   mpirun -np 4 -x MKERNEL_RANKS_PER_NODE=2 python -m pytest -m internode tests/gpu/test_moe.py
+#   mpirun -np 2 -x MKERNEL_RANKS_PER_NODE=1 python -m pytest -m internode tests/gpu/test_moe.py
+# --------------------------------------------------------------------------------------------
+_NODE = MoeOptions(node_dedup=True)
+
+
+@pytest.mark.internode
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_internode_node_dedup_reproducible_and_close_to_per_rank(ctx, shared_rng, out_dtype):
+    """The node path's combine twice: bit-identical (fixed j and node orders, no atomics); against the per-rank
+    path's (j order over all pairs): within fp32 rounding."""
+    _needs_nodes(ctx)
+    P, me, T, k, H = ctx.size, ctx.rank, 513, 8, 256
+    E = 4 * P
+    R, ids, ws = _route_given(ctx, shared_rng, T, k, E, "random")
+    xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+    xr = poisoned((R.recv_rows, H), "bfloat16")
+    outs = []
+    for opts in (_NODE, _NODE, None):
+        mkernel.moe_dispatch(ctx, xs[me][0], R, xr, options=opts)
+        out = poisoned((T, H), out_dtype)
+        mkernel.moe_combine(ctx, xr, R, out, options=opts)
+        outs.append(out)
+    ctx.synchronize()
+    a, b, c = (download(o) for o in outs)
+    np.testing.assert_array_equal(a, b)
+    tol = 2.0 ** -8 if out_dtype == "bfloat16" else 2.0 ** -20
+    assert np.abs(a - c).max() <= tol * (np.abs(c).max() + k * np.abs(xs[me][1]).max())
+
+
+@pytest.mark.internode
+def test_internode_node_dedup_graph_replay(ctx, shared_rng):
+    """route + node dispatch + node combine captured once (after a call of the shape) and replayed."""
+    _needs_nodes(ctx)
+    T, k, E, H = 200, 2, 4 * ctx.size, 128
+    R, xr, out, ids_d, w_d, x_d, s, fill = _graph_buffers(ctx, shared_rng, T, k, E, H)
+    hs = int(s)
+
+    def seq():
+        mkernel.moe_route(ctx, topk_ids=ids_d, topk_weights=w_d, num_experts=E, out=R, stream=hs)
+        mkernel.moe_dispatch(ctx, x_d, R, xr, stream=hs, options=_NODE)
+        mkernel.moe_combine(ctx, xr, R, out, stream=hs, options=_NODE)
+    _replay(ctx, s, seq, fill, lambda xv: np.testing.assert_array_equal(download(out), k * xv))
+
+
+@pytest.mark.internode
+def test_internode_node_combine_needs_a_node_dispatch(ctx, shared_rng):
+    _needs_nodes(ctx)
+    R, _, _ = _route_given(ctx, shared_rng, 16, 2, 2 * ctx.size, "random")
+    xr = DeviceArray.empty((R.recv_rows, 64), "bfloat16")
+    mkernel.moe_dispatch(ctx, DeviceArray.empty((16, 64), "bfloat16"), R, xr)
+    with pytest.raises(ValueError, match="node_dedup"):
+        mkernel.moe_combine(ctx, xr, R, options=_NODE)
+    ctx.synchronize()

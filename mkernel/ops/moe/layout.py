@@ -14,7 +14,8 @@ __all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots
            "fused_swiglu_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
            "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS",
            "INTERNODE_SOURCE", "INTERNODE_GRID", "MoeXLayout", "x_route_layout", "x_dispatch_layout",
-           "x_combine_layout"]
+           "x_combine_layout", "node_meta_words", "node_meta_offsets", "x_node_dispatch_layout",
+           "x_node_combine_layout"]
 
 SOURCE = "ops/moe.cu"
 FUSED_SOURCE = "ops/moe_gemm.cu"  # dispatch + gate/up grouped GEMM (compiled with the GEMM's config defines)
@@ -247,3 +248,36 @@ def x_combine_layout(L: int, N: int, T: int, k: int, row_bytes: int, r_cap: int)
     P = L * N
     return _x_regions(L, N, [0, T * k * row_bytes, P * r_cap * row_bytes, r_cap * row_bytes], row_bytes)
 
+
+# node-level de-duplication (moe_internode.cu includes moe_node.cuh; docs/moe.md "Node-level de-duplication")
+def node_meta_words(T: int, k: int) -> int:
+    """int32 words of one node's batch meta: the count, then per batched token (t, ids[k], slots[k], weight
+    bits[k]) -- moe_node.cuh XNodeMeta, and the routing's ``node_meta`` rows."""
+    return 1 + T * (1 + 3 * k)
+
+
+def node_meta_offsets(X: MoeXLayout, T: int, k: int) -> tuple[int, int, int]:
+    """(cnt_off, meta_in_off, meta_out_off) inside region e of the node dispatch workspace (moe_node.cuh
+    x_node_meta): u32 cnt[N], int32 meta_in[N][M], meta_out[N][M]."""
+    cnt = X.e_off
+    meta_in = cnt + round_up(4 * X.N, 16)
+    return cnt, meta_in, meta_in + 4 * X.N * node_meta_words(T, k)
+
+
+def x_node_dispatch_layout(L: int, N: int, T: int, k: int, row_bytes: int, r_cap: int) -> tuple[MoeXLayout, int]:
+    """(layout, bytes) of the node dispatch workspace: a = int32 in_src[r_cap], b = rows [P][T] (world rank
+    s's token t: from this node's ranks, or forwarded), c = rows [N][T] (the batch from the rail peer on node
+    m), d = rows [N][T] (this rank's batch for node m: the proxy's source), e = cnt[N] and the batch metas
+    (:func:`node_meta_offsets`)."""
+    P = L * N
+    meta = round_up(4 * N, 16) + 2 * 4 * N * node_meta_words(T, k)
+    return _x_regions(L, N, [4 * r_cap, P * T * row_bytes, N * T * row_bytes, N * T * row_bytes, meta], row_bytes)
+
+
+def x_node_combine_layout(L: int, N: int, T: int, k: int, H: int, row_bytes: int) -> tuple[MoeXLayout, int]:
+    """(layout, bytes) of the node combine workspace: a unused, b = rows [T * k] (y of this rank's pairs from
+    this node's ranks), c = rows [N][T * k] (y of the rail peer on node m's pairs, from this node's ranks),
+    d = fp32 rows [N][T] (this rank's partials for node m: the proxy's source), e = fp32 rows [N][T] (node
+    m's partials of this rank's tokens)."""
+    part = N * T * H * 4
+    return _x_regions(L, N, [0, T * k * row_bytes, N * T * k * row_bytes, part, part], row_bytes)

@@ -20,7 +20,8 @@ from ...core.interop import as_device_array, require
 from ...core.util import ceil_div
 from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once
 from .layout import (EXCHANGE_THREADS, MAX_EXPERTS, MAX_K, SOURCE, SPECIALIZATIONS, THREADS, TILE, combine_layout,
-                     dispatch_layout, kernel_defines, low_latency_grid, low_latency_layout, make_shape, route_layout)
+                     dispatch_layout, kernel_defines, low_latency_grid, low_latency_layout, make_shape, node_meta_words,
+                     route_layout)
 from .options import LOW_LATENCY_MAX_TOKENS, MoeOptions
 
 __all__ = ["MoeRouting", "MoePlan", "moe_route", "moe_dispatch", "moe_combine", "moe_options", "one_node",
@@ -61,7 +62,10 @@ class MoeRouting:
     * ``recv_map`` int32 ``[recv_rows]``: after :func:`moe_dispatch`, ``s * T * k + t * k + j`` of received
       row r (source rank s, its token t, choice j); rows past ``o[E_local]`` are not written;
     * across nodes only (else None): ``send_ranges`` int32 ``[E, 2]`` and ``src_offsets`` int32
-      ``[E_local, P + 1]``, the slot ranges the proxy moves (docs/moe.md, "Across nodes").
+      ``[E_local, P + 1]``, the slot ranges the proxy moves (docs/moe.md, "Across nodes"); ``node_pos`` int32
+      ``[T, N]`` and ``node_meta`` int32 ``[N, 1 + T * (1 + 3k)]``, written by a dispatch with
+      ``MoeOptions(node_dedup=True)`` and read by its combine (docs/moe.md, "Node-level de-duplication");
+      ``dispatched_by``: the transport of the last dispatch made with it ("node", "rank" or None).
 
     P is the world size (every rank of the context, on every node); global expert e is on world rank
     ``e // E_local``.
@@ -89,10 +93,13 @@ class MoeRouting:
         # across nodes (docs/moe.md "Across nodes"): the contiguous slot ranges the proxy moves --
         # send_ranges [E, 2] (first row, rows) of this rank's pairs of each expert in its owner's buffer,
         # src_offsets [E_local, P + 1]: first row of each source's rows of each local expert (end last)
-        self.send_ranges = self.src_offsets = None
+        self.send_ranges = self.src_offsets = self.node_pos = self.node_meta = self.dispatched_by = None
         if ctx.num_nodes > 1:
             self.send_ranges = DeviceArray.empty((E, 2), "int32", device=dev)
             self.src_offsets = DeviceArray.empty((self.E_local, P + 1), "int32", device=dev)
+            N = ctx.num_nodes
+            self.node_pos = DeviceArray.empty((T, N), "int32", device=dev)
+            self.node_meta = DeviceArray.empty((N, node_meta_words(self.T, self.k)), "int32", device=dev)
 
     @classmethod
     def empty(cls, ctx, T: int, k: int, num_experts: int, options: MoeOptions | None = None) -> "MoeRouting":
@@ -123,8 +130,9 @@ def check_sizes(what: str, P: int, T: int, k: int, E: int) -> None:
 class MoePlan:
     """What a MoE call runs: ``op``, ``grid`` (blocks of the main kernel), ``recv_rows``; ``swiglu`` (moe_layer):
     "epilogue" (in the gate/up GEMM's epilogue) or "kernel" (the separate mk_moe_swiglu), (moe_dispatch_gemm)
-    "epilogue" with ``swiglu=True``, else ""; the rest is the bound call's (digest, workspace layout and
-    size)."""
+    "epilogue" with ``swiglu=True``, else ""; ``transport`` (dispatch / combine across nodes): "node" (a row
+    crosses the network once per destination node) or "rank" (once per destination rank), else ""; the rest
+    is the bound call's (digest, workspace layout and size)."""
 
     op: str
     grid: int = 0
@@ -133,6 +141,7 @@ class MoePlan:
     layout: object = field(default=None, repr=False, compare=False)
     ws_bytes: int = field(default=0, repr=False)
     swiglu: str = ""
+    transport: str = ""
 
 
 def _ptr(v: int = 0):

@@ -41,6 +41,12 @@ class MoeOptions:
     fused kernel's SwiGLU variant, ``moe_dispatch_gemm(..., swiglu=True)``: h is never written) where F suits
     that GEMM's configs, else the separate SwiGLU kernel (the layer's plan says which: ``MoePlan.swiglu``;
     docs/moe.md "SwiGLU epilogue": on by default, it never writes h).
+
+    ``node_dedup`` (across nodes; no effect on one node): :func:`mkernel.moe_dispatch` sends a token row
+    once per destination *node* (to the rank of this local rank there, which forwards it over NVLink) and
+    :func:`mkernel.moe_combine` returns one fp32 partial sum per node (docs/moe.md, "Node-level
+    de-duplication"); the op's plan says which (``MoePlan.transport``: "node" or "rank").  A combine with
+    it needs a routing last dispatched with it.  Off by default until GPU-validated.
     """
 
     softmax: str = "topk"
@@ -53,6 +59,7 @@ class MoeOptions:
     comm_blocks: int = 0
     gemm_config: int | None = None
     swiglu_epilogue: bool = True
+    node_dedup: bool = False
 
     __hash__ = options_hash
 
@@ -73,7 +80,7 @@ class MoeOptions:
             raise ValueError(f"MoeOptions.blocks must be an int in [0, 1024], got {self.blocks!r}")
         if self.mode not in MODES:
             raise ValueError(f"MoeOptions.mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("fused", "swiglu_epilogue"):
+        for name in ("fused", "swiglu_epilogue", "node_dedup"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoeOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "low_latency":
