@@ -123,8 +123,9 @@ def check_sizes(what: str, P: int, T: int, k: int, E: int) -> None:
 class MoePlan:
     """What a MoE call runs: ``op``, ``grid`` (blocks of the main kernel), ``recv_rows``; ``swiglu`` (moe_layer):
     "epilogue" (in the gate/up GEMM's epilogue) or "kernel" (the separate mk_moe_swiglu), (moe_dispatch_gemm)
-    "epilogue" with ``swiglu=True``, else ""; the rest is the bound call's (digest, workspace layout and
-    size)."""
+    "epilogue" with ``swiglu=True``, else ""; ``combine`` (moe_layer): "fused" (the down GEMM and the combine
+    as one kernel, :func:`mkernel.moe_gemm_combine`) or "kernel" (the down grouped GEMM, then
+    :func:`mkernel.moe_combine`), else ""; the rest is the bound call's (digest, workspace layout and size)."""
 
     op: str
     grid: int = 0
@@ -133,6 +134,7 @@ class MoePlan:
     layout: object = field(default=None, repr=False, compare=False)
     ws_bytes: int = field(default=0, repr=False)
     swiglu: str = ""
+    combine: str = ""
 
 
 def _ptr(v: int = 0):

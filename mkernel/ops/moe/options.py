@@ -40,7 +40,12 @@ class MoeOptions:
     SwiGLU in the gate/up GEMM's epilogue (``mkernel.ops.gemm.grouped_gemm_swiglu``, or with ``fused`` the
     fused kernel's SwiGLU variant, ``moe_dispatch_gemm(..., swiglu=True)``: h is never written) where F suits
     that GEMM's configs, else the separate SwiGLU kernel (the layer's plan says which: ``MoePlan.swiglu``;
-    docs/moe.md "SwiGLU epilogue": on by default, it never writes h).
+    docs/moe.md "SwiGLU epilogue": on by default, it never writes h).  ``fused_combine``:
+    :func:`mkernel.moe_layer` runs the down grouped GEMM fused with the combine
+    (:func:`mkernel.moe_gemm_combine`: each output tile stored straight into its token owner's combine
+    staging, the owners' sums started as their rows land; throughput mode only; off until GPU-validated:
+    docs/moe.md "Down GEMM + combine, fused"); ``comm_blocks`` and ``gemm_config`` apply to that kernel too
+    (its sum blocks, its tile config).
     """
 
     softmax: str = "topk"
@@ -53,6 +58,7 @@ class MoeOptions:
     comm_blocks: int = 0
     gemm_config: int | None = None
     swiglu_epilogue: bool = True
+    fused_combine: bool = False
 
     __hash__ = options_hash
 
@@ -73,12 +79,13 @@ class MoeOptions:
             raise ValueError(f"MoeOptions.blocks must be an int in [0, 1024], got {self.blocks!r}")
         if self.mode not in MODES:
             raise ValueError(f"MoeOptions.mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("fused", "swiglu_epilogue"):
+        for name in ("fused", "swiglu_epilogue", "fused_combine"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoeOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "low_latency":
-            if self.fused:
-                raise ValueError("MoeOptions: fused=True is a throughput-mode path (mode='throughput')")
+            if self.fused or self.fused_combine:
+                raise ValueError("MoeOptions: fused=True and fused_combine=True are throughput-mode paths "
+                                 "(mode='throughput')")
             if self.expert_capacity is not None or self.capacity_factor is not None or self.recv_rows is not None:
                 raise ValueError("MoeOptions: low-latency mode is dropless with fixed buffers: no expert_capacity, "
                                  "capacity_factor or recv_rows")
