@@ -26,7 +26,7 @@ from .ops.collectives import CollectiveOptions, all_gather, all_reduce, reduce_s
 from .ops.gemm import GemmOptions, gemm, grouped_gemm
 from .ops.gemm_ar import GemmArOptions, gemm_all_reduce
 from .ops.gemm_rs import GemmRsOptions, gemm_reduce_scatter
-from .ops.moe import MoeOptions, MoeRouting, moe_combine, moe_dispatch, moe_dispatch_gemm, moe_layer, moe_route
+from .ops.moe import MoeOptions, MoeRouting, moe_combine, moe_dispatch, moe_dispatch_gemm, moe_gemm_combine, moe_layer, moe_route
 from .ops.ring_attention import (RingAttentionOptions, ring_attention, ring_attention_backward, zigzag_shard,
                                  zigzag_unshard)
 
@@ -36,7 +36,7 @@ __all__ = [
     "init", "Context", "Topology", "Bootstrap", "DeviceArray", "as_device_array", "dtype_of", "bf16_to_f32", "f32_to_bf16",
     "all_gather", "reduce_scatter", "all_reduce", "gemm", "grouped_gemm", "ag_gemm", "gemm_reduce_scatter",
     "gemm_all_reduce", "attention", "attention_backward", "moe_route", "moe_dispatch", "moe_combine", "moe_layer",
-    "moe_dispatch_gemm", "ring_attention", "ring_attention_backward", "zigzag_shard", "zigzag_unshard", "RingAttentionOptions",
+    "moe_dispatch_gemm", "moe_gemm_combine", "ring_attention", "ring_attention_backward", "zigzag_shard", "zigzag_unshard", "RingAttentionOptions",
     "CollectiveOptions", "GemmOptions", "AgGemmOptions", "GemmRsOptions", "GemmArOptions", "AttentionOptions",
     "AttentionBwdOptions", "MoeOptions", "MoeRouting",
     "MkernelError", "CudaError", "DeviceError", "CompileError", "CommError", "CommMismatch", "CommTimeout",

@@ -30,7 +30,7 @@
 // act [r_cap, F] = silu(h[:, :F]) * h[:, F:] from the accumulators, h never written.
 #include "gemm/mk_gemm_configs.cuh"
 #include "gemm/mk_gemm_swiglu.cuh"
-#include "ops/mk_moe.cuh"
+#include "ops/mk_moe_gemm.cuh"
 
 #ifndef MK_MOE_SWIGLU
 #define MK_MOE_SWIGLU 0
@@ -158,30 +158,6 @@ template <int BM> struct MoeWaitRows {
     return true;
   }
 };
-
-// End of call for `nthreads` threads from `tid0` (a multiple of 32): the last block to arrive tells every
-// peer we consumed its rows and commits the epoch.  Named barrier 7: in GEMM blocks only the consumer
-// warpgroups get here (the producer warpgroup has exited).
-MK_DEVICE void moe_gemm_finish(const MoeWs& w, mk_u64 ep, int tid0, int nthreads) {
-  __shared__ int last;
-  MkEpochState* st = w.epoch_state();
-  const int t = (int)threadIdx.x - tid0;
-  mk_named_barrier_sync(7, nthreads);
-  if (t == 0) {
-    __threadfence();
-    last = atomicAdd(&st->arrived, 1u) == gridDim.x - 1;
-  }
-  mk_named_barrier_sync(7, nthreads);
-  if (!last) return;
-  for (int j = t; j < w.P; j += nthreads)
-    if (j != w.me) mk_signal_set(w.peer_header(j).consumed(w.me), ep);
-  mk_named_barrier_sync(7, nthreads);
-  if (t == 0) {
-    st->arrived = 0;
-    __threadfence();
-    *((volatile mk_u64*)&st->epoch) = ep;
-  }
-}
 
 // The GEMM's epilogue: the plain store of h, or (MK_MOE_SWIGLU) SwiGLU stored as act by the same store, so
 // h is never written (docs/moe.md, "SwiGLU epilogue", "In the fused kernel").

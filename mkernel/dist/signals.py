@@ -34,6 +34,7 @@ OPS = {
     "internode_all_gather": 21,
     "internode_reduce_scatter": 22,
     "internode_all_reduce": 23,
+    "moe_gemm_combine": 24,
 }
 _OP_NAMES = {v: k for k, v in OPS.items()}
 

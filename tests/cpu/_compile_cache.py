@@ -55,3 +55,14 @@ def module_fixture(test_name: str, arch: str, expect=None):
             specs = [(s, expect(d)) for s, d in specs]
         return fill(tmp_path_factory, specs, arch)
     return compile_cache
+
+
+def assert_gemm_spec_clean(source: str, defines: dict, cache_dir, monkeypatch, kernel: str, arch: str) -> None:
+    """One specialization of a kernel built on the GEMM component (``defines`` from
+    ``mkernel.ops.gemm.defines``: its config's block size), read from ``cache_dir``: :func:`assert_clean`."""
+    from mkernel.ops import gemm as G
+
+    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(cache_dir))
+    mod = CP.compile_module(source, defines, arch=arch)
+    threads = G.CONFIGS[defines["MK_GEMM_CONFIG"]].threads
+    assert_clean(mod, (kernel,), lambda fn: threads)

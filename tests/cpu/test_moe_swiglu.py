@@ -39,10 +39,7 @@ compile_cache = _compile_cache.module_fixture("test_compiles_clean", ARCH)
 @pytest.mark.parametrize("source,defines", SPECS, ids=[f"in{d['MK_GEMM_IN']}-cfg{d['MK_GEMM_CONFIG']}" for _, d in SPECS])
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     """mk_grouped_gemm_swiglu: no spills, no stack, no ptxas warnings, registers within the block."""
-    monkeypatch.setenv("MKERNEL_CACHE_DIR", str(compile_cache))
-    mod = CP.compile_module(source, defines, arch=ARCH)
-    threads = G.CONFIGS[defines["MK_GEMM_CONFIG"]].threads
-    _compile_cache.assert_clean(mod, (SW.KERNEL,), lambda fn: threads)
+    _compile_cache.assert_gemm_spec_clean(source, defines, compile_cache, monkeypatch, SW.KERNEL, ARCH)
 
 
 def _fragment_columns(n: int) -> np.ndarray:

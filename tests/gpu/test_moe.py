@@ -211,8 +211,11 @@ def test_capacity_drops_deterministically(ctx, shared_rng):
 
 LAYER_PATHS = {"default": MoeOptions(), "fused": MoeOptions(fused=True),
                "low_latency": MoeOptions(mode="low_latency"), "swiglu_kernel": MoeOptions(swiglu_epilogue=False),
-               "fused_swiglu_kernel": MoeOptions(fused=True, swiglu_epilogue=False)}
-# (the others compute SwiGLU in the gate/up GEMM's epilogue; "fused" in the fused kernel's SwiGLU variant)
+               "fused_swiglu_kernel": MoeOptions(fused=True, swiglu_epilogue=False),
+               "fused_combine": MoeOptions(fused_combine=True),
+               "fused_both": MoeOptions(fused=True, fused_combine=True)}
+# (the others compute SwiGLU in the gate/up GEMM's epilogue; "fused" in the fused kernel's SwiGLU variant;
+# "fused_combine" / "fused_both": the down GEMM + combine as one kernel, moe_gemm_combine -- not yet GPU-run)
 SWIGLU_KERNEL_PATHS = ("swiglu_kernel", "fused_swiglu_kernel")
 
 
@@ -252,7 +255,9 @@ def test_layer_against_float64(ctx, shared_rng, T, k, E_local, H, F, path):
     o, R = mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], DeviceArray.from_numpy(logits[me]), k=k,
                              out=out, options=opts)
     ctx.synchronize()
-    assert ctx.op_state("moe_layer").last_plan.swiglu == ("kernel" if path in SWIGLU_KERNEL_PATHS else "epilogue")
+    plan = ctx.op_state("moe_layer").last_plan
+    assert plan.swiglu == ("kernel" if path in SWIGLU_KERNEL_PATHS else "epilogue")
+    assert plan.combine == ("fused" if opts.fused_combine else "kernel")
     want = _layer_want(logits, xs, wgs, wds, k, E, me)
     got = download(o)
     # h, act and y are rounded to bf16 (3 roundings of 2**-8 relative, amplified by at most ~4 through
@@ -420,6 +425,111 @@ def test_dispatch_gemm_back_to_back(ctx, shared_rng):
             lay = ref.layout_reference(ids, E)
             _check_dispatch(R, xs, xr, lay, k, me)
     ctx.synchronize()
+
+
+# ---- the down GEMM + combine, fused (moe_gemm_combine; docs/moe.md "Down GEMM + combine, fused": not yet GPU-run)
+def _gemm_combine_want(acts, wds, ids, ws, lay, E, me):
+    """Rank ``me``'s out in float64: every rank's y = act @ w_down[l].T (rounded to bf16, as the kernel's
+    staging rows are), summed by the owners as combine_reference does."""
+    ys = []
+    for d, lay_d in enumerate(lay):
+        o = lay_d["expert_offsets"]
+        y = np.zeros((acts[d].shape[0], wds[d].shape[1]))
+        for l in range(len(o) - 1):
+            y[o[l]:o[l + 1]] = acts[d][o[l]:o[l + 1]] @ wds[d][l].T
+        ys.append(upload(y, "bfloat16")[1])
+    return ref.combine_reference(ys, ids, ws, [l["slots"] for l in lay], E)[me]
+
+
+@pytest.mark.parametrize("T,k,E_local,mode,H,F,capacity", [
+    (300, 2, 4, "random", 256, 128, 0), (129, 8, 8, "random", 512, 256, 0), (333, 1, 3, "random", 136, 64, 0),
+    (517, 2, 4, "one_expert", 264, 72, 0), (200, 2, 4, "rank0_only", 128, 64, 0), (1, 1, 2, "random", 64, 32, 0),
+    (400, 2, 4, "one_expert", 256, 64, 37)])
+def test_gemm_combine_against_float64(ctx, shared_rng, T, k, E_local, mode, H, F, capacity):
+    """moe_gemm_combine after route + dispatch against float64 (NaN-poisoned out; random, one hot expert, a rank
+    receiving nothing, top-1 / top-8, T = 1, H not a multiple of the tile width, a capacity dropping pairs);
+    a second call gives the same bits (fixed summation order)."""
+    P, me = ctx.local_size, ctx.local_rank
+    E = E_local * P
+    opts = MoeOptions(expert_capacity=capacity) if capacity else None
+    R, ids, ws = _route_given(ctx, shared_rng, T, k, E, mode, options=opts)
+    xs = [upload(shared_rng.standard_normal((T, 16)), "bfloat16") for _ in range(P)]
+    mkernel.moe_dispatch(ctx, xs[me][0], R, options=opts)
+    acts = [upload(shared_rng.standard_normal((R.recv_rows, F)), "bfloat16") for _ in range(P)]
+    wds = [upload(shared_rng.standard_normal((E_local, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
+    out = poisoned((T, H), "bfloat16")
+    mkernel.moe_gemm_combine(ctx, acts[me][0], R, wds[me][0], out, options=opts)
+    ctx.synchronize()
+    assert ctx.op_state("moe_gemm_combine").last_plan.combine == "fused"
+    lay = ref.layout_reference(ids, E, capacity, R.recv_rows)
+    want = _gemm_combine_want([a[1] for a in acts], [w[1] for w in wds], ids, ws, lay, E, me)
+    got = download(out)
+    assert not np.isnan(got).any()
+    # y rounded to bf16 (also in the reference), fp32 sums, out rounded once: 2**-7 of the scale
+    scale = np.abs(want).max() + 1e-3
+    assert np.abs(got - want).max() <= 2.0 ** -7 * scale
+    first = out.to_numpy().copy()
+    mkernel.moe_gemm_combine(ctx, acts[me][0], R, wds[me][0], out, options=opts)
+    ctx.synchronize()
+    np.testing.assert_array_equal(out.to_numpy(), first)
+
+
+def test_gemm_combine_back_to_back_changing_routings(ctx, shared_rng):
+    """200 route + dispatch + fused down GEMM + combine calls with fresh routings (the pair counters zeroed by
+    their owners, epochs and staging handshakes across calls); every 50th checked against float64."""
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E_local, H, F = 150, 2, 3, 128, 64
+    E = E_local * P
+    R = mkernel.MoeRouting.empty(ctx, T, k, E)
+    wds = [upload(shared_rng.standard_normal((E_local, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
+    out = DeviceArray.empty((T, H), "bfloat16")
+    x = DeviceArray.empty((T, 16), "bfloat16")
+    for it in range(200):
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        ws = [shared_rng.random((T, k)).astype(np.float32) for _ in range(P)]
+        acts = [upload(shared_rng.standard_normal((R.recv_rows, F)), "bfloat16") for _ in range(P)]
+        mkernel.moe_route(ctx, topk_ids=DeviceArray.from_numpy(ids[me]), topk_weights=DeviceArray.from_numpy(ws[me]),
+                          num_experts=E, out=R)
+        mkernel.moe_dispatch(ctx, x, R)
+        mkernel.moe_gemm_combine(ctx, acts[me][0], R, wds[me][0], out)
+        if it % 50 == 0:
+            ctx.synchronize()
+            lay = ref.layout_reference(ids, E)
+            want = _gemm_combine_want([a[1] for a in acts], [w[1] for w in wds], ids, ws, lay, E, me)
+            assert np.abs(download(out) - want).max() <= 2.0 ** -7 * (np.abs(want).max() + 1e-3)
+    ctx.synchronize()
+
+
+def test_gemm_combine_bad_inputs_raise_before_launch(ctx):
+    P = ctx.local_size
+    E = 2 * P
+    R = mkernel.moe_route(ctx, DeviceArray.empty((10, E), "float32"), k=1)
+    act, wd = DeviceArray.empty((R.recv_rows, 64), "bfloat16"), DeviceArray.empty((2, 128, 64), "bfloat16")
+    with pytest.raises(ValueError):
+        mkernel.moe_gemm_combine(ctx, DeviceArray.empty((3, 64), "bfloat16"), R, wd)  # not recv_rows rows
+    with pytest.raises(TypeError):
+        mkernel.moe_gemm_combine(ctx, act, R, wd, DeviceArray.empty((10, 128), "float32"))  # out not act's dtype
+    with pytest.raises(ValueError):
+        mkernel.moe_gemm_combine(ctx, act, R, DeviceArray.empty((2, 128, 32), "bfloat16"))  # F differs
+    ctx.synchronize()
+
+
+def test_gemm_combine_missing_peer_times_out(ctx):
+    """Every rank routes, dispatches and runs the fused kernel once; then rank 0 alone runs it again: its wait
+    for peer 1's call ends in CommTimeout naming moe_gemm_combine, rank 0 and peer 1."""
+    if ctx.size < 2:
+        pytest.skip("needs 2 ranks")
+    T, E, H, F = 64, 2 * ctx.local_size, 128, 64
+    made = {}
+
+    def call(c2):
+        if "R" not in made:  # (every rank, once: the routing and its dispatch)
+            made["R"] = R = mkernel.moe_route(c2, DeviceArray.from_numpy(np.zeros((T, E), np.float32)), k=1)
+            mkernel.moe_dispatch(c2, DeviceArray.empty((T, 16), "bfloat16"), R)
+            made["act"] = DeviceArray.empty((R.recv_rows, F), "bfloat16")
+            made["wd"] = DeviceArray.empty((2, H, F), "bfloat16")
+        mkernel.moe_gemm_combine(c2, made["act"], made["R"], made["wd"])
+    assert_missing_peer_times_out(call, "moe_gemm_combine")
 
 
 LL = MoeOptions(mode="low_latency")

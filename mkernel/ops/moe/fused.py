@@ -20,12 +20,13 @@ from ...core.compiler import kernel, register_specialization
 from ...core.driver import check
 from ...core.interop import as_device_array, require
 from ...core.tensormap import TensorMapArg
-from ..base import BoundCall, Op, as_stream, check_no_overlap
+from ..base import Op, check_no_overlap
 from .. import gemm as G  # the GEMM package's public planning API
 from ..gemm.operands import vec_ok
 from .layout import (FUSED_SOURCE, MoeGemmArgs, arrived_slots, dispatch_layout, fused_config, fused_grid,
                      fused_swiglu_config, make_shape)
-from .op import MoePlan, MoeRouting, moe_options, one_node, routing_arg
+from .gemm_bound import GemmKernelBound, gemm_operands
+from .op import MoePlan, MoeRouting, one_node
 from .options import FUSED_CONFIGS, MoeOptions
 
 __all__ = ["moe_dispatch_gemm", "fused_defines"]
@@ -50,7 +51,7 @@ class _Call:
     __slots__ = ("key", "stream", "x", "routing", "wg", "o", "xr", "options", "swiglu", "config")
 
 
-class _FusedBound(BoundCall):
+class _FusedBound(GemmKernelBound):
     """The arrival counters' memset, B's staging (if any), then the cooperative launch; each call re-points
     the arguments at its arrays."""
 
@@ -83,9 +84,7 @@ class _FusedBound(BoundCall):
         shape = make_shape(ctx.local_size, T, H, R.k, R.E, R.options)
         k = kernel(FUSED_SOURCE, fused_defines(dt, call.config, call.swiglu), NAME)
         comm = ctx.comm_args("moe_dispatch_gemm", p.digest)
-        self._launch = k.prepare(p.grid, cfg.threads, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a],
-                                 stream=call.stream, smem=cfg.smem, cooperative=True)
-        self._pre = [] if self._b.stage is None else [self._b.stage[0].prepare(*self._b.stage[1:], stream=call.stream)]
+        self.prepare(k, p.grid, cfg, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a], call.stream)
         self.buffers = (ws, self._arrived, self._own_xr, *self._b.keep)
 
     def _point(self, call, xr) -> None:
@@ -102,9 +101,7 @@ class _FusedBound(BoundCall):
     def run(self, stream, call):
         self._point(call, self.x_recv(call))
         check(cu.cuMemsetD32Async(cu.CUdeviceptr(self._arrived.ptr), 0, self._arrived_words, cu.CUstream(stream)))
-        for pre in self._pre:
-            pre.submit()
-        self._launch.submit()
+        self.submit()
 
 
 class _DispatchGemm(Op):
@@ -113,15 +110,8 @@ class _DispatchGemm(Op):
     what = "mkernel.moe_dispatch_gemm"
 
     def __call__(self, ctx, x, routing, w_gate_up, out, x_recv, stream, options, swiglu):
-        ctx.check()
-        s = as_stream(stream)
-        opts = moe_options(options, self.what)
-        R = routing_arg(self.what, routing, ctx)
-        X = as_device_array(x, name="moe_dispatch_gemm: x", stream=s)
-        WG = as_device_array(w_gate_up, name="moe_dispatch_gemm: w_gate_up", stream=s)
-        if X.ndim != 2 or WG.ndim != 3:
-            raise ValueError(f"{self.what}: x must be [T, H] and w_gate_up [E_local, 2F, H], got shapes "
-                             f"{tuple(X.shape)} and {tuple(WG.shape)}")
+        s, opts, R, X, WG = gemm_operands(self, ctx, stream, options, routing, x, w_gate_up, ("x", "w_gate_up"),
+                                          ("[T, H]", "[E_local, 2F, H]"))
         if not isinstance(swiglu, bool):
             raise TypeError(f"{self.what}: swiglu must be a bool, got {swiglu!r}")
         N = WG.shape[1] // 2 if swiglu else WG.shape[1]  # out's columns: act's F or h's 2F
@@ -205,7 +195,7 @@ class _DispatchGemm(Op):
         return MoePlan(self.name, comm + workers, R.recv_rows, digest, L, total,
                        swiglu="epilogue" if call.swiglu else "")
 
-    def bind(self, ctx, call, p: MoePlan) -> BoundCall:
+    def bind(self, ctx, call, p: MoePlan) -> GemmKernelBound:
         return _FusedBound(ctx, call, p)
 
 

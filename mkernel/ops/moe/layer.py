@@ -1,6 +1,7 @@
 """The whole MoE layer (:func:`moe_layer`): route -> dispatch -> gate/up grouped GEMM -> SwiGLU -> down
 grouped GEMM -> combine, composed from the MoE ops on one stream (docs/moe.md, "Layer"); SwiGLU in the
-gate/up GEMM's epilogue with ``MoeOptions.swiglu_epilogue`` (:func:`swiglu_path`)."""
+gate/up GEMM's epilogue with ``MoeOptions.swiglu_epilogue`` (:func:`swiglu_path`); the down GEMM and the
+combine as one kernel with ``MoeOptions.fused_combine`` (:func:`combine_path`)."""
 from __future__ import annotations
 
 import ctypes
@@ -13,12 +14,13 @@ from ...core.util import ceil_div
 from ..base import BoundCall, Op, as_stream
 from ..gemm import grouped_gemm, grouped_gemm_swiglu, swiglu_candidates
 from .fused import moe_dispatch_gemm
+from .fused_combine import moe_gemm_combine
 from .layout import SOURCE, fused_swiglu_config, kernel_defines
 from .op import (DTYPE_CODES, MoePlan, MoeRouting, check_sizes, moe_combine, moe_dispatch, moe_options, moe_route,
                  _ptr, one_node, routing_source)
 from .options import MoeOptions
 
-__all__ = ["moe_layer", "swiglu_path"]
+__all__ = ["moe_layer", "swiglu_path", "combine_path"]
 
 
 def swiglu_path(F: int, options: MoeOptions) -> str:
@@ -30,6 +32,13 @@ def swiglu_path(F: int, options: MoeOptions) -> str:
         return "kernel"
     suits = fused_swiglu_config(F, options) is not None if options.fused else bool(swiglu_candidates(F))
     return "epilogue" if suits else "kernel"
+
+
+def combine_path(options: MoeOptions, x_dtype: str, out_dtype: str) -> str:
+    """How the layer runs the down GEMM and the combine: "fused" (one kernel, :func:`moe_gemm_combine`) when
+    ``options.fused_combine`` and out has x's dtype (the fused kernel's sums are stored in it), else "kernel"
+    (the down grouped GEMM, then :func:`moe_combine`).  docs/moe.md, "Down GEMM + combine, fused"."""
+    return "fused" if options.fused_combine and out_dtype == x_dtype else "kernel"
 
 
 class _LayerBound(BoundCall):
@@ -50,7 +59,8 @@ class _LayerBound(BoundCall):
         rr = self.routing.recv_rows
         self._x_recv = DeviceArray.empty((rr, H), dt, device=dev)
         self._act = DeviceArray.empty((rr, F), dt, device=dev)
-        self._y = DeviceArray.empty((rr, H), dt, device=dev)
+        # y [rr, H] only where the down GEMM writes it (plan.combine "kernel"); the fused kernel never does
+        self._y = DeviceArray.empty((rr, H), dt, device=dev) if plan.combine == "kernel" else None
         if plan.swiglu == "epilogue":
             self._h = self._swiglu = None
             self.buffers = (self._x_recv, self._act, self._y)
@@ -80,8 +90,11 @@ class _LayerBound(BoundCall):
             if not opts.fused:
                 moe_dispatch(ctx, call.x, R, self._x_recv, stream=stream, options=opts)
         self._gate_up(stream, call)
-        grouped_gemm(self._act, wd, R.expert_offsets, out=self._y, b_layout="nk", stream=stream)
-        moe_combine(ctx, self._y, R, call.o, stream=stream, options=opts)
+        if self._y is None:
+            moe_gemm_combine(ctx, self._act, R, wd, call.o, stream=stream, options=opts)
+        else:
+            grouped_gemm(self._act, wd, R.expert_offsets, out=self._y, b_layout="nk", stream=stream)
+            moe_combine(ctx, self._y, R, call.o, stream=stream, options=opts)
 
     def _gate_up(self, stream, call) -> None:
         """act from x_recv: the gate/up GEMM (fused with the dispatch under ``options.fused``), SwiGLU in its
@@ -160,7 +173,8 @@ class _Layer(Op):
         check_sizes(self.what, ctx.local_size, T, call.routing.k, call.routing.E)
 
     def plan(self, ctx, call, digest):
-        return MoePlan(self.name, swiglu=swiglu_path(call.sig[0].shape[1] // 2, call.options))
+        return MoePlan(self.name, swiglu=swiglu_path(call.sig[0].shape[1] // 2, call.options),
+                       combine=combine_path(call.options, call.x.dtype.name, call.o.dtype.name))
 
     def describe_call(self, call):
         return f"x {call.x.dtype.name}{list(call.x.shape)} w_gate_up {list(call.sig[0].shape)} k={call.routing.k}"
@@ -179,7 +193,9 @@ def moe_layer(ctx, x, w_gate_up, w_down, logits=None, *, topk_ids=None, topk_wei
     combine, on ``stream``, no host synchronization (docs/moe.md, "Layer").  ``options.fused``: the dispatch
     and the gate/up GEMM run as one kernel (:func:`moe_dispatch_gemm`); ``options.mode="low_latency"``
     (T <= 256): routing and dispatch run as one kernel; ``options.swiglu_epilogue``: SwiGLU in the gate/up
-    GEMM's epilogue where F allows (:func:`swiglu_path`; the plan's ``swiglu`` says which ran).
+    GEMM's epilogue where F allows (:func:`swiglu_path`; the plan's ``swiglu`` says which ran);
+    ``options.fused_combine``: the down GEMM and the combine run as one kernel (:func:`moe_gemm_combine`)
+    where out has x's dtype (:func:`combine_path`; the plan's ``combine`` says which ran).
 
     ``x``: ``[T, H]`` bf16 / fp16; ``w_gate_up``: this rank's experts ``[E_local, 2F, H]`` (gate rows
     ``[0, F)``, up rows ``[F, 2F)``); ``w_down``: ``[E_local, H, F]``; routing from ``logits [T, E]`` with

@@ -10,7 +10,8 @@ from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..gemm import CONFIGS, pair_width
 from .options import FUSED_CONFIGS, MoeOptions
 
-__all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots", "fused_config",
+__all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "COMBINE_SOURCE", "MoeGemmArgs", "MoeCombineArgs",
+           "gemm_combine_layout", "arrived_slots", "fused_config",
            "fused_swiglu_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
            "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS",
            "INTERNODE_SOURCE", "INTERNODE_GRID", "MoeXLayout", "x_route_layout", "x_dispatch_layout",
@@ -19,6 +20,7 @@ __all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "MoeGemmArgs", "arrived_slots
 
 SOURCE = "ops/moe.cu"
 FUSED_SOURCE = "ops/moe_gemm.cu"  # dispatch + gate/up grouped GEMM (compiled with the GEMM's config defines)
+COMBINE_SOURCE = "ops/moe_gemm_combine.cu"  # down grouped GEMM + combine (the same defines)
 TILE = 256          # tokens per routing tile (moe.cu MOE_TILE)
 MAX_EXPERTS = 1024  # moe.cu MOE_MAX_E
 MAX_K = 32          # moe.cu MOE_MAX_K (one lane per choice)
@@ -177,6 +179,29 @@ def fused_swiglu_config(F: int, options: MoeOptions) -> int | None:
         return options.gemm_config if suits(options.gemm_config) else None
     by_area = sorted(FUSED_CONFIGS, key=lambda c: (-CONFIGS[c].bm * CONFIGS[c].bn, c))
     return next((c for c in (fused_config(2 * F, options), *by_area) if suits(c)), None)
+
+
+class MoeCombineArgs(ctypes.Structure):
+    """``struct MoeCombineArgs`` of moe_gemm_combine.cu (80 bytes)."""
+
+    _fields_ = [("ids", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("weights", ctypes.c_void_p),
+                ("offs", ctypes.c_void_p), ("recv_map", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("ws", ctypes.c_void_p), ("peers", ctypes.c_void_p), ("K", ctypes.c_int32),
+                ("n_comm", ctypes.c_int32), ("group_m", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(MoeCombineArgs) == 80
+
+
+def gemm_combine_layout(P: int, T: int, k: int, row_bytes: int) -> tuple[MoeLayout, int]:
+    """(layout, bytes) of the fused down GEMM + combine workspace: control, uint64 cnt[T * k] (pair t * k + j's
+    column tiles landed, added to by the rank holding its expert, zeroed by this rank once summed), staging
+    rows [T * k] of ``row_bytes`` (row t * k + j: the expert output of this rank's pair (t, j))."""
+    L, off = _control(P)
+    L.counts_off = L.scratch_off = off
+    L.stage_off = round_up(off + 8 * T * k, 256)
+    L.row_bytes = row_bytes
+    return L, L.stage_off + T * k * row_bytes
 
 
 def fused_grid(resident_sms: int, options: MoeOptions) -> tuple[int, int]:

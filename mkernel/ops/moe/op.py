@@ -131,8 +131,10 @@ class MoePlan:
     """What a MoE call runs: ``op``, ``grid`` (blocks of the main kernel), ``recv_rows``; ``swiglu`` (moe_layer):
     "epilogue" (in the gate/up GEMM's epilogue) or "kernel" (the separate mk_moe_swiglu), (moe_dispatch_gemm)
     "epilogue" with ``swiglu=True``, else ""; ``transport`` (dispatch / combine across nodes): "node" (a row
-    crosses the network once per destination node) or "rank" (once per destination rank), else ""; the rest
-    is the bound call's (digest, workspace layout and size)."""
+    crosses the network once per destination node) or "rank" (once per destination rank), else ""; ``combine``
+    (moe_layer): "fused" (the down GEMM and the combine as one kernel, :func:`mkernel.moe_gemm_combine`)
+    or "kernel" (the down grouped GEMM, then :func:`mkernel.moe_combine`), else ""; the rest is the bound
+    call's (digest, workspace layout and size)."""
 
     op: str
     grid: int = 0
@@ -142,6 +144,7 @@ class MoePlan:
     ws_bytes: int = field(default=0, repr=False)
     swiglu: str = ""
     transport: str = ""
+    combine: str = ""
 
 
 def _ptr(v: int = 0):

@@ -47,6 +47,12 @@ class MoeOptions:
     :func:`mkernel.moe_combine` returns one fp32 partial sum per node (docs/moe.md, "Node-level
     de-duplication"); the op's plan says which (``MoePlan.transport``: "node" or "rank").  A combine with
     it needs a routing last dispatched with it.  Off by default until GPU-validated.
+
+    ``fused_combine``: :func:`mkernel.moe_layer` runs the down grouped GEMM fused with the combine
+    (:func:`mkernel.moe_gemm_combine`: each output tile stored straight into its token owner's combine
+    staging, the owners' sums started as their rows land; throughput mode only; off until GPU-validated:
+    docs/moe.md "Down GEMM + combine, fused"); ``comm_blocks`` and ``gemm_config`` apply to that kernel too
+    (its sum blocks, its tile config).
     """
 
     softmax: str = "topk"
@@ -60,6 +66,7 @@ class MoeOptions:
     gemm_config: int | None = None
     swiglu_epilogue: bool = True
     node_dedup: bool = False
+    fused_combine: bool = False
 
     __hash__ = options_hash
 
@@ -80,12 +87,13 @@ class MoeOptions:
             raise ValueError(f"MoeOptions.blocks must be an int in [0, 1024], got {self.blocks!r}")
         if self.mode not in MODES:
             raise ValueError(f"MoeOptions.mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("fused", "swiglu_epilogue", "node_dedup"):
+        for name in ("fused", "swiglu_epilogue", "node_dedup", "fused_combine"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoeOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "low_latency":
-            if self.fused:
-                raise ValueError("MoeOptions: fused=True is a throughput-mode path (mode='throughput')")
+            if self.fused or self.fused_combine:
+                raise ValueError("MoeOptions: fused=True and fused_combine=True are throughput-mode paths "
+                                 "(mode='throughput')")
             if self.expert_capacity is not None or self.capacity_factor is not None or self.recv_rows is not None:
                 raise ValueError("MoeOptions: low-latency mode is dropless with fixed buffers: no expert_capacity, "
                                  "capacity_factor or recv_rows")
