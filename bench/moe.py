@@ -18,7 +18,8 @@ Methods of a configuration, in the same run:
   (b) ours, unfused pieces: ``moe_route``, ``moe_dispatch``, ``moe_combine`` each timed alone, and the
       pieces called one after another (route, dispatch, ``grouped_gemm`` gate/up, SwiGLU (torch),
       ``grouped_gemm`` down, combine) as "(b) pieces"; the whole ``mkernel.moe_layer`` (default options, and
-      with ``MoeOptions(swiglu_epilogue=True)``: SwiGLU in the gate/up GEMM's epilogue);
+      with ``MoeOptions(swiglu_epilogue=False)``: the separate SwiGLU kernel, and with
+      ``MoeOptions(fused_combine=True)``: the down GEMM fused with the combine);
   (c) ours fused: ``moe_dispatch_gemm`` alone and ``moe_layer`` with ``MoeOptions(fused=True)``;
   at <= 256 tokens per rank also low-latency mode (``MoeOptions(mode="low_latency")``: routing + dispatch
   in one kernel, combine, and the layer).
@@ -128,14 +129,14 @@ def derive(rec: dict) -> dict:
         if _ok(rec.get(key + "_ms")) and b is not None:
             rec[key + "_gbs"] = b / (rec[key + "_ms"] * 1e-3) / 1e9
     fl = rec.get("flops")
-    for key in ("torch", "pieces", "layer", "layer_sw", "fused", "ll_layer"):
+    for key in ("torch", "pieces", "layer", "layer_sw", "layer_fc", "fused", "ll_layer"):
         if _ok(rec.get(key + "_ms")) and fl:
             rec[key + "_tflops"] = fl / (rec[key + "_ms"] * 1e-3) / 1e12
-    for key in ("layer", "layer_sw", "fused", "ll_layer"):
+    for key in ("layer", "layer_sw", "layer_fc", "fused", "ll_layer"):
         for base in ("torch", "pieces"):
             if _ok(rec.get(key + "_ms")) and _ok(rec.get(base + "_ms")):
                 rec[f"{key}_vs_{base}"] = rec[base + "_ms"] / rec[key + "_ms"]
-    best = [rec[k + "_ms"] for k in ("layer", "layer_sw", "fused", "ll_layer") if _ok(rec.get(k + "_ms"))]
+    best = [rec[k + "_ms"] for k in ("layer", "layer_sw", "layer_fc", "fused", "ll_layer") if _ok(rec.get(k + "_ms"))]
     if best:
         rec["best_ms"] = min(best)
         for base in ("torch", "pieces"):
@@ -172,7 +173,7 @@ def _us(v) -> str:
 def report(results, meta, out_dir: Path) -> str:
     shared = meta.get("shared_gpu")
     headers = ["config", "T/rank", "H", "F", "E (k)", "(a) torch us", "(b) pieces us", "route us", "dispatch us",
-               "combine us", "layer us", "layer SwiGLU-epilogue us", "dispatch+gemm us", "fused layer us", "LL dispatch us", "LL combine us",
+               "combine us", "layer us", "layer SwiGLU-kernel us", "layer fused-combine us", "dispatch+gemm us", "fused layer us", "LL dispatch us", "LL combine us",
                "LL layer us", "dispatch GB/s", "combine GB/s", "LL dispatch GB/s", "layer TFLOP/s (best)",
                "layer vs (a) / (b)", "fused vs (a) / (b)", "LL layer vs (a) / (b)", "host us/call (a) / layer",
                "BW target", "LL target", ">=1.5x (a)", ">=1.15x (b)"]
@@ -188,12 +189,13 @@ def report(results, meta, out_dir: Path) -> str:
         if notes:
             label += " [" + "; ".join(notes) + "]"
         t = targets(r)
-        best_tf = max([r[k + "_tflops"] for k in ("layer", "layer_sw", "fused", "ll_layer") if r.get(k + "_tflops")],
+        best_tf = max([r[k + "_tflops"] for k in ("layer", "layer_sw", "layer_fc", "fused", "ll_layer")
+                      if r.get(k + "_tflops")],
                       default=None)
         pair = lambda k: _f(r.get(k + "_vs_torch"), ".2f") + " / " + _f(r.get(k + "_vs_pieces"), ".2f")  # noqa: E731
         rows.append([label, r["T"], r["H"], r["F"], f"{r['E']} ({r['k']})", _us(r.get("torch_ms")),
                      _us(r.get("pieces_ms")), _us(r.get("route_ms")), _us(r.get("dispatch_ms")),
-                     _us(r.get("combine_ms")), _us(r.get("layer_ms")), _us(r.get("layer_sw_ms")),
+                     _us(r.get("combine_ms")), _us(r.get("layer_ms")), _us(r.get("layer_sw_ms")), _us(r.get("layer_fc_ms")),
                      _us(r.get("dispatch_gemm_ms")),
                      _us(r.get("fused_ms")), _us(r.get("ll_dispatch_ms")), _us(r.get("ll_combine_ms")),
                      _us(r.get("ll_layer_ms")), _f(r.get("dispatch_gbs"), ".0f"), _f(r.get("combine_gbs"), ".0f"),
@@ -213,15 +215,15 @@ def report(results, meta, out_dir: Path) -> str:
            "of each rank's median per call, in us; the host's submission time per eager call in its own column.  "
            "(a) torch: NCCL all_to_all_single dispatch (one row per (token, expert)) + grouped GEMM + SwiGLU + "
            "all_to_all_single combine; (b) pieces: our moe_route, moe_dispatch, grouped_gemm, SwiGLU (torch), "
-           "grouped_gemm, moe_combine called one after another; layer: mkernel.moe_layer; layer SwiGLU-epilogue: "
-           "moe_layer with MoeOptions(swiglu_epilogue=True); dispatch+gemm: "
-           "moe_dispatch_gemm alone; fused layer: moe_layer with MoeOptions(fused=True); LL: low-latency mode "
+           "grouped_gemm, moe_combine called one after another; layer: mkernel.moe_layer; layer SwiGLU-kernel: "
+           "moe_layer with MoeOptions(swiglu_epilogue=False); layer fused-combine: MoeOptions(fused_combine=True); "
+           "dispatch+gemm: moe_dispatch_gemm alone; fused layer: moe_layer with MoeOptions(fused=True); LL: low-latency mode "
            "(<= 256 tokens per rank).",
            "",
            "Formulas: unique bytes per rank = (rows sent to other ranks, each token once per destination rank) x H "
            "x 2 bytes (bf16), the mean over ranks; dispatch / combine GB/s = unique bytes / time (combine returns "
            "the same rows).  Layer TFLOP/s per rank = 2 x (T x k) x H x 3F / t (gate/up 2F and down F per routed "
-           "row), the best of layer / SwiGLU-epilogue layer / fused / LL layer.  Speedup = time of (a) or (b) / ours.  The target columns "
+           "row), the best of the layer columns.  Speedup = time of (a) or (b) / ours.  The target columns "
            "use our best layer time.", "",
            C.markdown_table(headers, rows)]
     if shared:
@@ -347,14 +349,18 @@ def measure(ctx, torch, dist, mk, cfg, quick: bool, shared: bool) -> dict:
     methods.add("combine", lambda: mk.moe_combine(ctx, y, R, out_c, stream=sh))
     methods.add("layer", lambda: mk.moe_layer(ctx, x, wg, wd, lg, k=k, out=out_l, stream=sh), check(out_l))
     out_s = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
-    sw = mk.MoeOptions(swiglu_epilogue=True)
+    sw = mk.MoeOptions(swiglu_epilogue=False)
     methods.add("layer_sw", lambda: mk.moe_layer(ctx, x, wg, wd, lg, k=k, out=out_s, stream=sh, options=sw),
                 check(out_s))
+    out_fc = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
+    fc = mk.MoeOptions(fused_combine=True)
+    methods.add("layer_fc", lambda: mk.moe_layer(ctx, x, wg, wd, lg, k=k, out=out_fc, stream=sh, options=fc),
+                check(out_fc))
     fused = mk.MoeOptions(fused=True)
     methods.add("dispatch_gemm", lambda: mk.moe_dispatch_gemm(ctx, x, R, wg, h, x_recv=xr, stream=sh, options=fused))
     methods.add("fused", lambda: mk.moe_layer(ctx, x, wg, wd, lg, k=k, out=out_f, stream=sh, options=fused),
                 check(out_f))
-    keys = ["torch", "pieces", "route", "dispatch", "combine", "layer", "layer_sw", "dispatch_gemm", "fused"]
+    keys = ["torch", "pieces", "route", "dispatch", "combine", "layer", "layer_sw", "layer_fc", "dispatch_gemm", "fused"]
     if T <= LOW_LATENCY_MAX:
         ll = mk.MoeOptions(mode="low_latency")
         Rl = mk.MoeRouting.empty(ctx, T, k, E, ll)
