@@ -156,3 +156,12 @@ def test_no_comment_narrates_sessions(tree):
            if p.suffix in (".py", ".cu", ".cuh") for i, line in enumerate(p.read_text().splitlines(), 1)
            if pat.search(line)]
     assert not bad, "\n".join(bad)
+
+
+def test_pyproject_lists_every_package():
+    """A non-editable install ships only the packages pyproject.toml names: every package directory under
+    mkernel/ (an ``__init__.py``) must be listed, or ``pip install .`` leaves it out."""
+    tomllib = pytest.importorskip("tomllib")  # (Python >= 3.11)
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {_module_name(p.parent / "__init__.py") for p in PKG.rglob("__init__.py")}
+    assert present - listed == set(), f"pyproject.toml [tool.setuptools] packages misses {sorted(present - listed)}"
