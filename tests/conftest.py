@@ -40,15 +40,31 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def ctx():
-    """The session's mkernel Context (collective: every rank of the mpirun job creates it)."""
+def _contexts():
+    """Holds the session's current mkernel Context (collective: every rank of the mpirun job creates it)."""
     if GPU_SKIP_REASON is not None:
         pytest.skip(GPU_SKIP_REASON)
     import mkernel
 
-    c = mkernel.init()
-    yield c
-    c.close()
+    held = {"ctx": mkernel.init()}
+    yield held
+    held["ctx"].close()
+
+
+@pytest.fixture
+def ctx(_contexts):
+    """The session's mkernel Context, replaced by a fresh one on every rank when any rank's has failed (a
+    failed context must be discarded: README, "After a timeout"), so that one failing test does not fail
+    every test after it.  The vote runs on MPI.COMM_WORLD, which mkernel never uses (each context works on
+    its own duplicate, where a timed-out collective may have left a request behind)."""
+    import mkernel
+    from mpi4py import MPI
+
+    c = _contexts["ctx"]
+    if MPI.COMM_WORLD.allreduce(c.failure() is not None, op=MPI.LOR):
+        c.close()  # (local for a failed context: nothing waits for a peer)
+        c = _contexts["ctx"] = mkernel.init(timeout=c.timeout)  # (a module's raised timeout carries over)
+    return c
 
 
 @pytest.fixture

@@ -16,11 +16,12 @@
 //                         t * k + j (recv_map[r] = s * T * k + t * k + j; NVLink stores for a peer, local for
 //                         this rank's own pairs), then, after a consumer barrier, one thread per row adds 1
 //                         (release, .sys) to s's cnt[t * k + j].
-// Workspace (moe/layout.py gemm_combine_layout): control, u64 cnt[T * k] (added to by the rows' GEMM ranks,
-// zeroed by the owner once summed), staging rows [T * k] of y's row_bytes.  Protocol: before its first store
-// a GEMM block checks that every peer announced this call with our signature (mk_same_call) and consumed
-// our stores of the previous call; the last block to finish raises consumed[me] at every peer
-// (moe_gemm_finish).  A zeroed counter is never added to before that signal, so no memset is needed.
+// Workspace (moe/layout.py gemm_combine_layout): control, u64 cnt[T * k] (added to by the rows' GEMM ranks;
+// zeroed by the host on the stream before each launch, and by the owner once summed), staging rows [T * k]
+// of y's row_bytes.  Protocol: before its first store a GEMM block checks that every peer announced this
+// call with our signature (mk_same_call) and consumed our stores of the previous call; the last block to
+// finish raises consumed[me] at every peer (moe_gemm_finish).  The host's zeroing is needed because calls
+// of other T or k reuse the workspace: their staging rows lie where this call's counters do.
 // Deadlock freedom: GEMM workers wait only on the peers' start and end of the previous call; sum warps wait
 // only on GEMM workers (here and at the peers); every block is resident (cooperative launch within the
 // rank's SM share, so ranks sharing a GPU are co-resident).

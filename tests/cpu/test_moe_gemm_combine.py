@@ -234,6 +234,8 @@ def env(fake, monkeypatch):
     _, maps, empty = fake
     launches, ws = [], []
     monkeypatch.setattr(FC, "kernel", lambda src, defines, name: _Kernel(launches, defines, name))
+    monkeypatch.setattr(FC.cu, "cuMemsetD32Async",  # (recorded in launch order: the counters' zeroing)
+                        lambda ptr, v, n, stream: launches.append(dict(memset=(int(ptr), v, n))))
     monkeypatch.setattr(FC, "require_gemm_device", lambda what, dev: None)
     states = {}
 
@@ -257,7 +259,9 @@ def test_plan(env):
     act, wd = empty((R.recv_rows, F), "bfloat16"), empty((E, H, F), "bfloat16")
     out = FC.moe_gemm_combine(ctx, act, R, wd, stream=0)
     assert out.shape == (T, H) and out.dtype.name == "bfloat16"
-    (l,) = launches
+    zero, l = launches
+    # the pair counters zeroed before the launch: another call's staging rows may lie where they do
+    assert zero["memset"] == ((1 << 45) + ML.gemm_combine_layout(1, T, k, H * 2)[0].counts_off, 0, 2 * T * k)
     cfg = FC.combine_config(H, MoeOptions())
     c = G.CONFIGS[cfg]
     assert cfg == 3 and l["defines"] == FC.combine_defines("bfloat16", cfg) and l["name"] == FC.NAME
@@ -278,8 +282,8 @@ def test_plan(env):
     assert OPS["moe_gemm_combine"] not in [v for n, v in OPS.items() if n != "moe_gemm_combine"]  # (error records)
     act2, out2 = empty((R.recv_rows, F), "bfloat16"), empty((T, H), "bfloat16")
     assert FC.moe_gemm_combine(ctx, act2, R, wd, out2, stream=0) is out2
-    l2 = launches[-1]
-    assert l2["args"][5].out == out2.ptr and map_ptr(l2["args"][0]) == act2.ptr
+    zero2, l2 = launches[-2:]
+    assert zero2 == zero and l2["args"][5].out == out2.ptr and map_ptr(l2["args"][0]) == act2.ptr
     # a forced config, fp16
     R2 = MoeRouting(ctx, T, k, E, MoeOptions(gemm_config=1))
     FC.moe_gemm_combine(ctx, empty((R2.recv_rows, F), "float16"), R2, empty((E, H, F), "float16"), stream=0,

@@ -162,12 +162,14 @@ def check_all_reduce(ctx, comm, rng, n: int, dtype: str, what: str, in_place: bo
         np.testing.assert_array_equal(download(x), got, err_msg=f"{what} in place n={n} {dtype}")
 
 
-def precompiled_with_long_timeout(ctx, source: str, timeout: float = 60.0):
-    """Generator for a module fixture: ``source``'s registered specializations compiled on local rank 0 (the
-    other ranks load the cubins), and the context's timeout raised to ``timeout`` (ranks sharing a GPU wait
-    for each other's time slices) until the fixture ends."""
+def precompiled_with_long_timeout(contexts, source: str, timeout: float = 60.0):
+    """Generator for a module fixture taking ``_contexts`` (conftest.py): ``source``'s registered
+    specializations compiled on local rank 0 (the other ranks load the cubins), and the context's timeout
+    raised to ``timeout`` (ranks sharing a GPU wait for each other's time slices) until the fixture ends (a
+    context replacing a failed one keeps the raised timeout)."""
     from mkernel.core.compiler import precompile_source
 
+    ctx = contexts["ctx"]
     if ctx.local_rank == 0:
         try:
             precompile_source(source)
@@ -177,7 +179,7 @@ def precompiled_with_long_timeout(ctx, source: str, timeout: float = 60.0):
     old = ctx.timeout
     ctx.timeout = max(old, timeout)
     yield
-    ctx.timeout = old
+    contexts["ctx"].timeout = old
 
 
 def capture(stream, body, mode: str = "thread_local"):

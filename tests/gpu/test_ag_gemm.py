@@ -29,9 +29,10 @@ REL_TOL = 1e-2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _compiled(ctx):
+def _compiled(_contexts):
     """Compile every ag_gemm.cu specialization and the gemm.cu ones the unfused path may use into the
     disk cache, in parallel processes, on local rank 0 (the other ranks then load the cubins)."""
+    ctx = _contexts["ctx"]
     if ctx.local_rank == 0:
         try:
             AG.precompile()

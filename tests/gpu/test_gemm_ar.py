@@ -34,8 +34,8 @@ SOURCE = "ops/gemm_ar.cu"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _setup(ctx):
-    yield from precompiled_with_long_timeout(ctx, SOURCE)
+def _setup(_contexts):
+    yield from precompiled_with_long_timeout(_contexts, SOURCE)
 
 
 def _operands(rng, M, N, Ks, b_layout):

@@ -33,8 +33,8 @@ SOURCE = "ops/gemm_rs.cu"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _setup(ctx):
-    yield from precompiled_with_long_timeout(ctx, SOURCE)
+def _setup(_contexts):
+    yield from precompiled_with_long_timeout(_contexts, SOURCE)
 
 
 def _split(M, P, m_sizes=None):

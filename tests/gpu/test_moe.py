@@ -26,8 +26,8 @@ SOURCE = "ops/moe.cu"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _setup(ctx):
-    yield from precompiled_with_long_timeout(ctx, SOURCE)
+def _setup(_contexts):
+    yield from precompiled_with_long_timeout(_contexts, SOURCE)
 
 
 def _sync_stage(ctx, stage: str, slack: float = 30.0) -> None:
@@ -472,6 +472,26 @@ def test_gemm_combine_against_float64(ctx, shared_rng, T, k, E_local, mode, H, F
     mkernel.moe_gemm_combine(ctx, acts[me][0], R, wds[me][0], out, options=opts)
     ctx.synchronize()
     np.testing.assert_array_equal(out.to_numpy(), first)
+
+
+def test_gemm_combine_after_calls_of_other_sizes(ctx, shared_rng):
+    """Calls of other T, k and H share the op's workspace: a call's pair counters lie where an earlier call's
+    staging rows did (bf16 data there once made a counter wait forever).  Large rows first, then many small
+    pairs, then the first again; each against float64."""
+    P, me = ctx.local_size, ctx.local_rank
+    for T, k, E_local, H, F in ((300, 2, 4, 256, 128), (129, 8, 8, 512, 64), (517, 2, 3, 136, 64),
+                                (300, 2, 4, 256, 128)):
+        E = E_local * P
+        R, ids, ws = _route_given(ctx, shared_rng, T, k, E, "random")
+        mkernel.moe_dispatch(ctx, upload(shared_rng.standard_normal((T, 16)), "bfloat16")[0], R)
+        acts = [upload(shared_rng.standard_normal((R.recv_rows, F)), "bfloat16") for _ in range(P)]
+        wds = [upload(shared_rng.standard_normal((E_local, H, F)) / np.sqrt(F), "bfloat16") for _ in range(P)]
+        out = poisoned((T, H), "bfloat16")
+        mkernel.moe_gemm_combine(ctx, acts[me][0], R, wds[me][0], out)
+        ctx.synchronize()
+        want = _gemm_combine_want([a[1] for a in acts], [w[1] for w in wds], ids, ws,
+                                  ref.layout_reference(ids, E, 0, R.recv_rows), E, me)
+        assert np.abs(download(out) - want).max() <= 2.0 ** -7 * (np.abs(want).max() + 1e-3), (T, k, H)
 
 
 def test_gemm_combine_back_to_back_changing_routings(ctx, shared_rng):

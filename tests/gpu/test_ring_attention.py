@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _setup(ctx):
+def _setup(_contexts):
     """The merge specializations of the attention kernel compiled on local rank 0 too (the others load them)."""
+    ctx = _contexts["ctx"]
     if ctx.local_rank == 0:
         merge = [d for src, d in registered_specializations() if src == "ops/attention_fwd.cu" and d.get("MK_ATTN_MERGE")]
         try:
@@ -44,7 +45,7 @@ def _setup(ctx):
             precompile_source("ops/ring_attention_x.cu")
         except Exception as exc:  # noqa: BLE001
             print(f"precompile failed, compiling lazily: {exc!r}")
-    yield from precompiled_with_long_timeout(ctx, "ops/ring_attention.cu")
+    yield from precompiled_with_long_timeout(_contexts, "ops/ring_attention.cu")
 
 
 def _ring(ctx):

@@ -5,14 +5,18 @@ combine, fused".
 One cooperative launch within this rank's share of the SMs (``ctx.resident_sms``): GEMM blocks multiply each
 received row block by its expert's ``w_down`` and store every finished tile's rows straight into the combine
 staging of the rows' token owners (NVLink stores), counting them per (token, choice); sum blocks add up each
-of this rank's tokens, in choice order, as soon as its counts are complete.  The counters are zeroed by
-their owner once summed: no memset between calls (graph-capturable).
+of this rank's tokens, in choice order, as soon as its counts are complete.  The counters are zeroed on
+the stream before every launch (graph-capturable): the workspace is shared by every call of the op, and a
+call of another T or k finds the last call's staging rows where its counters lie.
 """
 from __future__ import annotations
+
+from cuda.bindings import driver as cu
 
 from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel, register_specialization
+from ...core.driver import check
 from ...core.interop import as_device_array, require
 from ...core.tensormap import TensorMapArg
 from ..base import Op, check_no_overlap
@@ -68,6 +72,7 @@ class _CombineBound(GemmKernelBound):
         comm = ctx.comm_args("moe_gemm_combine", p.digest)
         self.prepare(k, p.grid, cfg, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a], call.stream)
         self.buffers = (ws, *self._b.keep)
+        self._cnt = (ws.ptr + p.layout.counts_off, 2 * R.T * R.k)  # (u64 cnt[T * k], as 32-bit words)
 
     def _point(self, call) -> None:
         a, R = self._args, call.routing
@@ -78,6 +83,9 @@ class _CombineBound(GemmKernelBound):
 
     def run(self, stream, call):
         self._point(call)
+        # before the launch: a peer adds to our counters only after our kernel announced this call
+        at, words = self._cnt
+        check(cu.cuMemsetD32Async(cu.CUdeviceptr(at), 0, words, cu.CUstream(stream)))
         self.submit()
 
 
