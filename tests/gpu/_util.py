@@ -167,8 +167,11 @@ def precompiled_with_long_timeout(contexts, source: str, timeout: float = 60.0):
     specializations compiled on local rank 0 (the other ranks load the cubins), and the context's timeout
     raised to ``timeout`` (ranks sharing a GPU wait for each other's time slices) until the fixture ends (a
     context replacing a failed one keeps the raised timeout)."""
+    import os
+
     from mkernel.core.compiler import precompile_source
 
+    timeout = float(os.environ.get("MK_TEST_LONG_TIMEOUT", timeout))  # (a shorter one for triage runs)
     ctx = contexts["ctx"]
     if ctx.local_rank == 0:
         try:
