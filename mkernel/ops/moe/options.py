@@ -46,11 +46,13 @@ class MoeOptions:
     once per destination *node* (to the rank of this local rank there, which forwards it over NVLink) and
     :func:`mkernel.moe_combine` returns one fp32 partial sum per node (docs/moe.md, "Node-level
     de-duplication"); the op's plan says which (``MoePlan.transport``: "node" or "rank").  A combine with
-    it needs a routing last dispatched with it.  Off by default until GPU-validated.
+    it needs a routing last dispatched with it.  Off by default: on the GPU it fails after calls of the
+    per-rank path (docs/moe.md, "Node-level de-duplication", known failure).
 
     ``fused_combine``: :func:`mkernel.moe_layer` runs the down grouped GEMM fused with the combine
     (:func:`mkernel.moe_gemm_combine`: each output tile stored straight into its token owner's combine
-    staging, the owners' sums started as their rows land; throughput mode only; off until GPU-validated:
+    staging, the owners' sums started as their rows land; throughput mode only; GPU-tested, off until
+    measured faster:
     docs/moe.md "Down GEMM + combine, fused"); ``comm_blocks`` and ``gemm_config`` apply to that kernel too
     (its sum blocks, its tile config).
     """
