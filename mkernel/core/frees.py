@@ -11,13 +11,14 @@ none unfinished.  Other processes see no change: only frees of this process wait
 from __future__ import annotations
 
 import threading
+import time
 
 from cuda.bindings import driver as cu
 
 from .driver import check
 from .streams import is_capturing
 
-__all__ = ["mark_proxy_launch", "release", "drain", "pending"]
+__all__ = ["mark_proxy_launch", "release", "drain", "pending", "wait_marked"]
 
 # Re-entrant: a finalizer (release) may run inside the locked code when the interpreter collects garbage
 # there; it then only defers (_inside), never touching the lists being walked.
@@ -120,3 +121,27 @@ def drain() -> None:
 def pending() -> int:
     """How many frees wait (tests, diagnostics)."""
     return len(_deferred)
+
+
+def wait_marked(poll_s: float = 1e-3) -> None:
+    """Return once no marked launch is unfinished: polls the marks' events, sleeping between queries (no
+    driver lock held, the GIL released), so this process's proxy threads keep serving the kernels waited
+    for.  Used before driver calls that may wait for the device holding the driver lock where no free is
+    involved: a kernel's first load (launch.Kernel._func)."""
+    global _inside
+    if not _marks and not _graph_marks:  # (nothing marked: no driver call)
+        return
+    sleep = 20e-6
+    while True:
+        with _lock:
+            if _inside:  # (called from frees' own locked code, e.g. by a finalizer: never wait there)
+                return
+            _inside += 1
+            try:
+                busy = _busy()
+            finally:
+                _inside -= 1
+        if not busy:
+            return
+        time.sleep(sleep)
+        sleep = min(poll_s, sleep * 2)

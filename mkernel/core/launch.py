@@ -11,6 +11,7 @@ from typing import Iterable
 
 from cuda.bindings import driver as cu
 
+from . import frees
 from .driver import check
 from .streams import stream_handle
 
@@ -62,7 +63,16 @@ class Kernel:
         ctx = int(check(cu.cuCtxGetCurrent()))
         f = self._funcs.get(ctx)
         if f is None:
+            # First use in this context: the module's load, then (CUDA's lazy loading, the default) the
+            # kernel's code may synchronize the context holding the driver lock, which the inter-node
+            # proxy's copies wait behind -- a kernel waiting on this process's proxy would never finish
+            # (docs/internode.md, "Frees while a kernel waits on the proxy").  So: after the marked
+            # launches, and the code loaded now (cuFuncLoad), not by the first launch behind such a kernel.
+            frees.wait_marked()
             f = check(cu.cuModuleGetFunction(self.module._module_handle(), self.name.encode()))
+            load = getattr(cu, "cuFuncLoad", None)  # (CUDA >= 12.4)
+            if load is not None:
+                check(load(f))
             self._funcs[ctx] = f
         return ctx, f
 

@@ -3,6 +3,8 @@ deferred, and done (in order, with the new one) once none is -- never while one 
 are faked here: the GPU tests run the real thing, tests/gpu/test_internode.py and test_moe.py)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from mkernel.core import frees
@@ -97,3 +99,62 @@ def test_event_queries_run_in_relaxed_capture_mode(fake_events):
     relaxed capture mode around its queries and puts the caller's mode back."""
     frees.mark_proxy_launch(0)
     assert fake_events["modes"] == [frees._RELAXED, "caller's"]
+
+
+def test_wait_marked_returns_once_the_marks_finish(fake_events, monkeypatch):
+    """frees.wait_marked polls (sleeping, no driver lock held) until no marked launch is unfinished."""
+    frees.wait_marked()  # nothing marked: at once
+    frees.mark_proxy_launch(0)
+    naps = []
+
+    def sleep(s):  # the marked kernel finishes while the caller sleeps (its proxy served it meanwhile)
+        naps.append(s)
+        if len(naps) == 3:
+            fake_events["done"].add(1)
+    monkeypatch.setattr(time, "sleep", sleep)
+    frees.wait_marked()
+    assert len(naps) == 3
+
+
+def test_a_kernel_loads_only_once_no_marked_launch_is_unfinished(fake_events, monkeypatch):
+    """A kernel's first load (its module, then its code: CUDA's lazy loading) may synchronize the context
+    holding the driver lock, which the TCP proxy's copies wait behind: made while a kernel waits on this
+    process's proxy, neither finishes until that kernel times out -- the first node-path combine (a kernel
+    never loaded before) right after the node-path dispatch's launch in test_internode_back_to_back_changing_
+    routings[switching] (CommTimeout in moe_dispatch on both ranks).  So Kernel._func waits for the marks
+    first, loads the code at once (cuFuncLoad), and a later use makes no driver load at all."""
+    from mkernel.core import launch
+
+    calls = []
+
+    class Cu:
+        @staticmethod
+        def cuCtxGetCurrent():
+            return (0, 7)
+
+        @staticmethod
+        def cuModuleGetFunction(h, name):
+            calls.append(("get", name, 1 in fake_events["done"]))
+            return (0, "f")
+
+        @staticmethod
+        def cuFuncLoad(f):
+            calls.append(("load", f, 1 in fake_events["done"]))
+            return (0,)
+
+    class Module:
+        def _module_handle(self):
+            calls.append(("module", 1 in fake_events["done"]))
+            return "h"
+
+    monkeypatch.setattr(launch, "cu", Cu)
+    monkeypatch.setattr(launch, "check", lambda r: r[1] if len(r) > 1 else None)
+    monkeypatch.setattr(time, "sleep", lambda s: fake_events["done"].add(1))
+    frees.mark_proxy_launch(0)  # e.g. the node dispatch, in flight
+    k = launch.Kernel(Module(), "mk_moe_n_combine")
+    assert k._func() == (7, "f")
+    assert calls == [("module", True), ("get", b"mk_moe_n_combine", True), ("load", "f", True)], calls
+    frees.mark_proxy_launch(0)  # another one in flight: the loaded kernel is a lookup, no wait, no driver load
+    monkeypatch.setattr(time, "sleep", lambda s: pytest.fail("waited for a loaded kernel"))
+    calls.clear()
+    assert k._func() == (7, "f") and calls == []
