@@ -201,6 +201,13 @@ template <class Base, int PRODUCER_REGS_, int CONSUMER_REGS_> struct MkWithRegs 
   static_assert(PRODUCER_REGS_ % 8 == 0 && CONSUMER_REGS_ % 8 == 0, "setmaxnreg counts are multiples of 8");
 };
 
+// The config of a block's second tile loop after a first one (mk_gemm_between_runs): the registers stay as
+// the first loop's setmaxnreg left them (producer PRODUCER_REGS, consumers CONSUMER_REGS), so the second
+// loop issues no setmaxnreg of its own.
+template <class Base> struct MkKeepRegs : Base {
+  static constexpr bool SETMAXNREG = false;
+};
+
 // Compile-time choice between two types (no <type_traits> needed under NVRTC).
 template <bool C, class A, class B> struct MkPick { typedef A T; };
 template <class A, class B> struct MkPick<false, A, B> { typedef B T; };
@@ -1105,6 +1112,26 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
     MK_TRACE_NS(11);
   }
   return !aborted;
+}
+
+// Two tile loops in one block (a fused kernel running one GEMM after another on the same shared memory):
+// every thread of the block calls this after the first mk_gemm_run returned, with that run's verdict; it
+// returns the block's (false if any thread's run aborted: skip the second run).  The first run's loads
+// were all consumed and its wgmmas waited on before its threads returned, so once the whole block is here
+// the ring's barriers are idle: they are invalidated for the second run's setup to initialise again.
+// The second run's config must be MkKeepRegs<...> of one with the same register split.
+template <class Cfg> MK_DEVICE bool mk_gemm_between_runs(unsigned char* smem_raw, bool ok) {
+  static_assert(Cfg::SHARING == 1 && Cfg::CLUSTER_K == 1, "between runs: unclustered configs (no peer barriers)");
+  if (!__syncthreads_and(ok)) return false;  // (an aborted run may leave a phase half-completed: no second run)
+  if (threadIdx.x == 0) {
+    const MkGemmSmem<Cfg> sm(smem_raw);
+    for (int s = 0; s < Cfg::STAGES; ++s) {
+      mk_mbar_inval(sm.full(s));
+      mk_mbar_inval(sm.empty(s));
+    }
+  }
+  __syncthreads();
+  return true;
 }
 
 // The component's entry point (see the contract at the top of this file and docs/gemm.md).
