@@ -25,12 +25,6 @@ MK_DEVICE void mk_mbar_init(mk_u64* bar, mk_u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(mk_smem_addr(bar)), "r"(count) : "memory");
 }
 
-// Invalidate an initialised barrier (no pending arrivals or transactions) so that its word may be
-// initialised again: PTX allows mbarrier.init only on memory that holds no valid barrier.
-MK_DEVICE void mk_mbar_inval(mk_u64* bar) {
-  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(mk_smem_addr(bar)) : "memory");
-}
-
 // Make barrier initialisation visible to the async proxy (TMA) and the other threads; follow with
 // a __syncthreads().
 MK_DEVICE void mk_mbar_init_fence() {
