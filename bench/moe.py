@@ -19,7 +19,8 @@ Methods of a configuration, in the same run:
       pieces called one after another (route, dispatch, ``grouped_gemm`` gate/up, SwiGLU (torch),
       ``grouped_gemm`` down, combine) as "(b) pieces"; the whole ``mkernel.moe_layer`` (default options, and
       with ``MoeOptions(swiglu_epilogue=False)``: the separate SwiGLU kernel, and with
-      ``MoeOptions(fused_combine=True)``: the down GEMM fused with the combine);
+      ``MoeOptions(fused_combine=True)``: the down GEMM fused with the combine, and with
+      ``MoeOptions(one_kernel=True)``: everything after the routing in one kernel);
   (c) ours fused: ``moe_dispatch_gemm`` alone and ``moe_layer`` with ``MoeOptions(fused=True)``;
   at <= 256 tokens per rank also low-latency mode (``MoeOptions(mode="low_latency")``: routing + dispatch
   in one kernel, combine, and the layer).
@@ -129,14 +130,14 @@ def derive(rec: dict) -> dict:
         if _ok(rec.get(key + "_ms")) and b is not None:
             rec[key + "_gbs"] = b / (rec[key + "_ms"] * 1e-3) / 1e9
     fl = rec.get("flops")
-    for key in ("torch", "pieces", "layer", "layer_sw", "layer_fc", "fused", "ll_layer"):
+    for key in ("torch", "pieces", "layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer"):
         if _ok(rec.get(key + "_ms")) and fl:
             rec[key + "_tflops"] = fl / (rec[key + "_ms"] * 1e-3) / 1e12
-    for key in ("layer", "layer_sw", "layer_fc", "fused", "ll_layer"):
+    for key in ("layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer"):
         for base in ("torch", "pieces"):
             if _ok(rec.get(key + "_ms")) and _ok(rec.get(base + "_ms")):
                 rec[f"{key}_vs_{base}"] = rec[base + "_ms"] / rec[key + "_ms"]
-    best = [rec[k + "_ms"] for k in ("layer", "layer_sw", "layer_fc", "fused", "ll_layer") if _ok(rec.get(k + "_ms"))]
+    best = [rec[k + "_ms"] for k in ("layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer") if _ok(rec.get(k + "_ms"))]
     if best:
         rec["best_ms"] = min(best)
         for base in ("torch", "pieces"):
@@ -173,7 +174,7 @@ def _us(v) -> str:
 def report(results, meta, out_dir: Path) -> str:
     shared = meta.get("shared_gpu")
     headers = ["config", "T/rank", "H", "F", "E (k)", "(a) torch us", "(b) pieces us", "route us", "dispatch us",
-               "combine us", "layer us", "layer SwiGLU-kernel us", "layer fused-combine us", "dispatch+gemm us", "fused layer us", "LL dispatch us", "LL combine us",
+               "combine us", "layer us", "layer SwiGLU-kernel us", "layer fused-combine us", "layer one-kernel us", "dispatch+gemm us", "fused layer us", "LL dispatch us", "LL combine us",
                "LL layer us", "dispatch GB/s", "combine GB/s", "LL dispatch GB/s", "layer TFLOP/s (best)",
                "layer vs (a) / (b)", "fused vs (a) / (b)", "LL layer vs (a) / (b)", "host us/call (a) / layer",
                "BW target", "LL target", ">=1.5x (a)", ">=1.15x (b)"]
@@ -189,13 +190,14 @@ def report(results, meta, out_dir: Path) -> str:
         if notes:
             label += " [" + "; ".join(notes) + "]"
         t = targets(r)
-        best_tf = max([r[k + "_tflops"] for k in ("layer", "layer_sw", "layer_fc", "fused", "ll_layer")
+        best_tf = max([r[k + "_tflops"] for k in ("layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer")
                       if r.get(k + "_tflops")],
                       default=None)
         pair = lambda k: _f(r.get(k + "_vs_torch"), ".2f") + " / " + _f(r.get(k + "_vs_pieces"), ".2f")  # noqa: E731
         rows.append([label, r["T"], r["H"], r["F"], f"{r['E']} ({r['k']})", _us(r.get("torch_ms")),
                      _us(r.get("pieces_ms")), _us(r.get("route_ms")), _us(r.get("dispatch_ms")),
                      _us(r.get("combine_ms")), _us(r.get("layer_ms")), _us(r.get("layer_sw_ms")), _us(r.get("layer_fc_ms")),
+                     _us(r.get("layer_one_ms")),
                      _us(r.get("dispatch_gemm_ms")),
                      _us(r.get("fused_ms")), _us(r.get("ll_dispatch_ms")), _us(r.get("ll_combine_ms")),
                      _us(r.get("ll_layer_ms")), _f(r.get("dispatch_gbs"), ".0f"), _f(r.get("combine_gbs"), ".0f"),
@@ -217,6 +219,7 @@ def report(results, meta, out_dir: Path) -> str:
            "all_to_all_single combine; (b) pieces: our moe_route, moe_dispatch, grouped_gemm, SwiGLU (torch), "
            "grouped_gemm, moe_combine called one after another; layer: mkernel.moe_layer; layer SwiGLU-kernel: "
            "moe_layer with MoeOptions(swiglu_epilogue=False); layer fused-combine: MoeOptions(fused_combine=True); "
+           "layer one-kernel: MoeOptions(one_kernel=True) (route, then one kernel); "
            "dispatch+gemm: moe_dispatch_gemm alone; fused layer: moe_layer with MoeOptions(fused=True); LL: low-latency mode "
            "(<= 256 tokens per rank).",
            "",
@@ -356,11 +359,16 @@ def measure(ctx, torch, dist, mk, cfg, quick: bool, shared: bool) -> dict:
     fc = mk.MoeOptions(fused_combine=True)
     methods.add("layer_fc", lambda: mk.moe_layer(ctx, x, wg, wd, lg, k=k, out=out_fc, stream=sh, options=fc),
                 check(out_fc))
+    out_one = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
+    one = mk.MoeOptions(one_kernel=True)
+    methods.add("layer_one", lambda: mk.moe_layer(ctx, x, wg, wd, lg, k=k, out=out_one, stream=sh, options=one),
+                check(out_one))
     fused = mk.MoeOptions(fused=True)
     methods.add("dispatch_gemm", lambda: mk.moe_dispatch_gemm(ctx, x, R, wg, h, x_recv=xr, stream=sh, options=fused))
     methods.add("fused", lambda: mk.moe_layer(ctx, x, wg, wd, lg, k=k, out=out_f, stream=sh, options=fused),
                 check(out_f))
-    keys = ["torch", "pieces", "route", "dispatch", "combine", "layer", "layer_sw", "layer_fc", "dispatch_gemm", "fused"]
+    keys = ["torch", "pieces", "route", "dispatch", "combine", "layer", "layer_sw", "layer_fc", "layer_one",
+            "dispatch_gemm", "fused"]
     if T <= LOW_LATENCY_MAX:
         ll = mk.MoeOptions(mode="low_latency")
         Rl = mk.MoeRouting.empty(ctx, T, k, E, ll)

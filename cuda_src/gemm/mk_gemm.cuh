@@ -50,7 +50,8 @@
 //              MkEpilogueSwiGLU (mk_gemm_swiglu.cuh: silu(gate) * up of a MkGateUpB config's tile).
 //
 // Block shape: Cfg::THREADS threads (128 * (NC + 1)); every thread of the block calls mk_gemm_run
-// (it initialises barriers and runs __syncthreads once, before the role split).  Dynamic shared
+// (it initialises barriers and runs __syncthreads once, before the role split), or mk_gemm_run_two for two
+// GEMMs one after the other on one ring (docs/gemm.md, "Two GEMMs in one block").  Dynamic shared
 // memory: Cfg::SMEM_BYTES.  Named barriers 1 and 2 are used among consumer threads (3 and 4 by
 // MkEpilogueTmaStore); a fused kernel
 // must not use them concurrently.
@@ -903,102 +904,79 @@ MK_DEVICE bool mk_gemm_run_pingpong(const MkTensorMap* tmA, const MkTensorMap* t
 // tmA: 2-D map over A (dims {K, rows}, box {64, BM}).  tmB: 3-D map over B (kn: dims {N, K, groups},
 // box {64, 64, 1}; nk: dims {K, N, groups}, box {64, BN, 1}); both 128B-swizzled (mkernel/core/tensormap.py).
 // K: the reduction length (k blocks = ceil(K / 64); loads past the maps' bounds are zero-filled).
-// Returns false if the hook aborted.
-template <class Cfg, class Sched, class Hook, class Epi>
-MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap* tmB, int K, Sched sched,
-                                       const Hook& hook, Epi& epi, unsigned char* smem_raw, int worker_id,
-                                       int num_workers) {
-  const MkGemmSmem<Cfg> sm(smem_raw);
+// Its two roles are functions of their own so that a block can run two tile loops in sequence on one ring
+// (mk_gemm_run_two): each takes the ring position to start from and returns where it stopped.
+
+// Hook::kPrefill for this config: no clusters (a multicast needs the peer's barriers).  (A function, not a
+// static member: NVRTC emits every referenced static constexpr member into the cubin's globals.)
+template <class Cfg, class Hook> MK_DEVICE constexpr bool mk_gemm_prefills() {
+  return MkHookPrefill<Hook>::value && Cfg::SHARING == 1 && Cfg::CLUSTER_K == 1;
+}
+
+// A position in the ring (the next slot and its phase parity) and a role's verdict so far.  (Returned by
+// value: ring positions passed by reference cost the plain tile loop a few instructions.)
+struct MkRingPos {
+  int stage;
+  mk_u32 phase;
+  bool ok;  // false: the hook aborted
+};
+
+// The producer's issuing warp (all 32 lanes): the K blocks of every unit of `sched` for `worker_id` of
+// `num_workers`, from ring position `at` on; returns the position past the last one issued.  The first
+// `prefilled` K blocks were issued before the block barrier (mk_gemm_prefills).  ok false: the hook aborted --
+// the abort flag is raised and the phase the consumers wait on next completed without data.
+template <class Cfg, class Sched, class Hook>
+MK_DEVICE MkRingPos mk_gemm_produce(const MkGemmSmem<Cfg>& sm, const MkTensorMap* tmA, const MkTensorMap* tmB,
+                                    int nkb, Sched& sched, const Hook& hook, int worker_id, int num_workers,
+                                    MkRingPos at, int prefilled) {
+  const int lane = threadIdx.x & 31;
+  int stage = at.stage;
+  mk_u32 phase = at.phase;
+  constexpr bool kPrefill = mk_gemm_prefills<Cfg, Hook>();
+  sched.init(worker_id, num_workers);
+  int issued = prefilled;  // (trace only: event 3 is the first issue, prefilled or not)
+  MkTile t;
+  while (sched.next(t)) {
+    int kb_lo, kb_hi;
+    mk_tile_kblocks(t, nkb, kb_lo, kb_hi);
+    for (int kb = kb_lo; kb < kb_hi; ++kb) {
+      if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb, kb == kb_lo)) {
+        // Abort: flag it, then complete the phase the consumers will wait on next without data.
+        if (lane == 0) *sm.abort_flag() = 1;
+        mk_mbar_wait(sm.empty(stage), phase ^ 1);
+        if (lane == 0) mk_mbar_arrive(sm.full(stage));
+        __syncwarp();
+        return MkRingPos{stage, phase, false};
+      }
+      if (kPrefill && prefilled > 0) {  // issued before the block barrier (the first unit's first K blocks)
+        --prefilled;
+      } else {
+        mk_mbar_wait(sm.empty(stage), phase ^ 1);
+        if (lane == 0) {
+          MK_TRACE_IF(3, issued++ == 0);
+          mk_gemm_issue_loads<Cfg>(sm, stage, hook, tmA, tmB, t, kb);
+          MK_TRACE(4);
+        }
+      }
+      __syncwarp();
+      if (++stage == Cfg::STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+  return MkRingPos{stage, phase, true};
+}
+
+// A consumer thread: the units of `sched` for `worker_id` of `num_workers`, reading the ring from position `at`
+// on, each stored through `epi` (and drained at the end when Epi::kDrain and kDrainHere; else the caller
+// drains); returns the position past the last K block read (every slot read is released).  ok false: the
+// producer aborted (the abort flag, read after each full barrier when kMayAbort).
+template <class Cfg, bool kMayAbort, bool kDrainHere, class Sched, class Epi>
+MK_DEVICE MkRingPos mk_gemm_consume(const MkGemmSmem<Cfg>& sm, int nkb, Sched& sched, Epi& epi, int worker_id,
+                                    int num_workers, MkRingPos at) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
-  const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
-
-  if (tid == 0) {
-    MK_TRACE(0);
-    MK_TRACE_NS(1);
-  }
-  // Prefill (hooks that never wait, no clusters: a multicast needs the peer's barriers): thread 0
-  // issues the first unit's first min(STAGES, its K blocks) loads into ring slots 0.. (phase 0, whose
-  // empty-barrier waits pass at once) before the block barrier; the producer loop skips them.
-  constexpr bool kPrefill = MkHookPrefill<Hook>::value && Cfg::SHARING == 1 && Cfg::CLUSTER_K == 1;
-  int prefilled = 0;
-  mk_gemm_setup<Cfg>(sm, tmA, tmB, [&] {
-    if constexpr (kPrefill) {
-      Sched first = sched;
-      first.init(worker_id, num_workers);
-      MkTile t0;
-      if (first.next(t0)) {
-        int lo, hi;
-        mk_tile_kblocks(t0, nkb, lo, hi);
-        prefilled = min(hi - lo, Cfg::STAGES);
-        MK_TRACE(3);
-        for (int i = 0; i < prefilled; ++i) mk_gemm_issue_loads<Cfg>(sm, i, hook, tmA, tmB, t0, lo + i);
-      }
-    }
-  });
-  if (tid == 0) MK_TRACE(2);
-
-  if (tid < 128) {
-    // ================= producer warpgroup =================
-    if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-    if (tid >= 32) {
-      if constexpr (MkHookSideWork<Hook>::value) hook.side_work(tid >> 5, worker_id);
-      return true;
-    }
-    if constexpr (kPrefill) prefilled = __shfl_sync(0xffffffffu, prefilled, 0);  // (set by thread 0 = lane 0)
-    sched.init(worker_id, num_workers);
-    int stage = 0;
-    mk_u32 phase = 0;
-    int issued = prefilled;  // (trace only: event 3 is the first issue, prefilled or not)
-    MkTile t;
-    while (sched.next(t)) {
-      int kb_lo, kb_hi;
-      mk_tile_kblocks(t, nkb, kb_lo, kb_hi);
-      for (int kb = kb_lo; kb < kb_hi; ++kb) {
-        if (!hook.before_load(t.group, t.tile_m, t.tile_n, kb, kb == kb_lo)) {
-          // Abort: flag it, then complete the phase the consumers will wait on next without data.
-          if (lane == 0) *sm.abort_flag() = 1;
-          mk_mbar_wait(sm.empty(stage), phase ^ 1);
-          if (lane == 0) mk_mbar_arrive(sm.full(stage));
-          __syncwarp();
-          return false;
-        }
-        if (kPrefill && prefilled > 0) {  // issued before the block barrier (the first unit's first K blocks)
-          --prefilled;
-        } else {
-          mk_mbar_wait(sm.empty(stage), phase ^ 1);
-          if (lane == 0) {
-            MK_TRACE_IF(3, issued++ == 0);
-            mk_gemm_issue_loads<Cfg>(sm, stage, hook, tmA, tmB, t, kb);
-            MK_TRACE(4);
-          }
-        }
-        __syncwarp();
-        if (++stage == Cfg::STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-    }
-    // every load of this block is issued: a dependent GEMM may start launching (its blocks wait for
-    // this grid to complete before they read anything)
-    if (lane == 0) mk_grid_launch_dependents();
-    if constexpr (Cfg::SHARING > 1) {
-      // Producer tail: every slot released by both blocks' consumers (the peer's remote arrivals on
-      // our barriers have landed) before this block may exit.
-      for (int s = 0; s < Cfg::STAGES; ++s) {
-        mk_mbar_wait(sm.empty(stage), phase ^ 1);
-        if (++stage == Cfg::STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-    }
-    return true;
-  }
-
-  // ================= consumer warpgroups =================
-  if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_inc<Cfg::CONSUMER_REGS>();
   // (broadcast from lane 0: the compiler then knows the slab -- and every descriptor below -- is
   // warp-uniform and keeps them in uniform registers)
   const int wg = __shfl_sync(0xffffffffu, tid / 128 - 1, 0);
@@ -1009,14 +987,12 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
   // descriptors of k16 slice 0 of ring slot 0; slot s is STAGE_BYTES / 16 further
   const mk_u64 da0 = mk_wgmma_desc_kmajor(mk_smem_addr(sm.a(0)) + slab * 64 * 128, 0);
   const mk_u64 db0 = mk_gemm_b_desc<Cfg>(mk_smem_addr(sm.b(0)) + part * Cfg::b_col_bytes(Cfg::WN));
-  // hooks that never wait never abort: no abort flag to read in the main loop
-  constexpr bool kMayAbort = !MkHookPrefill<Hook>::value;
   float acc[Cfg::WN / 2];
 #pragma unroll
   for (int i = 0; i < Cfg::WN / 2; ++i) acc[i] = 0.f;
   sched.init(worker_id, num_workers);
-  int stage = 0;
-  mk_u32 phase = 0;
+  int stage = at.stage;
+  mk_u32 phase = at.phase;
   bool aborted = false;
   int units = 0;  // (trace only)
   MkTile t;
@@ -1099,12 +1075,161 @@ MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap
       if (tid == 128) epi.tile_done(t);
     }
   }
-  if constexpr (Epi::kDrain) epi.drain();
+  if constexpr (Epi::kDrain && kDrainHere) epi.drain();
+  return MkRingPos{stage, phase, !aborted};
+}
+
+// Returns false if the hook aborted.
+template <class Cfg, class Sched, class Hook, class Epi>
+MK_DEVICE bool mk_gemm_run_cooperative(const MkTensorMap* tmA, const MkTensorMap* tmB, int K, Sched sched,
+                                       const Hook& hook, Epi& epi, unsigned char* smem_raw, int worker_id,
+                                       int num_workers) {
+  const MkGemmSmem<Cfg> sm(smem_raw);
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int nkb = (K + Cfg::BK - 1) / Cfg::BK;
+
+  if (tid == 0) {
+    MK_TRACE(0);
+    MK_TRACE_NS(1);
+  }
+  // Prefill (hooks that never wait, no clusters: a multicast needs the peer's barriers): thread 0
+  // issues the first unit's first min(STAGES, its K blocks) loads into ring slots 0.. (phase 0, whose
+  // empty-barrier waits pass at once) before the block barrier; the producer loop skips them.
+  constexpr bool kPrefill = mk_gemm_prefills<Cfg, Hook>();
+  int prefilled = 0;
+  mk_gemm_setup<Cfg>(sm, tmA, tmB, [&] {
+    if constexpr (kPrefill) {
+      Sched first = sched;
+      first.init(worker_id, num_workers);
+      MkTile t0;
+      if (first.next(t0)) {
+        int lo, hi;
+        mk_tile_kblocks(t0, nkb, lo, hi);
+        prefilled = min(hi - lo, Cfg::STAGES);
+        MK_TRACE(3);
+        for (int i = 0; i < prefilled; ++i) mk_gemm_issue_loads<Cfg>(sm, i, hook, tmA, tmB, t0, lo + i);
+      }
+    }
+  });
+  if (tid == 0) MK_TRACE(2);
+
+  if (tid < 128) {
+    // ================= producer warpgroup =================
+    if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    if (tid >= 32) {
+      if constexpr (MkHookSideWork<Hook>::value) hook.side_work(tid >> 5, worker_id);
+      return true;
+    }
+    if constexpr (kPrefill) prefilled = __shfl_sync(0xffffffffu, prefilled, 0);  // (set by thread 0 = lane 0)
+    const MkRingPos end = mk_gemm_produce<Cfg>(sm, tmA, tmB, nkb, sched, hook, worker_id, num_workers,
+                                               MkRingPos{0, 0, true}, prefilled);
+    if (!end.ok) return false;
+    // every load of this block is issued: a dependent GEMM may start launching (its blocks wait for
+    // this grid to complete before they read anything)
+    if (lane == 0) mk_grid_launch_dependents();
+    if constexpr (Cfg::SHARING > 1) {
+      // Producer tail: every slot released by both blocks' consumers (the peer's remote arrivals on
+      // our barriers have landed) before this block may exit.
+      int stage = end.stage;
+      mk_u32 phase = end.phase;
+      for (int s = 0; s < Cfg::STAGES; ++s) {
+        mk_mbar_wait(sm.empty(stage), phase ^ 1);
+        if (++stage == Cfg::STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return true;
+  }
+
+  // ================= consumer warpgroups =================
+  if constexpr (Cfg::SETMAXNREG) mk_setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+  // hooks that never wait never abort: no abort flag to read in the main loop.  (The drain waits for the same
+  // stores inside the role or after it; where it goes keeps this loop's cubins as they were before its roles
+  // were functions, byte for byte: docs/gemm.md, "Two GEMMs in one block".)
+  constexpr bool kMayAbort = !MkHookPrefill<Hook>::value;
+  const MkRingPos end = mk_gemm_consume<Cfg, kMayAbort, kMayAbort>(sm, nkb, sched, epi, worker_id, num_workers,
+                                                                   MkRingPos{0, 0, true});
+  if constexpr (Epi::kDrain && !kMayAbort) epi.drain();
   if (tid == 128) {
     MK_TRACE(10);
     MK_TRACE_NS(11);
   }
-  return !aborted;
+  return end.ok;
+}
+
+// ---- two tile loops in one block ------------------------------------------------------------------------
+// One GEMM's tile loop as mk_gemm_run_two takes it: config, maps, K, scheduler (by value, as mk_gemm_run
+// takes it), hook and epilogue (by reference: they outlive the run).
+template <class Cfg_, class Sched_, class Hook, class Epi> struct MkTileLoop {
+  typedef Cfg_ Cfg;
+  typedef Sched_ Sched;
+  typedef Epi EpiT;
+  // hooks that never wait never abort: the consumers then read no abort flag (as mk_gemm_run)
+  static constexpr bool kMayAbort = !MkHookPrefill<Hook>::value;
+  static_assert(!MkHookSideWork<Hook>::value, "two tile loops: no hook side work");
+  const MkTensorMap* tmA;
+  const MkTensorMap* tmB;
+  int K;
+  Sched_ sched;
+  const Hook* hook;
+  Epi* epi;
+};
+template <class Cfg, class Sched, class Hook, class Epi>
+MK_DEVICE MkTileLoop<Cfg, Sched, Hook, Epi> mk_tile_loop(const MkTensorMap* tmA, const MkTensorMap* tmB, int K,
+                                                         const Sched& sched, const Hook& hook, Epi& epi) {
+  return MkTileLoop<Cfg, Sched, Hook, Epi>{tmA, tmB, K, sched, &hook, &epi};
+}
+
+// A fused kernel's two GEMMs one after the other in every block, on one ring (moe_layer.cu): every thread of
+// the block calls this instead of mk_gemm_run.  One barrier setup and one role split: the producer issues
+// loop 1's K blocks, then loop 2's from the ring position where loop 1's ended (every slot a consumer reads
+// is released, so the two loops' K blocks are one sequence to the ring: no block barrier between them, and
+// loop 2's first loads may be in flight while the consumers run loop 1's last epilogue); the consumers run
+// loop 1, then loop 2.  Each role's code stays in its own branch of the role split, so ptxas keeps the
+// setmaxnreg budgets (code that runs after mk_gemm_run returns runs under both: docs/gemm_ar.md).  A hook
+// abort in loop 1 skips loop 2; the verdict is returned as mk_gemm_run's.  Loop 2's maps are prefetched in
+// the setup.  The configs must lay out one ring alike (MkGateUpB<C> and C do): cooperative, unclustered, no
+// hook side work; loop 2 is never prefilled.
+template <class L1, class L2>
+MK_DEVICE bool mk_gemm_run_two(const L1& l1, const L2& l2, unsigned char* smem_raw, int worker_id, int num_workers) {
+  typedef typename L1::Cfg C1;
+  typedef typename L2::Cfg C2;
+  static_assert(!C1::PINGPONG && !C2::PINGPONG && C1::SHARING == 1 && C2::SHARING == 1 && C1::CLUSTER_K == 1 &&
+                    C2::CLUSTER_K == 1,
+                "two tile loops: cooperative, unclustered configs");
+  static_assert(C1::STAGES == C2::STAGES && C1::STAGE_BYTES == C2::STAGE_BYTES && C1::A_BYTES == C2::A_BYTES &&
+                    C1::BAR_OFFSET == C2::BAR_OFFSET && C1::EMPTY_ARRIVALS == C2::EMPTY_ARRIVALS &&
+                    C1::THREADS == C2::THREADS && C1::SETMAXNREG == C2::SETMAXNREG &&
+                    C1::PRODUCER_REGS == C2::PRODUCER_REGS && C1::CONSUMER_REGS == C2::CONSUMER_REGS,
+                "two tile loops: one ring layout and one register split");
+  const MkGemmSmem<C1> sm1(smem_raw);
+  const MkGemmSmem<C2> sm2(smem_raw);
+  const int tid = threadIdx.x;
+  const int nkb1 = (l1.K + C1::BK - 1) / C1::BK, nkb2 = (l2.K + C2::BK - 1) / C2::BK;
+  mk_gemm_setup<C1>(sm1, l1.tmA, l1.tmB, [&] {
+    mk_tma_prefetch_desc(l2.tmA);
+    mk_tma_prefetch_desc(l2.tmB);
+  });
+  typename L1::Sched s1 = l1.sched;
+  typename L2::Sched s2 = l2.sched;
+  if (tid < 128) {
+    // ================= producer warpgroup =================
+    if constexpr (C1::SETMAXNREG) mk_setmaxnreg_dec<C1::PRODUCER_REGS>();
+    if (tid >= 32) return true;
+    const MkRingPos mid = mk_gemm_produce<C1>(sm1, l1.tmA, l1.tmB, nkb1, s1, *l1.hook, worker_id, num_workers,
+                                              MkRingPos{0, 0, true}, 0);
+    if (!mid.ok) return false;
+    return mk_gemm_produce<C2>(sm2, l2.tmA, l2.tmB, nkb2, s2, *l2.hook, worker_id, num_workers, mid, 0).ok;
+  }
+  // ================= consumer warpgroups =================
+  if constexpr (C1::SETMAXNREG) mk_setmaxnreg_inc<C1::CONSUMER_REGS>();
+  const MkRingPos mid = mk_gemm_consume<C1, L1::kMayAbort, true>(sm1, nkb1, s1, *l1.epi, worker_id, num_workers,
+                                                                 MkRingPos{0, 0, true});
+  if (!mid.ok) return false;
+  return mk_gemm_consume<C2, L2::kMayAbort, true>(sm2, nkb2, s2, *l2.epi, worker_id, num_workers, mid).ok;
 }
 
 // The component's entry point (see the contract at the top of this file and docs/gemm.md).

@@ -19,12 +19,12 @@ OPS = {
     "gemm_rs": ("ops/gemm_rs.cu",) + _GEMM + _COLLECTIVES,
     "gemm_ar": ("ops/gemm_ar.cu",) + _GEMM + _COLLECTIVES,
     "moe": ("ops/moe.cu", "ops/moe_gemm.cu", "ops/moe_internode.cu", "gemm/gemm_swiglu.cu",
-            "ops/moe_gemm_combine.cu") + _GEMM,
+            "ops/moe_gemm_combine.cu", "ops/moe_layer.cu") + _GEMM,
     "attention": _ATTENTION,
     "ring_attention": ("ops/ring_attention.cu", "ops/ring_attention_x.cu") + _ATTENTION,
 }
 _HOPPER_ONLY = ("gemm/gemm.cu", "gemm/gemv.cu", "ops/ag_gemm.cu", "ops/gemm_rs.cu", "ops/gemm_ar.cu",
-                "ops/moe_gemm.cu", "gemm/gemm_swiglu.cu", "ops/moe_gemm_combine.cu") + _ATTENTION
+                "ops/moe_gemm.cu", "gemm/gemm_swiglu.cu", "ops/moe_gemm_combine.cu", "ops/moe_layer.cu") + _ATTENTION
 _ALIASES = {"grouped_gemm": "gemm", "all_gather": "collectives", "reduce_scatter": "collectives",
             "all_reduce": "collectives", "gemm_reduce_scatter": "gemm_rs", "gemm_all_reduce": "gemm_ar",
             "moe_route": "moe", "moe_dispatch": "moe", "moe_combine": "moe", "moe_dispatch_gemm": "moe",

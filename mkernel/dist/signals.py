@@ -35,6 +35,7 @@ OPS = {
     "internode_reduce_scatter": 22,
     "internode_all_reduce": 23,
     "moe_gemm_combine": 24,
+    "moe_ffn_fused": 25,
 }
 _OP_NAMES = {v: k for k, v in OPS.items()}
 

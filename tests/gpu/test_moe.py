@@ -552,6 +552,221 @@ def test_gemm_combine_missing_peer_times_out(ctx):
     assert_missing_peer_times_out(call, "moe_gemm_combine")
 
 
+# ---- the layer in one kernel (moe_layer with MoeOptions(one_kernel=True); docs/moe.md "The layer in one kernel":
+# not yet GPU-run)
+ONE = MoeOptions(one_kernel=True)
+
+
+def _one_kernel_inputs(rng, P, T, k, E_local, mode, H, F, dt):
+    """Every rank's ids [T, k], weights [T, k] (float32), x [T, H] and weights (gate/up [E_local, 2F, H], down
+    [E_local, H, F]) uploaded in ``dt`` (N(0, 1) / sqrt(fan-in)), the same on every rank (a shared generator)."""
+    E = E_local * P
+    ids = _ids(rng, P, T, k, E, mode)
+    ws = [rng.random((T, k)).astype(np.float32) for _ in range(P)]
+    xs = [upload(rng.standard_normal((T, H)), dt) for _ in range(P)]
+    wgs = [upload(rng.standard_normal((E_local, 2 * F, H)) / np.sqrt(H), dt) for _ in range(P)]
+    wds = [upload(rng.standard_normal((E_local, H, F)) / np.sqrt(F), dt) for _ in range(P)]
+    return ids, ws, xs, wgs, wds
+
+
+def _one_kernel_layer(ctx, me, ids, ws, xs, wgs, wds, out, options=ONE, stream=None):
+    return mkernel.moe_layer(ctx, xs[me][0], wgs[me][0], wds[me][0], topk_ids=DeviceArray.from_numpy(ids[me]),
+                             topk_weights=DeviceArray.from_numpy(ws[me]), out=out, stream=stream, options=options)
+
+
+def _one_kernel_want(ids, ws, xs, wgs, wds, lay, me):
+    """Rank ``me``'s layer output in float64 (the kept pairs of ``lay``)."""
+    return ref.layer_reference([x[1] for x in xs], ids, ws, [l["slots"] for l in lay], [w[1] for w in wgs],
+                               [w[1] for w in wds])[me]
+
+
+@pytest.mark.parametrize("T,k,E_local,mode,H,F,dt,config,capacity", [
+    (300, 2, 4, "random", 256, 128, "bfloat16", None, 0),      # config 2 (64-wide pairs)
+    (129, 8, 8, "random", 512, 256, "bfloat16", None, 0),      # top-8, config 3 (128-wide pairs)
+    (333, 1, 3, "random", 136, 64, "float16", None, 0),        # top-1, fp16, H not a multiple of the tile width
+    (517, 2, 4, "one_expert", 264, 96, "bfloat16", None, 0),   # one hot expert, config 4 (96-wide pairs)
+    (300, 1, 4, "one_expert", 128, 112, "bfloat16", None, 0),  # every token to expert 0: empty experts, rank 1
+    #                                                            receives nothing; config 5 (112-wide pairs)
+    (200, 2, 4, "rank0_only", 192, 128, "float16", None, 0),   # ranks past 0 receive nothing
+    (1, 1, 2, "random", 64, 64, "bfloat16", None, 0),          # one token
+    (333, 2, 3, "random", 128, 192, "bfloat16", 1, 0),         # config 1: 64-row tiles, one consumer warpgroup
+    (400, 2, 4, "one_expert", 256, 64, "bfloat16", None, 37),  # a capacity dropping pairs
+])
+def test_layer_one_kernel_against_float64(ctx, shared_rng, T, k, E_local, mode, H, F, dt, config, capacity):
+    """moe_layer with one_kernel (route, then mk_moe_layer) against float64 and against the composed layer of
+    the same inputs (NaN-poisoned outs): the plan says "layer" / "epilogue"; the routing returned is the
+    dispatch map (slots, offsets and recv_map exactly the reference's); a second call gives the same bits."""
+    P, me = ctx.local_size, ctx.local_rank
+    E = E_local * P
+    if k > E:
+        pytest.skip("k > E")
+    opts = MoeOptions(one_kernel=True, gemm_config=config, expert_capacity=capacity or None)
+    ids, ws, xs, wgs, wds = _one_kernel_inputs(shared_rng, P, T, k, E_local, mode, H, F, dt)
+    out = poisoned((T, H), dt)
+    o, R = _one_kernel_layer(ctx, me, ids, ws, xs, wgs, wds, out, opts)
+    _sync_stage(ctx, f"moe_layer one kernel (mk_moe_layer) T={T} k={k} H={H} F={F} {dt}")
+    assert o is out
+    plan = ctx.op_state("moe_layer").last_plan
+    assert (plan.combine, plan.swiglu) == ("layer", "epilogue")
+    assert ctx.op_state("moe_ffn_fused").last_plan.grid == ctx.resident_sms
+    lay = _check_layout(R, ids, E, me, capacity)
+    n = int(lay[me]["expert_offsets"][-1])
+    np.testing.assert_array_equal(R.recv_map.to_numpy()[:n], lay[me]["recv_src"])
+    want = _one_kernel_want(ids, ws, xs, wgs, wds, lay, me)
+    got = download(out)
+    assert not np.isnan(got).any()
+    scale = np.abs(want).max() + 1e-3
+    # act, y and out rounded to dt (3 roundings of <= 2**-8 relative, amplified by at most ~4 through SwiGLU and
+    # the down projection): 2**-5 of the output's scale, as the composed layer's test
+    assert np.abs(got - want).max() <= 2.0 ** -5 * scale
+    composed = poisoned((T, H), dt)
+    _one_kernel_layer(ctx, me, ids, ws, xs, wgs, wds, composed,
+                      MoeOptions(gemm_config=config, expert_capacity=capacity or None))
+    ctx.synchronize()
+    assert ctx.op_state("moe_layer").last_plan.combine == "kernel"
+    # the same roundings in both (act from fp32 accumulators, y, out), fp32 sums in other orders: the out's
+    # rounding and rare one-ulp flips of act or y
+    assert np.abs(got - download(composed)).max() <= 2.0 ** -6 * scale
+    first = out.to_numpy().copy()
+    _one_kernel_layer(ctx, me, ids, ws, xs, wgs, wds, out, opts)
+    ctx.synchronize()
+    np.testing.assert_array_equal(out.to_numpy(), first)
+
+
+def test_layer_one_kernel_back_to_back_changing_routings(ctx, shared_rng):
+    """200 one-kernel layers with fresh routings, choice weights and x each call, alternating between two token
+    counts (two bound calls on one workspace; counters re-zeroed, epochs and staging handshakes across calls),
+    the workspace's data region filled with 0xFF between some calls (what a call of another shape leaves there:
+    the combine's counters must not read it as counts); every 25th call checked against float64."""
+    from mkernel.ops.moe import layout as ML
+
+    from _util import poison_workspace_tail
+
+    P, me = ctx.local_size, ctx.local_rank
+    k, E_local, H, F = 2, 3, 128, 64
+    E = E_local * P
+    wgs, wds = _one_kernel_inputs(shared_rng, P, 1, 1, E_local, "random", H, F, "bfloat16")[3:]
+    outs = {T: DeviceArray.empty((T, H), "bfloat16") for T in (150, 37)}
+    for it in range(200):
+        T = 150 if it % 2 == 0 else 37
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        ws = [shared_rng.random((T, k)).astype(np.float32) for _ in range(P)]
+        xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+        _one_kernel_layer(ctx, me, ids, ws, xs, wgs, wds, outs[T])
+        if it % 25 == 0:
+            ctx.synchronize()
+            assert ctx.op_state("moe_layer").last_plan.combine == "layer"
+            want = _one_kernel_want(ids, ws, xs, wgs, wds, ref.layout_reference(ids, E), me)
+            assert np.abs(download(outs[T]) - want).max() <= 2.0 ** -5 * (np.abs(want).max() + 1e-3)
+        if it % 50 == 49:
+            rr = P * T * min(k, E_local)
+            first_data = ML.layer_layout(P, T, k, H * 2, H * 2, rr)[0].counts_off  # (the same for every shape)
+            poison_workspace_tail(ctx, ctx._workspaces[("moe_ffn_fused",)], first_data)
+    ctx.synchronize()
+
+
+def test_layer_one_kernel_graph_replay(ctx, shared_rng):
+    """moe_layer with one_kernel (route, the counters' memsets, the kernel) captured once into a CUDA graph after
+    an eager call, replayed with fresh ids and rows copied into the captured buffers; each replay against
+    float64."""
+    from cuda.bindings import driver as cu
+    from mkernel.core.driver import check
+
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, E_local, H, F = 200, 2, 4, 128, 128
+    E = E_local * P
+    _, ws, _, wgs, wds = _one_kernel_inputs(shared_rng, P, T, k, E_local, "random", H, F, "bfloat16")
+    ids_d = DeviceArray.empty((T, k), "int32")
+    w_d = DeviceArray.from_numpy(ws[me])
+    x_d = DeviceArray.empty((T, H), "bfloat16")
+    out = DeviceArray.empty((T, H), "bfloat16")
+    s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    hs = int(s)
+
+    def fill():
+        ids = _ids(shared_rng, P, T, k, E, "random")
+        xs = [upload(shared_rng.standard_normal((T, H)), "bfloat16") for _ in range(P)]
+        src = DeviceArray.from_numpy(ids[me])
+        check(cu.cuMemcpyDtoD(ids_d.ptr, src.ptr, ids_d.nbytes))
+        check(cu.cuMemcpyDtoD(x_d.ptr, xs[me][0].ptr, x_d.nbytes))
+        return ids, xs
+
+    def seq():
+        mkernel.moe_layer(ctx, x_d, wgs[me][0], wds[me][0], topk_ids=ids_d, topk_weights=w_d, out=out, stream=hs,
+                          options=ONE)
+
+    def check_out(v):
+        ids, xs = v
+        want = _one_kernel_want(ids, ws, xs, wgs, wds, ref.layout_reference(ids, E), me)
+        got = download(out)
+        assert not np.isnan(got).any() and np.abs(got - want).max() <= 2.0 ** -5 * (np.abs(want).max() + 1e-3)
+    _replay(ctx, s, seq, fill, check_out)
+    assert ctx.op_state("moe_layer").last_plan.combine == "layer"
+
+
+def test_layer_one_kernel_falls_back(ctx, shared_rng):
+    """one_kernel where the kernel cannot run: F = 40 (no fused config pairs it) or an fp32 out (the kernel's sums
+    are stored in x's dtype): the layer runs the composed path, and its plan says so."""
+    P, me = ctx.local_size, ctx.local_rank
+    T, k, El, H = 64, 2, 2, 128
+    E = El * P
+    for F, out_dt, combine in ((40, "bfloat16", "kernel"), (64, "float32", "kernel")):
+        ids, ws, xs, wgs, wds = _one_kernel_inputs(shared_rng, P, T, k, El, "random", H, F, "bfloat16")
+        out = poisoned((T, H), out_dt)
+        _one_kernel_layer(ctx, me, ids, ws, xs, wgs, wds, out)
+        ctx.synchronize()
+        assert ctx.op_state("moe_layer").last_plan.combine == combine
+        want = _one_kernel_want(ids, ws, xs, wgs, wds, ref.layout_reference(ids, E), me)
+        got = download(out)
+        assert not np.isnan(got).any() and np.abs(got - want).max() <= 2.0 ** -5 * (np.abs(want).max() + 1e-3)
+
+
+def test_layer_one_kernel_bad_inputs_raise_before_launch(ctx):
+    """What only the one kernel needs is checked before the routing launches; a low-latency routing is refused."""
+    from mkernel.ops.moe.fused_layer import moe_ffn_fused
+
+    P = ctx.local_size
+    E = 2 * P
+    ids, w = DeviceArray.empty((10, 1), "int32"), DeviceArray.empty((10, 1), "float32")
+    wg, wd = DeviceArray.empty((2, 128, 64), "bfloat16"), DeviceArray.empty((2, 64, 64), "bfloat16")
+    x = DeviceArray.empty((10, 64), "bfloat16")
+    with pytest.raises(ValueError, match="overlaps"):
+        mkernel.moe_layer(ctx, x, wg, wd, topk_ids=ids, topk_weights=w, out=x, options=ONE)
+    with pytest.raises(TypeError):
+        mkernel.moe_layer(ctx, DeviceArray.empty((10, 64), "float16"), wg, wd, topk_ids=ids, topk_weights=w,
+                          options=ONE)
+    with pytest.raises(ValueError):
+        MoeOptions(one_kernel=True, mode="low_latency").checked()
+    R = mkernel.MoeRouting.empty(ctx, 10, 1, E, LL)
+    with pytest.raises(ValueError, match="throughput-mode path"):
+        moe_ffn_fused(ctx, x, R, wg, wd)
+    ctx.synchronize()
+
+
+def test_layer_one_kernel_missing_peer_times_out(ctx):
+    """Every rank routes its tokens to its own first expert and runs the one kernel once; then rank 0 alone runs
+    it again: its wait for peer 1's call ends in CommTimeout naming moe_ffn_fused, rank 0 and peer 1 (rank 0
+    receives only its own rows, so nothing of this rank's own waits out first)."""
+    from mkernel.ops.moe.fused_layer import moe_ffn_fused
+
+    if ctx.size < 2:
+        pytest.skip("needs 2 ranks")
+    T, El, H, F = 64, 2, 128, 64
+    E = El * ctx.local_size
+    made = {}
+
+    def call(c2):
+        if "R" not in made:  # (every rank, once: the routing)
+            lg = np.zeros((T, E), np.float32)
+            lg[:, c2.local_rank * El] = 1.0
+            made["R"] = mkernel.moe_route(c2, DeviceArray.from_numpy(lg), k=1)
+            made["x"] = DeviceArray.empty((T, H), "bfloat16")
+            made["wg"] = DeviceArray.empty((El, 2 * F, H), "bfloat16")
+            made["wd"] = DeviceArray.empty((El, H, F), "bfloat16")
+        moe_ffn_fused(c2, made["x"], made["R"], made["wg"], made["wd"])
+    assert_missing_peer_times_out(call, "moe_ffn_fused")
+
+
 LL = MoeOptions(mode="low_latency")
 
 

@@ -29,12 +29,13 @@ def gemm_operands(op, ctx, stream, options, routing, a, w, names: tuple, shapes:
 
 class GemmKernelBound(BoundCall):
     """Subclasses set ``self._b`` (a GEMM ``OperandArg`` for B) and call :meth:`prepare` once; ``submit`` runs
-    B's staging (when B is not TMA-readable in place) and the launch."""
+    B's staging (when B is not TMA-readable in place) and the launch.  A kernel with several weight operands
+    passes them all as ``operands`` (each staged, in order, where it needs it)."""
 
-    def prepare(self, k, grid: int, cfg, args: list, stream) -> None:
+    def prepare(self, k, grid: int, cfg, args: list, stream, operands: tuple | None = None) -> None:
         self._launch = k.prepare(grid, cfg.threads, args, stream=stream, smem=cfg.smem, cooperative=True)
-        st = self._b.stage
-        self._pre = [] if st is None else [st[0].prepare(*st[1:], stream=stream)]
+        ops = (self._b,) if operands is None else operands
+        self._pre = [op.stage[0].prepare(*op.stage[1:], stream=stream) for op in ops if op.stage is not None]
 
     def submit(self) -> None:
         for pre in self._pre:

@@ -1,7 +1,8 @@
 """The whole MoE layer (:func:`moe_layer`): route -> dispatch -> gate/up grouped GEMM -> SwiGLU -> down
 grouped GEMM -> combine, composed from the MoE ops on one stream (docs/moe.md, "Layer"); SwiGLU in the
 gate/up GEMM's epilogue with ``MoeOptions.swiglu_epilogue`` (:func:`swiglu_path`); the down GEMM and the
-combine as one kernel with ``MoeOptions.fused_combine`` (:func:`combine_path`)."""
+combine as one kernel with ``MoeOptions.fused_combine`` (:func:`combine_path`); everything after the routing
+as one kernel with ``MoeOptions.one_kernel`` (:func:`one_kernel_path`)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,16 +12,17 @@ from ...core.arrays import DeviceArray
 from ...core.compiler import kernel
 from ...core.interop import as_device_array, require
 from ...core.util import ceil_div
-from ..base import BoundCall, Op, as_stream
+from ..base import BoundCall, Op, as_stream, check_no_overlap
 from ..gemm import grouped_gemm, grouped_gemm_swiglu, swiglu_candidates
 from .fused import moe_dispatch_gemm
 from .fused_combine import moe_gemm_combine
+from .fused_layer import check_layer_arrays, layer_config, moe_ffn_fused
 from .layout import SOURCE, fused_swiglu_config, kernel_defines
 from .op import (DTYPE_CODES, MoePlan, MoeRouting, check_sizes, moe_combine, moe_dispatch, moe_options, moe_route,
                  _ptr, one_node, routing_source)
 from .options import MoeOptions
 
-__all__ = ["moe_layer", "swiglu_path", "combine_path"]
+__all__ = ["moe_layer", "swiglu_path", "combine_path", "one_kernel_path"]
 
 
 def swiglu_path(F: int, options: MoeOptions) -> str:
@@ -41,11 +43,20 @@ def combine_path(options: MoeOptions, x_dtype: str, out_dtype: str) -> str:
     return "fused" if options.fused_combine and out_dtype == x_dtype else "kernel"
 
 
+def one_kernel_path(F: int, options: MoeOptions, x_dtype: str, out_dtype: str) -> bool:
+    """Whether the layer runs everything after the routing as one kernel (:func:`moe_ffn_fused`): with
+    ``options.one_kernel``, where a fused config's pair width divides F (:func:`layer_config`) and out has x's
+    dtype (the kernel's sums are stored in it); the plan's ``combine`` is then "layer".  docs/moe.md, "The layer
+    in one kernel"."""
+    return options.one_kernel and out_dtype == x_dtype and layer_config(F, options) is not None
+
+
 class _LayerBound(BoundCall):
     """route -> dispatch -> grouped GEMM (gate/up) -> SwiGLU -> grouped GEMM (down) -> combine on one stream
     (``options.fused``: dispatch and the gate/up GEMM in one kernel; low-latency mode: routing and dispatch
     in one kernel; ``plan.swiglu == "epilogue"``: SwiGLU in the gate/up GEMM's epilogue, no h, whichever
-    kernel runs that GEMM); the intermediate buffers belong to this bound call."""
+    kernel runs that GEMM); the intermediate buffers belong to this bound call.  ``plan.combine == "layer"``:
+    route, then everything else in one kernel (:func:`moe_ffn_fused`, whose bound call owns x_recv and act)."""
 
     def __init__(self, ctx, call, plan):
         self.plan, self._ctx = plan, ctx
@@ -56,6 +67,8 @@ class _LayerBound(BoundCall):
         F = F2 // 2
         dev, dt = ctx.device, X.dtype.name
         self.routing = MoeRouting(ctx, T, call.routing.k, call.routing.E, call.options)
+        if plan.combine == "layer":  # (the one kernel's op owns x_recv and act)
+            return
         rr = self.routing.recv_rows
         self._x_recv = DeviceArray.empty((rr, H), dt, device=dev)
         self._act = DeviceArray.empty((rr, F), dt, device=dev)
@@ -87,6 +100,9 @@ class _LayerBound(BoundCall):
             else:
                 moe_route(ctx, topk_ids=call.ids, topk_weights=call.weights, num_experts=R.E, out=R, stream=stream,
                           options=opts)
+            if self.plan.combine == "layer":
+                moe_ffn_fused(ctx, call.x, R, wg, wd, call.o, stream=stream, options=opts)
+                return
             if not opts.fused:
                 moe_dispatch(ctx, call.x, R, self._x_recv, stream=stream, options=opts)
         self._gate_up(stream, call)
@@ -155,6 +171,8 @@ class _Layer(Op):
             O = as_device_array(out, name="moe_layer: out", stream=s)
             result = out
         call.o = O
+        if opts.one_kernel:  # (the one kernel reads x and the weights while its sum blocks write out)
+            check_no_overlap(self.what, ((O, "out", X, "x"), (O, "out", WG, "w_gate_up"), (O, "out", WD, "w_down")))
         call.key = (X.shape, X.strides, X.dtype, WG.shape, WG.strides, WG.dtype, WD.shape, WD.strides, WD.dtype,
                     O.shape, O.dtype, src, int(k), s, opts, ctx.workspace_generation)
         bound = self.invoke(ctx.op_state(self.name), call, ctx)
@@ -171,10 +189,15 @@ class _Layer(Op):
             raise ValueError(f"{self.what}: w_gate_up's second dim (2F = {F2}) must be a positive multiple of 16")
         require(WD, f"{self.what}: w_down", dtypes=(X.dtype.name,), shape=(El, H, F2 // 2), device=ctx.device)
         check_sizes(self.what, ctx.local_size, T, call.routing.k, call.routing.E)
+        F, opts = F2 // 2, call.options
+        if one_kernel_path(F, opts, X.dtype.name, call.o.dtype.name):  # (before the routing launches)
+            check_layer_arrays(self.what, ctx, T, El, X, WG, WD, call.o, layer_config(F, opts), opts)
 
     def plan(self, ctx, call, digest):
-        return MoePlan(self.name, swiglu=swiglu_path(call.sig[0].shape[1] // 2, call.options),
-                       combine=combine_path(call.options, call.x.dtype.name, call.o.dtype.name))
+        F, xd, od = call.sig[0].shape[1] // 2, call.x.dtype.name, call.o.dtype.name
+        if one_kernel_path(F, call.options, xd, od):
+            return MoePlan(self.name, swiglu="epilogue", combine="layer")
+        return MoePlan(self.name, swiglu=swiglu_path(F, call.options), combine=combine_path(call.options, xd, od))
 
     def describe_call(self, call):
         return f"x {call.x.dtype.name}{list(call.x.shape)} w_gate_up {list(call.sig[0].shape)} k={call.routing.k}"
@@ -196,6 +219,8 @@ def moe_layer(ctx, x, w_gate_up, w_down, logits=None, *, topk_ids=None, topk_wei
     GEMM's epilogue where F allows (:func:`swiglu_path`; the plan's ``swiglu`` says which ran);
     ``options.fused_combine``: the down GEMM and the combine run as one kernel (:func:`moe_gemm_combine`)
     where out has x's dtype (:func:`combine_path`; the plan's ``combine`` says which ran).
+    ``options.one_kernel``: everything after the routing runs as one kernel (docs/moe.md, "The layer in one
+    kernel") where F and out's dtype allow (:func:`one_kernel_path`; the plan's ``combine`` is then "layer").
 
     ``x``: ``[T, H]`` bf16 / fp16; ``w_gate_up``: this rank's experts ``[E_local, 2F, H]`` (gate rows
     ``[0, F)``, up rows ``[F, 2F)``); ``w_down``: ``[E_local, H, F]``; routing from ``logits [T, E]`` with

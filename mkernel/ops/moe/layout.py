@@ -10,8 +10,8 @@ from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..gemm import CONFIGS, pair_width
 from .options import FUSED_CONFIGS, MoeOptions
 
-__all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "COMBINE_SOURCE", "MoeGemmArgs", "MoeCombineArgs",
-           "gemm_combine_layout", "arrived_slots", "fused_config",
+__all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "COMBINE_SOURCE", "LAYER_SOURCE", "MoeGemmArgs", "MoeCombineArgs",
+           "gemm_combine_layout", "layer_layout", "arrived_slots", "fused_config",
            "fused_swiglu_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
            "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS",
            "INTERNODE_SOURCE", "INTERNODE_GRID", "MoeXLayout", "x_route_layout", "x_dispatch_layout",
@@ -21,6 +21,7 @@ __all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "COMBINE_SOURCE", "MoeGemmArg
 SOURCE = "ops/moe.cu"
 FUSED_SOURCE = "ops/moe_gemm.cu"  # dispatch + gate/up grouped GEMM (compiled with the GEMM's config defines)
 COMBINE_SOURCE = "ops/moe_gemm_combine.cu"  # down grouped GEMM + combine (the same defines)
+LAYER_SOURCE = "ops/moe_layer.cu"  # the layer after routing in one kernel (the same defines)
 TILE = 256          # tokens per routing tile (moe.cu MOE_TILE)
 MAX_EXPERTS = 1024  # moe.cu MOE_MAX_E
 MAX_K = 32          # moe.cu MOE_MAX_K (one lane per choice)
@@ -202,6 +203,23 @@ def gemm_combine_layout(P: int, T: int, k: int, row_bytes: int) -> tuple[MoeLayo
     L.stage_off = round_up(off + 8 * T * k, 256)
     L.row_bytes = row_bytes
     return L, L.stage_off + T * k * row_bytes
+
+
+def layer_layout(P: int, T: int, k: int, row_bytes_x: int, row_bytes_out: int,
+                 r_cap: int) -> tuple[MoeLayout, MoeLayout, int]:
+    """(dispatch layout Ld, combine layout Lc, bytes) of the one-kernel layer's workspace (moe_layer.cu): one
+    control region (one epoch, one call header, one set of ready flags: both layouts' ``consumed_off`` /
+    ``flags_off``), then the dispatch's regions as :func:`dispatch_layout` places them (int32 recv_src[r_cap],
+    staging rows [P][T] of ``row_bytes_x``), then the combine's, 256-aligned: uint64 cnt[T * k] (Lc.counts_off,
+    zeroed by the host before each launch: a workspace shared with calls of other shapes may hold stale bytes
+    there) and staging rows [T * k] of ``row_bytes_out`` (Lc.stage_off)."""
+    Ld, end = dispatch_layout(P, T, row_bytes_x, r_cap)
+    Lc = MoeLayout()
+    Lc.consumed_off, Lc.flags_off, Lc.flag_stride = Ld.consumed_off, Ld.flags_off, Ld.flag_stride
+    Lc.counts_off = Lc.scratch_off = round_up(end, 256)
+    Lc.stage_off = round_up(Lc.counts_off + 8 * T * k, 256)
+    Lc.row_bytes = row_bytes_out
+    return Ld, Lc, Lc.stage_off + T * k * row_bytes_out
 
 
 def fused_grid(resident_sms: int, options: MoeOptions) -> tuple[int, int]:

@@ -132,9 +132,11 @@ class MoePlan:
     "epilogue" (in the gate/up GEMM's epilogue) or "kernel" (the separate mk_moe_swiglu), (moe_dispatch_gemm)
     "epilogue" with ``swiglu=True``, else ""; ``transport`` (dispatch / combine across nodes): "node" (a row
     crosses the network once per destination node) or "rank" (once per destination rank), else ""; ``combine``
-    (moe_layer): "fused" (the down GEMM and the combine as one kernel, :func:`mkernel.moe_gemm_combine`)
-    or "kernel" (the down grouped GEMM, then :func:`mkernel.moe_combine`), else ""; the rest is the bound
-    call's (digest, workspace layout and size)."""
+    (moe_layer): "fused" (the down GEMM and the combine as one kernel, :func:`mkernel.moe_gemm_combine`),
+    "kernel" (the down grouped GEMM, then :func:`mkernel.moe_combine`) or "layer" (everything after the routing
+    as one kernel: ``MoeOptions.one_kernel``; also the plan of that kernel's op, ``moe_ffn_fused``), else "";
+    the rest is the bound call's (digest, workspace layout -- ``moe_ffn_fused``: the pair (dispatch, combine)
+    -- and size)."""
 
     op: str
     grid: int = 0

@@ -55,6 +55,12 @@ class MoeOptions:
     measured faster:
     docs/moe.md "Down GEMM + combine, fused"); ``comm_blocks`` and ``gemm_config`` apply to that kernel too
     (its sum blocks, its tile config).
+
+    ``one_kernel``: :func:`mkernel.moe_layer` runs everything after the routing -- dispatch, gate/up grouped GEMM
+    with SwiGLU in its epilogue, down grouped GEMM, combine -- as one persistent kernel (docs/moe.md, "The layer
+    in one kernel"), where F is a multiple of a fused config's pair width and out has x's dtype, else the path
+    the other options choose (the layer's plan says which: ``MoePlan.combine == "layer"``); throughput mode
+    only; ``comm_blocks`` and ``gemm_config`` apply to it.  Off until GPU-validated.
     """
 
     softmax: str = "topk"
@@ -69,6 +75,7 @@ class MoeOptions:
     swiglu_epilogue: bool = True
     node_dedup: bool = False
     fused_combine: bool = False
+    one_kernel: bool = False
 
     __hash__ = options_hash
 
@@ -89,13 +96,13 @@ class MoeOptions:
             raise ValueError(f"MoeOptions.blocks must be an int in [0, 1024], got {self.blocks!r}")
         if self.mode not in MODES:
             raise ValueError(f"MoeOptions.mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("fused", "swiglu_epilogue", "node_dedup", "fused_combine"):
+        for name in ("fused", "swiglu_epilogue", "node_dedup", "fused_combine", "one_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MoeOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode == "low_latency":
-            if self.fused or self.fused_combine:
-                raise ValueError("MoeOptions: fused=True and fused_combine=True are throughput-mode paths "
-                                 "(mode='throughput')")
+            if self.fused or self.fused_combine or self.one_kernel:
+                raise ValueError("MoeOptions: fused=True, fused_combine=True and one_kernel=True are throughput-mode "
+                                 "paths (mode='throughput')")
             if self.expert_capacity is not None or self.capacity_factor is not None or self.recv_rows is not None:
                 raise ValueError("MoeOptions: low-latency mode is dropless with fixed buffers: no expert_capacity, "
                                  "capacity_factor or recv_rows")
