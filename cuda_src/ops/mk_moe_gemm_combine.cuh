@@ -93,6 +93,23 @@ template <int NC> struct MoeCombineStore {
   }
 };
 
+// The down GEMM's epilogue into the owners' combine staging of workspace w, call ep (verdict: the block's
+// shared peer-check word).
+template <int NC>
+MK_DEVICE MoeCombineStore<NC> moe_combine_store(const MkComm& c, const MoeWs& w, const MoeCombineArgs& a,
+                                                const MoeShape& s, mk_u64 ep, int* verdict) {
+  MoeCombineStore<NC> e;
+  e.c = &c;
+  e.w = &w;
+  e.a = &a;
+  e.Tk = (mk_u64)s.T * s.k;
+  e.ep = ep;
+  e.verdict = verdict;
+  e.checked = false;
+  e.ok = true;
+  return e;
+}
+
 // Sum blocks, one warp per token: false if a wait failed (recorded; the warp stops).
 template <int BN>
 MK_DEVICE bool moe_owner_sums(const MkComm& c, const MoeWs& w, const MoeCombineArgs& a, const MoeShape& s) {

@@ -127,3 +127,20 @@ template <int BM> struct MoeWaitRows {
     return true;
   }
 };
+
+// The gate/up GEMM's hook over x_recv (rows of s.r_cap) and its register store into a.c (h or act).
+template <int BM> MK_DEVICE MoeWaitRows<BM> moe_wait_rows(const MkComm& c, const MoeGemmArgs& a, const MoeShape& s) {
+  MoeWaitRows<BM> h;
+  h.c = &c;
+  h.a = &a;
+  h.El = s.El;
+  h.M = s.r_cap;
+  return h;
+}
+MK_DEVICE MkEpilogueStore<MkOut> moe_gate_up_store(const MoeGemmArgs& a) {
+  MkEpilogueStore<MkOut> st;
+  st.c = reinterpret_cast<MkOut*>(a.c);
+  st.ldc = a.ldc;
+  st.vec_ok = a.c_vec_ok;
+  return st;
+}

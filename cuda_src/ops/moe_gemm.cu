@@ -65,16 +65,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     return;
   }
   MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(a.offs, 1, s.El, s.r_cap, a.N, a.group_m);
-  MoeWaitRows<Cfg::BM> hook;
-  hook.c = &c;
-  hook.a = &a;
-  hook.El = s.El;
-  hook.M = s.r_cap;
-  MkEpilogueStore<MkOut> store;
-  store.c = reinterpret_cast<MkOut*>(a.c);
-  store.ldc = a.ldc;
-  store.vec_ok = a.c_vec_ok;
-  auto epi = moe_gemm_epilogue(store);
+  const MoeWaitRows<Cfg::BM> hook = moe_wait_rows<Cfg::BM>(c, a, s);
+  auto epi = moe_gemm_epilogue(moe_gate_up_store(a));
   const bool r = mk_gemm_run<Cfg>(&tmA, &tmB, a.K, sched, hook, epi, mk_smem, (int)blockIdx.x - a.n_comm,
                                   (int)gridDim.x - a.n_comm);
   if (threadIdx.x < 128 || !r) return;  // the producer warpgroup is done; the consumers close the call

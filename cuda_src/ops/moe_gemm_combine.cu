@@ -52,15 +52,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
   }
   MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(a.offs, 1, s.El, s.r_cap, s.H, a.group_m);
   MkNoWait hook;  // act is complete at launch (the gate/up kernel ran before, on the stream)
-  MoeCombineStore<Cfg::NC> epi;
-  epi.c = &c;
-  epi.w = &w;
-  epi.a = &a;
-  epi.Tk = (mk_u64)s.T * s.k;
-  epi.ep = ep;
-  epi.verdict = &verdict;
-  epi.checked = false;
-  epi.ok = true;
+  MoeCombineStore<Cfg::NC> epi = moe_combine_store<Cfg::NC>(c, w, a, s, ep, &verdict);
   mk_gemm_run<Cfg>(&tmA, &tmB, a.K, sched, hook, epi, mk_smem, (int)blockIdx.x - a.n_comm,
                    (int)gridDim.x - a.n_comm);
   if (threadIdx.x < 128 || !epi.ok) return;  // the producer warpgroup is done; the consumers close the call

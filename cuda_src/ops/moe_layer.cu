@@ -138,17 +138,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
   mk_u64* const act_done = a.arrived + n_slots;
   // loop (1): gate/up + SwiGLU -> act, a tile's rows landed first
   MkGroupedScheduler<Cfg::BM, Cfg::BN> up_sched(a.offs, 1, s.El, s.r_cap, a.N, a.group_m);
-  MoeWaitRows<Cfg::BM> rows_landed;
-  rows_landed.c = &c;
-  rows_landed.a = &a;
-  rows_landed.El = s.El;
-  rows_landed.M = s.r_cap;
-  MkEpilogueStore<MkOut> store;
-  store.c = reinterpret_cast<MkOut*>(a.c);
-  store.ldc = a.ldc;
-  store.vec_ok = a.c_vec_ok;
+  const MoeWaitRows<Cfg::BM> rows_landed = moe_wait_rows<Cfg::BM>(c, a, s);
   MoeActDone<Cfg::BM, MkEpilogueSwiGLU<MkEpilogueStore<MkOut>>> act_epi;
-  act_epi.inner = mk_swiglu_epilogue(store);
+  act_epi.inner = mk_swiglu_epilogue(moe_gate_up_store(a));
   act_epi.done = act_done;
   // loop (2): down -> the owners' combine staging, a tile's act row block complete first
   MkGroupedScheduler<Cfg::BM, Cfg::BN> down_sched(a.offs, 1, s.El, s.r_cap, s.H, a.group_m);
@@ -158,15 +150,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
   act_complete.offs = a.offs;
   act_complete.M = s.r_cap;
   act_complete.tiles = (mk_u64)((a.N + Cfg::BN - 1) / Cfg::BN);
-  MoeCombineStore<Cfg::NC> comb_epi;
-  comb_epi.c = &c;
-  comb_epi.w = &wc;
-  comb_epi.a = &b;
-  comb_epi.Tk = (mk_u64)s.T * s.k;
-  comb_epi.ep = ep;
-  comb_epi.verdict = &verdict;
-  comb_epi.checked = false;
-  comb_epi.ok = true;
+  MoeCombineStore<Cfg::NC> comb_epi = moe_combine_store<Cfg::NC>(c, wc, b, s, ep, &verdict);
   const bool r = mk_gemm_run_two(mk_tile_loop<CfgUp>(&tmX, &tmGU, a.K, up_sched, rows_landed, act_epi),
                                  mk_tile_loop<Cfg>(&tmAct, &tmWD, b.K, down_sched, act_complete, comb_epi), mk_smem,
                                  (int)blockIdx.x - a.n_comm, (int)gridDim.x - a.n_comm);
