@@ -17,6 +17,7 @@ from mkernel.dist.opstate import OpState
 from mkernel.dist.signals import OPS, workspace_control
 from mkernel.ops import gemm as G
 from mkernel.ops.moe import MoeOptions, fused_combine as FC
+from mkernel.ops.moe import gemm_bound as GB
 from mkernel.ops.moe import layout as ML
 from mkernel.ops.moe import reference as ref
 from mkernel.ops.moe.layer import combine_path
@@ -234,7 +235,7 @@ def env(fake, monkeypatch):
     _, maps, empty = fake
     launches, ws = [], []
     monkeypatch.setattr(FC, "kernel", lambda src, defines, name: _Kernel(launches, defines, name))
-    monkeypatch.setattr(FC.cu, "cuMemsetD32Async",  # (recorded in launch order: the counters' zeroing)
+    monkeypatch.setattr(GB.cu, "cuMemsetD32Async",  # (recorded in launch order: the counters' zeroing)
                         lambda ptr, v, n, stream: launches.append(dict(memset=(int(ptr), v, n))))
     monkeypatch.setattr(FC, "require_gemm_device", lambda what, dev: None)
     states = {}

@@ -21,6 +21,7 @@ from mkernel.dist.signals import OPS, workspace_control
 from mkernel.ops import gemm as G
 from mkernel.ops.moe import MoeOptions, fused_layer as FL
 from mkernel.ops.moe import layer as LY
+from mkernel.ops.moe import gemm_bound as GB
 from mkernel.ops.moe import layout as ML
 from mkernel.ops.moe import op as MO
 from mkernel.ops.moe.op import MoeRouting
@@ -233,8 +234,8 @@ def env(fake, monkeypatch):
     events, ws = [], []
     monkeypatch.setattr(FL, "kernel", lambda src, defines, name: _Kernel(events, defines, name))
     monkeypatch.setattr(FL, "require_gemm_device", lambda what, dev: None)
-    monkeypatch.setattr(FL, "check", lambda r: None)
-    monkeypatch.setattr(FL.cu, "cuMemsetD32Async", lambda ptr, v, n, s: events.append(
+    monkeypatch.setattr(GB, "check", lambda r: None)
+    monkeypatch.setattr(GB.cu, "cuMemsetD32Async", lambda ptr, v, n, s: events.append(
         dict(kind="memset", ptr=int(ptr), value=v, words=n)))
     states = {}
 

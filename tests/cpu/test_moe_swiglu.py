@@ -18,6 +18,7 @@ from mkernel.dist.opstate import OpState
 from mkernel.ops import gemm as G
 from mkernel.ops.gemm import swiglu as SW
 from mkernel.ops.moe import MoeOptions, fused as FU
+from mkernel.ops.moe import gemm_bound as GB
 from mkernel.ops.moe import layout as ML
 from mkernel.ops.moe.layer import swiglu_path
 from mkernel.ops.moe.op import MoeRouting
@@ -266,8 +267,8 @@ def fused_env(fake, monkeypatch):
     launches = []
     monkeypatch.setattr(FU, "kernel", lambda src, defines, name: _FusedKernel(launches, defines))
     monkeypatch.setattr(FU, "require_gemm_device", lambda what, dev: None)
-    monkeypatch.setattr(FU, "check", lambda r: None)
-    monkeypatch.setattr(FU.cu, "cuMemsetD32Async", lambda *a: None)
+    monkeypatch.setattr(GB, "check", lambda r: None)
+    monkeypatch.setattr(GB.cu, "cuMemsetD32Async", lambda *a: None)
     states = {}
     ctx = types.SimpleNamespace(
         size=1, local_size=1, num_nodes=1, device=0, resident_sms=132, workspace_generation=0, world=None, rank=0,

@@ -10,21 +10,16 @@ belong to the bound call and are zeroed on the stream before every launch (graph
 """
 from __future__ import annotations
 
-import ctypes
-
-from cuda.bindings import driver as cu
-
 from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel, register_specialization
-from ...core.driver import check
 from ...core.interop import as_device_array, require
 from ...core.tensormap import TensorMapArg
 from ..base import Op, check_no_overlap
 from .. import gemm as G  # the GEMM package's public planning API
 from ..gemm.operands import vec_ok
 from .layout import (FUSED_SOURCE, MoeGemmArgs, arrived_slots, dispatch_layout, fused_config, fused_grid,
-                     fused_swiglu_config, make_shape)
+                     fused_swiglu_config, make_shape, no_swiglu_config)
 from .gemm_bound import GemmKernelBound, gemm_operands
 from .op import MoePlan, MoeRouting, one_node
 from .options import FUSED_CONFIGS, MoeOptions
@@ -71,7 +66,6 @@ class _FusedBound(GemmKernelBound):
         xr = call.xr if call.xr is not None else self._own_xr
         n_slots = arrived_slots(El, rr, cfg.bm)
         self._arrived = DeviceArray.empty((n_slots,), "int64", device=ctx.device)
-        self._arrived_words = 2 * n_slots
         a = self._args = MoeGemmArgs()
         a.ws, a.peers, a.arrived = ws.ptr, ws.peer_table, self._arrived.ptr
         a.ldc, a.N, a.K = (N // 2 if call.swiglu else N), N, H
@@ -84,7 +78,8 @@ class _FusedBound(GemmKernelBound):
         shape = make_shape(ctx.local_size, T, H, R.k, R.E, R.options)
         k = kernel(FUSED_SOURCE, fused_defines(dt, call.config, call.swiglu), NAME)
         comm = ctx.comm_args("moe_dispatch_gemm", p.digest)
-        self.prepare(k, p.grid, cfg, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a], call.stream)
+        self.prepare(k, p.grid, cfg, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a], call.stream,
+                     zero=((self._arrived.ptr, 2 * n_slots),))
         self.buffers = (ws, self._arrived, self._own_xr, *self._b.keep)
 
     def _point(self, call, xr) -> None:
@@ -100,7 +95,6 @@ class _FusedBound(GemmKernelBound):
 
     def run(self, stream, call):
         self._point(call, self.x_recv(call))
-        check(cu.cuMemsetD32Async(cu.CUdeviceptr(self._arrived.ptr), 0, self._arrived_words, cu.CUstream(stream)))
         self.submit()
 
 
@@ -162,15 +156,8 @@ class _DispatchGemm(Op):
 
     def _validate_swiglu(self, call) -> None:
         """SwiGLU needs F a multiple of the fused config's pair width (docs/moe.md, "SwiGLU epilogue")."""
-        if call.config is not None:
-            return
-        F, cfg = call.wg.shape[1] // 2, call.options.gemm_config
-        if cfg is not None:
-            raise ValueError(f"{self.what}: MoeOptions.gemm_config={cfg} cannot pair gate and up columns at "
-                             f"F = {F}: its pair width {G.pair_width(cfg)} must divide F")
-        widths = sorted({G.pair_width(c) for c in FUSED_CONFIGS})
-        raise ValueError(f"{self.what}: swiglu=True needs F = {F} (w_gate_up's second dim / 2) to be a multiple "
-                         f"of a fused config's pair width ({widths})")
+        if call.config is None:
+            raise no_swiglu_config(self.what, call.wg.shape[1] // 2, call.options, "swiglu=True")
 
     def compile(self, ctx, call):
         cfg = G.CONFIGS[call.config]

@@ -11,12 +11,9 @@ call of another T or k finds the last call's staging rows where its counters lie
 """
 from __future__ import annotations
 
-from cuda.bindings import driver as cu
-
 from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel, register_specialization
-from ...core.driver import check
 from ...core.interop import as_device_array, require
 from ...core.tensormap import TensorMapArg
 from ..base import Op, check_no_overlap
@@ -70,9 +67,12 @@ class _CombineBound(GemmKernelBound):
         shape = make_shape(ctx.local_size, R.T, H, R.k, R.E, R.options)
         k = kernel(COMBINE_SOURCE, combine_defines(dt, call.config), NAME)
         comm = ctx.comm_args("moe_gemm_combine", p.digest)
-        self.prepare(k, p.grid, cfg, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a], call.stream)
+        # the pair counters (u64 cnt[T * k]) zeroed before each launch: a peer adds to them only after our
+        # kernel announced the call
+        cnt = (ws.ptr + p.layout.counts_off, 2 * R.T * R.k)
+        self.prepare(k, p.grid, cfg, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a], call.stream,
+                     zero=(cnt,))
         self.buffers = (ws, *self._b.keep)
-        self._cnt = (ws.ptr + p.layout.counts_off, 2 * R.T * R.k)  # (u64 cnt[T * k], as 32-bit words)
 
     def _point(self, call) -> None:
         a, R = self._args, call.routing
@@ -83,9 +83,6 @@ class _CombineBound(GemmKernelBound):
 
     def run(self, stream, call):
         self._point(call)
-        # before the launch: a peer adds to our counters only after our kernel announced this call
-        at, words = self._cnt
-        check(cu.cuMemsetD32Async(cu.CUdeviceptr(at), 0, words, cu.CUstream(stream)))
         self.submit()
 
 

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import ctypes
 
-from cuda.bindings import driver as cu
-
 from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.compiler import kernel, register_specialization
-from ...core.driver import check
 from ...core.interop import as_device_array, require
 from ...core.tensormap import TensorMapArg
 from ..base import Op, check_no_overlap
 from .. import gemm as G  # the GEMM package's public planning API
 from ..gemm.operands import vec_ok
 from .layout import (LAYER_SOURCE, MoeCombineArgs, MoeGemmArgs, arrived_slots, fused_grid, fused_swiglu_config,
-                     layer_layout, make_shape)
+                     layer_layout, make_shape, no_swiglu_config)
 from .gemm_bound import GemmKernelBound, gemm_operands
 from .op import MoePlan, MoeRouting, one_node
 from .options import FUSED_CONFIGS, MoeOptions
@@ -70,13 +67,7 @@ def check_layer_arrays(what: str, ctx, T: int, El: int, X, WG, WD, O, config: in
     require(WD, f"{what}: w_down", dtypes=(dt,), device=ctx.device, shape=(El, H, F))
     require(O, f"{what}: out", dtypes=(dt,), device=ctx.device, shape=(T, H), align=16, writable=True)
     if config is None:
-        cfg = options.gemm_config
-        if cfg is not None:
-            raise ValueError(f"{what}: MoeOptions.gemm_config={cfg} cannot pair gate and up columns at F = {F}: its "
-                             f"pair width {G.pair_width(cfg)} must divide F")
-        widths = sorted({G.pair_width(c) for c in FUSED_CONFIGS})
-        raise ValueError(f"{what}: the layer in one kernel needs F = {F} (w_gate_up's second dim / 2) to be a "
-                         f"multiple of a fused config's pair width ({widths}; docs/moe.md, \"SwiGLU epilogue\")")
+        raise no_swiglu_config(what, F, options, "the layer in one kernel")
     if ctx.resident_sms < 2:
         raise RuntimeError(f"{what}: needs at least 2 SMs of this rank's share (has {ctx.resident_sms})")
 
@@ -103,7 +94,7 @@ class _LayerBound(GemmKernelBound):
         self.act = DeviceArray.empty((rr, F), dt, device=dev)
         n_slots = arrived_slots(El, rr, cfg.bm)
         self._counters = DeviceArray.empty((2 * n_slots,), "int64", device=dev)  # arrived, then act_done
-        self._zero = ((self._counters.ptr, 4 * n_slots), (self._ws.ptr + Lc.counts_off, 2 * R.T * R.k))
+        zero = ((self._counters.ptr, 4 * n_slots), (self._ws.ptr + Lc.counts_off, 2 * R.T * R.k))
         n_comm = fused_grid(ctx.resident_sms, call.options)[0]
         a = self._a = MoeGemmArgs()
         a.x_recv, a.c, a.ws, a.peers, a.arrived = self.x_recv.ptr, self.act.ptr, self._ws.ptr, self._ws.peer_table, \
@@ -122,7 +113,7 @@ class _LayerBound(GemmKernelBound):
         comm = ctx.comm_args("moe_ffn_fused", p.digest)
         args = [self._tm_x.buf, self._gu.map.buf, self._tm_act.buf, self._wd.map.buf, comm, Ld, Lc, shape, a, b,
                 ctypes.c_int32(n_slots)]
-        self.prepare(k, p.grid, cfg, args, call.stream, operands=(self._gu, self._wd))
+        self.prepare(k, p.grid, cfg, args, call.stream, operands=(self._gu, self._wd), zero=zero)
         self.buffers = (self._ws, self.x_recv, self.act, self._counters, *self._gu.keep, *self._wd.keep)
 
     def _point(self, call) -> None:
@@ -137,9 +128,6 @@ class _LayerBound(GemmKernelBound):
 
     def run(self, stream, call):
         self._point(call)
-        for ptr, words in self._zero:
-            if words:
-                check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr), 0, words, cu.CUstream(stream)))
         self.submit()
 
 

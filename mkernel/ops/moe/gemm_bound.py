@@ -4,6 +4,9 @@ bound call's B staging copy, if any, then one cooperative launch with the tile c
 memory."""
 from __future__ import annotations
 
+from cuda.bindings import driver as cu
+
+from ...core.driver import check
 from ...core.interop import as_device_array
 from ..base import BoundCall, as_stream
 from .op import moe_options, routing_arg
@@ -28,16 +31,22 @@ def gemm_operands(op, ctx, stream, options, routing, a, w, names: tuple, shapes:
 
 
 class GemmKernelBound(BoundCall):
-    """Subclasses set ``self._b`` (a GEMM ``OperandArg`` for B) and call :meth:`prepare` once; ``submit`` runs
-    B's staging (when B is not TMA-readable in place) and the launch.  A kernel with several weight operands
-    passes them all as ``operands`` (each staged, in order, where it needs it)."""
+    """Subclasses set ``self._b`` (a GEMM ``OperandArg`` for B) and call :meth:`prepare` once; ``submit`` zeroes
+    the kernel's counters (``zero``: ``(device pointer, 32-bit words)`` regions, memsets on the call's stream:
+    graph-capturable), runs B's staging (when B is not TMA-readable in place) and the launch.  A kernel with
+    several weight operands passes them all as ``operands`` (each staged, in order, where it needs it)."""
 
-    def prepare(self, k, grid: int, cfg, args: list, stream, operands: tuple | None = None) -> None:
+    def prepare(self, k, grid: int, cfg, args: list, stream, operands: tuple | None = None,
+                zero: tuple = ()) -> None:
         self._launch = k.prepare(grid, cfg.threads, args, stream=stream, smem=cfg.smem, cooperative=True)
         ops = (self._b,) if operands is None else operands
         self._pre = [op.stage[0].prepare(*op.stage[1:], stream=stream) for op in ops if op.stage is not None]
+        self._zero = [(cu.CUdeviceptr(p), n) for p, n in zero if n]
+        self._cu_stream = cu.CUstream(stream)
 
     def submit(self) -> None:
+        for ptr, words in self._zero:
+            check(cu.cuMemsetD32Async(ptr, 0, words, self._cu_stream))
         for pre in self._pre:
             pre.submit()
         self._launch.submit()

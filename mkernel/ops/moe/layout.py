@@ -12,7 +12,7 @@ from .options import FUSED_CONFIGS, MoeOptions
 
 __all__ = ["MAX_CHUNKS", "SOURCE", "FUSED_SOURCE", "COMBINE_SOURCE", "LAYER_SOURCE", "MoeGemmArgs", "MoeCombineArgs",
            "gemm_combine_layout", "layer_layout", "arrived_slots", "fused_config",
-           "fused_swiglu_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
+           "fused_swiglu_config", "no_swiglu_config", "fused_grid", "TILE", "MAX_EXPERTS", "MAX_K", "THREADS", "MoeLayout", "MoeShape", "capacity_of", "recv_rows",
            "make_shape", "route_layout", "dispatch_layout", "low_latency_layout", "low_latency_grid", "combine_layout", "kernel_defines", "SPECIALIZATIONS",
            "INTERNODE_SOURCE", "INTERNODE_GRID", "MoeXLayout", "x_route_layout", "x_dispatch_layout",
            "x_combine_layout", "node_meta_words", "node_meta_offsets", "x_node_dispatch_layout",
@@ -180,6 +180,18 @@ def fused_swiglu_config(F: int, options: MoeOptions) -> int | None:
         return options.gemm_config if suits(options.gemm_config) else None
     by_area = sorted(FUSED_CONFIGS, key=lambda c: (-CONFIGS[c].bm * CONFIGS[c].bn, c))
     return next((c for c in (fused_config(2 * F, options), *by_area) if suits(c)), None)
+
+
+def no_swiglu_config(what: str, F: int, options: MoeOptions, needs: str) -> ValueError:
+    """The error when :func:`fused_swiglu_config` finds no config for F (``needs``: what asked, e.g.
+    "swiglu=True"): it names the forced config's pair width, or every fused config's."""
+    cfg = options.gemm_config
+    if cfg is not None:
+        return ValueError(f"{what}: MoeOptions.gemm_config={cfg} cannot pair gate and up columns at F = {F}: its "
+                          f"pair width {pair_width(cfg)} must divide F")
+    widths = sorted({pair_width(c) for c in FUSED_CONFIGS})
+    return ValueError(f"{what}: {needs} needs F = {F} (w_gate_up's second dim / 2) to be a multiple of a fused "
+                      f"config's pair width ({widths}; docs/moe.md, \"SwiGLU epilogue\")")
 
 
 class MoeCombineArgs(ctypes.Structure):

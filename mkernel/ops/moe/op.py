@@ -25,7 +25,7 @@ from .layout import (EXCHANGE_THREADS, MAX_EXPERTS, MAX_K, SOURCE, SPECIALIZATIO
 from .options import LOW_LATENCY_MAX_TOKENS, MoeOptions
 
 __all__ = ["MoeRouting", "MoePlan", "moe_route", "moe_dispatch", "moe_combine", "moe_options", "one_node",
-           "routing_arg", "DATA_DTYPES", "ACROSS_NODES", "check_sizes", "DTYPEDTYPE_CODES"]
+           "routing_arg", "DATA_DTYPES", "ACROSS_NODES", "check_sizes", "DTYPE_CODES"]
 
 for _d, _o, _l in SPECIALIZATIONS:
     register_specialization(SOURCE, {"MK_DTYPE": _d, "MK_OUT_DTYPE": _o, "MK_LOGIT_DTYPE": _l})
