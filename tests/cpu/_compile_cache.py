@@ -66,3 +66,14 @@ def assert_gemm_spec_clean(source: str, defines: dict, cache_dir, monkeypatch, k
     mod = CP.compile_module(source, defines, arch=arch)
     threads = G.CONFIGS[defines["MK_GEMM_CONFIG"]].threads
     assert_clean(mod, (kernel,), lambda fn: threads)
+
+
+def struct_figures(*structs) -> str:
+    """``{sizeof, alignment, offset of each field (declaration order)}`` of ctypes structs: the initializer a
+    kernel's ``MK_EXPECT_*_STRUCTS`` define takes, compared with the device's layout by static_assert."""
+    import ctypes
+
+    v = []
+    for S in structs:
+        v += [ctypes.sizeof(S), ctypes.alignment(S)] + [getattr(S, f[0]).offset for f in S._fields_]
+    return "{" + ",".join(map(str, v)) + "}"

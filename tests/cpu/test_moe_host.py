@@ -35,15 +35,6 @@ def test_compiles_clean(source, defines):
     _compile_cache.assert_clean(mod, KERNELS, lambda fn: LIMITS.get(fn, ML.THREADS))
 
 
-def _struct_figures(*structs) -> str:
-    """``{sizeof, alignment, offset of each field (declaration order)}`` of ctypes structs, as moe.cu's
-    MK_EXPECT_MOE_STRUCTS wants them."""
-    v = []
-    for S in structs:
-        v += [ctypes.sizeof(S), ctypes.alignment(S)] + [getattr(S, f[0]).offset for f in S._fields_]
-    return "{" + ",".join(map(str, v)) + "}"
-
-
 def test_structs_match_the_kernel():
     """The kernels take MoeLayout, MoeShape and MkComm by value from the host's ctypes structs: the device
     compiler checks every size, alignment and field offset against the host's (static_assert in moe.cu); a
@@ -54,7 +45,7 @@ def test_structs_match_the_kernel():
     assert [f[0] for f in ML.MoeLayout._fields_] == ["consumed_off", "flags_off", "counts_off", "scratch_off",
                                                      "stage_off", "row_bytes", "flag_stride", "pad"]
     assert [f[0] for f in ML.MoeShape._fields_] == ["T", "H", "k", "E", "El", "capacity", "r_cap", "softmax_all"]
-    want = _struct_figures(ML.MoeLayout, ML.MoeShape, MkComm)
+    want = _compile_cache.struct_figures(ML.MoeLayout, ML.MoeShape, MkComm)
     defines = {**ML.kernel_defines(0, 0, 2), "MK_EXPECT_MOE_STRUCTS": want}
     CP.compile_module(ML.SOURCE, defines, arch=ARCH)
     bad = want.replace("{56,", "{48,", 1)

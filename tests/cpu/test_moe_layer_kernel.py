@@ -7,7 +7,6 @@ rows is stored, and every tile runs); the host plan and the layer's submission a
 inputs raise before launch; the options."""
 from __future__ import annotations
 
-import ctypes
 import types
 
 import numpy as np
@@ -24,6 +23,7 @@ from mkernel.ops.moe import layer as LY
 from mkernel.ops.moe import gemm_bound as GB
 from mkernel.ops.moe import layout as ML
 from mkernel.ops.moe import op as MO
+from mkernel.ops.gemm_comm import raster  # (mk_gemm.cuh mk_raster)
 from mkernel.ops.moe.op import MoeRouting
 
 from test_gemm_compile import fake, map_ptr  # noqa: F401 (the driver fakes of the GEMM plans)
@@ -52,20 +52,11 @@ def test_compiles_clean(source, defines, compile_cache, monkeypatch):
     _compile_cache.assert_gemm_spec_clean(source, defines, compile_cache, monkeypatch, FL.NAME, ARCH)
 
 
-def _struct_figures(*structs) -> str:
-    """``{sizeof, alignment, offset of each field (declaration order)}`` of ctypes structs, as moe_layer.cu's
-    MK_EXPECT_MOE_LAYER_STRUCTS wants them."""
-    v = []
-    for S in structs:
-        v += [ctypes.sizeof(S), ctypes.alignment(S)] + [getattr(S, f[0]).offset for f in S._fields_]
-    return "{" + ",".join(map(str, v)) + "}"
-
-
 def test_structs_match_the_kernel():
     """The kernel takes MoeGemmArgs, MoeCombineArgs, two MoeLayouts and MoeShape by value from the host's
     ctypes structs: the device compiler checks every size, alignment and field offset (static_assert in
     moe_layer.cu); a figure off by one fails the compile (so the check is live)."""
-    want = _struct_figures(ML.MoeGemmArgs, ML.MoeCombineArgs, ML.MoeLayout, ML.MoeShape)
+    want = _compile_cache.struct_figures(ML.MoeGemmArgs, ML.MoeCombineArgs, ML.MoeLayout, ML.MoeShape)
     defines = {**FL.layer_defines("bfloat16", 2), "MK_EXPECT_MOE_LAYER_STRUCTS": want}
     CP.compile_module(ML.LAYER_SOURCE, defines, arch=ARCH)
     bad = want.replace("{112,", "{104,", 1)
@@ -100,16 +91,6 @@ def test_layout(P, T, k, rb, r_cap):
 
 
 # ---- the act_done protocol between the two tile loops ---------------------------------------------------
-def _raster(i, num_m, num_n, group_m):
-    """mk_gemm.cuh mk_raster."""
-    per = group_m * num_n
-    gid = i // per
-    first = gid * group_m
-    gsz = min(num_m - first, group_m)
-    local = i - gid * per
-    return first + local % gsz, local // gsz
-
-
 def _grouped(o, El, M, N, BM, BN, worker, workers, group_m=G.GROUP_M):
     """MkGroupedScheduler's tiles for one worker: (group, tile_m, row0, rows, col0, cols), offsets clamped to
     [0, M] as the scheduler clamps them."""
@@ -125,7 +106,7 @@ def _grouped(o, El, M, N, BM, BN, worker, workers, group_m=G.GROUP_M):
     out = []
     for i in range(worker, base, workers):
         g, r0, r1, nm, b = next(x for x in groups if x[4] <= i < x[4] + x[3] * num_n)
-        tm, tn = _raster(i - b, nm, num_n, group_m)
+        tm, tn = raster(i - b, nm, num_n, group_m)
         row0 = r0 + tm * BM
         out.append((g, tm, row0, min(BM, r1 - row0), tn * BN, min(BN, N - tn * BN)))
     return out
