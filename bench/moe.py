@@ -123,6 +123,10 @@ def _ok(v) -> bool:
     return v is not None and v == v and v > 0
 
 
+# the whole-layer methods (each a moe_layer path): their speedups, TFLOP/s and the best of them
+LAYERS = ("layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer")
+
+
 def derive(rec: dict) -> dict:
     """Bandwidths, TFLOP/s and speedups of a record with ``<method>_ms`` times (in place; returns it)."""
     b = rec.get("unique_bytes")
@@ -130,14 +134,14 @@ def derive(rec: dict) -> dict:
         if _ok(rec.get(key + "_ms")) and b is not None:
             rec[key + "_gbs"] = b / (rec[key + "_ms"] * 1e-3) / 1e9
     fl = rec.get("flops")
-    for key in ("torch", "pieces", "layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer"):
+    for key in ("torch", "pieces") + LAYERS:
         if _ok(rec.get(key + "_ms")) and fl:
             rec[key + "_tflops"] = fl / (rec[key + "_ms"] * 1e-3) / 1e12
-    for key in ("layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer"):
+    for key in LAYERS:
         for base in ("torch", "pieces"):
             if _ok(rec.get(key + "_ms")) and _ok(rec.get(base + "_ms")):
                 rec[f"{key}_vs_{base}"] = rec[base + "_ms"] / rec[key + "_ms"]
-    best = [rec[k + "_ms"] for k in ("layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer") if _ok(rec.get(k + "_ms"))]
+    best = [rec[k + "_ms"] for k in LAYERS if _ok(rec.get(k + "_ms"))]
     if best:
         rec["best_ms"] = min(best)
         for base in ("torch", "pieces"):
@@ -190,7 +194,7 @@ def report(results, meta, out_dir: Path) -> str:
         if notes:
             label += " [" + "; ".join(notes) + "]"
         t = targets(r)
-        best_tf = max([r[k + "_tflops"] for k in ("layer", "layer_sw", "layer_fc", "layer_one", "fused", "ll_layer")
+        best_tf = max([r[k + "_tflops"] for k in LAYERS
                       if r.get(k + "_tflops")],
                       default=None)
         pair = lambda k: _f(r.get(k + "_vs_torch"), ".2f") + " / " + _f(r.get(k + "_vs_pieces"), ".2f")  # noqa: E731
