@@ -38,6 +38,7 @@ OWN_COMPILE_TESTS = {
     "ops/attention_fwd.cu": "test_attention_host.py", "ops/attention_bwd.cu": "test_attention_bwd_host.py",
     "ops/moe.cu": "test_moe_host.py", "ops/moe_gemm.cu": "test_moe_host.py", "gemm/gemm_swiglu.cu": "test_moe_swiglu.py",
     "ops/moe_internode.cu": "test_moe_internode.py", "ops/ring_attention.cu": "test_ring_attention_host.py",
+    "ops/ring_attention_fused.cu": "test_ring_attention_fused.py",
 }
 COMPILE_SPECS = [(s, d) for s, d in SPECS if s not in OWN_COMPILE_TESTS]
 

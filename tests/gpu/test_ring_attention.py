@@ -45,6 +45,11 @@ def _setup(_contexts):
             precompile_source("ops/ring_attention_x.cu")
         except Exception as exc:  # noqa: BLE001
             print(f"precompile failed, compiling lazily: {exc!r}")
+    if ctx.local_rank == 0:
+        try:  # the persistent kernels
+            precompile_source("ops/ring_attention_fused.cu")
+        except Exception as exc:  # noqa: BLE001
+            print(f"precompile failed, compiling lazily: {exc!r}")
     yield from precompiled_with_long_timeout(_contexts, "ops/ring_attention.cu")
 
 
@@ -65,7 +70,7 @@ def _to_layout(x, layout):
     return np.ascontiguousarray(x if layout == "bshd" else x.transpose(0, 2, 1, 3))
 
 
-def _run(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16", calls=1):
+def _run(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16", calls=1, options=None):
     q = rng.standard_normal((B, S, Hq, D))
     k = rng.standard_normal((B, S, Hkv, D))
     v = rng.standard_normal((B, S, Hkv, D))
@@ -86,12 +91,12 @@ def _run(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16",
     for _ in range(calls):
         out = DeviceArray.empty(shape, dtype).fill_nan()
         lse = DeviceArray.empty((B, Hq, len(rows)), "float32").fill_nan()
-        mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=causal, layout=layout)
+        mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=causal, layout=layout, options=options)
     ctx.synchronize()
     got = download(out)
     if layout == "bhsd":
         got = got.transpose(0, 2, 1, 3)
-    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={_ring(ctx)[1]}"
+    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={_ring(ctx)[1]} {options}"
     assert not np.isnan(got).any(), f"{what}: unwritten out"
     tol = 2e-2 * (np.abs(ref_o) + 0.05 * np.abs(v).max())
     bad = np.abs(got - ref_o) > tol
@@ -135,7 +140,7 @@ def test_graph_capture(ctx, shared_rng):
     _graph_capture(ctx, shared_rng, 2 * _ring(ctx)[1] * 140)
 
 
-def _graph_capture(ctx, shared_rng, S):
+def _graph_capture(ctx, shared_rng, S, options=None):
     from cuda.bindings import driver as cu
 
     from mkernel.core.driver import check
@@ -147,9 +152,10 @@ def _graph_capture(ctx, shared_rng, S):
     out = DeviceArray.empty(qd.shape, "bfloat16")
     lse = DeviceArray.empty((B, H, len(rows)), "float32")
     s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-    mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s))
+    mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s), options=options)
     ctx.synchronize()
-    g = capture(s, lambda: mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s)))
+    g = capture(s, lambda: mkernel.ring_attention(ctx, qd, kd, vd, out, lse=lse, causal=True, stream=int(s),
+                                                  options=options))
     ge = check(cu.cuGraphInstantiate(g, 0))
     ref = download(out)
     for _ in range(3):
@@ -196,6 +202,47 @@ def test_zzz_missing_peer_times_out(ctx):
         pytest.skip("needs 2 ranks")
     q, _ = upload(np.ones((1, 256, 4, 128)), "bfloat16")
     assert_missing_peer_times_out(lambda c2: mkernel.ring_attention(c2, q, q, q), "ring_attention")
+
+
+# ------------------------------------------------------------------ one persistent kernel
+PERSISTENT = mkernel.RingAttentionOptions(persistent=True)
+P_CASES = CASES + [  # more tiles than blocks: each block runs many query tiles through every step
+    (2, 1000, 16, 4, 128, True, "bshd"),
+    (1, 2050, 8, 8, 64, False, "bhsd"),
+    (3, 1, 2, 1, 128, False, "bshd"),
+    (1, 2, 2, 2, 64, True, "bshd"),
+]
+
+
+@pytest.mark.parametrize("case", P_CASES, ids=[
+    f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}" for c in P_CASES])
+def test_persistent_against_float64(ctx, shared_rng, case):
+    B, S_local, Hq, Hkv, D, causal, layout = case
+    plan = _run(ctx, shared_rng, B, S_local * ctx.local_size, Hq, Hkv, D, causal=causal, layout=layout,
+                options=PERSISTENT)
+    assert plan.persistent == (ctx.num_nodes == 1)
+
+
+def test_persistent_float16_and_back_to_back_alternating_paths(ctx, shared_rng):
+    """fp16; then calls alternating between the persistent kernel and the step launches (one workspace,
+    other layouts of it) and 60 persistent calls in a row (the arrival flags and the home slots cycle)."""
+    S = 2 * ctx.local_size * 150
+    _run(ctx, shared_rng, 1, S, 4, 2, 128, causal=True, dtype="float16", options=PERSISTENT)
+    for i in range(6):
+        _run(ctx, shared_rng, 1, S + 2 * ctx.local_size * i, 4, 2, 64, causal=bool(i % 2),
+             options=PERSISTENT if i % 3 else None)
+    _run(ctx, shared_rng, 1, S, 4, 2, 64, causal=True, calls=60, options=PERSISTENT)
+
+
+def test_persistent_graph_capture(ctx, shared_rng):
+    _graph_capture(ctx, shared_rng, 2 * _ring(ctx)[1] * 140, PERSISTENT)
+
+
+def test_zzz_persistent_missing_peer_times_out(ctx):
+    if ctx.local_size < 2:
+        pytest.skip("needs 2 ranks")
+    q, _ = upload(np.ones((1, 256, 4, 128)), "bfloat16")
+    assert_missing_peer_times_out(lambda c2: mkernel.ring_attention(c2, q, q, q, options=PERSISTENT), "ring_attention")
 
 
 # ------------------------------------------------------------------ backward

@@ -12,6 +12,8 @@ docs/ring_attention.md.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cuda.bindings import driver as cu
 
 from ...core.arrays import DeviceArray, contiguous_strides
@@ -25,6 +27,7 @@ from ..base import BoundCall, Op, as_stream, checked_once
 from ..collectives.internode import check_layout as check_nodes
 from .options import RingAttentionOptions
 from .plan import RingPlan, make_plan
+from . import fused as FU
 from . import internode as XR
 from .common import (SOURCE, VALUE_OFF, RingLayout, attention_launches, begin_launch, chunked_copies, control,
                      gate_launch, gated_pull, launch_step)
@@ -106,8 +109,11 @@ class _RingAttention(Op):
     def compile(self, ctx, call):
         with on_device(ctx.device):
             dt, D = call.q.dtype.name, call.dims[5]
-            for c in ((False, True) if call.causal else (False,)):
-                AK.get(dt, D, c, merge=True)
+            if self._persistent(ctx, call):
+                FU.get(dt, D)
+            else:
+                for c in ((False, True) if call.causal else (False,)):
+                    AK.get(dt, D, c, merge=True)
             if ctx.local_size > 1 or ctx.num_nodes > 1:
                 control("mk_ring_begin")
                 control("mk_ring_wait")
@@ -118,7 +124,7 @@ class _RingAttention(Op):
         B, Sq, Sk, Hq, Hkv, D = call.dims
         o = call.options
         sig = (OP, call.q.dtype.name, B, Sq, Hq, Hkv, D, call.layout, call.causal, round(call.scale, 9),
-               o.heavy_first, o.pull_chunks)
+               o.heavy_first, o.pull_chunks, o.persistent)
         return ctx.agree(WHAT, sig, ctx.node_comm if ctx.num_nodes == 1 else ctx.world)
 
     def describe_call(self, call):
@@ -130,11 +136,17 @@ class _RingAttention(Op):
         rank, P = (ctx.local_rank, ctx.local_size) if ctx.num_nodes == 1 else (ctx.rank, ctx.size)
         p = make_plan(rank, P, call.dims[1], call.causal, call.k.nbytes * 2)
         call.digest = digest
-        return p
+        return replace(p, persistent=True) if self._persistent(ctx, call) else p
+
+    @staticmethod
+    def _persistent(ctx, call) -> bool:
+        return call.options.persistent and ctx.num_nodes == 1
 
     def bind(self, ctx, call, plan):
         if ctx.num_nodes > 1:
             return XR.RingXBound(ctx, call, plan, getattr(call, "digest", 0))
+        if plan.persistent:
+            return FU.RingFusedBound(ctx, call, plan, getattr(call, "digest", 0))
         return _RingBound(ctx, call, plan, getattr(call, "digest", 0))
 
 

@@ -15,10 +15,16 @@ class RingAttentionOptions:
     ``heavy_first``: the attention kernel's query-block order (:class:`mkernel.AttentionOptions`); it matters
     for the causal step 0 only.  ``pull_chunks``: each K/V block is pulled from its owner in this many copies
     (1..8) on the side stream; more pieces let the next step's gate run earlier on nothing, fewer cost fewer
-    copy launches (docs/ring_attention.md, "Transfers")."""
+    copy launches (docs/ring_attention.md, "Transfers").  ``persistent``: one persistent kernel per call
+    instead of one launch per ring step: each query tile's online softmax runs over every step's K/V in
+    registers (no partial results to merge); the workspace then holds every rank's K/V block (the memory of
+    the whole sequence's K/V, as the all-gather scheme) instead of two.  One node only (across nodes the
+    step path runs; the plan says which: ``RingPlan.persistent``).  docs/ring_attention.md, "One persistent
+    kernel"."""
 
     heavy_first: bool = True
     pull_chunks: int = 1
+    persistent: bool = False
 
     __hash__ = options_hash  # (hashed once: part of every bound-call key)
 
@@ -28,4 +34,6 @@ class RingAttentionOptions:
             raise ValueError(f"RingAttentionOptions.heavy_first must be True or False, got {self.heavy_first!r}")
         if type(self.pull_chunks) is not int or not 1 <= self.pull_chunks <= 8:
             raise ValueError(f"RingAttentionOptions.pull_chunks must be an int in 1..8, got {self.pull_chunks!r}")
+        if type(self.persistent) is not bool:
+            raise ValueError(f"RingAttentionOptions.persistent must be True or False, got {self.persistent!r}")
         return self

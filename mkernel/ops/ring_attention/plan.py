@@ -68,7 +68,9 @@ class Launch:
 class RingPlan:
     """What a ring attention call runs (``ctx.last_plan("ring_attention")``): ``P`` ranks, this rank's
     ``launches``, the pull sources per step (``sources[s]``: local rank whose block step s reads; s = 0 is this
-    rank), the bytes of one K/V block, whether the K/V rotation is on the copy engines (always, P > 1)."""
+    rank), the bytes of one K/V block, whether the K/V rotation is on the copy engines (always, P > 1),
+    whether one persistent kernel runs the whole call (``RingAttentionOptions.persistent``; ``launches`` then
+    describe the pairs it computes, not its launches)."""
 
     P: int
     rank: int
@@ -78,6 +80,7 @@ class RingPlan:
     sources: tuple
     kv_block_bytes: int = 0
     copy_engines: bool = True
+    persistent: bool = False
 
     @property
     def work(self) -> float:
