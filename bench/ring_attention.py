@@ -37,6 +37,7 @@ def main():
     import mkernel
 
     P, r = ctx.local_size, ctx.local_rank
+    persistent = mkernel.RingAttentionOptions(persistent=True)
     shared = ctx.gpu_sharers > 1
     rows = []
     for S in [int(x) for x in a.s.split(",")]:
@@ -52,6 +53,9 @@ def main():
 
             def ours():
                 mkernel.ring_attention(ctx, q, k, v, out, lse=lse, causal=causal, stream=s)
+
+            def ours_persistent():  # RingAttentionOptions(persistent=True): one persistent kernel per call
+                mkernel.ring_attention(ctx, q, k, v, out, lse=lse, causal=causal, stream=s, options=persistent)
 
             kg = torch.empty(P, B, Sl, Hkv, D, device="cuda", dtype=torch.bfloat16)
             vg = torch.empty_like(kg)
@@ -112,7 +116,8 @@ def main():
             qs, ks, vs = q, k.repeat(1, P, 1, 1), v.repeat(1, P, 1, 1)
             flops = 4 * B * Hq * S * Sl * D * (0.5 if causal else 1.0)
             res = {"S": S, "S_local": Sl, "causal": causal, "P": P, "B": B, "H_q": Hq, "H_kv": Hkv, "D": D}
-            for name, fn in (("mkernel_ring", ours), ("allgather_sdpa", allgather_sdpa), ("host_ring_flash", host_ring),
+            for name, fn in (("mkernel_ring", ours), ("mkernel_ring_persistent", ours_persistent),
+                             ("allgather_sdpa", allgather_sdpa), ("host_ring_flash", host_ring),
                              ("mkernel_single_equiv", single)):
                 try:
                     t = time_stats(fn, warmup=3, reps=10, barrier=ctx.world.Barrier)["median_ms"]

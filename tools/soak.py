@@ -17,7 +17,8 @@ The attention ops alternate: even sets non-causal, odd sets causal (two bound ca
 ``attention`` (out, lse) and ``attention_backward`` (dq, dk, dv; its out and lse fed from the float64
 forward, so only the backward is checked) run on one GPU, GQA 4:1 / 2:1.  ``ring_attention`` (out, lse) runs
 over the node's ranks: non-causal on contiguous shards, causal on zigzag shards (``mkernel.zigzag_shard``),
-against float64 attention over the whole sequence.  ``moe``: route (fresh top-k ids and weights every set)
+against float64 attention over the whole sequence (``ring_attention_persistent``: the same through
+``RingAttentionOptions(persistent=True)``).  ``moe``: route (fresh top-k ids and weights every set)
 -> dispatch -> combine of the received rows, one ``MoeRouting`` rewritten by every call; checks x_recv
 (the rows received) and out.  ``moe_layer``: the whole layer (default path) routed from fresh logits,
 against ``mkernel.ops.moe.reference.layer_reference``.
@@ -65,7 +66,7 @@ from mkernel.core.driver import check, cu  # noqa: E402
 from mkernel.ops.moe import reference as moe_ref  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "ag_gemm", "gemm_rs", "gemm_ar", "gemm", "attention",
-       "attention_backward", "moe", "moe_layer", "ring_attention")
+       "attention_backward", "moe", "moe_layer", "ring_attention", "ring_attention_persistent")
 ONE_GPU = ("gemm", "attention", "attention_backward")  # (need no context: every process runs its own)
 
 
@@ -236,7 +237,10 @@ class Case:
         return (lambda dq, dk, dv: mkernel.attention_backward(q, k, v, o, lse, do, dq, dk, dv, causal=causal)), \
             _attention_outs(r, ("dq", "dk", "dv"))
 
-    def _ring_attention(self, ctx, rng, P, me):
+    def _ring_attention_persistent(self, ctx, rng, P, me):
+        return self._ring_attention(ctx, rng, P, me, mkernel.RingAttentionOptions(persistent=True))
+
+    def _ring_attention(self, ctx, rng, P, me, options=None):
         B, S_loc, Hq, Hkv, D = 1, 262, 4, 2, 64  # (causal: zigzag chunks of 131 rows)
         causal = self._causal()
         full = [_bf16_bits(rng.standard_normal((B, S_loc * P, h, D))) for h in (Hq, Hkv, Hkv)]
@@ -248,7 +252,7 @@ class Case:
             return np.take(x, np.arange(me * S_loc, (me + 1) * S_loc), axis=seq_dim)
         q, k, v = (DeviceArray.from_numpy(np.ascontiguousarray(mine(b)), dtype="bfloat16") for b, _ in full)
         r = {"out": mine(r["out"]), "out_mag": mine(r["out_mag"]), "lse": mine(r["lse"], 2)}
-        return (lambda o, l: mkernel.ring_attention(ctx, q, k, v, o, lse=l, causal=causal)), \
+        return (lambda o, l: mkernel.ring_attention(ctx, q, k, v, o, lse=l, causal=causal, options=options)), \
             _attention_outs(r, ("out",)) + [("lse", r["lse"].shape, "float32", r["lse"], 2.0 ** -10)]
 
     def _moe(self, ctx, rng, P, me):
