@@ -21,7 +21,7 @@ OPS = {
     "moe": ("ops/moe.cu", "ops/moe_gemm.cu", "ops/moe_internode.cu", "gemm/gemm_swiglu.cu",
             "ops/moe_gemm_combine.cu", "ops/moe_layer.cu") + _GEMM,
     "attention": _ATTENTION,
-    "ring_attention": ("ops/ring_attention.cu", "ops/ring_attention_x.cu") + _ATTENTION,
+    "ring_attention": ("ops/ring_attention.cu", "ops/ring_attention_x.cu", "ops/ring_attention_fused.cu") + _ATTENTION,
 }
 _HOPPER_ONLY = ("gemm/gemm.cu", "gemm/gemv.cu", "ops/ag_gemm.cu", "ops/gemm_rs.cu", "ops/gemm_ar.cu",
                 "ops/moe_gemm.cu", "gemm/gemm_swiglu.cu", "ops/moe_gemm_combine.cu", "ops/moe_layer.cu") + _ATTENTION
