@@ -250,7 +250,7 @@ def test_bound_submits_in_order(ctx, monkeypatch):
                            (ws.peer_ptr(src, L.ctl.consumed_off + 8), ws.ptr + RO.VALUE_OFF, 8),
                            (bound.arrived.ptr + 8 * src, ws.ptr + RO.VALUE_OFF, 8)))]
     want += [("persistent",), ("record", "join", 77), ("wait", "join", 5)]
-    assert log == want
+    assert log == want and bound.plan is plan  # (ctx.last_plan)
     (grid, threads, stream, smem, args), = launched
     chunk, m_tiles, tiles = FU.num_tiles(B, Hq, S, True)
     assert grid == (min(tiles, 131), 1, 1) and threads == AK.THREADS and stream == 5 and smem == AK.smem_bytes(D)

@@ -116,6 +116,7 @@ class RingFusedBound(BoundCall):
     def __init__(self, ctx, call, plan, digest: int):
         B, S, _, Hq, Hkv, D = call.dims
         P, me = plan.P, plan.rank
+        self.plan = plan
         self.P = P
         self.buffers = ()
         self.arrived = DeviceArray.from_numpy(np.zeros(max(P, 1), np.int64), device=ctx.device)
