@@ -1,6 +1,6 @@
 """Ring attention forward across the GPUs of one node (mkernel.ring_attention), under mpirun:
 
-    mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 python examples/ring_attention.py [--s 16384] [--causal]
+    mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 python examples/ring_attention.py [--s 16384] [--causal] [--persistent]
 
 First a small causal GQA case (zigzag sharded, S_local = 2 * 150) is checked against a float64 numpy
 reference of full attention over the whole sequence; then the requested shape is timed (CUDA events around
@@ -40,7 +40,9 @@ def main():
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--persistent", action="store_true", help="one persistent kernel per call (one node)")
     a = ap.parse_args()
+    opts = mkernel.RingAttentionOptions(persistent=a.persistent)
     ctx = mkernel.init()
     P, r = ctx.local_size, ctx.local_rank
     rng = np.random.default_rng(1234)  # the same on every rank: each takes its shard
@@ -49,7 +51,7 @@ def main():
     q, k, v = (bf16_values(rng.standard_normal((B, S, h, D))) for h in (Hq, Hkv, Hkv))
     rows = zigzag_indices(S, P, r)
     up = [DeviceArray.from_numpy(f32_to_bf16(x[:, rows].astype(np.float32)), dtype="bfloat16") for x in (q, k, v)]
-    out, lse = mkernel.ring_attention(ctx, *up, causal=True)
+    out, lse = mkernel.ring_attention(ctx, *up, causal=True, options=opts)
     ctx.synchronize()
     ref_o, ref_l = reference(q, k, v, True)
     got = bf16_to_f32(out.to_numpy()).astype(np.float64)
@@ -66,13 +68,13 @@ def main():
     s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
     e0, e1 = (check(cu.cuEventCreate(0)) for _ in range(2))
     for _ in range(3):
-        mkernel.ring_attention(ctx, *arrs, out, lse=lse, causal=a.causal, stream=int(s))
+        mkernel.ring_attention(ctx, *arrs, out, lse=lse, causal=a.causal, stream=int(s), options=opts)
     ctx.synchronize()
     ctx.barrier()
     n = 20
     check(cu.cuEventRecord(e0, s))
     for _ in range(n):
-        mkernel.ring_attention(ctx, *arrs, out, lse=lse, causal=a.causal, stream=int(s))
+        mkernel.ring_attention(ctx, *arrs, out, lse=lse, causal=a.causal, stream=int(s), options=opts)
     check(cu.cuEventRecord(e1, s))
     ctx.synchronize()
     ms = check(cu.cuEventElapsedTime(e0, e1)) / n
