@@ -5,8 +5,6 @@
 //   (global chunk g = b * n_per_block + i, `chunk_bytes` each, at byte offset g * chunk_bytes on both
 //   ends) raises the flag at flag_base + 8 * g of the destination's window `flag_win` to `epoch`.
 //   With `wait_done`, the block waits for local completion of its last command before returning.
-//   (flag_win is a parameter: the kernel once hard-coded window 0, so the flags of a caller keeping
-//   them in a window of their own landed inside the data and its waiter never saw them.)
 //   Parameter list mirrored by tests/cpu/test_proxy_scenarios.py gpu_kernel_args (PTX-checked on the CPU).
 //   Pattern: byte k of chunk g is (g * 131 + k * 7 + epoch) & 0xff.
 // mk_proxy_layout: writes sizeof/offsetof of MkProxyCmd and MkProxy into out[0..15], so a GPU test
