@@ -3,16 +3,17 @@
 // mk_proxy_test_push: block b fills its chunks of `data` (window 0 of this rank, device memory) with
 //   a pattern, then thread 0 pushes one WRITE per chunk to rank `dst_rank`: chunk i of block b
 //   (global chunk g = b * n_per_block + i, `chunk_bytes` each, at byte offset g * chunk_bytes on both
-//   ends) raises the flag at flag_base + 8 * g of the destination to `epoch`.  With `wait_done`, the
-//   block waits for local completion of its last command before returning.
+//   ends) raises the flag at flag_base + 8 * g of the destination's window `flag_win` to `epoch`.
+//   With `wait_done`, the block waits for local completion of its last command before returning.
+//   Parameter list mirrored by tests/cpu/test_proxy_scenarios.py gpu_kernel_args (PTX-checked on the CPU).
 //   Pattern: byte k of chunk g is (g * 131 + k * 7 + epoch) & 0xff.
 // mk_proxy_layout: writes sizeof/offsetof of MkProxyCmd and MkProxy into out[0..15], so a GPU test
 //   can check mkernel/proxy/engine.py's mirror against the compiler's layout.
 #include "core/mk_proxy.cuh"
 
 extern "C" __global__ void mk_proxy_test_push(MkComm c, MkProxy p, unsigned char* data, int n_per_block,
-                                              int dst_rank, mk_u64 chunk_bytes, mk_u64 flag_base,
-                                              mk_u64 epoch, int wait_done) {
+                                              int dst_rank, mk_u64 chunk_bytes, int flag_win,
+                                              mk_u64 flag_base, mk_u64 epoch, int wait_done) {
   mk_u64 last = MK_PROXY_NO_FLAG;
   for (int i = 0; i < n_per_block; ++i) {
     const mk_u64 g = (mk_u64)blockIdx.x * n_per_block + i;
@@ -21,8 +22,8 @@ extern "C" __global__ void mk_proxy_test_push(MkComm c, MkProxy p, unsigned char
     __syncthreads();
     int ok = 1;
     if (threadIdx.x == 0) {
-      last = mk_proxy_push(c, p, MK_PROXY_OP_WRITE, dst_rank, 0, g * chunk_bytes, g * chunk_bytes, chunk_bytes, 0,
-                           flag_base + 8 * g, epoch, mk_globaltimer());
+      last = mk_proxy_push(c, p, MK_PROXY_OP_WRITE, dst_rank, 0, g * chunk_bytes, g * chunk_bytes, chunk_bytes,
+                           flag_win, flag_base + 8 * g, epoch, mk_globaltimer());
       ok = last != MK_PROXY_NO_FLAG;
     }
     if (!__syncthreads_and(ok)) return;

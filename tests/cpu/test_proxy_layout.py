@@ -54,3 +54,46 @@ def test_proxy_test_kernel_compiles_without_spills():
     assert set(usage) >= {"mk_proxy_test_push", "mk_proxy_layout"}
     for k, u in usage.items():
         assert u.get("spill_stores", 0) == 0, (k, u)
+
+
+_PTX_SIZES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "b32": 4, "u32": 4, "s32": 4, "f32": 4,
+              "b64": 8, "u64": 8, "s64": 8, "f64": 8}
+
+
+def _ptx_param_sizes(ptx: str, kernel: str) -> list[int]:
+    """Byte size of each parameter of ``.entry kernel(...)`` in PTX."""
+    import re
+
+    m = re.search(r"\.entry\s+" + kernel + r"\s*\((.*?)\)", ptx, re.S)
+    assert m, f"no .entry {kernel} in the PTX"
+    sizes = []
+    for decl in m.group(1).split(","):
+        d = re.search(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+\w+(?:\[(\d+)\])?", decl)
+        assert d, decl
+        sizes.append(_PTX_SIZES[d.group(1)] * int(d.group(2) or 1))
+    return sizes
+
+
+def test_gpu_scenario_launch_args_match_proxy_test_kernel():
+    """tests/cpu/test_proxy_scenarios.py gpu_kernel_args (sc_gpu's launch) against mk_proxy_test_push's
+    parameter list in the PTX: same count, same sizes (the GPU test once waited past its budget on a
+    kernel/scenario disagreement: flags pushed to window 0, waited for in window 1)."""
+    from mkernel.core.compiler import cuda_src_dir, include_dirs
+    from mkernel.dist.signals import MkComm
+    from test_proxy_scenarios import gpu_kernel_args
+
+    src = (cuda_src_dir() / "testing" / "proxy_test.cu").read_text()
+    prog = nvrtc.nvrtcCreateProgram(src.encode(), b"proxy_test.cu", 0, [], [])[1]
+    opts = [b"-std=c++17", b"--gpu-architecture=compute_90a", f"-I{cuda_src_dir()}".encode(),
+            *[f"-I{d}".encode() for d in include_dirs()]]
+    try:
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+        n = nvrtc.nvrtcGetPTXSize(prog)[1]
+        ptx = b" " * n
+        nvrtc.nvrtcGetPTX(prog, ptx)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    want = _ptx_param_sizes(ptx.decode(errors="replace"), "mk_proxy_test_push")
+    got = [ctypes.sizeof(a) for a in gpu_kernel_args(MkComm(), proxy.MkProxyStruct(), 0)]
+    assert got == want, f"launch argument sizes {got}, kernel parameters {want}"

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from mkernel.errors import CommError, CommTimeout  # noqa: E402
 from mkernel.proxy import OP_BARRIER, OP_FLAG, OP_WRITE, Proxy  # noqa: E402
-from mkernel.proxy.engine import STOP_GRACE  # noqa: E402
+from mkernel.proxy.engine import STOP_GRACE, HostProducer  # noqa: E402
 from mkernel.proxy.transport import HostWindow, SocketExchanger, as_exchanger  # noqa: E402
 
 SMALL = os.environ.get("MK_TEST_SMALL") == "1"  # soft-RoCE VM under emulation: smaller runs
@@ -326,6 +326,96 @@ def sc_verbs_peer_mr_gone(env):
     _verbs_fault(env, lambda tr: tr.regs[0].mr.close())
 
 
+# ---- GPU end to end (sc_gpu) and its CPU model (sc_gpu_model) -----------------------------------
+# One shape for both.  Rank 0 runs proxy_test.cu's mk_proxy_test_push (sc_gpu) or the Python model of
+# it below (sc_gpu_model, host windows): chunk g of window GPU_DATA_WIN goes to rank 1 at the same
+# offset, then raises the u64 at GPU_FLAG_BASE + 8 * g of window GPU_FLAG_WIN to GPU_EPOCH.  Rank 1
+# waits for every flag, then checks the data.
+GPU_BLOCKS, GPU_PER_BLOCK, GPU_CHUNK, GPU_EPOCH = 8, 16, 4096 + 36, 1
+GPU_NCHUNKS = GPU_BLOCKS * GPU_PER_BLOCK
+GPU_DATA_WIN, GPU_FLAG_WIN, GPU_FLAG_BASE = 0, 1, 0
+GPU_DATA_BYTES, GPU_FLAG_BYTES = GPU_NCHUNKS * GPU_CHUNK + 4096, 8 * GPU_NCHUNKS
+GPU_KERNEL_TIMEOUT_S = 10.0  # the kernel's per-wait timeout (MkComm.timeout_ns)
+# how long rank 1 waits for the flags: well inside the GPU test's subprocess timeout (tests/gpu/test_proxy_gpu.py)
+GPU_WAIT_S = float(os.environ.get("MK_TEST_GPU_WAIT", "20"))
+
+
+def gpu_pattern(nchunks: int = GPU_NCHUNKS, chunk: int = GPU_CHUNK, epoch: int = GPU_EPOCH) -> np.ndarray:
+    """What mk_proxy_test_push writes: byte k of chunk g is (g * 131 + k * 7 + epoch) & 0xff."""
+    g = np.arange(nchunks, dtype=np.uint64)[:, None]
+    k = np.arange(chunk, dtype=np.uint64)[None, :]
+    return ((g * 131 + k * 7 + epoch) & 0xFF).astype(np.uint8)
+
+
+def gpu_kernel_args(comm, proxy_struct, data_ptr: int, dst_rank: int = 1) -> list:
+    """mk_proxy_test_push's arguments, in its parameter order (cuda_src/testing/proxy_test.cu;
+    tests/cpu/test_proxy_layout.py checks the sizes against the kernel's PTX parameter list)."""
+    import ctypes
+
+    return [comm, proxy_struct, ctypes.c_uint64(data_ptr), ctypes.c_int32(GPU_PER_BLOCK), ctypes.c_int32(dst_rank),
+            ctypes.c_uint64(GPU_CHUNK), ctypes.c_int32(GPU_FLAG_WIN), ctypes.c_uint64(GPU_FLAG_BASE),
+            ctypes.c_uint64(GPU_EPOCH), ctypes.c_int32(1)]
+
+
+def model_test_push(prod: HostProducer, data: HostWindow, dst_rank: int = 1, flag_win: int = GPU_FLAG_WIN) -> None:
+    """Host model of mk_proxy_test_push (wait_done=1): the same commands, block by block."""
+    pat = gpu_pattern()
+    for b in range(GPU_BLOCKS):
+        last = None
+        for i in range(GPU_PER_BLOCK):
+            g = b * GPU_PER_BLOCK + i
+            off = g * GPU_CHUNK
+            data.array[off:off + GPU_CHUNK] = pat[g]
+            last = prod.push(OP_WRITE, dst_rank, GPU_DATA_WIN, off, off, GPU_CHUNK, flag_win,
+                             GPU_FLAG_BASE + 8 * g, GPU_EPOCH)
+        prod.wait_done(last)
+
+
+def gpu_receive_check(read_flags, read_data, proxy, wait_s: float = GPU_WAIT_S) -> None:
+    """Rank 1: wait (at most wait_s) until every flag reached GPU_EPOCH, then check the data."""
+    t0, last_print = time.monotonic(), 0.0
+    while True:
+        f = read_flags().view(np.uint64)
+        n_ok = int((f >= GPU_EPOCH).sum())
+        if n_ok == GPU_NCHUNKS:
+            break
+        proxy.check()
+        dt = time.monotonic() - t0
+        if dt - last_print >= 5.0:
+            print(f"rank 1: {n_ok}/{GPU_NCHUNKS} flags after {dt:.1f} s", flush=True)
+            last_print = dt
+        if dt > wait_s:
+            in_data = int((read_data()[:8 * GPU_NCHUNKS].view(np.uint64) == GPU_EPOCH).sum())
+            hint = (f" -- yet {in_data} of the data window's first {GPU_NCHUNKS} u64 hold the flag value: "
+                    "were the flags written into the data window (the kernel's flag_win)?") if n_ok == 0 and in_data else ""
+            raise AssertionError(f"rank 1: flags stuck at {n_ok}/{GPU_NCHUNKS} after {wait_s} s "
+                                 f"(proxy stats {dict(proxy.stats)}){hint}")
+        time.sleep(1e-3)
+    got = read_data().reshape(GPU_NCHUNKS, GPU_CHUNK)
+    want = gpu_pattern()
+    assert np.array_equal(got, want), f"rank 1: data wrong in {int((got != want).any(1).sum())} chunks"
+
+
+def sc_gpu_model(env, flag_win: int = GPU_FLAG_WIN):
+    """CPU model of sc_gpu: host windows of the same sizes, rank 0 pushes what the kernel pushes."""
+    data, flags = HostWindow(GPU_DATA_BYTES), HostWindow(GPU_FLAG_BYTES)
+    p = Proxy(env.ex, [data, flags], transport=env.transport, ring_capacity=16,
+              transport_options=dict(env.opts)).start()
+    if env.rank == 0:
+        model_test_push(p.producer(GPU_KERNEL_TIMEOUT_S), data, flag_win=flag_win)
+        assert int(p.ring.done[0]) >= GPU_NCHUNKS
+    elif env.rank == 1:
+        gpu_receive_check(lambda: flags.array.copy(), lambda: data.array[:GPU_NCHUNKS * GPU_CHUNK].copy(), p)
+    env.ex.barrier()
+    p.close()
+
+
+def sc_gpu_model_flag_win0(env):
+    """sc_gpu_model as the kernel was before it took flag_win (flags into window 0): rank 1 must fail
+    within MK_TEST_GPU_WAIT naming the cause, not hang (the test sets a short wait)."""
+    sc_gpu_model(env, flag_win=0)
+
+
 def sc_gpu(env):
     """GPU end to end (needs a GPU; 2 ranks may share one): rank 0's kernel (proxy_test.cu) pushes
     WRITE commands through the host-mapped ring; rank 1 checks data + flags in its device window."""
@@ -333,63 +423,60 @@ def sc_gpu(env):
 
     from cuda.bindings import driver as cu
 
-    from mkernel.core.driver import check, current_arch
     from mkernel.core.compiler import compile_module
+    from mkernel.core.driver import check, current_arch
+    from mkernel.dist.signals import MkComm, MkErrorRecord
     from mkernel.proxy.transport import GpuWindow
 
+    def say(msg):
+        print(f"rank {env.rank}: {msg} ({time.monotonic() - t_start:.2f} s)", flush=True)
+
+    t_start = time.monotonic()
     check(cu.cuInit(0))
     ndev = check(cu.cuDeviceGetCount())
     dev = check(cu.cuDeviceGet(env.rank % ndev))
     ctx = check(cu.cuDevicePrimaryCtxRetain(dev))
     check(cu.cuCtxSetCurrent(ctx))
-    blocks, per_block, chunk = 8, 16, 4096 + 36
-    nchunks = blocks * per_block
-    dbytes = nchunks * chunk + 4096
-    data_d = int(check(cu.cuMemAlloc(dbytes)))
-    flag_d = int(check(cu.cuMemAlloc(8 * nchunks)))
-    check(cu.cuMemsetD8(data_d, 0xEE, dbytes))
-    check(cu.cuMemsetD8(flag_d, 0, 8 * nchunks))
+    data_d = int(check(cu.cuMemAlloc(GPU_DATA_BYTES)))
+    flag_d = int(check(cu.cuMemAlloc(GPU_FLAG_BYTES)))
+    check(cu.cuMemsetD8(data_d, 0xEE, GPU_DATA_BYTES))
+    check(cu.cuMemsetD8(flag_d, 0, GPU_FLAG_BYTES))
     err_h = int(check(cu.cuMemHostAlloc(64, cu.CU_MEMHOSTALLOC_DEVICEMAP)))
     ctypes.memset(err_h, 0, 64)
     err_d = int(check(cu.cuMemHostGetDevicePointer(err_h, 0)))
-    dw, fw = GpuWindow(data_d, dbytes), GpuWindow(flag_d, 8 * nchunks)
-    p = Proxy(env.ex, [dw, fw], transport=env.transport, ring_capacity=16,
+    check(cu.cuCtxSynchronize())  # (the memsets are done before the peer's proxy can write)
+    dw, fw = GpuWindow(data_d, GPU_DATA_BYTES), GpuWindow(flag_d, GPU_FLAG_BYTES)
+    windows = [None, None]
+    windows[GPU_DATA_WIN], windows[GPU_FLAG_WIN] = dw, fw
+    p = Proxy(env.ex, windows, transport=env.transport, ring_capacity=16,
               transport_options=dict(env.opts)).start()
+    say(f"proxy up on device {env.rank % ndev} of {ndev}")
 
-    class MkComm(ctypes.Structure):
-        _fields_ = [("err", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64)] + \
-                   [(n, ctypes.c_int32) for n in ("rank", "world_size", "local_rank", "local_size", "node",
-                                                  "num_nodes", "op", "pad")]
-
-    epoch = 1
     if env.rank == 0:
         k = compile_module("testing/proxy_test.cu", arch=current_arch()).function("mk_proxy_test_push")
-        comm = MkComm(err_d, 10_000_000_000, 0, env.size, 0, 1, 0, env.size, 0, 0)
-        k.launch(blocks, 128, [comm, p.ring_device_struct(), ctypes.c_uint64(data_d), ctypes.c_int32(per_block),
-                               ctypes.c_int32(1), ctypes.c_uint64(chunk), ctypes.c_uint64(0), ctypes.c_uint64(epoch),
-                               ctypes.c_int32(1)])
+        say("compiled")
+        comm = MkComm(err=err_d, timeout_ns=int(GPU_KERNEL_TIMEOUT_S * 1e9), rank=0, world_size=env.size,
+                      local_rank=0, local_size=1, node=0, num_nodes=env.size, op=0, sig=0)
+        k.launch(GPU_BLOCKS, 128, gpu_kernel_args(comm, p.ring_device_struct(), data_d))
+        say("launched")
         check(cu.cuCtxSynchronize())
-        code = ctypes.c_int.from_address(err_h).value
-        assert code == 0, f"kernel reported error code {code}"
-        assert int(p.ring.done[0]) >= nchunks
+        rec = MkErrorRecord.from_address(err_h)
+        say(f"kernel done: error code {rec.code}, ring done {int(p.ring.done[0])}, proxy stats {dict(p.stats)}")
+        assert rec.code == 0, (f"kernel reported error code {rec.code} (peer {rec.peer}, block {rec.block}, "
+                               f"expected {rec.expected}, seen {rec.seen}, waited {rec.waited_ns / 1e9:.2f} s)")
+        assert int(p.ring.done[0]) >= GPU_NCHUNKS
     elif env.rank == 1:
-        t0 = time.monotonic()
-        while True:
-            f = fw.read(0, 8 * nchunks).view(np.uint64)
-            if (f >= epoch).all():
-                break
-            p.check()
-            assert time.monotonic() - t0 < 60, f"flags stuck: {int((f >= epoch).sum())}/{nchunks}"
-            time.sleep(1e-3)
-        got = dw.read(0, nchunks * chunk).reshape(nchunks, chunk)
-        g = np.arange(nchunks, dtype=np.uint64)[:, None]
-        kk = np.arange(chunk, dtype=np.uint64)[None, :]
-        want = ((g * 131 + kk * 7 + epoch) & 0xFF).astype(np.uint8)
-        assert np.array_equal(got, want), f"data wrong in {int((got != want).any(1).sum())} chunks"
+        gpu_receive_check(lambda: fw.read(0, GPU_FLAG_BYTES), lambda: dw.read(0, GPU_NCHUNKS * GPU_CHUNK), p)
+        say("data and flags checked")
     env.ex.barrier()
     p.close()
     dw.close(), fw.close()
     cu.cuMemFree(data_d), cu.cuMemFree(flag_d), cu.cuMemFreeHost(err_h)
+
+
+def sc_sleep(env):
+    """Sleeps MK_TEST_SLEEP s (tests of the runner's timeout handling)."""
+    time.sleep(float(os.environ.get("MK_TEST_SLEEP", "60")))
 
 
 SCENARIOS = {k[3:]: v for k, v in globals().items() if k.startswith("sc_")}
