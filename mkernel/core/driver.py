@@ -15,8 +15,8 @@ from cuda.bindings import nvrtc
 
 from ..errors import CudaError, DeviceError
 
-__all__ = ["check", "init_driver", "driver_version", "capture_relaxed", "current_device", "device_attribute",
-           "current_arch", "device_name"]
+__all__ = ["check", "init_driver", "driver_version", "capture_relaxed", "ignore_other_threads_captures",
+           "current_device", "device_attribute", "current_arch", "device_name"]
 
 NO_DRIVER = "no NVIDIA driver found (libcuda.so): mkernel needs a CUDA GPU"
 CUDA_MAJOR = 13  # of the cuda-bindings, NVRTC and headers mkernel is installed with (pyproject.toml)
@@ -97,6 +97,24 @@ def capture_relaxed():
     finally:
         if err == cu.CUresult.CUDA_SUCCESS:
             cu.cuThreadExchangeStreamCaptureMode(prev)
+
+
+def ignore_other_threads_captures() -> None:
+    """Make this thread's driver calls ignore CUDA-graph captures made by other threads (its capture mode
+    becomes thread-local, for good: call it first in a thread of the library's own that never captures).
+
+    In CUDA's default (global) mode a thread may not make a "potentially unsafe" call -- a stream or event
+    query or synchronize, an allocation -- while *any other* thread of the process captures in global mode
+    (what ``cuStreamBeginCapture(..., GLOBAL)`` and PyTorch's ``torch.cuda.graph`` do): the call fails with
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and the other thread's capture is invalidated.  The inter-node
+    proxy's threads copy in and out of GPU windows (``cuMemcpy*Async`` + ``cuStreamSynchronize``) whenever a
+    peer's message arrives -- e.g. a peer's last flags of the calls just made, landing while this rank
+    captures them -- so they run thread-local (docs/internode.md, "Frees while a kernel waits on the
+    proxy").  No driver (CPU machines): nothing to do."""
+    try:
+        cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    except Exception:  # no driver at all: nothing is being captured
+        pass
 
 
 def current_device() -> int:

@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from ..core.driver import ignore_other_threads_captures
 from ..dist.timeouts import validate_timeout
 from ..errors import CommError, CommTimeout
 from .transport import PeerBatch, Transport, as_exchanger, as_window, select_transport
@@ -333,6 +334,9 @@ class Proxy:
                     pass
 
     def _run(self) -> None:
+        # the transport's copies from GPU windows run here, maybe while the application captures a CUDA
+        # graph in global mode (a peer's late message): they must neither fail nor invalidate its capture
+        ignore_other_threads_captures()
         last_work = time.perf_counter()
         sleep = 0.0
         try:

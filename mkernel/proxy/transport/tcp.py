@@ -40,6 +40,7 @@ import time
 
 import numpy as np
 
+from ...core.driver import ignore_other_threads_captures
 from ...dist.wire import recv_into_exact
 from ...errors import CommError
 from . import PeerBatch, Transport
@@ -273,6 +274,7 @@ class TcpTransport(Transport):
 
     # ---- receive side ---------------------------------------------------------------------------
     def _rx_loop(self) -> None:
+        ignore_other_threads_captures()  # (its copies into GPU windows: as the proxy thread's, core/driver.py)
         sel = selectors.DefaultSelector()
         for r, s in self.inc.items():
             sel.register(s, selectors.EVENT_READ, r)
