@@ -84,6 +84,21 @@ struct MkAttnSmem {
   MK_DEVICE mk_u64* q_empty() const { return bars() + 1 + 4 * MK_STAGES; }  // (persistent kernels)
 };
 
+// The block's barriers (one thread, then mk_mbar_init_fence and a block barrier): Q full (the producer's
+// expect_tx), and per K/V stage full / empty; an empty barrier counts lane 0 of every consumer warp (a
+// warp's wgmma.wait_group covers that warp's reads of the slot).  `q_empty`: persistent kernels' Q reuse.
+MK_DEVICE void mk_attn_init_barriers(const MkAttnSmem& sm, bool q_empty) {
+  mk_mbar_init(sm.q_full(), 1);
+  if (q_empty) mk_mbar_init(sm.q_empty(), 4 * MK_WGS);
+  for (int s = 0; s < MK_STAGES; ++s) {
+    mk_mbar_init(sm.k_full(s), 1);
+    mk_mbar_init(sm.v_full(s), 1);
+    mk_mbar_init(sm.k_empty(s), 4 * MK_WGS);
+    mk_mbar_init(sm.v_empty(s), 4 * MK_WGS);
+  }
+  mk_mbar_init_fence();
+}
+
 // One consumer warpgroup's running state for its 64 query rows: the output accumulator (fp32, m64nDk16
 // fragment), and per thread row (r0, r0 + 8) the running max (log2 units, scale applied) and the thread's
 // partial row sum (its 4-lane quad's sum is the row's).

@@ -92,15 +92,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
   const int tid = threadIdx.x;
 
   if (tid == 0) {
-    mk_mbar_init(sm.q_full(), 1);
-    mk_mbar_init(sm.q_empty(), 4 * MK_WGS);
-    for (int s = 0; s < MK_STAGES; ++s) {
-      mk_mbar_init(sm.k_full(s), 1);
-      mk_mbar_init(sm.v_full(s), 1);
-      mk_mbar_init(sm.k_empty(s), 4 * MK_WGS);
-      mk_mbar_init(sm.v_empty(s), 4 * MK_WGS);
-    }
-    mk_mbar_init_fence();
+    mk_attn_init_barriers(sm, true);
   } else if (tid == 32) {
     mk_tma_prefetch_desc(&tmQ);
     mk_tma_prefetch_desc(&tmK);
