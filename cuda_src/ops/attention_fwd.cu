@@ -158,12 +158,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
 
   // ---- epilogue: O / l (0 for a row with no visible key), LSE = ln(sum exp(scale * q.k)) (-inf likewise)
   float inv[2], lse[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float l = mk_attn_quad_sum(r.l[e]);
-    inv[e] = l > 0.f ? 1.f / l : 0.f;
-    lse[e] = l > 0.f ? (r.m[e] + __log2f(l)) * 0.69314718055994531f : -MK_ATTN_INF;
-  }
+  mk_attn_row_stats(r, inv, lse);
   MkElt* out = reinterpret_cast<MkElt*>(args.out) + (long long)b * args.out_sb + (long long)h * args.out_sh;
 #if MK_ATTN_MERGE
   // running result: weights of the old (wa) and new (wn) partials, in log2 units (a -inf LSE weighs 0)

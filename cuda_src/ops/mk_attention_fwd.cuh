@@ -191,6 +191,17 @@ MK_DEVICE void mk_attn_rescale(float (&o)[MK_D / 2], const float (&alpha)[2]) {
   }
 }
 
+// The thread's rows' normalizer and LSE: inv = 1 / l (0 for a row with no visible key), lse = ln(sum exp(scale
+// q.k)) (-inf likewise).  Every lane calls it (quad shuffles).
+MK_DEVICE void mk_attn_row_stats(const MkAttnRows& r, float (&inv)[2], float (&lse)[2]) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float l = mk_attn_quad_sum(r.l[e]);
+    inv[e] = l > 0.f ? 1.f / l : 0.f;
+    lse[e] = l > 0.f ? (r.m[e] + __log2f(l)) * 0.69314718055994531f : -MK_ATTN_INF;
+  }
+}
+
 // Ping-pong turns: consumer warpgroup wg waits on named barrier 1 + wg before issuing its wgmmas and, once
 // they are issued, passes the turn to the next warpgroup (barrier of 256 threads: the waiting warpgroup's
 // bar.sync and the previous one's bar.arrive; the producer gives warpgroup 0 its first turn).  Every

@@ -214,12 +214,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
 
     // ---- epilogue: O / l and the LSE of the tile's rows inside its chunk
     float inv[2], lse[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {  // (every lane: quad shuffles)
-      const float l = mk_attn_quad_sum(r.l[e]);
-      inv[e] = l > 0.f ? 1.f / l : 0.f;
-      lse[e] = l > 0.f ? (r.m[e] + __log2f(l)) * 0.69314718055994531f : -MK_ATTN_INF;
-    }
+    mk_attn_row_stats(r, inv, lse);
     MkElt* out = reinterpret_cast<MkElt*>(args.out) + (long long)b * args.out_sb + (long long)h * args.out_sh;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
