@@ -106,6 +106,11 @@ def _run(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16",
     return ctx.last_plan("ring_attention")
 
 
+def _case_ids(cases) -> list:
+    """Test ids of ``(B, S_local, H_q, H_kv, D, causal, layout)`` cases."""
+    return [f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}" for c in cases]
+
+
 CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * P
     (1, 300, 4, 4, 128, False, "bshd"),
     (2, 340, 8, 2, 64, True, "bshd"),
@@ -116,8 +121,7 @@ CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * P
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}"
-                                             for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=_case_ids(CASES))
 def test_against_float64(ctx, shared_rng, case):
     B, S_local, Hq, Hkv, D, causal, layout = case
     S = S_local * ctx.local_size
@@ -214,8 +218,7 @@ P_CASES = CASES + [  # more tiles than blocks: each block runs many query tiles 
 ]
 
 
-@pytest.mark.parametrize("case", P_CASES, ids=[
-    f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}" for c in P_CASES])
+@pytest.mark.parametrize("case", P_CASES, ids=_case_ids(P_CASES))
 def test_persistent_against_float64(ctx, shared_rng, case):
     B, S_local, Hq, Hkv, D, causal, layout = case
     plan = _run(ctx, shared_rng, B, S_local * ctx.local_size, Hq, Hkv, D, causal=causal, layout=layout,
@@ -291,8 +294,7 @@ BWD_CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * P
 ]
 
 
-@pytest.mark.parametrize("case", BWD_CASES, ids=[
-    f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}" for c in BWD_CASES])
+@pytest.mark.parametrize("case", BWD_CASES, ids=_case_ids(BWD_CASES))
 def test_backward_against_float64(ctx, shared_rng, case):
     B, S_local, Hq, Hkv, D, causal, layout = case
     _run_bwd(ctx, shared_rng, B, S_local * ctx.local_size, Hq, Hkv, D, causal=causal, layout=layout)
@@ -326,7 +328,7 @@ X_CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * world s
 ]
 
 
-X_IDS = [f"B{c[0]}-S{c[1]}-H{c[2]}x{c[3]}-D{c[4]}-{'causal' if c[5] else 'full'}-{c[6]}" for c in X_CASES]
+X_IDS = _case_ids(X_CASES)
 
 
 @pytest.mark.internode
