@@ -232,3 +232,22 @@ def test_moe_gemm_args_size():
     """MoeGemmArgs mirrors moe_gemm.cu's struct (the kernel static_asserts 112 bytes)."""
     assert ctypes.sizeof(ML.MoeGemmArgs) == 112
     assert ML.MoeGemmArgs.ldc.offset == 80 and ML.MoeGemmArgs.N.offset == 88
+
+
+def test_kernel_args_point_at_a_calls_routing():
+    """MoeGemmArgs.point / MoeCombineArgs.point (every fused kernel's re-pointing) set each routing field from
+    its own array and touch nothing else."""
+    from types import SimpleNamespace as NS
+
+    R = NS(**{n: NS(ptr=0x1000 * (i + 1)) for i, n in enumerate(("ids", "slots", "weights", "expert_offsets",
+                                                                  "recv_map"))})
+    g = ML.MoeGemmArgs()
+    g.x_recv, g.c, g.ldc = 7, 8, 9
+    g.point(0x77, R)
+    assert (g.x, g.ids, g.slots, g.offs, g.recv_map) == (0x77, 0x1000, 0x2000, 0x4000, 0x5000)
+    assert (g.x_recv, g.c, g.ldc) == (7, 8, 9)
+    c = ML.MoeCombineArgs()
+    c.ws, c.K = 5, 6
+    c.point(R, 0x99)
+    assert (c.ids, c.slots, c.weights, c.offs, c.recv_map, c.out) == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x99)
+    assert (c.ws, c.K) == (5, 6)

@@ -84,9 +84,8 @@ class _FusedBound(GemmKernelBound):
 
     def _point(self, call, xr) -> None:
         a, R = self._args, call.routing
-        a.x, a.ids, a.slots, a.offs = call.x.ptr, R.ids.ptr, R.slots.ptr, R.expert_offsets.ptr
-        a.x_recv, a.recv_map = xr.ptr, R.recv_map.ptr
-        a.c, a.c_vec_ok = call.o.ptr, vec_ok(call.o, a.ldc, R.recv_rows)
+        a.point(call.x.ptr, R)
+        a.x_recv, a.c, a.c_vec_ok = xr.ptr, call.o.ptr, vec_ok(call.o, a.ldc, R.recv_rows)
         self._tma.point(xr.ptr)
         self._b.point(call.wg.ptr)
 

@@ -75,9 +75,7 @@ class _CombineBound(GemmKernelBound):
         self.buffers = (ws, *self._b.keep)
 
     def _point(self, call) -> None:
-        a, R = self._args, call.routing
-        a.ids, a.slots, a.weights = R.ids.ptr, R.slots.ptr, R.weights.ptr
-        a.offs, a.recv_map, a.out = R.expert_offsets.ptr, R.recv_map.ptr, call.o.ptr
+        self._args.point(call.routing, call.o.ptr)
         self._tma.point(call.act.ptr)
         self._b.point(call.wd.ptr)
 

@@ -117,12 +117,8 @@ class _LayerBound(GemmKernelBound):
         self.buffers = (self._ws, self.x_recv, self.act, self._counters, *self._gu.keep, *self._wd.keep)
 
     def _point(self, call) -> None:
-        a, b, R = self._a, self._bargs, call.routing
-        a.x, a.ids, a.slots, a.offs, a.recv_map = call.x.ptr, R.ids.ptr, R.slots.ptr, R.expert_offsets.ptr, \
-            R.recv_map.ptr
-        b.ids, b.slots, b.weights, b.offs, b.recv_map = R.ids.ptr, R.slots.ptr, R.weights.ptr, \
-            R.expert_offsets.ptr, R.recv_map.ptr
-        b.out = call.o.ptr
+        self._a.point(call.x.ptr, call.routing)
+        self._bargs.point(call.routing, call.o.ptr)
         self._gu.point(call.wg.ptr)
         self._wd.point(call.wd.ptr)
 

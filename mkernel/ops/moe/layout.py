@@ -150,6 +150,12 @@ class MoeGemmArgs(ctypes.Structure):
                 ("n_comm", ctypes.c_int32), ("group_m", ctypes.c_int32), ("c_vec_ok", ctypes.c_int32),
                 ("pad", ctypes.c_int32)]
 
+    def point(self, x: int, routing) -> None:
+        """Re-point at a call's rows ``x`` and its routing (:class:`mkernel.MoeRouting`)."""
+        R = routing
+        self.x, self.ids, self.slots, self.offs, self.recv_map = x, R.ids.ptr, R.slots.ptr, R.expert_offsets.ptr, \
+            R.recv_map.ptr
+
 
 assert ctypes.sizeof(MoeGemmArgs) == 112
 
@@ -201,6 +207,12 @@ class MoeCombineArgs(ctypes.Structure):
                 ("offs", ctypes.c_void_p), ("recv_map", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("ws", ctypes.c_void_p), ("peers", ctypes.c_void_p), ("K", ctypes.c_int32),
                 ("n_comm", ctypes.c_int32), ("group_m", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+    def point(self, routing, out: int) -> None:
+        """Re-point at a call's routing (:class:`mkernel.MoeRouting`) and its output ``out``."""
+        R = routing
+        self.ids, self.slots, self.weights, self.offs = R.ids.ptr, R.slots.ptr, R.weights.ptr, R.expert_offsets.ptr
+        self.recv_map, self.out = R.recv_map.ptr, out
 
 
 assert ctypes.sizeof(MoeCombineArgs) == 80
