@@ -17,6 +17,9 @@ typedef unsigned int mk_u32;
 #define MK_DTYPE_I32 3
 #define MK_DTYPE_I64 4
 
+// A field's byte offset as a word of such a list.
+#define MK_OFFSET_WORD(S, f) ((unsigned long long)__builtin_offsetof(S, f))
+
 // Compile time: two word lists are equal (a struct's sizes and offsets as the device compiler sees them
 // against the host's ctypes mirror, passed as -D lists: static_assert(mk_same_words(expected, device))).
 template <unsigned N, unsigned M>

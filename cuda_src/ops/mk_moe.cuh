@@ -23,6 +23,17 @@ struct MoeShape {
   int softmax_all;     // route from logits: 1 = softmax over all E then top-k renormalised, 0 = softmax over the top-k
 };
 
+// sizeof, alignof and every field's offset of MoeLayout then MoeShape, in declaration order: the kernels'
+// checks of the host's ctypes mirrors (moe.cu, moe_layer.cu; the expected lists come as MK_EXPECT_* defines).
+#define MK_MOE_LAYOUT_SHAPE_WORDS                                                                                   \
+  sizeof(MoeLayout), alignof(MoeLayout), MK_OFFSET_WORD(MoeLayout, consumed_off),                                   \
+      MK_OFFSET_WORD(MoeLayout, flags_off), MK_OFFSET_WORD(MoeLayout, counts_off),                                  \
+      MK_OFFSET_WORD(MoeLayout, scratch_off), MK_OFFSET_WORD(MoeLayout, stage_off),                                 \
+      MK_OFFSET_WORD(MoeLayout, row_bytes), MK_OFFSET_WORD(MoeLayout, flag_stride), MK_OFFSET_WORD(MoeLayout, pad), \
+      sizeof(MoeShape), alignof(MoeShape), MK_OFFSET_WORD(MoeShape, T), MK_OFFSET_WORD(MoeShape, H),                \
+      MK_OFFSET_WORD(MoeShape, k), MK_OFFSET_WORD(MoeShape, E), MK_OFFSET_WORD(MoeShape, El),                       \
+      MK_OFFSET_WORD(MoeShape, capacity), MK_OFFSET_WORD(MoeShape, r_cap), MK_OFFSET_WORD(MoeShape, softmax_all)
+
 struct MoeWs {
   char* base;
   const mk_u64* __restrict__ peers;

@@ -53,20 +53,14 @@ typedef mk_type<MK_LOGIT_DTYPE>::T TL;
 // tests/cpu/test_moe_host.py: MK_EXPECT_MOE_STRUCTS = {sizeof, offsetof each field...} of the three, in the
 // order below.  (A kernel parameter struct that differs from the host's reads garbage sizes.)
 #ifdef MK_EXPECT_MOE_STRUCTS
-#define MOE_OFF(S, f) ((unsigned long long)__builtin_offsetof(S, f))
 constexpr unsigned long long moe_expected_structs[] = MK_EXPECT_MOE_STRUCTS;
 constexpr unsigned long long moe_device_structs[] = {
-    sizeof(MoeLayout), alignof(MoeLayout), MOE_OFF(MoeLayout, consumed_off), MOE_OFF(MoeLayout, flags_off),
-    MOE_OFF(MoeLayout, counts_off), MOE_OFF(MoeLayout, scratch_off), MOE_OFF(MoeLayout, stage_off),
-    MOE_OFF(MoeLayout, row_bytes), MOE_OFF(MoeLayout, flag_stride), MOE_OFF(MoeLayout, pad),
-    sizeof(MoeShape), alignof(MoeShape), MOE_OFF(MoeShape, T), MOE_OFF(MoeShape, H), MOE_OFF(MoeShape, k),
-    MOE_OFF(MoeShape, E), MOE_OFF(MoeShape, El), MOE_OFF(MoeShape, capacity), MOE_OFF(MoeShape, r_cap),
-    MOE_OFF(MoeShape, softmax_all),
-    sizeof(MkComm), alignof(MkComm), MOE_OFF(MkComm, err), MOE_OFF(MkComm, timeout_ns), MOE_OFF(MkComm, rank),
-    MOE_OFF(MkComm, world_size), MOE_OFF(MkComm, local_rank), MOE_OFF(MkComm, local_size), MOE_OFF(MkComm, node),
-    MOE_OFF(MkComm, num_nodes), MOE_OFF(MkComm, op), MOE_OFF(MkComm, sig)};
-static_assert(mk_same_words(moe_expected_structs, moe_device_structs), "moe.cu: MoeLayout / MoeShape / MkComm differ from the host's ctypes structs");
-#undef MOE_OFF
+    MK_MOE_LAYOUT_SHAPE_WORDS, sizeof(MkComm), alignof(MkComm), MK_OFFSET_WORD(MkComm, err),
+    MK_OFFSET_WORD(MkComm, timeout_ns), MK_OFFSET_WORD(MkComm, rank), MK_OFFSET_WORD(MkComm, world_size),
+    MK_OFFSET_WORD(MkComm, local_rank), MK_OFFSET_WORD(MkComm, local_size), MK_OFFSET_WORD(MkComm, node),
+    MK_OFFSET_WORD(MkComm, num_nodes), MK_OFFSET_WORD(MkComm, op), MK_OFFSET_WORD(MkComm, sig)};
+static_assert(mk_same_words(moe_expected_structs, moe_device_structs),
+              "moe.cu: MoeLayout / MoeShape / MkComm differ from the host's ctypes structs");
 #endif
 
 // One warp: top-k of token t's logits [E] -> ids[t][0..k), weights[t][0..k) (fp32): k rounds of warp

@@ -44,29 +44,22 @@
 // tests/cpu/test_moe_layer_kernel.py: MK_EXPECT_MOE_LAYER_STRUCTS = {sizeof, alignof, offsetof each field...}
 // of the four, in the order below.  (A kernel parameter struct that differs from the host's reads garbage.)
 #ifdef MK_EXPECT_MOE_LAYER_STRUCTS
-#define MOEL_OFF(S, f) ((unsigned long long)__builtin_offsetof(S, f))
 constexpr unsigned long long moel_expected[] = MK_EXPECT_MOE_LAYER_STRUCTS;
 constexpr unsigned long long moel_device[] = {
-    sizeof(MoeGemmArgs), alignof(MoeGemmArgs), MOEL_OFF(MoeGemmArgs, x), MOEL_OFF(MoeGemmArgs, ids),
-    MOEL_OFF(MoeGemmArgs, slots), MOEL_OFF(MoeGemmArgs, offs), MOEL_OFF(MoeGemmArgs, x_recv),
-    MOEL_OFF(MoeGemmArgs, recv_map), MOEL_OFF(MoeGemmArgs, c), MOEL_OFF(MoeGemmArgs, ws), MOEL_OFF(MoeGemmArgs, peers),
-    MOEL_OFF(MoeGemmArgs, arrived), MOEL_OFF(MoeGemmArgs, ldc), MOEL_OFF(MoeGemmArgs, N), MOEL_OFF(MoeGemmArgs, K),
-    MOEL_OFF(MoeGemmArgs, n_comm), MOEL_OFF(MoeGemmArgs, group_m), MOEL_OFF(MoeGemmArgs, c_vec_ok),
-    MOEL_OFF(MoeGemmArgs, pad),
-    sizeof(MoeCombineArgs), alignof(MoeCombineArgs), MOEL_OFF(MoeCombineArgs, ids), MOEL_OFF(MoeCombineArgs, slots),
-    MOEL_OFF(MoeCombineArgs, weights), MOEL_OFF(MoeCombineArgs, offs), MOEL_OFF(MoeCombineArgs, recv_map),
-    MOEL_OFF(MoeCombineArgs, out), MOEL_OFF(MoeCombineArgs, ws), MOEL_OFF(MoeCombineArgs, peers),
-    MOEL_OFF(MoeCombineArgs, K), MOEL_OFF(MoeCombineArgs, n_comm), MOEL_OFF(MoeCombineArgs, group_m),
-    MOEL_OFF(MoeCombineArgs, pad),
-    sizeof(MoeLayout), alignof(MoeLayout), MOEL_OFF(MoeLayout, consumed_off), MOEL_OFF(MoeLayout, flags_off),
-    MOEL_OFF(MoeLayout, counts_off), MOEL_OFF(MoeLayout, scratch_off), MOEL_OFF(MoeLayout, stage_off),
-    MOEL_OFF(MoeLayout, row_bytes), MOEL_OFF(MoeLayout, flag_stride), MOEL_OFF(MoeLayout, pad),
-    sizeof(MoeShape), alignof(MoeShape), MOEL_OFF(MoeShape, T), MOEL_OFF(MoeShape, H), MOEL_OFF(MoeShape, k),
-    MOEL_OFF(MoeShape, E), MOEL_OFF(MoeShape, El), MOEL_OFF(MoeShape, capacity), MOEL_OFF(MoeShape, r_cap),
-    MOEL_OFF(MoeShape, softmax_all)};
+    sizeof(MoeGemmArgs), alignof(MoeGemmArgs), MK_OFFSET_WORD(MoeGemmArgs, x), MK_OFFSET_WORD(MoeGemmArgs, ids),
+    MK_OFFSET_WORD(MoeGemmArgs, slots), MK_OFFSET_WORD(MoeGemmArgs, offs), MK_OFFSET_WORD(MoeGemmArgs, x_recv),
+    MK_OFFSET_WORD(MoeGemmArgs, recv_map), MK_OFFSET_WORD(MoeGemmArgs, c), MK_OFFSET_WORD(MoeGemmArgs, ws),
+    MK_OFFSET_WORD(MoeGemmArgs, peers), MK_OFFSET_WORD(MoeGemmArgs, arrived), MK_OFFSET_WORD(MoeGemmArgs, ldc),
+    MK_OFFSET_WORD(MoeGemmArgs, N), MK_OFFSET_WORD(MoeGemmArgs, K), MK_OFFSET_WORD(MoeGemmArgs, n_comm),
+    MK_OFFSET_WORD(MoeGemmArgs, group_m), MK_OFFSET_WORD(MoeGemmArgs, c_vec_ok), MK_OFFSET_WORD(MoeGemmArgs, pad),
+    sizeof(MoeCombineArgs), alignof(MoeCombineArgs), MK_OFFSET_WORD(MoeCombineArgs, ids),
+    MK_OFFSET_WORD(MoeCombineArgs, slots), MK_OFFSET_WORD(MoeCombineArgs, weights),
+    MK_OFFSET_WORD(MoeCombineArgs, offs), MK_OFFSET_WORD(MoeCombineArgs, recv_map),
+    MK_OFFSET_WORD(MoeCombineArgs, out), MK_OFFSET_WORD(MoeCombineArgs, ws), MK_OFFSET_WORD(MoeCombineArgs, peers),
+    MK_OFFSET_WORD(MoeCombineArgs, K), MK_OFFSET_WORD(MoeCombineArgs, n_comm),
+    MK_OFFSET_WORD(MoeCombineArgs, group_m), MK_OFFSET_WORD(MoeCombineArgs, pad), MK_MOE_LAYOUT_SHAPE_WORDS};
 static_assert(mk_same_words(moel_expected, moel_device),
               "moe_layer.cu: MoeGemmArgs / MoeCombineArgs / MoeLayout / MoeShape differ from the host's ctypes structs");
-#undef MOEL_OFF
 #endif
 
 // Loop (1)'s epilogue: Inner's store, then (thread 128, after the consumers' barrier: every thread's act
