@@ -149,7 +149,7 @@ class RingFusedBound(BoundCall):
             side = ctx.side_stream()
             self._side = cu.CUstream(side)
             self._begin = begin_launch(comm, ws, L.ctl, side)
-            self._home = [(ws.ptr + L.k_slot(me), None, kv), (ws.ptr + L.v_slot(me), None, kv)]
+            self._home = (ws.ptr + L.k_slot(me), ws.ptr + L.v_slot(me), kv)  # this call's k, v go here
             self._announce = [(ws.peer_ptr(j, L.ctl.flags_off + 8 * me), ws.ptr + VALUE_OFF, 8)
                               for j in range(P) if j != me]
             self._gates, self._pulls = [], []
@@ -162,7 +162,7 @@ class RingFusedBound(BoundCall):
                 cps.append((self.arrived.ptr + 8 * src, ws.ptr + VALUE_OFF, 8))  # the kernel may read the slot
                 self._pulls.append(cps)
             self._ev = Events("fork", "begun", "join")
-        self._krmap, self._vrmap = krmap, vrmap
+        self._krmap, self._vrmap = krmap, vrmap  # (their descriptors are the launch's arguments)
         self._launch = get(call.q.dtype.name, D).prepare(
             (self.grid, 1, 1), AK.THREADS,
             [self._qmap.buf, self._kmap.buf, self._vmap.buf, krmap.buf, vrmap.buf, a, comm],
@@ -182,7 +182,7 @@ class RingFusedBound(BoundCall):
             self._begin()  # the call's epoch, which the kernel waits for in arrived[]
             check(cu.cuEventRecord(ev.begun, side))
             check(cu.cuStreamWaitEvent(s, ev.begun, 0))
-            (hk, _, n), (hv, _, _) = self._home
+            hk, hv, n = self._home
             copy_async([(hk, call.k.ptr, n), (hv, call.v.ptr, n)] + self._announce, side)
             for gate, cps in zip(self._gates, self._pulls):
                 gate()
