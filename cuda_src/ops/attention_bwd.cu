@@ -860,6 +860,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       mk_wgmma_fence_regs(dq);
       mk_wgmma_fence_regs(dk);
       mk_wgmma_fence_regs(dv);
+      __syncwarp();  // every lane's lse2 / dsum reads of the slot before the leader frees it
       if (leader) mk_mbar_arrive(sm.empty(st));
       float* acc = a.dq_acc + (((mk_i64)b * a.Hq + h) * a.Sq) * D_ + dq_col0 + c0;
 #pragma unroll
@@ -877,6 +878,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       mk_wgmma_wait<0>();
       mk_wgmma_fence_regs(dk);
       mk_wgmma_fence_regs(dv);
+      __syncwarp();  // (as above)
       if (leader) mk_mbar_arrive(sm.empty(st));
     }
   }

@@ -156,3 +156,14 @@ def test_run_mpirun_kills_and_reports_on_timeout():
                          env_extra={"MK_TEST_DUMP_AFTER": "6", "MK_TEST_SLEEP": "60"})
     assert rc is None and "<TIMEOUT after 12 s" in out, out[-4000:]
     assert out.count("in sc_sleep") >= 2, out[-4000:]  # both ranks' stack dumps
+
+
+def test_run_mpirun_clean_exit_returns_zero():
+    """A run whose scenarios all pass exits 0 under mpirun (the GPU test asserts rc == 0): the runner
+    finalizes MPI before its prompt exit."""
+    mpirun = _mpirun()
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    pytest.importorskip("mpi4py")
+    rc, out = run_mpirun(2, ["--transport", "tcp", "sleep"], timeout=30, env_extra={"MK_TEST_SLEEP": "0"})
+    assert rc == 0 and out.count("OK sleep ") == 2, f"rc {rc}:\n{out[-4000:]}"
