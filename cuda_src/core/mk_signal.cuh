@@ -63,6 +63,12 @@ MK_DEVICE mk_u64 mk_atom_add_release(mk_u64* p, mk_u64 v) {
   asm volatile("atom.add.release.sys.global.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
   return old;
 }
+// (acquire too: the adder that reads the last of a count of releases sees every counted writer's data)
+MK_DEVICE mk_u64 mk_atom_add_acq_rel(mk_u64* p, mk_u64 v) {
+  mk_u64 old;
+  asm volatile("atom.add.acq_rel.sys.global.u64 %0, [%1], %2;" : "=l"(old) : "l"(p), "l"(v) : "memory");
+  return old;
+}
 
 // Raise a (possibly remote) flag to `v`: everything this thread wrote, and everything its block wrote
 // before a preceding __syncthreads, is visible to whoever acquires the flag.

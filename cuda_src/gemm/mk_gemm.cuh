@@ -383,6 +383,16 @@ template <int BM, int BN> struct MkGroupedScheduler {
     base = 0;
     load_group(0);
   }
+  // Tiles of every worker together: next() hands out the linear ids [0, tiles()), each to one worker.
+  MK_DEVICE int tiles() const {
+    MkGroupedScheduler s = *this;
+    int n = 0;
+    for (int gg = 0; gg < num_groups; ++gg) {
+      s.load_group(gg);
+      n += s.g_num_m * num_n;
+    }
+    return n;
+  }
   MK_DEVICE bool next(MkTile& t) {
     const int i = next_i;
     next_i += step;

@@ -9,7 +9,8 @@
 struct MoeLayout {
   mk_u64 consumed_off, flags_off;  // call header, ready[src][block] flags (MAX_CHUNKS per row)
   mk_u64 counts_off;   // route: int32 counts[2][P][E]; dispatch: int32 recv_src[R_cap]
-  mk_u64 scratch_off;  // route: int32 tile_cnt[ntiles][E], base[E] (this rank only)
+  mk_u64 scratch_off;  // route: int32 tile_cnt[ntiles][E], base[E] (this rank only); the one-kernel layer's
+                       // combine layout: u64 down_stored[P] (control words written by the peers: moe_layer.cu)
   mk_u64 stage_off;    // dispatch: P x T rows; combine: T * k rows (row_bytes each)
   mk_u64 row_bytes;    // H * itemsize (a multiple of 16)
   int flag_stride;

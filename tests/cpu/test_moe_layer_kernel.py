@@ -3,7 +3,9 @@ moe_layer.cu specialization compiles for sm_90a clean (setmaxnreg kept: no ptxas
 argument structs against the host's ctypes mirrors (static_assert); the workspace layout; the act_done
 protocol between the two tile loops emulated over MkGroupedScheduler's tiles (clamped and empty groups, every
 fused config, workers running their tiles in order: a down tile starts only once every act element of its
-rows is stored, and every tile runs); the host plan and the layer's submission against driver fakes; bad
+rows is stored, and every tile runs); the down_stored protocol emulated over several ranks and calls (the add
+completing a rank's loop (2) tiles raises its flags once, a rank without tiles raises them once from block 0,
+the sums start only once every rank's tiles are stored, a failed peer check raises nothing); the host plan and the layer's submission against driver fakes; bad
 inputs raise before launch; the options."""
 from __future__ import annotations
 
@@ -69,28 +71,45 @@ def test_structs_match_the_kernel():
 @pytest.mark.parametrize("P,T,k,rb,r_cap", [(1, 1, 1, 16, 1), (2, 37, 8, 272, 600), (8, 4096, 8, 14336, 4096 * 16),
                                             (4, 0, 2, 32, 1), (2, 5, 3, 48, 7)])
 def test_layout(P, T, k, rb, r_cap):
-    """One control region where every MoE workspace has it (both layouts' consumed_off / flags_off); the
-    dispatch's regions exactly as dispatch_layout places them; then the combine's cnt (u64 [T * k]) and staging
-    ([T * k] rows): 256-aligned, disjoint, in order, inside the total."""
+    """One control region where every MoE workspace has it (both layouts' consumed_off / flags_off), then
+    down_stored (u64 [P] at Lc.scratch_off) at an offset of P only; the dispatch's regions as dispatch_layout
+    places them after a control region (shifted past down_stored); then the combine's cnt (u64 [T * k]) and
+    staging ([T * k] rows): 256-aligned, disjoint, in order, inside the total."""
     Ld, Lc, total = ML.layer_layout(P, T, k, rb, rb + 16, r_cap)
     D, dtotal = ML.dispatch_layout(P, T, rb, r_cap)
     c, f, end = workspace_control(P, P)
     for L in (Ld, Lc):
         assert (L.consumed_off, L.flags_off, L.flag_stride) == (c, f, ML.MAX_CHUNKS)
-    assert [getattr(Ld, n) for n, _ in ML.MoeLayout._fields_] == [getattr(D, n) for n, _ in ML.MoeLayout._fields_]
+    shift = Ld.counts_off - D.counts_off
+    assert shift > 0 and shift % 256 == 0
+    moved = ("counts_off", "scratch_off", "stage_off")
+    assert all(getattr(Ld, n) == getattr(D, n) + (shift if n in moved else 0) for n, _ in ML.MoeLayout._fields_)
     assert (Ld.row_bytes, Lc.row_bytes) == (rb, rb + 16)
     regions = [(c, f), (f, end),                                   # header, ready flags
+               (Lc.scratch_off, Lc.scratch_off + 8 * P),            # down_stored
                (Ld.counts_off, Ld.counts_off + 4 * r_cap),          # recv_src
                (Ld.stage_off, Ld.stage_off + P * T * rb),           # dispatch staging
                (Lc.counts_off, Lc.counts_off + 8 * T * k),          # cnt
                (Lc.stage_off, Lc.stage_off + T * k * (rb + 16))]    # combine staging
     assert all(a1 <= b0 for (_, a1), (b0, _) in zip(regions, regions[1:]))
-    assert regions[-1][1] == total
-    assert all(o % 256 == 0 for o in (Ld.counts_off, Ld.stage_off, Lc.counts_off, Lc.stage_off))
-    assert Lc.scratch_off == Lc.counts_off and dtotal <= Lc.counts_off
+    assert regions[-1][1] == total and dtotal + shift == Ld.stage_off + P * T * rb
+    assert all(o % 256 == 0 for o in (Lc.scratch_off, Ld.counts_off, Ld.stage_off, Lc.counts_off, Lc.stage_off))
+    # control words never move with the call's size (a stale data byte there would read as a raised flag)
+    Ld2, Lc2, _ = ML.layer_layout(P, T + 9, k + 1, rb + 32, rb, r_cap + 300)
+    assert (Lc2.scratch_off, Ld2.counts_off) == (Lc.scratch_off, Ld.counts_off)
 
 
 # ---- the act_done protocol between the two tile loops ---------------------------------------------------
+def _tiles(o, El, M, N, BM, BN):
+    """MkGroupedScheduler::tiles: every worker's tiles together (groups clamped as the scheduler clamps them)."""
+    n = 0
+    for g in range(El):
+        r0 = min(max(int(o[g]), 0), M)
+        r1 = min(max(int(o[g + 1]), r0), M)
+        n += -(-(r1 - r0) // BM) * -(-N // BN)
+    return n
+
+
 def _grouped(o, El, M, N, BM, BN, worker, workers, group_m=G.GROUP_M):
     """MkGroupedScheduler's tiles for one worker: (group, tile_m, row0, rows, col0, cols), offsets clamped to
     [0, M] as the scheduler clamps them."""
@@ -160,6 +179,7 @@ def test_act_done_protocol(cfg, kind):
             q += [("down", t) for t in _grouped(o, El, r_cap, H, BM, BN, w, workers)]
             queues.append(q)
         down_total = sum(1 for q in queues for s, _ in q if s == "down")
+        assert down_total == _tiles(o, El, r_cap, H, BM, BN)  # (what MoeDownDone counts to)
         down_ran = 0
         while any(queues):
             ready = []
@@ -187,6 +207,95 @@ def test_act_done_protocol(cfg, kind):
                 down_ran += 1
         assert down_ran == down_total
         assert set(np.unique(done)) <= {0, need}
+
+
+# ---- the down_stored protocol between loop (2) and the sums ---------------------------------------------
+@pytest.mark.parametrize("cfg", [1, 3])
+@pytest.mark.parametrize("scenario", ["ok", "rank_without_tiles", "all_without_tiles", "failed_check"])
+def test_down_stored_protocol(cfg, scenario):
+    """P ranks, two calls (epochs 1, 2; down_done zeroed by the host per launch, down_stored never reset), each
+    rank's workers running their loop (2) tiles (MkGroupedScheduler's, over its offsets) in a random
+    interleaving with every rank's communication blocks.  A counted tile adds 1 to its rank's down_done
+    (MoeDownDone: only if its block's peer check passed); the add reaching tiles() raises down_stored[r] = ep at
+    every rank; a rank with tiles() == 0 raises them from block 0 once its dispatch is done.  A communication
+    block passes its wait when down_stored[s] >= ep for every s at its rank.  Every rank raises exactly once
+    per call, only after all its tiles are stored; a block passes only once every rank's tiles are stored.  A
+    block failing its peer check (call 2) stores and counts nothing: its rank never raises, and no
+    communication block waiting on it passes (the bounded waits time out)."""
+    c = G.CONFIGS[cfg]
+    BM, BN = c.bm, c.tile_n("nk")
+    rng = np.random.default_rng(cfg * 11 + len(scenario))
+    failures = 0
+    for trial in range(6):
+        P = int(rng.integers(1, 5))
+        El = int(rng.integers(1, 5))
+        H = int(rng.choice([8, BN + 64, 3 * BN]))
+        r_cap = int(rng.integers(1, 4 * BM))
+        n_comm = int(rng.integers(1, 4))
+        flags = np.zeros((P, P), int)  # flags[r, s]: down_stored[s] in rank r's workspace
+        for ep in (1, 2):
+            offs, tiles, queues, ok = [], [], [], []
+            for r in range(P):
+                kind = "empty" if scenario == "all_without_tiles" or (scenario == "rank_without_tiles" and
+                                                                       r == P - 1) else "random"
+                o = _offsets(kind, El, r_cap, BM, rng)
+                workers = int(rng.integers(1, 5))
+                q = [[(w, i) for i, _ in enumerate(_grouped(o, El, r_cap, H, BM, BN, w, workers))]
+                     for w in range(workers)]
+                total = _tiles(o, El, r_cap, H, BM, BN)
+                assert sum(map(len, q)) == total
+                # the peer check's verdict per worker block (call 2 of "failed_check": one block with tiles fails)
+                v = [True] * workers
+                busy = [w for w in range(workers) if q[w]]
+                if scenario == "failed_check" and ep == 2 and r == 0 and busy:
+                    v[int(rng.choice(busy))] = False
+                offs.append(o)
+                tiles.append(total)
+                queues.append(q)
+                ok.append(v)
+            failed = {r for r in range(P) if not all(ok[r])}
+            done = np.zeros(P, int)  # down_done, zeroed by the host before the launch
+            stored = [0] * P
+            raised = [0] * P
+            # per rank: block 0's dispatch, then every communication block's wait
+            comm = [[("dispatch", 0)] + [("wait", b) for b in range(n_comm)] for _ in range(P)]
+            passed = 0
+            while True:
+                moves = [("tile", r, w) for r in range(P) for w, q in enumerate(queues[r]) if q]
+                moves += [("comm", r, None) for r in range(P) if comm[r] and (
+                    comm[r][0][0] == "dispatch" or (flags[r] >= ep).all())]
+                if not moves:
+                    break
+                kind, r, w = moves[int(rng.integers(len(moves)))]
+                if kind == "tile":
+                    queues[r][w].pop(0)
+                    if not ok[r][w]:
+                        continue  # MoeCombineStore stored nothing; MoeDownDone's tile_done counts nothing
+                    stored[r] += 1
+                    old = done[r]
+                    done[r] += 1
+                    if old + 1 == tiles[r]:
+                        assert stored[r] == tiles[r], "down_stored raised before every loop (2) tile was stored"
+                        flags[:, r] = ep
+                        raised[r] += 1
+                else:
+                    step, b = comm[r].pop(0)
+                    if step == "dispatch":
+                        if tiles[r] == 0:
+                            flags[:, r] = ep
+                            raised[r] += 1
+                    else:
+                        assert all(stored[s] == tiles[s] for s in range(P)), "sums started before every tile was stored"
+                        passed += 1
+            for r in range(P):
+                assert raised[r] == (0 if r in failed else 1), (r, raised, failed)
+            if failed:
+                failures += 1
+                assert passed == 0 and all(len(comm[r]) == n_comm for r in range(P))
+                assert all(flags[r, s] == ep - 1 for r in range(P) for s in failed)
+                break
+            assert passed == P * n_comm and (flags == ep).all() and (done == np.array(tiles)).all()
+    assert failures > 0 if scenario == "failed_check" else failures == 0
 
 
 # ---- the host plan against driver fakes ---------------------------------------------------------------
@@ -235,8 +344,8 @@ def test_plan(env):
     """The config pairing F, grid = the SM share (communication blocks first); maps: x_recv [recv_rows, H] and
     act [recv_rows, F] (the bound call's), w_gate_up's 5-D paired view, w_down "nk" [El, H, F]; MoeGemmArgs
     (act with ldc = F, N = 2F, K = H) and MoeCombineArgs (K = F, out) point at the call's arrays; n_slots; the
-    two layouts of layer_layout; before the launch the counters (2 * n_slots u64) and this rank's cnt words
-    are zeroed; the plan says "layer" / "epilogue"; a second call with other arrays re-points them."""
+    two layouts of layer_layout; before the launch the counters (2 * n_slots + 1 u64: arrived, act_done,
+    down_done) and this rank's cnt words are zeroed; the plan says "layer" / "epilogue"; a second call with other arrays re-points them."""
     events, maps, empty, ctx, ws = env
     T, H, F, k, E = 64, 512, 192, 2, 4
     R = MoeRouting(ctx, T, k, E)
@@ -275,7 +384,7 @@ def test_plan(env):
     for got, want in ((Ld, wLd), (Lc, wLc)):
         assert [getattr(got, n) for n, _ in ML.MoeLayout._fields_] == [getattr(want, n) for n, _ in ML.MoeLayout._fields_]
     assert (shape.T, shape.H, shape.k, shape.E, shape.El, shape.r_cap) == (T, H, k, E, E, rr)
-    assert m1 == [dict(kind="memset", ptr=a.arrived, value=0, words=4 * n_slots.value),
+    assert m1 == [dict(kind="memset", ptr=a.arrived, value=0, words=2 * (2 * n_slots.value + 1)),
                   dict(kind="memset", ptr=(1 << 45) + Lc.counts_off, value=0, words=2 * T * k)]
     assert ws == [(("moe_ffn_fused",), total)]
     p = ctx.op_state("moe_ffn_fused").last_plan

@@ -3,12 +3,13 @@
 kernel".
 
 One cooperative launch within this rank's share of the SMs (``ctx.resident_sms``): communication blocks run
-the dispatch of :func:`mkernel.moe_dispatch_gemm` and then the owner sums of :func:`mkernel.moe_gemm_combine`;
-GEMM blocks run the gate/up grouped GEMM with SwiGLU in its epilogue (each row block as soon as its rows have
-landed), then the down grouped GEMM (each row block as soon as all its act columns are stored) whose tiles go
-straight into the token owners' combine staging.  ``x_recv`` and ``act`` belong to the bound call; h and y are
+the dispatch of :func:`mkernel.moe_dispatch_gemm` and then, once every rank's down tiles are stored, the owner
+sums of :func:`mkernel.moe_gemm_combine`; GEMM blocks run the gate/up grouped GEMM with SwiGLU in its epilogue
+(each row block as soon as its rows have landed), then the down grouped GEMM (each row block as soon as all its
+act columns are stored) whose tiles go straight into the token owners' combine staging.  ``x_recv`` and ``act`` belong to the bound call; h and y are
 never written.  Per launch the host zeroes the bound call's counters (rows landed and act tiles stored per
-(expert, row block)) and this rank's combine counters in the workspace (graph-capturable memsets).
+(expert, row block), loop (2) tiles finished) and this rank's combine counters in the workspace
+(graph-capturable memsets).
 """
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ class _LayerBound(GemmKernelBound):
         self.x_recv = DeviceArray.empty((rr, H), dt, device=dev)
         self.act = DeviceArray.empty((rr, F), dt, device=dev)
         n_slots = arrived_slots(El, rr, cfg.bm)
-        self._counters = DeviceArray.empty((2 * n_slots,), "int64", device=dev)  # arrived, then act_done
-        zero = ((self._counters.ptr, 4 * n_slots), (self._ws.ptr + Lc.counts_off, 2 * R.T * R.k))
+        # arrived [n_slots], act_done [n_slots], down_done (this rank's loop (2) tiles finished)
+        self._counters = DeviceArray.empty((2 * n_slots + 1,), "int64", device=dev)
+        zero = ((self._counters.ptr, 2 * (2 * n_slots + 1)), (self._ws.ptr + Lc.counts_off, 2 * R.T * R.k))
         n_comm = fused_grid(ctx.resident_sms, call.options)[0]
         a = self._a = MoeGemmArgs()
         a.x_recv, a.c, a.ws, a.peers, a.arrived = self.x_recv.ptr, self.act.ptr, self._ws.ptr, self._ws.peer_table, \

@@ -107,10 +107,15 @@ def dispatch_layout(P: int, T: int, row_bytes: int, r_cap: int) -> tuple[MoeLayo
     """(layout, bytes) of the dispatch workspace: control, int32 recv_src[r_cap] (written by the senders),
     staging rows [P][T] of ``row_bytes`` (row [src][t]: source rank src's token t)."""
     L, off = _control(P)
+    return L, _dispatch_regions(L, off, P, T, row_bytes, r_cap)
+
+
+def _dispatch_regions(L: MoeLayout, off: int, P: int, T: int, row_bytes: int, r_cap: int) -> int:
+    """Place the dispatch's regions of ``L`` from ``off`` (256-aligned) on; returns their end."""
     L.counts_off = off
     L.scratch_off = L.stage_off = round_up(off + 4 * r_cap, 256)
     L.row_bytes = row_bytes
-    return L, L.stage_off + P * T * row_bytes
+    return L.stage_off + P * T * row_bytes
 
 
 def low_latency_layout(P: int, T: int, k: int, E: int, row_bytes: int) -> tuple[MoeLayout, int]:
@@ -233,14 +238,18 @@ def layer_layout(P: int, T: int, k: int, row_bytes_x: int, row_bytes_out: int,
                  r_cap: int) -> tuple[MoeLayout, MoeLayout, int]:
     """(dispatch layout Ld, combine layout Lc, bytes) of the one-kernel layer's workspace (moe_layer.cu): one
     control region (one epoch, one call header, one set of ready flags: both layouts' ``consumed_off`` /
-    ``flags_off``), then the dispatch's regions as :func:`dispatch_layout` places them (int32 recv_src[r_cap],
-    staging rows [P][T] of ``row_bytes_x``), then the combine's, 256-aligned: uint64 cnt[T * k] (Lc.counts_off,
-    zeroed by the host before each launch: a workspace shared with calls of other shapes may hold stale bytes
-    there) and staging rows [T * k] of ``row_bytes_out`` (Lc.stage_off)."""
-    Ld, end = dispatch_layout(P, T, row_bytes_x, r_cap)
+    ``flags_off``; then uint64 down_stored[P] at Lc.scratch_off, entry s raised by local rank s to the call's
+    epoch once its loop (2) tiles are stored: at an offset of P only, as every control word), then the
+    dispatch's regions as :func:`dispatch_layout` places them after a control region, from the next 256-byte
+    boundary on (int32 recv_src[r_cap], staging rows [P][T] of ``row_bytes_x``), then the combine's, 256-aligned: uint64 cnt[T *
+    k] (Lc.counts_off, zeroed by the host before each launch: a workspace shared with calls of other shapes
+    may hold stale bytes there) and staging rows [T * k] of ``row_bytes_out`` (Lc.stage_off)."""
+    Ld, down_stored = _control(P)
+    end = _dispatch_regions(Ld, round_up(down_stored + 8 * P, 256), P, T, row_bytes_x, r_cap)
     Lc = MoeLayout()
     Lc.consumed_off, Lc.flags_off, Lc.flag_stride = Ld.consumed_off, Ld.flags_off, Ld.flag_stride
-    Lc.counts_off = Lc.scratch_off = round_up(end, 256)
+    Lc.scratch_off = down_stored
+    Lc.counts_off = round_up(end, 256)
     Lc.stage_off = round_up(Lc.counts_off + 8 * T * k, 256)
     Lc.row_bytes = row_bytes_out
     return Ld, Lc, Lc.stage_off + T * k * row_bytes_out
