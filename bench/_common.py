@@ -516,3 +516,21 @@ def merge_results(files) -> tuple[dict, list]:
     parts = [json.loads(Path(f).read_text()) for f in files]
     meta = dict(parts[0]["meta"], elapsed_s=sum(p["meta"]["elapsed_s"] for p in parts))
     return meta, [r for p in parts for r in p["results"]]
+
+
+def add_report_args(ap, default_out, json_name: str) -> None:
+    """The report options of a benchmark writing ``<out>/<stem>.{md,json,png}``: --quick, --out, --json and
+    --replot (the report again from a run's ``json_name``, no GPU; :func:`replot`)."""
+    ap.add_argument("--quick", action="store_true", help="fewer timed rounds")
+    ap.add_argument("--out", default=str(default_out), help="output folder (default docs/)")
+    ap.add_argument("--json", default=None, help="also write the JSON report to this file")
+    ap.add_argument("--replot", metavar="JSON", help=f"no GPU: rebuild the report from an earlier run's {json_name}")
+
+
+def replot(args, report) -> bool:
+    """With --replot: print ``report(results, meta, out_dir)`` of that JSON and return True (nothing to run)."""
+    if not args.replot:
+        return False
+    meta, results = merge_results([args.replot])
+    print(report(results, meta, Path(args.out)), flush=True)
+    return True

@@ -393,17 +393,12 @@ def measure(ctx, torch, dist, mk, cfg, quick: bool, shared: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer timed rounds")
     ap.add_argument("--configs", "--shapes", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="tokens per rank")
-    ap.add_argument("--out", default=str(HERE.parent / "docs"), help="output folder (default docs/)")
-    ap.add_argument("--json", default=None, help="also write the JSON report to this file")
-    ap.add_argument("--replot", metavar="JSON", help="no GPU: rebuild the report from an earlier run's moe_bench.json")
+    C.add_report_args(ap, HERE.parent / "docs", "moe_bench.json")
     args = ap.parse_args()
     t_start = time.monotonic()
-    if args.replot:
-        meta, results = C.merge_results([args.replot])
-        print(report(results, meta, Path(args.out)), flush=True)
+    if C.replot(args, report):
         return 0
     ctx, torch, dist, mk, say = C.start_ranks("mkernel's MoE ops")
     comm, P = ctx.world, ctx.local_size

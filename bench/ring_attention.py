@@ -731,15 +731,10 @@ def main() -> int:
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the backward methods (default: on)")
-    ap.add_argument("--quick", action="store_true", help="fewer timed rounds")
-    ap.add_argument("--out", default=str(HERE.parent / "docs"), help="output folder (default docs/)")
-    ap.add_argument("--json", default=None, help="also write the JSON report to this file")
-    ap.add_argument("--replot", metavar="JSON", help="no GPU: rebuild the report from an earlier run's JSON")
+    C.add_report_args(ap, HERE.parent / "docs", "ring_attention_bench.json")
     args = ap.parse_args()
     t_start = time.monotonic()
-    if args.replot:
-        meta, results = C.merge_results([args.replot])
-        print(report(results, meta, Path(args.out)), flush=True)
+    if C.replot(args, report):
         return 0
     ctx = C.bootstrap(nccl=False)
     # NCCL refuses two ranks on one GPU: the torch baselines need it, so they run only with a GPU per rank (the
