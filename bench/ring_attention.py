@@ -484,15 +484,33 @@ def add_first(methods, rec: dict, key: str, builders, check=None) -> bool:
     return False
 
 
-def first_result(fn, store: dict, name: str):
-    """``fn`` that keeps its first call's result in ``store[name]`` (the reference the other methods check
-    against)."""
+def first_result(fn, store: dict, name: str, keep=lambda res: res):
+    """``fn`` that keeps its first call's result, through ``keep`` (a copy where ``fn`` reuses its buffers), in
+    ``store[name]`` (the reference the other methods check against)."""
     def run():
         res = fn()
         if name not in store:
-            store[name] = res
+            store[name] = keep(res)
         return res
     return run
+
+
+def add_allgather_baselines(methods, rec: dict, ref: dict, allgather, against_a, suffix: str = "") -> None:
+    """(a) where NCCL runs: ``allgather_sdpa<suffix>`` on torch's default backend and, non-causal,
+    ``allgather_cudnn<suffix>`` on cuDNN, each built by ``allgather(backend, gqa, name)`` with GQA native, else
+    K/V repeated over the group; ``ref["a"]`` is the result of whichever of the two ran."""
+    if not rec["nccl_baselines"]:
+        return
+
+    def variants(backend, name):
+        return [("enable_gqa", allgather(backend, "native", name)),
+                ("K/V repeated over the group", allgather(backend, "repeat", name))]
+
+    add_first(methods, rec, "allgather_sdpa" + suffix, variants("default", "a"))
+    if not rec["causal"]:  # (causal: a bottom-right mask, which torch offers with flash only)
+        add_first(methods, rec, "allgather_cudnn" + suffix, variants("cudnn", "cudnn"), against_a(lambda: ref["cudnn"]))
+        if "a" not in ref and "cudnn" in ref:
+            ref["a"] = ref["cudnn"]
 
 
 def host_fresh_ms(torch, comm, call, sets, rounds: int) -> float:
@@ -568,17 +586,7 @@ def measure_forward(ctx, torch, dist, mk, rec: dict, q, k, v, rp: dict, quick: b
     def against_a(get):
         return (lambda: C.rel_err(torch, get(), ref["a"])) if "a" in ref else None
 
-    def variants(backend, name):
-        return [("enable_gqa", allgather(backend, "native", name)),
-                ("K/V repeated over the group", allgather(backend, "repeat", name))]
-
-    nccl = rec["nccl_baselines"]
-    if nccl:
-        add_first(methods, rec, "allgather_sdpa", variants("default", "a"))
-    if nccl and not causal:  # (causal: a bottom-right mask, which torch offers with flash only)
-        add_first(methods, rec, "allgather_cudnn", variants("cudnn", "cudnn"), against_a(lambda: ref["cudnn"]))
-        if "a" not in ref and "cudnn" in ref:  # (the reference: (a) on whichever backend ran)
-            ref["a"] = ref["cudnn"]
+    add_allgather_baselines(methods, rec, ref, allgather, against_a)
 
     def ring():
         mk.ring_attention(ctx, q, k, v, out, lse=lse, causal=causal, stream=s)
@@ -593,7 +601,7 @@ def measure_forward(ctx, torch, dist, mk, rec: dict, q, k, v, rp: dict, quick: b
         check_p = lambda: C.rel_err(torch, out_p, out)  # noqa: E731
     if methods.add("mkernel_ring_persistent", ring_persistent, check_p):
         rec["persistent_path"] = bool(getattr(ctx.last_plan("ring_attention"), "persistent", False))
-    if nccl:
+    if rec["nccl_baselines"]:
         methods.add("host_ring_flash", first_result(host_ring(torch, dist, q, k, v, P, r, causal), ref, "b"),
                     against_a(lambda: ref["b"]))
     ks, vs = k.repeat(1, P, 1, 1), v.repeat(1, P, 1, 1)
@@ -642,12 +650,7 @@ def measure_backward(ctx, torch, dist, mk, rec: dict, q, k, v, rp: dict, quick: 
                 dist.reduce_scatter_tensor(dv_a, stacked(gv))
                 return gq, dk_a, dv_a
 
-            def first():
-                res = run()
-                if name not in ref:
-                    ref[name] = tuple(x.clone() for x in res)
-                return res
-            return first
+            return first_result(run, ref, name, keep=lambda res: tuple(x.clone() for x in res))
         return build
 
     def against_a(get):
@@ -655,17 +658,7 @@ def measure_backward(ctx, torch, dist, mk, rec: dict, q, k, v, rp: dict, quick: 
             return None
         return lambda: max(C.rel_err(torch, g, want) for g, want in zip(get(), ref["a"]))
 
-    def variants(backend, name):
-        return [("enable_gqa", allgather(backend, "native", name)),
-                ("K/V repeated over the group", allgather(backend, "repeat", name))]
-
-    nccl = rec["nccl_baselines"]
-    if nccl:
-        add_first(methods, rec, "allgather_sdpa_bwd", variants("default", "a"))
-    if nccl and not causal:
-        add_first(methods, rec, "allgather_cudnn_bwd", variants("cudnn", "cudnn"), against_a(lambda: ref["cudnn"]))
-        if "a" not in ref and "cudnn" in ref:
-            ref["a"] = ref["cudnn"]
+    add_allgather_baselines(methods, rec, ref, allgather, against_a, "_bwd")
 
     def ring():
         mk.ring_attention_backward(ctx, q, k, v, out, lse, dout, dq, dk, dv, causal=causal, stream=s)
@@ -755,7 +748,8 @@ def main() -> int:
     shared = P > gpus or not nccl
     sizes = [int(x) for x in args.s.split(",") if x.strip()]
     causals = [bool(int(c)) for c in args.causal.split(",") if c.strip()]
-    say(f"{P} rank(s) on {gpus} GPU(s) of {ctx.num_nodes} node(s), {torch.cuda.get_device_name()}{' (' + PENDING + ')' if shared else ''}, "
+    tag = f" ({PENDING})" if shared else ""
+    say(f"{P} rank(s) on {gpus} GPU(s) of {ctx.num_nodes} node(s), {torch.cuda.get_device_name()}{tag}, "
         f"torch {torch.__version__}, S {sizes}, causal {causals}, backward {args.backward}")
     results = []
 

@@ -158,8 +158,8 @@ class MoeGemmArgs(ctypes.Structure):
     def point(self, x: int, routing) -> None:
         """Re-point at a call's rows ``x`` and its routing (:class:`mkernel.MoeRouting`)."""
         R = routing
-        self.x, self.ids, self.slots, self.offs, self.recv_map = x, R.ids.ptr, R.slots.ptr, R.expert_offsets.ptr, \
-            R.recv_map.ptr
+        self.x, self.ids, self.slots = x, R.ids.ptr, R.slots.ptr
+        self.offs, self.recv_map = R.expert_offsets.ptr, R.recv_map.ptr
 
 
 assert ctypes.sizeof(MoeGemmArgs) == 112
@@ -241,9 +241,10 @@ def layer_layout(P: int, T: int, k: int, row_bytes_x: int, row_bytes_out: int,
     ``flags_off``; then uint64 down_stored[P] at Lc.scratch_off, entry s raised by local rank s to the call's
     epoch once its loop (2) tiles are stored: at an offset of P only, as every control word), then the
     dispatch's regions as :func:`dispatch_layout` places them after a control region, from the next 256-byte
-    boundary on (int32 recv_src[r_cap], staging rows [P][T] of ``row_bytes_x``), then the combine's, 256-aligned: uint64 cnt[T *
-    k] (Lc.counts_off, zeroed by the host before each launch: a workspace shared with calls of other shapes
-    may hold stale bytes there) and staging rows [T * k] of ``row_bytes_out`` (Lc.stage_off)."""
+    boundary on (int32 recv_src[r_cap], staging rows [P][T] of ``row_bytes_x``), then the combine's,
+    256-aligned: uint64 cnt[T * k] (Lc.counts_off, zeroed by the host before each launch: a workspace shared
+    with calls of other shapes may hold stale bytes there) and staging rows [T * k] of ``row_bytes_out``
+    (Lc.stage_off)."""
     Ld, down_stored = _control(P)
     end = _dispatch_regions(Ld, round_up(down_stored + 8 * P, 256), P, T, row_bytes_x, r_cap)
     Lc = MoeLayout()

@@ -13,9 +13,10 @@ class RingAttentionOptions:
     """Options of :func:`mkernel.ring_attention`.
 
     ``heavy_first``: the attention kernel's query-block order (:class:`mkernel.AttentionOptions`); it matters
-    for the causal step 0 only (the persistent kernel always takes the longest query tiles first).  ``pull_chunks``: each K/V block is pulled from its owner in this many copies
-    (1..8) on the side stream; more pieces let the next step's gate run earlier on nothing, fewer cost fewer
-    copy launches (docs/ring_attention.md, "Transfers").  ``persistent``: one persistent kernel per call
+    for the causal step 0 only (the persistent kernel always takes the longest query tiles first).
+    ``pull_chunks``: each K/V block is pulled from its owner in this many copies (1..8) on the side stream;
+    more pieces let the next step's gate run earlier on nothing, fewer cost fewer copy launches
+    (docs/ring_attention.md, "Transfers").  ``persistent``: one persistent kernel per call
     instead of one launch per ring step: each query tile's online softmax runs over every step's K/V in
     registers (no partial results to merge); the workspace then holds every rank's K/V block (the memory of
     the whole sequence's K/V, as the all-gather scheme) instead of two.  One node only (across nodes the
