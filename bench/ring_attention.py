@@ -260,6 +260,8 @@ def notes(results: list) -> list:
                 out.append(f"* {where}: {k[:-8]} ran as: {v}")
         if r.get("persistent_path") is False:
             out.append(f"* {where}: RingAttentionOptions(persistent=True) ran the step path (plan.persistent False)")
+        if r.get("ring_bwd_kernel") == "mma":
+            out.append(f"* {where}: the ring backward ran its mma main kernel (plan.backward_fallback)")
     return out
 
 
@@ -663,7 +665,8 @@ def measure_backward(ctx, torch, dist, mk, rec: dict, q, k, v, rp: dict, quick: 
     def ring():
         mk.ring_attention_backward(ctx, q, k, v, out, lse, dout, dq, dk, dv, causal=causal, stream=s)
 
-    methods.add("mkernel_ring_bwd", ring, against_a(lambda: (dq, dk, dv)))
+    if methods.add("mkernel_ring_bwd", ring, against_a(lambda: (dq, dk, dv))):
+        rec["ring_bwd_kernel"] = ctx.last_plan("ring_attention_backward").backward_kernel  # (wgmma, or mma)
     ks, vs = k.repeat(1, P, 1, 1), v.repeat(1, P, 1, 1)
     out_s, lse_s = torch.empty_like(q), torch.empty(B, Hq, Sl, device=q.device, dtype=torch.float32)
     dq_s, dk_s, dv_s = torch.empty_like(q), torch.empty_like(ks), torch.empty_like(vs)

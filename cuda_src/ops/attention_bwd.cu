@@ -22,6 +22,8 @@
 //    fp32 partials to part_k / part_v ([S_k, B, H_kv, D], seq-major so a prefix of rows is a prefix of
 //    memory) instead of the dtype, and reads Dsum / adds dQ at row pitch acc_pitch (a launch covers a
 //    window of the accumulator's rows); mk_attn_bwd_part_sum sums P such partials in a fixed order.
+//    With MKATT_WGMMA=1 too: mk_attn_bwd_wgmma only, with the same partial epilogue and pitch (the ring's
+//    main kernel where TMA can read its operands).
 // Softmax scale: P uses exp2(scale log2(e) S - log2(e) lse); the scale of dS is applied once, to dK at
 // the end and to dQ at the conversion.  Masking: key j >= S_k, and (causal) j > i + S_k - S_q; rows of a
 // fully masked query (lse = -inf) and rows past S_q read lse as +inf, so their P is 0.
@@ -236,7 +238,6 @@ MK_DEVICE bool mkatt_warp_row(const MkAttnBwdArgs& a, mk_i64* row, int* b, int* 
   return true;
 }
 
-#if !MKATT_WGMMA
 // Row pitch of dsum and dq_acc per (b, h): S_q, or (MKATT_PARTIAL) the launch's window's acc_pitch.
 MK_DEVICE mk_i64 mkatt_acc_pitch(const MkAttnBwdArgs& a) {
 #if MKATT_PARTIAL
@@ -246,6 +247,7 @@ MK_DEVICE mk_i64 mkatt_acc_pitch(const MkAttnBwdArgs& a) {
 #endif
 }
 
+#if !MKATT_WGMMA
 #if !MKATT_PARTIAL
 // ---- preprocess ---------------------------------------------------------------------------------
 
@@ -643,6 +645,9 @@ extern "C" __global__ void __launch_bounds__(256) mk_attn_bwd_convert(MkAttnBwdA
 //   (both halves of dS^T: a 256-thread barrier); D = 64: each warpgroup all columns over its own 64 keys
 //   (wgmma's N-major B must be whole 64-column swizzle atoms).  The fp32 result is added into the dQ
 //   accumulator with red.global.add.v2.f32 (unless deterministic: dq_acc null).
+// MKATT_PARTIAL (the ring backward's step launches, docs/ring_attention.md "Backward"): Dsum and the dQ
+// accumulator at row pitch acc_pitch (the launch's query rows are a window of them), dK / dV written as fp32
+// partials; the Q / dO tensor maps cover the window, the K / V maps the step's key rows.
 #include "ops/mk_attention.cuh"
 
 constexpr int MKW_BN = 128;                  // KV rows per block
@@ -697,6 +702,21 @@ MK_DEVICE void mkw_gemm_rs(float (&acc)[D_ / 2], const mk_u32 (&a)[MKW_BM / 16][
 MK_DEVICE mk_u32 mkw_swz(int row, int col) {
   return (mk_u32)(row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2);
 }
+
+#if MKATT_PARTIAL
+// Row j (< S_k) of this thread's dK, dV fragments (rows r0 + 8 e, columns 8 jj + c0 (+1)) as the fp32
+// partials [S_k, B, H_kv, D], dK times the softmax scale (the mma kernel's MKATT_PARTIAL epilogue).
+MK_DEVICE void mkw_store_partial(const MkAttnBwdArgs& a, const float (&dk)[D_ / 2], const float (&dv)[D_ / 2], int j,
+                                 int b, int hk, int c0, int e) {
+  const mk_i64 row = (((mk_i64)j * a.B + b) * a.Hkv + hk) * D_ + c0;
+#pragma unroll
+  for (int jj = 0; jj < D_ / 8; ++jj) {
+    *reinterpret_cast<float2*>(a.part_k + row + 8 * jj) =
+        make_float2(dk[4 * jj + 2 * e] * a.scale, dk[4 * jj + 2 * e + 1] * a.scale);
+    *reinterpret_cast<float2*>(a.part_v + row + 8 * jj) = make_float2(dv[4 * jj + 2 * e], dv[4 * jj + 2 * e + 1]);
+  }
+}
+#endif
 
 // Grid (ceil(Sk / 128), Hkv, B), 384 threads, MKW_SMEM_BYTES of dynamic shared memory.  Tensor maps
 // {D, S, H, B} with boxes {64, rows, 1, 1}: Q and dO 64 rows, K and V 128 rows (op.py).
@@ -761,7 +781,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
           const int i = i0 + r;
           const bool ok = i < a.Sq;
           sm.lse2(st)[r] = ok ? mkatt_lse2(a.lse[b * a.lse_s[0] + h * a.lse_s[1] + i * a.lse_s[2]]) : MKATT_INF;
-          sm.dsum(st)[r] = ok ? a.dsum[((mk_i64)b * a.Hq + h) * a.Sq + i] : 0.f;
+          sm.dsum(st)[r] = ok ? a.dsum[((mk_i64)b * a.Hq + h) * mkatt_acc_pitch(a) + i] : 0.f;
         }
         mk_mbar_arrive(sm.full(st));
       }
@@ -862,7 +882,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       mk_wgmma_fence_regs(dv);
       __syncwarp();  // every lane's lse2 / dsum reads of the slot before the leader frees it
       if (leader) mk_mbar_arrive(sm.empty(st));
-      float* acc = a.dq_acc + (((mk_i64)b * a.Hq + h) * a.Sq) * D_ + dq_col0 + c0;
+      float* acc = a.dq_acc + (((mk_i64)b * a.Hq + h) * mkatt_acc_pitch(a)) * D_ + dq_col0 + c0;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int i = i0 + r0 + 8 * e;
@@ -887,6 +907,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int j = jw + r0 + 8 * e;
+#if MKATT_PARTIAL
+    if (j < a.Sk) mkw_store_partial(a, dk, dv, j, b, hk, c0, e);
+#else
     if (j < a.Sk) {
       mkatt_t* rk = a.dk + b * a.dk_s[0] + (mk_i64)j * a.dk_s[1] + hk * a.dk_s[2] + c0;
       mkatt_t* rv = a.dv + b * a.dv_s[0] + (mk_i64)j * a.dv_s[1] + hk * a.dv_s[2] + c0;
@@ -896,6 +919,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         *reinterpret_cast<mk_u32*>(rv + 8 * jj) = mkatt_pack(dv[4 * jj + 2 * e], dv[4 * jj + 2 * e + 1]);
       }
     }
+#endif
   }
 }
 #endif  // MKATT_WGMMA

@@ -35,17 +35,22 @@ def test_all_combinations_registered():
     got = {(d["MKATT_DTYPE"], d["MKATT_D"], d["MKATT_BR"]) for _, d in SPECS
            if not d.get("MKATT_WGMMA") and not d.get("MKATT_PARTIAL")}
     assert got == {(c, dd, br) for c in K.DTYPES.values() for dd in K.HEAD_DIMS for br in K.BLOCK_Q}
-    got = {(d["MKATT_DTYPE"], d["MKATT_D"]) for _, d in SPECS if d.get("MKATT_WGMMA")}
-    assert got == {(c, dd) for c in K.DTYPES.values() for dd in K.HEAD_DIMS}
-    got = {(d["MKATT_DTYPE"], d["MKATT_D"], d["MKATT_BR"]) for _, d in SPECS if d.get("MKATT_PARTIAL")}
+    for partial in (0, 1):  # the wgmma kernel, and its ring-backward form
+        got = {(d["MKATT_DTYPE"], d["MKATT_D"]) for _, d in SPECS
+               if d.get("MKATT_WGMMA") and d.get("MKATT_PARTIAL", 0) == partial}
+        assert got == {(c, dd) for c in K.DTYPES.values() for dd in K.HEAD_DIMS}
+    got = {(d["MKATT_DTYPE"], d["MKATT_D"], d["MKATT_BR"]) for _, d in SPECS
+           if d.get("MKATT_PARTIAL") and not d.get("MKATT_WGMMA")}
     assert got == {(c, dd, K.DEFAULT_BLOCK_Q[dd]) for c in K.DTYPES.values() for dd in K.HEAD_DIMS}
+    assert len(SPECS) == len(K.specializations())
 
 
 compile_cache = _compile_cache.module_fixture("test_compiles_clean", ARCH, _with_expectations)
 
 
 @pytest.mark.parametrize("source,defines", SPECS, ids=[
-    f"wgmma-dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}" if d.get("MKATT_WGMMA") else
+    f"wgmma{'-partial' * bool(d.get('MKATT_PARTIAL'))}-dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}"
+    if d.get("MKATT_WGMMA") else
     f"partial-dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}" if d.get("MKATT_PARTIAL") else
     f"dt{d['MKATT_DTYPE']}-d{d['MKATT_D']}-br{d['MKATT_BR']}" for _, d in SPECS])
 def test_compiles_clean(source, defines, compile_cache, monkeypatch):

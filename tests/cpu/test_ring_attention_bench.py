@@ -137,7 +137,9 @@ def test_report_one_gpu_per_rank_and_p1(bench, tmp_path):
         "met", "met", "met", "met")
     one = bench.report([_rec(bench, 16384, False, P=1)], _meta(P=1, gpus=1), tmp_path / "p1")
     assert "**P = 1**: the ring's kernels run with no transfers" in one
-    assert "Backward, non-causal" in one
+    assert "Backward, non-causal" in one and "mma main kernel" not in one
+    mma = bench.report([_rec(bench, 16384, False, P=1, ring_bwd_kernel="mma")], _meta(P=1, gpus=1), tmp_path / "m")
+    assert "* S=16384 non-causal: the ring backward ran its mma main kernel (plan.backward_fallback)" in mma
 
 
 def test_replot(bench, tmp_path, monkeypatch, capsys):

@@ -329,6 +329,8 @@ def test_backward_bind_picks_the_path_by_node_count(ctx, monkeypatch):
 
 def test_backward_plan_is_the_world_ring(ctx):
     c = RB._Call()
-    c.dims, c.causal, c.k = (1, 64, 64, 4, 2, 128), True, _arr((1, 64, 2, 128))
+    c.q, c.k, c.v, c.o, c.lse, c.do = _bwd_args()
+    c.dims, c.causal, c.layout, c.options = (1, 64, 64, 4, 2, 128), True, "bshd", RingAttentionOptions()
     plan = RB._RING_BWD.plan(_XCtx(), c, 7)
     assert (plan.P, plan.rank, plan.sources) == (4, 1, (1, 0, 3, 2))
+    assert (plan.backward_kernel, plan.backward_fallback) == ("wgmma", "")  # (the same kernels as on one node)

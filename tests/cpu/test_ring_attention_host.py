@@ -320,7 +320,8 @@ def test_backward_partial_kernels_compile_clean():
     for dt in BK.DTYPES:
         for d in BK.HEAD_DIMS:
             assert (BK.SOURCE, BK.partial_defines(dt, d)) in CP.registered_specializations()
-    # (the no-spill compile of every partial specialization: tests/cpu/test_attention_bwd_host.py)
+            assert (BK.SOURCE, BK.wgmma_partial_defines(dt, d)) in CP.registered_specializations()
+    # (the no-spill compile of every partial specialization, mma and wgmma: tests/cpu/test_attention_bwd_host.py)
 
 
 # ------------------------------------------------------------------ across nodes

@@ -35,8 +35,9 @@ def _setup(_contexts):
     if ctx.local_rank == 0:
         from mkernel.ops.attention_bwd import kernels as BK
 
-        try:  # the backward's partial kernels and the default specialization's pre / convert kernels
+        try:  # the backward's partial kernels (mma, wgmma) and the default specialization's pre / convert kernels
             precompile_source(BK.SOURCE, [BK.partial_defines(t, d) for t in BK.DTYPES for d in BK.HEAD_DIMS]
+                              + [BK.wgmma_partial_defines(t, d) for t in BK.DTYPES for d in BK.HEAD_DIMS]
                               + [BK.defines(t, d, BK.DEFAULT_BLOCK_Q[d]) for t in BK.DTYPES for d in BK.HEAD_DIMS])
         except Exception as exc:  # noqa: BLE001
             print(f"precompile failed, compiling lazily: {exc!r}")
@@ -249,7 +250,7 @@ def test_zzz_persistent_missing_peer_times_out(ctx):
 
 
 # ------------------------------------------------------------------ backward
-def _run_bwd(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16", calls=1):
+def _run_bwd(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat16", calls=1, options=None):
     """Every rank: its rows of q, k, v, dout and of the float64 forward's out / lse (rounded to the dtype /
     float32) in; its rows of dq, dk, dv out (NaN-poisoned first), against the float64 gradients of full
     attention.  Tolerance: relative Frobenius error <= 2e-2 and max error <= 8e-2 of max |ref| per tensor
@@ -271,9 +272,10 @@ def _run_bwd(ctx, rng, B, S, Hq, Hkv, D, *, causal, layout="bshd", dtype="bfloat
     lse = DeviceArray.from_numpy(np.ascontiguousarray(ref_l[:, :, rows]).astype(np.float32))
     for _ in range(calls):
         dq, dk, dv = (DeviceArray.empty(x.shape, dtype).fill_nan() for x in (qd, kd, vd))
-        mkernel.ring_attention_backward(ctx, qd, kd, vd, od, lse, dod, dq, dk, dv, causal=causal, layout=layout)
+        mkernel.ring_attention_backward(ctx, qd, kd, vd, od, lse, dod, dq, dk, dv, causal=causal, layout=layout,
+                                        options=options)
     ctx.synchronize()
-    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={P}"
+    what = f"B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} causal={causal} {layout} {dtype} P={P} {options}"
     for name, got, ref in (("dq", dq, gq), ("dk", dk, gk), ("dv", dv, gv)):
         g = download(got)
         if layout == "bhsd":
@@ -298,7 +300,20 @@ BWD_CASES = [  # (B, S_local, H_q, H_kv, D, causal, layout): S = S_local * P
 def test_backward_against_float64(ctx, shared_rng, case):
     B, S_local, Hq, Hkv, D, causal, layout = case
     _run_bwd(ctx, shared_rng, B, S_local * ctx.local_size, Hq, Hkv, D, causal=causal, layout=layout)
-    assert ctx.last_plan("ring_attention_backward").P == ctx.local_size
+    plan = ctx.last_plan("ring_attention_backward")
+    assert plan.P == ctx.local_size and plan.backward_kernel == "wgmma" and not plan.backward_fallback
+
+
+MMA_BWD = mkernel.RingAttentionOptions(backward_kernel="mma")
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=_case_ids(BWD_CASES))
+def test_backward_mma_kernel_against_float64(ctx, shared_rng, case):
+    """The mma main kernel (the fallback where TMA cannot map the arrays, or asked for) gives the same."""
+    B, S_local, Hq, Hkv, D, causal, layout = case
+    _run_bwd(ctx, shared_rng, B, S_local * ctx.local_size, Hq, Hkv, D, causal=causal, layout=layout,
+             options=MMA_BWD)
+    assert ctx.last_plan("ring_attention_backward").backward_kernel == "mma"
 
 
 def test_backward_back_to_back_and_deterministic(ctx):

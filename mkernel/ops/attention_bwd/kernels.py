@@ -5,8 +5,9 @@ from __future__ import annotations
 from ...core.compiler import kernel, register_specialization
 
 __all__ = ["SOURCE", "DTYPES", "HEAD_DIMS", "BLOCK_Q", "DEFAULT_BLOCK_Q", "WARPS", "DQ_WARPS", "DQ_BLOCK_K",
-           "KERNELS", "WGMMA_KERNEL", "PARTIAL_KERNELS", "MAX_PARTS", "partial_defines", "WGMMA_BLOCK_KV", "WGMMA_BLOCK_Q", "WGMMA_THREADS", "WGMMA_STAGES",
-           "defines", "wgmma_defines", "get_partial", "specializations", "main_smem", "dq_smem", "wgmma_smem", "get"]
+           "KERNELS", "WGMMA_KERNEL", "PARTIAL_KERNELS", "MAX_PARTS", "partial_defines", "wgmma_partial_defines",
+           "WGMMA_BLOCK_KV", "WGMMA_BLOCK_Q", "WGMMA_THREADS", "WGMMA_STAGES", "defines", "wgmma_defines",
+           "get_partial", "specializations", "main_smem", "dq_smem", "wgmma_smem", "get"]
 
 SOURCE = "ops/attention_bwd.cu"
 DTYPES = {"bfloat16": 0, "float16": 1}  # MKATT_DTYPE (mk_common.cuh dtype codes)
@@ -45,12 +46,19 @@ def partial_defines(dtype: str, d: int) -> dict:
     return {**defines(dtype, d, DEFAULT_BLOCK_Q[d]), "MKATT_PARTIAL": 1}
 
 
+def wgmma_partial_defines(dtype: str, d: int) -> dict:
+    """The ring backward's wgmma main kernel (MKATT_WGMMA=1, MKATT_PARTIAL=1: ``mk_attn_bwd_wgmma`` writing
+    the fp32 partials of :func:`partial_defines`' main kernel; docs/ring_attention.md, "Backward")."""
+    return {**wgmma_defines(dtype, d), "MKATT_PARTIAL": 1}
+
+
 def specializations() -> list[dict]:
     """Every (dtype, head dim, block_q) of the mma kernels, every (dtype, head dim) of the wgmma kernel and
-    of the ring backward's partial kernels."""
+    of the ring backward's partial kernels (mma and wgmma)."""
     return ([defines(t, d, br) for t in DTYPES for d in HEAD_DIMS for br in BLOCK_Q]
             + [wgmma_defines(t, d) for t in DTYPES for d in HEAD_DIMS]
-            + [partial_defines(t, d) for t in DTYPES for d in HEAD_DIMS])
+            + [partial_defines(t, d) for t in DTYPES for d in HEAD_DIMS]
+            + [wgmma_partial_defines(t, d) for t in DTYPES for d in HEAD_DIMS])
 
 
 for _d in specializations():
@@ -79,7 +87,10 @@ def wgmma_smem(d: int) -> int:
 
 
 def get_partial(dtype: str, d: int, name: str):
-    """The compiled (or cached) kernel ``name`` of :func:`partial_defines` (one of PARTIAL_KERNELS)."""
+    """The compiled (or cached) ring-backward kernel ``name``: ``mk_attn_bwd_wgmma`` from
+    :func:`wgmma_partial_defines`, the others (PARTIAL_KERNELS) from :func:`partial_defines`."""
+    if name == WGMMA_KERNEL:
+        return kernel(SOURCE, wgmma_partial_defines(dtype, d), name)
     return kernel(SOURCE, partial_defines(dtype, d), name)
 
 

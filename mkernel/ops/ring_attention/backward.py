@@ -3,7 +3,8 @@
 Given the forward's q, k, v, out and (global) lse of this rank's rows and the output gradient dout, computes
 dq, dk, dv of this rank's rows.  The K/V blocks circulate as in the forward (copy-engine pulls from each
 owner's home copy into two receive buffers, on the context's side stream; the same schedule of launches,
-:func:`make_plan`).  Step s runs ``mkernel.attention_backward``'s main kernel in its MKATT_PARTIAL
+:func:`make_plan`).  Step s runs one of ``mkernel.attention_backward``'s main kernels (the TMA + wgmma one,
+or the mma one where TMA cannot read the arrays: ``common.backward_kernel``) in its MKATT_PARTIAL
 specialization (cuda_src/ops/attention_bwd.cu) for this rank's query rows against the block of rank
 ``(r - s) mod P``: dQ adds into one fp32 accumulator over every step (zeroed once, converted once), the
 block's fp32 dK / dV partial goes to this rank's partial buffer of step s in its symmetric workspace.  At
@@ -12,6 +13,8 @@ local-rank order: deterministic dK / dV.  docs/ring_attention.md, "Backward".
 A context spanning several nodes runs the same launches over the world ring (internode_bwd.py).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from cuda.bindings import driver as cu
 
@@ -25,8 +28,8 @@ from ...dist.signals import MAX_CHUNKS, workspace_control
 from ..attention_bwd import kernels as BK
 from ..attention_bwd.op import LAYOUTS, check_arrays, prepare_arrays
 from ..base import BoundCall, Op, as_stream, checked_once
-from .common import (VALUE_OFF, BackwardLaunches, RingLayout, begin_launch, chunked_copies, control, gate_launch,
-                     gated_pull)
+from .common import (VALUE_OFF, BackwardLaunches, RingLayout, backward_kernel, begin_launch, chunked_copies, control,
+                     gate_launch, gated_pull)
 from .internode import compile_controls
 from .internode_bwd import RingBwdXBound
 from .op import check_ring
@@ -105,14 +108,17 @@ class _RingAttentionBwd(Op):
         P = ctx.size if ctx.num_nodes > 1 else ctx.local_size
         if P > BK.MAX_PARTS:  # (one mk_attn_bwd_part_sum adds every partial of a block)
             raise ValueError(f"{WHAT}: at most {BK.MAX_PARTS} ranks in the ring, got {P}")
+        if c.options.backward_kernel == "wgmma" and backward_kernel(c)[0] != "wgmma":
+            raise ValueError(f"{WHAT}: backward_kernel='wgmma' needs TMA-readable arrays: {backward_kernel(c)[1]}")
         require_gemm_device(WHAT, c.q.device)
 
     def compile(self, ctx, c):
         dt, D = c.q.dtype.name, c.dims[5]
+        main = BK.WGMMA_KERNEL if backward_kernel(c)[0] == "wgmma" else "mk_attn_bwd_main"
         with on_device(ctx.device):
             for name in ("mk_attn_bwd_pre", "mk_attn_bwd_convert"):
                 BK.get(dt, D, BK.DEFAULT_BLOCK_Q[D], name)
-            for name in BK.PARTIAL_KERNELS:
+            for name in (main, "mk_attn_bwd_part_sum"):
                 BK.get_partial(dt, D, name)
             if ctx.local_size > 1 or ctx.num_nodes > 1:
                 control("mk_ring_begin")
@@ -133,7 +139,9 @@ class _RingAttentionBwd(Op):
     def plan(self, ctx, c, digest):
         c.digest = digest
         rank, P = (ctx.local_rank, ctx.local_size) if ctx.num_nodes == 1 else (ctx.rank, ctx.size)
-        return make_plan(rank, P, c.dims[1], c.causal, c.k.nbytes * 2)
+        kern, why = backward_kernel(c)
+        return replace(make_plan(rank, P, c.dims[1], c.causal, c.k.nbytes * 2), backward_kernel=kern,
+                       backward_fallback=why)
 
     def bind(self, ctx, c, plan):
         with on_device(ctx.device):
@@ -264,10 +272,12 @@ def ring_attention_backward(ctx, q, k, v, out, lse, dout, dq=None, dk=None, dv=N
     allocate); dk, dv are the gradients of this rank's own K/V rows, summed over every rank's queries in
     fp32 in rank order (deterministic); dq accumulates with fp32 atomics (run-to-run rounding
     differences).  softmax_scale: finite > 0, default ``1 / sqrt(D)``.  stream: any stream-like object or raw
-    handle (None: the legacy default stream).  options: :class:`RingAttentionOptions` (``pull_chunks``).
+    handle (None: the legacy default stream).  options: :class:`RingAttentionOptions` (``pull_chunks``,
+    ``backward_kernel``).
 
     Every rank makes the same call (checked once per signature on the host, then on the device per call).
     Asynchronous; every wait is bounded by ``ctx.timeout`` (:class:`mkernel.CommTimeout` at ``ctx.check()``
     / ``ctx.synchronize()``).  After the first call of a shape, calls can be captured into a CUDA graph.
-    The plan: ``ctx.last_plan("ring_attention_backward")`` (:class:`RingPlan`, the forward's schedule)."""
+    The plan: ``ctx.last_plan("ring_attention_backward")`` (:class:`RingPlan`, the forward's schedule, with
+    the steps' main kernel: ``backward_kernel``, ``backward_fallback``)."""
     return _RING_BWD(ctx, q, k, v, out, lse, dout, dq, dk, dv, causal, softmax_scale, layout, stream, options)

@@ -5,7 +5,9 @@ from dataclasses import dataclass
 
 from ..base import options_hash
 
-__all__ = ["RingAttentionOptions"]
+__all__ = ["RingAttentionOptions", "BACKWARD_KERNELS"]
+
+BACKWARD_KERNELS = ("auto", "wgmma", "mma")
 
 
 @dataclass(frozen=True)
@@ -21,11 +23,15 @@ class RingAttentionOptions:
     registers (no partial results to merge); the workspace then holds every rank's K/V block (the memory of
     the whole sequence's K/V, as the all-gather scheme) instead of two.  One node only (across nodes the
     step path runs; the plan says which: ``RingPlan.persistent``).  docs/ring_attention.md, "One persistent
-    kernel"."""
+    kernel".  ``backward_kernel`` (:func:`mkernel.ring_attention_backward` only): the main kernel of its
+    steps, ``"wgmma"`` (TMA + wgmma), ``"mma"`` (mma.sync) or ``"auto"`` (the default: ``"wgmma"`` unless
+    TMA cannot read q, dout, k or v, e.g. a zero stride; ``RingPlan.backward_kernel`` / ``backward_fallback``
+    say which ran and why); docs/ring_attention.md, "Backward"."""
 
     heavy_first: bool = True
     pull_chunks: int = 1
     persistent: bool = False
+    backward_kernel: str = "auto"
 
     __hash__ = options_hash  # (hashed once: part of every bound-call key)
 
@@ -37,4 +43,7 @@ class RingAttentionOptions:
             raise ValueError(f"RingAttentionOptions.pull_chunks must be an int in 1..8, got {self.pull_chunks!r}")
         if type(self.persistent) is not bool:
             raise ValueError(f"RingAttentionOptions.persistent must be True or False, got {self.persistent!r}")
+        if self.backward_kernel not in BACKWARD_KERNELS:
+            raise ValueError(f"RingAttentionOptions.backward_kernel must be one of {BACKWARD_KERNELS}, got "
+                             f"{self.backward_kernel!r}")
         return self

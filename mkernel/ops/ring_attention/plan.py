@@ -70,7 +70,9 @@ class RingPlan:
     ``launches``, the pull sources per step (``sources[s]``: local rank whose block step s reads; s = 0 is this
     rank), the bytes of one K/V block, whether the K/V rotation is on the copy engines (always, P > 1),
     whether one persistent kernel runs the whole call (``RingAttentionOptions.persistent``; ``launches`` then
-    describe the pairs it computes, not its launches)."""
+    describe the pairs it computes, not its launches); for the backward, its steps' main kernel
+    (``backward_kernel``: "wgmma" or "mma"; "" in the forward's plan) and, where "mma" runs although
+    ``RingAttentionOptions.backward_kernel`` is "auto", why (``backward_fallback``)."""
 
     P: int
     rank: int
@@ -81,6 +83,8 @@ class RingPlan:
     kv_block_bytes: int = 0
     copy_engines: bool = True
     persistent: bool = False
+    backward_kernel: str = ""
+    backward_fallback: str = ""
 
     @property
     def work(self) -> float:
