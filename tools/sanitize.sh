@@ -59,7 +59,7 @@ declare -A CASES=(
   [internode]="$NP|MKERNEL_RANKS_PER_NODE=1|tests/gpu/test_internode.py -k test_internode_all_gather and float32 or test_internode_reduce_scatter and float32"
   [proxy]="0||tests/gpu/test_proxy_gpu.py"
   [attention]="0||tests/gpu/test_attention.py -k test_no_keys or test_strided_views"
-  [attention_bwd]="0||tests/gpu/test_attention_bwd.py -k test_strided_views or test_deterministic_bit_identical"
+  [attention_bwd]="0||tests/gpu/test_attention_bwd.py -k test_strided_views or (test_gradients and (bflo-d64-b2-q77-k77 or bflo-d128-b1-q1000-k77))"
   [moe]="$NP||tests/gpu/test_moe.py -k test_smoke_each_kernel_finishes or test_combine_fp32_rows_not_a_multiple_of_8 or test_dispatch_gemm_back_to_back"
   [ring_attention]="$NP||tests/gpu/test_ring_attention.py -k test_float16 or test_backward_back_to_back_and_deterministic"
 )
