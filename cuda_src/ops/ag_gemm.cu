@@ -339,7 +339,7 @@ template <int BM> struct AgWaitRows {
 #endif
       if ((++spins & 7u) == 0) {
         const mk_u64 now = __shfl_sync(0xffffffffu, mk_globaltimer(), 0);  // warp-uniform
-        if (spins == 8) {
+        if (t0 == 0) {  // the first clock read (keyed on t0: the spin count wraps in a wait of ~37 min)
           t0 = now;
         } else if (now - t0 > c->timeout_ns) {
           const unsigned late = __ballot_sync(0xffffffffu, !ready && !peek);
