@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 from cuda.bindings import driver as cu
 
@@ -99,6 +100,9 @@ class Context:
         ctypes.memset(self._err_host, 0, 4096)
         self._err_dev = int(check(cu.cuMemHostGetDevicePointer(self._err_host, 0)))
         self.error_record = ErrorRecordView(self._err_host, self.local_world_ranks)
+        # held while a host-side failure is written and while close() frees the record (report_host_failure
+        # runs on the proxy's thread: a report after close() is dropped, never written to freed memory)
+        self._record_lock = threading.Lock()
         self._workspaces: dict = {}
         self._ws_gen = 0  # bumped whenever a workspace is (re)allocated: bound calls are keyed on it
         self._op_states: dict = {}
@@ -174,11 +178,15 @@ class Context:
 
     def report_host_failure(self, code: int, peer: int = -1) -> None:
         """A host-side failure (e.g. the proxy's transport died): write the error record so every
-        device-side wait of this rank stops; the failing component's check hook raises the cause."""
-        rec = self.error_record._rec
-        if rec.code == 0:
-            rec.rank, rec.op, rec.peer, rec.flag_index = self.rank, OPS["proxy"], peer, -1
-            rec.code = code
+        device-side wait of this rank stops; the failing component's check hook raises the cause.  Called
+        from the proxy's thread too; a no-op once :meth:`close` has begun (the record is freed there)."""
+        with self._record_lock:
+            if self._closed:
+                return
+            rec = self.error_record._rec
+            if rec.code == 0:
+                rec.rank, rec.op, rec.peer, rec.flag_index = self.rank, OPS["proxy"], peer, -1
+                rec.code = code
 
     def failure(self) -> str | None:
         """Why this context failed, or None while it is healthy: a host collective timed out or failed (the
@@ -350,7 +358,8 @@ class Context:
         if self._side is not None:
             done(cu.cuStreamDestroy(self._side))
             self._side = None
-        done(cu.cuMemFreeHost(self._err_host))
+        with self._record_lock:  # (a report in flight on the proxy's thread finishes first)
+            done(cu.cuMemFreeHost(self._err_host))
         self.topology.close()
 
     def __enter__(self):

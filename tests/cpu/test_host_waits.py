@@ -372,6 +372,7 @@ def _closable_ctx(monkeypatch, bufs, broken=None, record_code=0):
     ctx = object.__new__(X.Context)
     ctx.rank, ctx._closed, ctx._closers, ctx._checks, ctx._op_states = 0, False, [], [], {}
     ctx._symmetric, ctx._workspaces, ctx._ws_gen, ctx._side, ctx._err_host = list(bufs), {}, 0, None, 0x5000
+    ctx._record_lock = threading.Lock()
     ctx.agreement = _host(0)
     ctx.agreement.broken = broken
     ctx.error_record = types.SimpleNamespace(code=record_code)
@@ -538,3 +539,24 @@ def test_a_blocking_mpi_split_is_bounded_on_a_helper_thread():
     assert isinstance(ei.value.__cause__, RuntimeError)
     me = threading.get_ident()
     assert hostwait.blocking(threading.get_ident, 1.0, "split", 0, False) == me  # inline
+
+
+def test_host_failure_reported_after_close_is_dropped(monkeypatch):
+    """The proxy's thread may report a failure after close() freed the error record: nothing is written."""
+    ctx, freed_host = _closable_ctx(monkeypatch, [])
+    writes = []
+
+    class Rec:
+        code = 0
+
+        def __setattr__(self, name, value):
+            writes.append(name)
+    ctx.error_record = types.SimpleNamespace(code=0, _rec=Rec())
+    ctx.close()
+    assert freed_host == [0x5000]
+    ctx.report_host_failure(7)
+    assert writes == []
+    ctx2, _ = _closable_ctx(monkeypatch, [])  # (an open context takes the report)
+    ctx2.error_record = types.SimpleNamespace(code=0, _rec=Rec())
+    ctx2.report_host_failure(7)
+    assert "code" in writes

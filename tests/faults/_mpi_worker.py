@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -156,6 +157,7 @@ def cpu_context(topo, ag, bufs):
     ctx = object.__new__(Context)
     ctx.rank, ctx._closed, ctx._closers, ctx._checks, ctx._op_states = topo.rank, False, [], [], {}
     ctx._symmetric, ctx._workspaces, ctx._ws_gen, ctx._side, ctx._err_host = list(bufs), {}, 0, None, 0
+    ctx._record_lock = threading.Lock()
     ctx.agreement, ctx.error_record = ag, types.SimpleNamespace(code=0, raise_if_set=lambda: None)
     ctx.topology = topo  # (MPI communicators: closing the topology closes nothing)
     return ctx

@@ -332,6 +332,7 @@ def test_an_exception_in_the_proxy_thread_reaches_ctx_check(monkeypatch):
     ctx = object.__new__(X.Context)
     ctx.rank, ctx._timeout, ctx._closed, ctx._closers, ctx._checks, ctx._op_states = 0, 1.0, False, [], [], {}
     ctx._symmetric, ctx._workspaces, ctx._ws_gen, ctx._side, ctx._err_host = [], {}, 0, None, 0
+    ctx._record_lock = threading.Lock()
     ctx.agreement = Agreement(0, lambda: 1.0)
     ctx.error_record = ErrorRecordView(ctypes.addressof(rec), [0, 1])
     ctx.world = TwoRanks()
@@ -371,6 +372,7 @@ def test_a_failed_proxy_set_up_fails_the_context(monkeypatch):
     rec = ctypes.create_string_buffer(4096)
     ctx = object.__new__(X.Context)
     ctx.rank, ctx._timeout, ctx._closed, ctx._closers, ctx._checks = 0, 1.0, False, [], []
+    ctx._record_lock = threading.Lock()
     ctx.agreement = Agreement(0, lambda: 1.0)
     ctx.error_record = ErrorRecordView(ctypes.addressof(rec), [0])
     ctx.world = object()
