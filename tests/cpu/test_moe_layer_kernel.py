@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import _compile_cache
+from _launch_fakes import LoggedKernel
 from mkernel.core import compiler as CP
 from mkernel.core.arrays import DeviceArray
 from mkernel.dist.opstate import OpState
@@ -299,30 +300,13 @@ def test_down_stored_protocol(cfg, scenario):
 
 
 # ---- the host plan against driver fakes ---------------------------------------------------------------
-class _Kernel:
-    def __init__(self, log, defines, name):
-        self.log, self.defines, self.name = log, defines, name
-
-    def max_active_blocks_per_sm(self, threads, smem=0):
-        return 1
-
-    def prepare(self, grid, block, args, **kw):
-        log, defines, name = self.log, self.defines, self.name
-
-        class Launch:
-            def submit(self):
-                log.append(dict(kind="launch", defines=defines, name=name, grid=grid, block=block, args=list(args),
-                                **kw))
-        return Launch()
-
-
 @pytest.fixture
 def env(fake, monkeypatch):
     """(events: launches and memsets in stream order, tensor maps, empty, a one-rank context, workspace requests)
     with the op's device pieces faked."""
     _, maps, empty = fake
     events, ws = [], []
-    monkeypatch.setattr(FL, "kernel", lambda src, defines, name: _Kernel(events, defines, name))
+    monkeypatch.setattr(FL, "kernel", lambda src, defines, name: LoggedKernel(events, defines, name))
     monkeypatch.setattr(FL, "require_gemm_device", lambda what, dev: None)
     monkeypatch.setattr(GB, "check", lambda r: None)
     monkeypatch.setattr(GB.cu, "cuMemsetD32Async", lambda ptr, v, n, s: events.append(
@@ -465,7 +449,7 @@ def test_layer_runs_route_then_the_one_kernel(env, monkeypatch):
     """moe_layer with one_kernel: the routing's kernels, then mk_moe_layer (nothing else: no dispatch, GEMM
     or combine launch); the plan says "layer"; the routing returned is the one the kernel filled."""
     events, maps, empty, ctx, ws = env
-    monkeypatch.setattr(MO, "kernel", lambda src, defines, name: _Kernel(events, defines, name))
+    monkeypatch.setattr(MO, "kernel", lambda src, defines, name: LoggedKernel(events, defines, name))
     monkeypatch.setattr(MO, "_memcpy", lambda *a: events.append(dict(kind="copy")))
     T, H, F, k, E = 40, 256, 128, 2, 4
     x, wg, wd = empty((T, H), "bfloat16"), empty((E, 2 * F, H), "bfloat16"), empty((E, H, F), "bfloat16")
@@ -485,7 +469,7 @@ def test_layer_bad_input_raises_before_routing(env, monkeypatch, bad):
     """moe_layer with one_kernel checks what the kernel needs before its first launch (the routing's): rows of
     x a multiple of 16 bytes, 16-byte aligned x, out not overlapping x."""
     events, maps, empty, ctx, ws = env
-    monkeypatch.setattr(MO, "kernel", lambda src, defines, name: _Kernel(events, defines, name))
+    monkeypatch.setattr(MO, "kernel", lambda src, defines, name: LoggedKernel(events, defines, name))
     monkeypatch.setattr(MO, "_memcpy", lambda *a: events.append(dict(kind="copy")))
     T, H, F, k, E = 40, 60 if bad == "H" else 256, 128, 2, 4
     x = empty((T, H), "bfloat16")

@@ -27,6 +27,8 @@ from mkernel.ops.moe import op as MO
 from mkernel.ops.moe import reference as ref
 from mkernel.ops.moe.op import MoeRouting
 
+from _launch_fakes import LoggedKernel
+from _nvrtc import nvrtc_compile
 from test_gemm_compile import fake  # noqa: F401 (the driver fakes of the GEMM plans)
 from test_moe_layer_kernel import _grouped  # MkGroupedScheduler's tiles for one worker
 from test_proxy_layout import _ptx_param_sizes
@@ -359,42 +361,16 @@ def test_arrivals_own_rows_first(kind, P, T, k, E, cap, r_cap, cfg):
 # ---- launch arguments against the kernels' parameters ------------------------------------------------------
 def _ptx(source: str, defines: dict) -> str:
     """PTX of cuda_src/<source> with ``defines`` (NVRTC, compute_90a)."""
-    from cuda.bindings import nvrtc
-
     sources = {}
     CP._collect_sources(source, CP.cuda_src_dir(), sources)
-    opts = ["-std=c++17", "--gpu-architecture=compute_90a", "-default-device",
-            *(f"-I{d}" for d in [str(CP.cuda_src_dir()), *CP.include_dirs()]), *CP._define_flags(dict(defines))]
-    prog = nvrtc.nvrtcCreateProgram(sources[source].encode(), source.encode(), 0, [], [])[1]
-    try:
-        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-        n = nvrtc.nvrtcGetPTXSize(prog)[1]
-        ptx = b" " * n
-        nvrtc.nvrtcGetPTX(prog, ptx)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return ptx.decode(errors="replace")
+    ok, log, ptx = nvrtc_compile(sources[source], source, "compute_90a",
+                                 ["-default-device", *CP._define_flags(dict(defines))])
+    assert ok, log
+    return ptx
 
 
 def _sizes(args) -> list[int]:
     return [len(a) if isinstance(a, (bytes, bytearray)) else ctypes.sizeof(a) for a in args]
-
-
-class _Kernel:
-    def __init__(self, log, defines, name):
-        self.log, self.defines, self.name = log, defines, name
-
-    def max_active_blocks_per_sm(self, threads, smem=0):
-        return 1
-
-    def prepare(self, grid, block, args, **kw):
-        log, defines, name = self.log, self.defines, self.name
-
-        class Launch:
-            def submit(self):
-                log.append(dict(name=name, defines=defines, args=list(args)))
-        return Launch()
 
 
 @pytest.fixture
@@ -404,7 +380,7 @@ def env(fake, monkeypatch):
     _, maps, empty = fake
     launches = []
     for mod in (FU, MO):
-        monkeypatch.setattr(mod, "kernel", lambda src, defines, name: _Kernel(launches, defines, name))
+        monkeypatch.setattr(mod, "kernel", lambda src, defines, name: LoggedKernel(launches, defines, name))
     monkeypatch.setattr(MO, "_memcpy", lambda *a: None)
     monkeypatch.setattr(FU, "require_gemm_device", lambda what, dev: None)
     monkeypatch.setattr(GB, "check", lambda r: None)

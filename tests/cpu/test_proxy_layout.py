@@ -14,19 +14,12 @@ from mkernel import proxy
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
 
+from _nvrtc import nvrtc_compile  # noqa: E402
+
 
 def _compile(src: str, name: str = "layout_check.cu"):
-    from mkernel.core.compiler import cuda_src_dir, include_dirs
-
-    prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], [])[1]
-    opts = [b"-std=c++17", b"--gpu-architecture=sm_90a", f"-I{cuda_src_dir()}".encode(),
-            *[f"-I{d}".encode() for d in include_dirs()]]
-    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-    log = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    nvrtc.nvrtcDestroyProgram(prog)
-    return err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    ok, log, _ = nvrtc_compile(src, name)
+    return ok, log
 
 
 def test_cmd_and_proxy_struct_layout_match_header():
@@ -78,22 +71,13 @@ def test_gpu_scenario_launch_args_match_proxy_test_kernel():
     """tests/cpu/test_proxy_scenarios.py gpu_kernel_args (sc_gpu's launch) against mk_proxy_test_push's
     parameter list in the PTX: same count, same sizes (the GPU test once waited past its budget on a
     kernel/scenario disagreement: flags pushed to window 0, waited for in window 1)."""
-    from mkernel.core.compiler import cuda_src_dir, include_dirs
+    from mkernel.core.compiler import cuda_src_dir
     from mkernel.dist.signals import MkComm
     from test_proxy_scenarios import gpu_kernel_args
 
     src = (cuda_src_dir() / "testing" / "proxy_test.cu").read_text()
-    prog = nvrtc.nvrtcCreateProgram(src.encode(), b"proxy_test.cu", 0, [], [])[1]
-    opts = [b"-std=c++17", b"--gpu-architecture=compute_90a", f"-I{cuda_src_dir()}".encode(),
-            *[f"-I{d}".encode() for d in include_dirs()]]
-    try:
-        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-        n = nvrtc.nvrtcGetPTXSize(prog)[1]
-        ptx = b" " * n
-        nvrtc.nvrtcGetPTX(prog, ptx)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    want = _ptx_param_sizes(ptx.decode(errors="replace"), "mk_proxy_test_push")
+    ok, log, ptx = nvrtc_compile(src, "proxy_test.cu", "compute_90a")
+    assert ok, log
+    want = _ptx_param_sizes(ptx, "mk_proxy_test_push")
     got = [ctypes.sizeof(a) for a in gpu_kernel_args(MkComm(), proxy.MkProxyStruct(), 0)]
     assert got == want, f"launch argument sizes {got}, kernel parameters {want}"
