@@ -34,6 +34,7 @@ def run(worker: Path, scenario: str, n: int, tmp_path: Path, mpirun: list, kill:
     if kill:
         victim = " ".join(shlex.quote(c) for c in rank_cmd) + "; sleep 60"
         cmd = [*mpirun, "-np", str(n - 1), *rank_cmd, ":", "-np", "1", "sh", "-c", victim]
+    shm_before = _mpi_shm_segments()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                          start_new_session=True)
     t_kill = None
@@ -68,10 +69,34 @@ def run(worker: Path, scenario: str, n: int, tmp_path: Path, mpirun: list, kill:
         if isinstance(exc, AssertionError):  # with what the ranks logged (a crash's traceback) and the output
             raise AssertionError(f"{exc}\n{_logged(tmp_path)}\n{out[-3000:]}") from None
         raise
+    finally:
+        _remove_unmapped(_mpi_shm_segments() - shm_before)
     ranks = _ranks(tmp_path)
     for r, ev in ranks.items():
         assert "crashed" not in ev, f"rank {r} crashed: {ev['crashed'].get('tb')}\n{out[-3000:]}"
     return ranks, t_kill, out
+
+
+def _mpi_shm_segments() -> set:
+    """MPICH's shared-memory segments (/dev/shm/mpich_shm_*): a killed rank never unlinks its job's."""
+    return set(Path("/dev/shm").glob("mpich_shm_*"))
+
+
+def _remove_unmapped(segments: set) -> None:
+    """Unlink the segments of ``segments`` that no live process maps (those of this test's ended job; a
+    segment some process still maps belongs to a running job and stays)."""
+    if not segments:
+        return
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(None, 5)[5].strip() for line in maps.read_text().splitlines()
+                          if "/dev/shm/mpich_shm_" in line)
+        except (OSError, IndexError):  # (a process that ended meanwhile, or one we may not read)
+            pass
+    for seg in segments:
+        if str(seg) not in mapped:
+            seg.unlink(missing_ok=True)
 
 
 def _ranks(tmp_path: Path) -> dict:
