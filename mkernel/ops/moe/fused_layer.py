@@ -7,9 +7,9 @@ the dispatch of :func:`mkernel.moe_dispatch_gemm` and then, once every rank's do
 sums of :func:`mkernel.moe_gemm_combine`; GEMM blocks run the gate/up grouped GEMM with SwiGLU in its epilogue
 (each row block as soon as its rows have landed), then the down grouped GEMM (each row block as soon as all its
 act columns are stored) whose tiles go straight into the token owners' combine staging.  ``x_recv`` and
-``act`` belong to the bound call; h and y are never written.  Per launch the host zeroes the bound call's counters (rows landed and act tiles stored per
-(expert, row block), loop (2) tiles finished) and this rank's combine counters in the workspace
-(graph-capturable memsets).
+``act`` belong to the bound call; h and y are never written.  Per launch the host zeroes the bound call's
+counters (rows landed and act tiles stored per (expert, row block), loop (2) tiles finished) and this rank's
+combine counters in the workspace (graph-capturable memsets).
 """
 from __future__ import annotations
 
