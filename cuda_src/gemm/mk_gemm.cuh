@@ -417,6 +417,87 @@ template <int BM, int BN> struct MkGroupedScheduler {
   }
 };
 
+// MkGroupedScheduler's tiles, in two phases: first every tile whose row block lies inside its group's
+// `first` rows [first[g * stride], first[g * stride + 1]) (clamped into the group), then every other tile;
+// each phase in MkGroupedScheduler's order (groups in turn, super-rows of group_m row blocks, column by
+// column inside a super-row).  The fused MoE dispatch + GEMM passes each expert's rows from this rank: they
+// land first (docs/moe.md, "Dispatch + grouped GEMM, fused").  Whatever `first` holds, the tiles are the
+// same, each once: a range only decides a row block's phase.  Same MkTile fields as MkGroupedScheduler.
+template <int BM, int BN> struct MkGroupedFirstScheduler {
+  MkGroupedScheduler<BM, BN> grp;  // offsets and their clamping; the group under the cursor
+  const int* first;
+  int stride;
+  int next_i, step;
+  int phase;   // 0: row blocks inside the first rows, 1: the others, 2: done
+  int base;    // linear id of the first tile of super-row sr (this phase)
+  int sr;      // super-row of group grp.g under the cursor
+  int fa, fb;  // row blocks [fa, fb) of group grp.g lie inside its first rows
+  MK_DEVICE MkGroupedFirstScheduler(const void* offs_, int offs_i32_, int G, int M_, int N_, int group_m_,
+                                    const int* first_, int stride_)
+      : grp(offs_, offs_i32_, G, M_, N_, group_m_), first(first_), stride(stride_) {
+    next_i = 0;
+    step = 1;
+    phase = base = sr = fa = fb = 0;
+  }
+  MK_DEVICE void load_group(int gg) {
+    grp.load_group(gg);
+    sr = 0;
+    if (gg < grp.num_groups) {
+      const int r0 = grp.g_row0, r1 = grp.g_row1;
+      const int lo = min(max(first[gg * stride], r0), r1);
+      const int hi = min(max(first[gg * stride + 1], lo), r1);
+      // the blocks starting at lo or later and ending at hi or earlier (the last one ends at the group's end)
+      fa = (lo - r0 + BM - 1) / BM;
+      fb = max(fa, hi == r1 ? grp.g_num_m : (hi - r0) / BM);
+    }
+  }
+  MK_DEVICE void init(int worker_id, int num_workers) {
+    next_i = worker_id;
+    step = num_workers;
+    phase = 0;
+    base = 0;
+    load_group(0);
+  }
+  MK_DEVICE bool next(MkTile& t) {
+    const int i = next_i;
+    next_i += step;
+    while (phase < 2) {
+      if (grp.g >= grp.num_groups) {
+        ++phase;
+        load_group(0);
+        continue;
+      }
+      const int m0 = sr * grp.group_m;
+      if (m0 >= grp.g_num_m) {
+        load_group(grp.g + 1);
+        continue;
+      }
+      // this super-row's row blocks [m0, m1) of this phase: [c0, c1) (phase 0), the rest (phase 1)
+      const int m1 = min(m0 + grp.group_m, grp.g_num_m);
+      const int c0 = min(max(fa, m0), m1), c1 = min(max(fb, c0), m1);
+      const int hole = phase ? c1 - c0 : 0;
+      const int n = phase ? m1 - m0 - hole : c1 - c0;
+      if (i < base + n * grp.num_n) {
+        const int j = i - base;
+        int tm = (phase ? m0 : c0) + j % n;
+        if (tm >= c0) tm += hole;
+        const int tn = j / n;
+        t.group = grp.g;
+        t.tile_m = tm;
+        t.tile_n = tn;
+        t.row0 = grp.g_row0 + tm * BM;
+        t.rows = min(BM, grp.g_row1 - t.row0);
+        t.col0 = tn * BN;
+        t.cols = min(BN, grp.N - t.col0);
+        return true;
+      }
+      base += n * grp.num_n;
+      ++sr;
+    }
+    return false;
+  }
+};
+
 // ---- producer hooks -----------------------------------------------------------------------------------
 struct MkNoWait {
   static constexpr bool kPrefill = true;  // never waits: loads may be issued before the block barrier

@@ -187,6 +187,20 @@ MK_DEVICE void moe_store_place(const MoeExpertPlace& pl, const MoeShape& s, int 
   }
 }
 
+// (thread e, on) When e is this rank's local expert l = e - me * El: src_offsets[l][j] = the first row of
+// source j's rows of l (j = P: the expert's end; sources follow each other in rank order, the slot order),
+// clamped as expert_offsets are.  cnts: every rank's counts [P][E].
+MK_DEVICE void moe_store_src_offsets(const MoeExpertPlace& pl, const int* cnts, const MoeShape& s, int P, int me,
+                                     int e, int* __restrict__ src_offsets) {
+  if (e / s.El != me) return;
+  const int l = e - me * s.El;
+  int cum = 0;
+  for (int j = 0; j <= P; ++j) {
+    src_offsets[l * (P + 1) + j] = min(pl.start + min(cum, pl.kept), s.r_cap);
+    if (j < P) cum += __ldcg(cnts + (mk_u64)j * s.E + e);
+  }
+}
+
 // V consecutive fp32 values -> V elements of TO_ at `o` (one or two 16-byte stores when V * sizeof(TO_) is
 // 16 or 32 bytes; o aligned to that; else scalar stores).
 template <typename TO_, int V>

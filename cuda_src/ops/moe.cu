@@ -10,8 +10,9 @@
 //                          experts inside a token by j), and the tile's count per expert.
 //   mk_moe_route_exchange  one block: counts per expert over the tiles (exclusive prefix per tile),
 //                          pushed to every peer (parity slot e & 1, flag = call number), then every
-//                          rank's counts -> this rank's receive layout (expert_offsets) and, per
-//                          global expert, where this rank's rows start in the owner's receive buffer.
+//                          rank's counts -> this rank's receive layout (expert_offsets, and per local
+//                          expert where each source's rows start: src_offsets) and, per global expert,
+//                          where this rank's rows start in the owner's receive buffer.
 //   mk_moe_route_slots     slot[t][j] = row of (t, j) in the destination rank's receive buffer, -1 if
 //                          dropped (expert capacity or the receive buffer's capacity).
 // Receive order on rank d, local expert l: rows grouped by expert, then by source rank, then by token
@@ -189,12 +190,15 @@ mk_moe_route_tiles(const TL* __restrict__ logits, int* __restrict__ ids, float* 
 // ---------------------------------------------------------------------------------------------
 // Routing, launch 2: one block of MOE_MAX_E threads (thread e = global expert e).  tile_cnt becomes its
 // exclusive prefix over tiles; this rank's counts go to every peer; then from every rank's counts:
-// expert_offsets[0..El] (this rank's receive layout, clamped to r_cap), base[e] = first row of this
-// rank's pairs of expert e in its owner's receive buffer (rank-in-expert offset included: the sum of
-// lower source ranks' counts), kept[e] = how many of them fit the expert's capacity.
+// expert_offsets[0..El] (this rank's receive layout, clamped to r_cap), src_offsets[l][0..P] (where each
+// source's rows of local expert l start, the end last; the fused dispatch + GEMM orders its tiles by them),
+// base[e] = first row of this rank's pairs of expert e in its owner's receive buffer (rank-in-expert
+// offset included: the sum of lower source ranks' counts), kept[e] = how many of them fit the expert's
+// capacity.
 extern "C" __global__ void __launch_bounds__(MOE_MAX_E, 1)
 mk_moe_route_exchange(MkComm c, int* __restrict__ tile_cnt, int ntiles, int* __restrict__ expert_offsets,
-                      int* __restrict__ base, char* ws, const mk_u64* __restrict__ peers, MoeLayout L, MoeShape s) {
+                      int* __restrict__ base, int* __restrict__ src_offsets, char* ws, const mk_u64* __restrict__ peers,
+                      MoeLayout L, MoeShape s) {
   __shared__ int sh[MOE_MAX_E];
   const MoeWs w = moe_ws(c, ws, peers, L);
   const mk_u64 ep = moe_begin(c, w);
@@ -220,7 +224,10 @@ mk_moe_route_exchange(MkComm c, int* __restrict__ tile_cnt, int ntiles, int* __r
   if (!__syncthreads_and(ok)) return;
   const int* cnts = (const int*)(w.base + L.counts_off) + (mk_u64)par * P * E;
   const MoeExpertPlace pl = moe_expert_place(cnts, s, P, me, e, on, sh);
-  if (on) moe_store_place(pl, s, me, e, base, expert_offsets);
+  if (on) {
+    moe_store_place(pl, s, me, e, base, expert_offsets);
+    moe_store_src_offsets(pl, cnts, s, P, me, e, src_offsets);
+  }
   __syncthreads();
   if (mk_epoch_arrive(w.epoch_state(), gridDim.x)) mk_epoch_commit(w.epoch_state(), ep);
 }

@@ -14,10 +14,13 @@
 //                         (2) ready[me][block] at every rank, wait for every rank's blocks;
 //                         (3) the received rows of the peers: x_recv[r] = staging[src][t].
 //                         Every row written into x_recv adds 1 to arrived[idx(l, row block)] (release).
-//   blocks [n_comm, grid) GEMM workers (mk_gemm.cuh): MkGroupedScheduler over (expert, row block, N
-//                         tile) from the device offsets; before a tile's first K block the producer
-//                         waits until arrived[idx] == the tile's rows, then fences the generic-proxy
-//                         writes before its TMA loads of A (x_recv).
+//   blocks [n_comm, grid) GEMM workers (mk_gemm.cuh): MkGroupedFirstScheduler over (expert, row block, N
+//                         tile) from the device offsets, this rank's own rows first: every tile whose
+//                         row block holds only rows from this rank (rows [src_offs[l][me],
+//                         src_offs[l][me + 1]) of expert l), then the others, each in the grouped
+//                         order; before a tile's first K block the producer waits until arrived[idx]
+//                         == the tile's rows, then fences the generic-proxy writes before its TMA
+//                         loads of A (x_recv).
 // idx(l, b) = l + o[l] / BM + b: unique per (expert, row block) (a group's blocks end before the next
 // group's first index), < El + r_cap / BM + 1 (the host sizes `arrived` so; it zeroes it before each
 // launch).  Deadlock freedom: communication blocks wait only on peers' communication blocks (and the
@@ -47,10 +50,12 @@ template <class Store> MK_DEVICE auto moe_gemm_epilogue(const Store& store) {
 }
 
 // tmA: x_recv [r_cap, H]; tmB: w_gate_up [El, 2F, H] ("nk", or with MK_MOE_SWIGLU its paired gate/up view).
+// src_offs: the routing's src_offsets [El][P + 1] (where each source's rows of local expert l start).
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     mk_moe_dispatch_gemm(const __grid_constant__ MkTensorMap tmA, const __grid_constant__ MkTensorMap tmB,
                          const __grid_constant__ MkComm c, const __grid_constant__ MoeLayout L,
-                         const __grid_constant__ MoeShape s, const __grid_constant__ MoeGemmArgs a) {
+                         const __grid_constant__ MoeShape s, const __grid_constant__ MoeGemmArgs a,
+                         const int* __restrict__ src_offs) {
   // the producer runs the grouped scheduler and the row waits: 48 registers, not 40
   typedef MkWithRegs<MkCfg<false>, 48, 224> Base;
   // SwiGLU: B through the paired gate/up view, so one thread holds gate f and up F + f (mk_gemm_swiglu.cuh)
@@ -64,7 +69,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1)
     moe_gemm_finish(w, ep, 0, blockDim.x);
     return;
   }
-  MkGroupedScheduler<Cfg::BM, Cfg::BN> sched(a.offs, 1, s.El, s.r_cap, a.N, a.group_m);
+  // this rank's own row blocks first (they land first): a worker gets to its blocks holding peers' rows only
+  // after all of its own-row ones (docs/moe.md, "Dispatch + grouped GEMM, fused")
+  MkGroupedFirstScheduler<Cfg::BM, Cfg::BN> sched(a.offs, 1, s.El, s.r_cap, a.N, a.group_m, src_offs + w.me, w.P + 1);
   const MoeWaitRows<Cfg::BM> hook = moe_wait_rows<Cfg::BM>(c, a, s);
   auto epi = moe_gemm_epilogue(moe_gate_up_store(a));
   const bool r = mk_gemm_run<Cfg>(&tmA, &tmB, a.K, sched, hook, epi, mk_smem, (int)blockIdx.x - a.n_comm,

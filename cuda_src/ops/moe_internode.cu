@@ -171,9 +171,8 @@ MK_DEVICE void x_finish(const MkComm& c, const XWs& w, const MkProxy& p, mk_u64 
 // Routing exchange across nodes (one block of MOE_MAX_E threads; thread e = global expert e): as
 // mk_moe_route_exchange of moe.cu over the P world ranks.  Regions: a = int32 counts[2][P][E] (row s
 // written by rank s, parity e & 1), b = int32 my counts [E] (the proxy's source).  Outputs besides
-// expert_offsets / base (moe.cu): send_ranges[e] = (first row, rows) of this rank's kept pairs of expert
-// e in its owner's receive buffer; src_offsets[l][s] (l < El, s <= P) = first row of source s's rows of
-// local expert l (s = P: the end).
+// expert_offsets / base / src_offsets (moe.cu): send_ranges[e] = (first row, rows) of this rank's kept pairs
+// of expert e in its owner's receive buffer.
 extern "C" __global__ void __launch_bounds__(MOE_MAX_E, 1)
 mk_moe_x_route_exchange(MkComm c, MkProxy p, int* __restrict__ tile_cnt, int ntiles, int* __restrict__ expert_offsets,
                         int* __restrict__ base, int* __restrict__ send_ranges, int* __restrict__ src_offsets, char* ws,
@@ -181,7 +180,7 @@ mk_moe_x_route_exchange(MkComm c, MkProxy p, int* __restrict__ tile_cnt, int nti
   __shared__ int sh[MOE_MAX_E];
   const XWs w = make_xws(c, ws, peers, X);
   const mk_u64 ep = mk_epoch_begin(w.st());
-  const int e = threadIdx.x, E = s.E, P = w.P, me = w.me, El = s.El;
+  const int e = threadIdx.x, E = s.E, P = w.P, me = w.me;
   const bool on = e < E;
   if (!x_open(c, w, p, ep)) return;
   const int mine = moe_tile_prefix(tile_cnt, ntiles, E, e, on);
@@ -213,14 +212,7 @@ mk_moe_x_route_exchange(MkComm c, MkProxy p, int* __restrict__ tile_cnt, int nti
     const int b = pl.start + pl.before_me;
     send_ranges[2 * e] = b;
     send_ranges[2 * e + 1] = max(0, min(mine, min(pl.cap - pl.before_me, s.r_cap - b)));
-    if (e / El == me) {
-      const int l = e - me * El;
-      int cum = 0;
-      for (int j = 0; j <= P; ++j) {
-        src_offsets[l * (P + 1) + j] = min(pl.start + min(cum, pl.kept), s.r_cap);
-        if (j < P) cum += __ldcg(cnts + (mk_u64)j * E + e);
-      }
-    }
+    moe_store_src_offsets(pl, cnts, s, P, me, e, src_offsets);
   }
   __syncthreads();
   x_finish(c, w, p, ep);

@@ -112,6 +112,9 @@ def _ids(rng, P, T, k, E, mode):
         elif mode == "rank0_only":  # rank 1 (and up) receives nothing
             El = E // P
             ids = np.argsort(rng.random((T, El)), axis=1)[:, :k]
+        elif mode == "own_only":  # every rank picks only its own experts: every received row is local
+            El = E // P
+            ids = np.argsort(rng.random((T, El)), axis=1)[:, :k] + len(out) * El
         else:
             raise AssertionError(mode)
         out.append(ids.astype(np.int32))
@@ -131,6 +134,9 @@ def _check_layout(R, ids, E, me, capacity=0):
     lay = ref.layout_reference(ids, E, capacity, R.recv_rows)
     np.testing.assert_array_equal(R.slots.to_numpy(), lay[me]["slots"])
     np.testing.assert_array_equal(R.expert_offsets.to_numpy(), lay[me]["expert_offsets"])
+    if R.options.mode == "throughput":  # (moe_route's count exchange writes src_offsets; low-latency mode none)
+        T, k = ids[me].shape
+        np.testing.assert_array_equal(R.src_offsets.to_numpy(), ref.src_offsets_reference(lay[me], len(ids), T, k))
     return lay
 
 
@@ -331,10 +337,12 @@ def test_layer_swiglu_epilogue_falls_back_on_odd_F(ctx, shared_rng, F, opts):
 
 @pytest.mark.parametrize("T,k,E_local,mode,H,F2", [(1000, 8, 4, "random", 256, 264), (333, 1, 3, "random", 136, 128),
                                                    (517, 2, 4, "one_expert", 512, 520), (300, 2, 2, "rank0_only", 64, 96),
-                                                   (0, 2, 2, "random", 128, 128), (70, 8, 8, "random", 192, 4096)])
+                                                   (0, 2, 2, "random", 128, 128), (70, 8, 8, "random", 192, 4096),
+                                                   (700, 2, 2, "own_only", 128, 256)])
 def test_dispatch_gemm_against_float64(ctx, shared_rng, T, k, E_local, mode, H, F2):
     """mkernel.moe_dispatch_gemm: x_recv and recv_map exactly as moe_dispatch's, h = x_recv @ w[l].T within
-    bf16 rounding of an fp32 sum (2**-7 of the row scale); shapes not multiples of the 128-row blocks."""
+    bf16 rounding of an fp32 sum (2**-7 of the row scale); shapes not multiples of the 128-row blocks; tiles
+    in the local-first order (own-row blocks first; "own_only": every block, none from a peer)."""
     P, me = ctx.local_size, ctx.local_rank
     E = E_local * P
     if k > E:

@@ -4,11 +4,14 @@ GEMM, fused".
 
 One cooperative launch within this rank's share of the SMs (``ctx.resident_sms``): communication blocks
 move the rows (the protocol of :func:`mkernel.moe_dispatch`, own rows first) and count them per (expert,
-row block); GEMM blocks multiply each row block as soon as its count is complete.  The arrival counters
-belong to the bound call and are zeroed on the stream before every launch (graph-capturable).  With
-``swiglu=True`` the kernel's SwiGLU variant writes ``act`` instead of h (docs/moe.md, "SwiGLU epilogue").
+row block); GEMM blocks multiply each row block as soon as its count is complete, the row blocks of this
+rank's own rows first (from the routing's ``src_offsets``).  The arrival counters belong to the bound call
+and are zeroed on the stream before every launch (graph-capturable).  With ``swiglu=True`` the kernel's
+SwiGLU variant writes ``act`` instead of h (docs/moe.md, "SwiGLU epilogue").
 """
 from __future__ import annotations
+
+import ctypes
 
 from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
@@ -74,17 +77,19 @@ class _FusedBound(GemmKernelBound):
         self._tma = TensorMapArg(xr.ptr, dt, (H, rr), (H * isz,), (64, cfg.bm))
         self._b = (G.gate_up_arg(WG, H, N // 2, cfg, dt, dt, ctx.device) if call.swiglu else
                    G.b_arg(WG, H, N, "nk", cfg, dt, dt, ctx.device))
+        self._src_offs = ctypes.c_uint64()  # the routing's src_offsets: the tile order (this rank's rows first)
         self._point(call, xr)
         shape = make_shape(ctx.local_size, T, H, R.k, R.E, R.options)
         k = kernel(FUSED_SOURCE, fused_defines(dt, call.config, call.swiglu), NAME)
         comm = ctx.comm_args("moe_dispatch_gemm", p.digest)
-        self.prepare(k, p.grid, cfg, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a], call.stream,
-                     zero=((self._arrived.ptr, 2 * n_slots),))
+        self.prepare(k, p.grid, cfg, [self._tma.buf, self._b.map.buf, comm, p.layout, shape, a, self._src_offs],
+                     call.stream, zero=((self._arrived.ptr, 2 * n_slots),))
         self.buffers = (ws, self._arrived, self._own_xr, *self._b.keep)
 
     def _point(self, call, xr) -> None:
         a, R = self._args, call.routing
         a.point(call.x.ptr, R)
+        self._src_offs.value = R.src_offsets.ptr
         a.x_recv, a.c, a.c_vec_ok = xr.ptr, call.o.ptr, vec_ok(call.o, a.ldc, R.recv_rows)
         self._tma.point(xr.ptr)
         self._b.point(call.wg.ptr)

@@ -61,8 +61,12 @@ class MoeRouting:
       ``[o[l], o[l+1])`` of ``x_recv``; ``o[E_local]`` rows were received;
     * ``recv_map`` int32 ``[recv_rows]``: after :func:`moe_dispatch`, ``s * T * k + t * k + j`` of received
       row r (source rank s, its token t, choice j); rows past ``o[E_local]`` are not written;
-    * across nodes only (else None): ``send_ranges`` int32 ``[E, 2]`` and ``src_offsets`` int32
-      ``[E_local, P + 1]``, the slot ranges the proxy moves (docs/moe.md, "Across nodes"); ``node_pos`` int32
+    * ``src_offsets`` int32 ``[E_local, P + 1]``: where source rank s's rows of local expert l start (``[l][P]``:
+      the expert's end), written by :func:`moe_route` (throughput mode): the fused dispatch + GEMM runs this
+      rank's own rows first by it (docs/moe.md, "Dispatch + grouped GEMM, fused"), and across nodes the proxy
+      moves those ranges back;
+    * across nodes only (else None): ``send_ranges`` int32 ``[E, 2]``, the slot ranges the proxy moves
+      (docs/moe.md, "Across nodes"); ``node_pos`` int32
       ``[T, N]`` and ``node_meta`` int32 ``[N, 1 + T * (1 + 3k)]``, written by a dispatch with
       ``MoeOptions(node_dedup=True)`` and read by its combine (docs/moe.md, "Node-level de-duplication");
       ``dispatched_by``: the transport of the last dispatch made with it ("node", "rank" or None).
@@ -90,13 +94,13 @@ class MoeRouting:
         self.slots = DeviceArray.empty((T, k), "int32", device=dev)
         self.expert_offsets = DeviceArray.empty((self.E_local + 1,), "int32", device=dev)
         self.recv_map = DeviceArray.empty((self.recv_rows,), "int32", device=dev)
-        # across nodes (docs/moe.md "Across nodes"): the contiguous slot ranges the proxy moves --
-        # send_ranges [E, 2] (first row, rows) of this rank's pairs of each expert in its owner's buffer,
         # src_offsets [E_local, P + 1]: first row of each source's rows of each local expert (end last)
-        self.send_ranges = self.src_offsets = self.node_pos = self.node_meta = self.dispatched_by = None
+        self.src_offsets = DeviceArray.empty((self.E_local, P + 1), "int32", device=dev)
+        # across nodes (docs/moe.md "Across nodes"): send_ranges [E, 2] (first row, rows) of this rank's pairs
+        # of each expert in its owner's buffer, the contiguous slot ranges the proxy moves
+        self.send_ranges = self.node_pos = self.node_meta = self.dispatched_by = None
         if ctx.num_nodes > 1:
             self.send_ranges = DeviceArray.empty((E, 2), "int32", device=dev)
-            self.src_offsets = DeviceArray.empty((self.E_local, P + 1), "int32", device=dev)
             N = ctx.num_nodes
             self.node_pos = DeviceArray.empty((T, N), "int32", device=dev)
             self.node_meta = DeviceArray.empty((N, node_meta_words(self.T, self.k)), "int32", device=dev)
@@ -334,8 +338,10 @@ class _Route(Op):
     def exchange_launch(self, ctx, call, p, ws, keep, mid, ptrs, shape):
         """The prepared launch of the count exchange; ``mid``: (tile_cnt, ntiles, expert_offsets, base)."""
         exch = self._kernels(call)[1]
+        so = _ptr()
+        ptrs.append((lambda c: c.routing.src_offsets.ptr, so))
         return exch.prepare(1, EXCHANGE_THREADS, [ctx.comm_args(self.name, p.digest)] + mid +
-                            [_ptr(ws.ptr), _ptr(ws.peer_table), p.layout, shape], stream=call.stream)
+                            [so, _ptr(ws.ptr), _ptr(ws.peer_table), p.layout, shape], stream=call.stream)
 
 
 # --------------------------------------------------------------------------------------------
