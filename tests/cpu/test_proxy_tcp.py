@@ -6,6 +6,7 @@ dies must not take mpirun's job-abort path).  Every run has a hard timeout.
 """
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -28,6 +29,16 @@ def _mpirun():
         if c.is_file():
             return str(c)
     return shutil.which("mpirun")
+
+
+@functools.lru_cache(maxsize=None)
+def _launch(n: int) -> tuple:
+    """``mpirun -np n`` with the launcher's options.  MPICH's hydra gets ``-disable-auto-cleanup``: its
+    end-of-job clean-up sometimes SIGKILLed a rank still leaving ``MPI_Finalize`` after every rank had
+    passed (docs/reliability.md, "Launchers"); each run here has its own hard timeout instead."""
+    mpirun = _mpirun()
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return (mpirun, *(["-disable-auto-cleanup"] if "HYDRA" in out else []), "-np", str(n))
 
 
 def _env():
@@ -56,7 +67,7 @@ def test_proxy_tcp_mpirun(n):
         import mpi4py  # noqa: F401
     except ImportError:
         pytest.skip("no mpi4py")
-    res = subprocess.run([mpirun, "-np", str(n), sys.executable, str(SCRIPT), "--transport", "tcp", *ALL],
+    res = subprocess.run([*_launch(n), sys.executable, str(SCRIPT), "--transport", "tcp", *ALL],
                          capture_output=True, text=True, timeout=240, env=_env())
     _check(res, n, ALL)
 
@@ -77,7 +88,7 @@ def run_mpirun(n, args, timeout, env_extra=None):
     ``<TIMEOUT ...>`` line; returncode is None.  Never leaves the ranks running."""
     env = _env()
     env.update(env_extra or {})
-    p = subprocess.Popen([_mpirun(), "-np", str(n), sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
+    p = subprocess.Popen([*_launch(n), sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=timeout)

@@ -110,10 +110,10 @@ def assert_close(got: np.ndarray, ref: np.ndarray, dtype: str, scale: np.ndarray
                              f"got {got[tuple(i[0])]}, want {ref[tuple(i[0])]}")
 
 
-def assert_missing_peer_times_out(call, op: str) -> None:
+def assert_missing_peer_times_out(call, op: str, peer: int = 1) -> None:
     """``call(c2)`` on a fresh context with a 1 s timeout: once on every rank (agreement, workspace),
-    then on rank 0 alone.  Rank 0 must raise ``CommTimeout`` for ``op`` naming rank 0 and peer 1,
-    after waiting about the timeout (not less, and within 5 s)."""
+    then on rank 0 alone.  Rank 0 must raise ``CommTimeout`` for ``op`` naming rank 0 and ``peer`` (the
+    rank it waits for first), after waiting about the timeout (not less, and within 5 s)."""
     import time
 
     import pytest
@@ -133,7 +133,7 @@ def assert_missing_peer_times_out(call, op: str) -> None:
                 c2.synchronize()
             dt = time.monotonic() - t0
             rec = ei.value.record
-            assert rec["op"] == op and rec["rank"] == 0 and rec["peer"] == 1, rec
+            assert rec["op"] == op and rec["rank"] == 0 and rec["peer"] == peer, rec
             assert 0.9 < dt < 5.0, (dt, rec)
             assert rec["waited_ns"] >= 1e9, rec
     finally:

@@ -423,17 +423,20 @@ def test_internode_backward_back_to_back_and_deterministic(ctx):
 
 @pytest.mark.internode
 def test_zzz_internode_backward_missing_peer_times_out(ctx):
-    """Rank 0 calls the backward alone: its push waits for rank 1's grant and times out naming world rank 1."""
+    """Rank 0 calls the backward alone: it waits first for its ring predecessor's call count and times out
+    naming world rank P - 1."""
     _needs_nodes(ctx)
     q, _ = upload(np.ones((1, 256, 4, 128)), "bfloat16")
     lse = DeviceArray.from_numpy(np.zeros((1, 4, 256), np.float32))
     assert_missing_peer_times_out(lambda c2: mkernel.ring_attention_backward(c2, q, q, q, q, lse, q),
-                                  "ring_attention_backward")
+                                  "ring_attention_backward", peer=ctx.size - 1)
 
 
 @pytest.mark.internode
 def test_zzz_internode_missing_peer_times_out(ctx):
-    """Rank 0 calls alone: its push waits for rank 1's grant and times out naming world rank 1."""
+    """Rank 0 calls alone: it waits first for its ring predecessor's call count and times out naming world
+    rank P - 1."""
     _needs_nodes(ctx)
     q, _ = upload(np.ones((1, 256, 4, 128)), "bfloat16")
-    assert_missing_peer_times_out(lambda c2: mkernel.ring_attention(c2, q, q, q), "ring_attention")
+    assert_missing_peer_times_out(lambda c2: mkernel.ring_attention(c2, q, q, q), "ring_attention",
+                                  peer=ctx.size - 1)
