@@ -25,7 +25,7 @@ from ...core.archs import require_gemm_device
 from ...core.arrays import DeviceArray
 from ...core.device import on_device
 from ...core.interop import as_device_array
-from ...core.tensormap import TensorMapArg
+from ..attention.kernels import tensor_map
 from ..base import BoundCall, Op, as_stream, check_no_overlap, checked_once, device_state
 from . import kernels as K
 from .options import AttentionBwdOptions
@@ -199,8 +199,9 @@ class _TmaMaps:
 
     def __init__(self, c):
         self._noq = c.dims[1] == 0
-        self.q, self.do = (_tma_map(c.k if self._noq else x, c.layout, K.WGMMA_BLOCK_Q, like=x) for x in (c.q, c.do))
-        self.k, self.v = (_tma_map(x, c.layout, K.WGMMA_BLOCK_KV) for x in (c.k, c.v))
+        self.q, self.do = (tensor_map(x, c.layout, K.WGMMA_BLOCK_Q, ptr=c.k.ptr if self._noq else None)
+                           for x in (c.q, c.do))
+        self.k, self.v = (tensor_map(x, c.layout, K.WGMMA_BLOCK_KV) for x in (c.k, c.v))
 
     def bufs(self) -> list:
         return [self.q.buf, self.k.buf, self.v.buf, self.do.buf]  # the kernel's parameter order
@@ -210,17 +211,6 @@ class _TmaMaps:
         self.k.point(call.k.ptr)
         self.v.point(call.v.ptr)
         self.do.point(call.k.ptr if self._noq else call.do.ptr)
-
-
-def _tma_map(base: DeviceArray, layout: str, rows: int, like: DeviceArray | None = None) -> TensorMapArg:
-    """4-D map at ``base``'s address with the shape and strides of ``like`` (default ``base``) in its real
-    layout (extents of 1 get a placeholder stride TMA never steps; S = 0 maps one row, never read)."""
-    x = base if like is None else like
-    b, s, h, d = layout_dims(x, layout)
-    sb, ss, sh = layout_strides(x, layout)
-    it = x.dtype.itemsize
-    strides = [st * it if n > 1 else d * it for n, st in ((s, ss), (h, sh), (b, sb))]
-    return TensorMapArg(base.ptr, x.dtype.name, (d, max(s, 1), h, b), strides, (64, rows, 1, 1), swizzle=128)
 
 
 class _Bound(BoundCall):
